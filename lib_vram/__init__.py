@@ -1,0 +1,43 @@
+"""VRAM Guard library: memory-bounded VAE, upscaling and memory planning for Stable Diffusion.
+
+The core of this package is plain PyTorch + numpy + PIL: it never imports the WebUI (``modules``),
+gradio, ``ldm`` or ``sgm``. WebUI-facing code lives in :mod:`lib_vram.webui` (imported only by the
+extension's ``scripts/``) and the gradio UI builder in :mod:`lib_vram.ui`.
+"""
+
+from __future__ import annotations
+
+from .device import (
+    Backend,
+    Capabilities,
+    MemoryInfo,
+    ReleaseResult,
+    capabilities,
+    free_bytes,
+    is_oom_error,
+    memory_info,
+    release,
+    resolve_device,
+)
+from .tiers import tier_for_total, tier_label
+from .tracker import StageRecord, StageTracker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "Capabilities",
+    "MemoryInfo",
+    "ReleaseResult",
+    "StageRecord",
+    "StageTracker",
+    "__version__",
+    "capabilities",
+    "free_bytes",
+    "is_oom_error",
+    "memory_info",
+    "release",
+    "resolve_device",
+    "tier_for_total",
+    "tier_label",
+]

@@ -1,0 +1,308 @@
+"""Device and memory probing, and explicit memory release.
+
+Backend-agnostic: CUDA (also ROCm builds, which present themselves as ``cuda``), MPS, XPU and CPU.
+Everything here is plain PyTorch + psutil; nothing imports the WebUI.
+
+The functions are small wrappers over the backend APIs so that the policy code elsewhere
+(planner, presets, tile choice) can stay a pure function of numbers.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import logging
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+
+class Backend(str, enum.Enum):
+    """The kind of compute device."""
+
+    CUDA = "cuda"
+    """NVIDIA CUDA (``torch.version.cuda`` set)."""
+    ROCM = "rocm"
+    """AMD ROCm/HIP build of PyTorch; uses the ``torch.cuda`` API."""
+    MPS = "mps"
+    """Apple Metal (unified memory)."""
+    XPU = "xpu"
+    """Intel GPUs through ``torch.xpu``."""
+    CPU = "cpu"
+    """No accelerator: memory means process RSS and system RAM."""
+
+
+def backend_of(device: torch.device | str | None = None) -> Backend:
+    """The backend of ``device`` (default: the best available device)."""
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return Backend.ROCM if getattr(torch.version, "hip", None) else Backend.CUDA
+    if dev.type == "mps":
+        return Backend.MPS
+    if dev.type == "xpu":
+        return Backend.XPU
+    return Backend.CPU
+
+
+def _has_xpu() -> bool:
+    xpu = getattr(torch, "xpu", None)
+    return bool(xpu is not None and hasattr(xpu, "is_available") and xpu.is_available())
+
+
+def _has_mps() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def resolve_device(device: torch.device | str | None = None) -> torch.device:
+    """Normalise ``device``; ``None`` picks CUDA/ROCm, then XPU, then MPS, then CPU."""
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if _has_xpu():
+        return torch.device("xpu", 0)
+    if _has_mps():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """One reading of device and host memory, in bytes.
+
+    ``total``/``free`` describe the compute device (for CPU: system RAM). ``allocated``/``reserved``
+    and their peaks are the framework allocator's counters; ``None`` where the backend has none.
+    """
+
+    device: str
+    backend: str
+    total: int
+    free: int
+    allocated: int | None
+    reserved: int | None
+    peak_allocated: int | None
+    peak_reserved: int | None
+    process_rss: int
+    system_total: int
+    system_available: int
+
+    @property
+    def used(self) -> int:
+        return max(0, self.total - self.free)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def process_rss() -> int:
+    """Resident set size of this process in bytes."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def memory_info(device: torch.device | str | None = None) -> MemoryInfo:
+    """Read total/free device memory, allocator counters, process RSS and system RAM."""
+    dev = resolve_device(device)
+    backend = backend_of(dev)
+    vm = psutil.virtual_memory()
+    rss = process_rss()
+    allocated = reserved = peak_alloc = peak_res = None
+    total, free = int(vm.total), int(vm.available)
+    if backend in (Backend.CUDA, Backend.ROCM):
+        free, total = (int(v) for v in torch.cuda.mem_get_info(dev))
+        allocated = int(torch.cuda.memory_allocated(dev))
+        reserved = int(torch.cuda.memory_reserved(dev))
+        peak_alloc = int(torch.cuda.max_memory_allocated(dev))
+        peak_res = int(torch.cuda.max_memory_reserved(dev))
+    elif backend is Backend.XPU:
+        xpu = torch.xpu
+        props = xpu.get_device_properties(dev)
+        total = int(getattr(props, "total_memory", total))
+        allocated = int(xpu.memory_allocated(dev))
+        reserved = int(xpu.memory_reserved(dev))
+        peak_alloc = int(xpu.max_memory_allocated(dev))
+        peak_res = int(xpu.max_memory_reserved(dev))
+        if hasattr(xpu, "mem_get_info"):
+            free, total = (int(v) for v in xpu.mem_get_info(dev))
+        else:
+            free = max(0, total - reserved)
+    elif backend is Backend.MPS:
+        mps = torch.mps
+        allocated = int(mps.current_allocated_memory())
+        reserved = int(mps.driver_allocated_memory())
+        # Unified memory: the device shares system RAM; what is free is what the OS has free.
+        total = int(vm.total)
+        recommended = getattr(mps, "recommended_max_memory", None)
+        if recommended is not None:
+            total = int(recommended())
+        free = max(0, min(int(vm.available), total - reserved))
+    return MemoryInfo(
+        device=str(dev),
+        backend=backend.value,
+        total=total,
+        free=free,
+        allocated=allocated,
+        reserved=reserved,
+        peak_allocated=peak_alloc,
+        peak_reserved=peak_res,
+        process_rss=rss,
+        system_total=int(vm.total),
+        system_available=int(vm.available),
+    )
+
+
+def free_bytes(device: torch.device | str | None = None) -> int:
+    """Memory that a new allocation on ``device`` can use now, in bytes.
+
+    On CUDA this is the driver's free memory plus what PyTorch's cache holds but does not use
+    (the cache can be handed out again without asking the driver).
+    """
+    info = memory_info(device)
+    if info.reserved is not None and info.allocated is not None and info.backend in ("cuda", "rocm", "xpu"):
+        return info.free + max(0, info.reserved - info.allocated)
+    return info.free
+
+
+def empty_cache(device: torch.device | str | None = None) -> None:
+    """Hand cached, unused blocks back to the driver (no-op on CPU)."""
+    dev = resolve_device(device)
+    backend = backend_of(dev)
+    if backend in (Backend.CUDA, Backend.ROCM):
+        with torch.cuda.device(dev):
+            torch.cuda.empty_cache()
+            torch.cuda.ipc_collect()
+    elif backend is Backend.XPU:
+        torch.xpu.empty_cache()
+    elif backend is Backend.MPS:
+        torch.mps.empty_cache()
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    """What one :func:`release` did."""
+
+    collected_objects: int
+    """Objects ``gc.collect()`` found unreachable."""
+    freed_device_bytes: int
+    """Drop in the allocator's reserved bytes (CUDA/XPU/MPS); 0 on CPU."""
+    freed_rss_bytes: int
+    """Drop in process RSS (may be 0 or noisy: the C allocator keeps freed pages)."""
+    before: MemoryInfo
+    after: MemoryInfo
+
+
+def release(device: torch.device | str | None = None) -> ReleaseResult:
+    """``gc.collect()`` then the backend's cache release; returns what was freed.
+
+    The WebUI's own ``torch_gc`` skips ``gc.collect()``, so tensors held only by reference cycles
+    (closures, exceptions with tracebacks) stay allocated; this function collects them first.
+    """
+    before = memory_info(device)
+    collected = gc.collect()
+    empty_cache(device)
+    after = memory_info(device)
+    freed_dev = 0
+    if before.reserved is not None and after.reserved is not None:
+        freed_dev = max(0, before.reserved - after.reserved)
+    result = ReleaseResult(
+        collected_objects=collected,
+        freed_device_bytes=freed_dev,
+        freed_rss_bytes=max(0, before.process_rss - after.process_rss),
+        before=before,
+        after=after,
+    )
+    logger.debug(
+        "release(%s): %d objects collected, %.1f MiB device memory returned",
+        before.device,
+        collected,
+        freed_dev / 2**20,
+    )
+    return result
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True for an out-of-memory error of any backend.
+
+    CUDA raises ``torch.cuda.OutOfMemoryError`` (a ``RuntimeError``); MPS, XPU and older builds
+    raise a plain ``RuntimeError`` whose message says "out of memory"; the CPU allocator raises
+    ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory``.
+    """
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    if isinstance(exc, (RuntimeError, MemoryError)):
+        msg = str(exc).lower()
+        return "out of memory" in msg or "can't allocate memory" in msg or isinstance(exc, MemoryError)
+    return False
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the device can do; used by the precision policy and ``doctor``."""
+
+    device: str
+    backend: str
+    name: str
+    fp16: bool
+    bf16: bool
+    sdpa: bool
+    xformers: bool
+    torch_version: str
+    cuda_version: str | None
+    hip_version: str | None
+
+
+def _xformers_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("xformers") is not None
+
+
+def capabilities(device: torch.device | str | None = None) -> Capabilities:
+    """Probe precision and attention-kernel support of ``device``."""
+    dev = resolve_device(device)
+    backend = backend_of(dev)
+    name = "CPU"
+    fp16 = bf16 = False
+    if backend in (Backend.CUDA, Backend.ROCM):
+        name = torch.cuda.get_device_name(dev)
+        major, _minor = torch.cuda.get_device_capability(dev)
+        fp16 = True
+        bf16 = bool(torch.cuda.is_bf16_supported()) and (major >= 8 or backend is Backend.ROCM)
+    elif backend is Backend.XPU:
+        name = torch.xpu.get_device_name(dev)
+        fp16 = True
+        bf16 = True
+    elif backend is Backend.MPS:
+        name = "Apple MPS"
+        fp16 = True
+        bf16 = hasattr(torch.backends.mps, "is_macos_or_newer") and torch.backends.mps.is_macos_or_newer(
+            14, 0
+        )
+    else:
+        import platform
+
+        name = platform.processor() or platform.machine() or "CPU"
+        # CPU kernels exist for both; bf16 is usable (and used by tests), fp16 is slow but works.
+        fp16 = True
+        bf16 = True
+    return Capabilities(
+        device=str(dev),
+        backend=backend.value,
+        name=name,
+        fp16=fp16,
+        bf16=bf16,
+        sdpa=hasattr(torch.nn.functional, "scaled_dot_product_attention"),
+        xformers=_xformers_available(),
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
+        hip_version=getattr(torch.version, "hip", None),
+    )

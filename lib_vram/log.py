@@ -1,0 +1,35 @@
+"""The ``lib_vram`` logger: one named logger, a handler only if the host has none."""
+
+from __future__ import annotations
+
+import logging
+
+LOGGER_NAME = "lib_vram"
+PREFIX = "[VRAM Guard]"
+
+
+def get_logger() -> logging.Logger:
+    return logging.getLogger(LOGGER_NAME)
+
+
+def configure(level: str | int | None = None) -> logging.Logger:
+    """Give the ``lib_vram`` logger a stderr handler (once) and set its level.
+
+    Hosts that configure logging themselves keep their handlers: we add ours only when the
+    logger has none, and we do not propagate twice to the root logger in that case.
+    """
+    logger = get_logger()
+    if level is not None:
+        if isinstance(level, str):
+            value = logging.getLevelName(level.upper())
+            if not isinstance(value, int):
+                raise ValueError(f"unknown log level {level!r}; use DEBUG, INFO, WARNING or ERROR")
+            level = value
+        logger.setLevel(level)
+    if not any(getattr(h, "_lib_vram", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"{PREFIX} %(levelname)s %(name)s: %(message)s"))
+        handler._lib_vram = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+    return logger

@@ -1,0 +1,349 @@
+"""Per-stage peak memory and time.
+
+``with tracker.stage("vae_decode"):`` records the stage's peak memory, duration and outcome.
+Stages nest; an exception inside a stage marks it failed and propagates.
+
+How peaks are measured without corrupting anybody else's numbers
+----------------------------------------------------------------
+The WebUI's memory monitor (``modules/memmon.py``) calls ``torch.cuda.reset_peak_memory_stats()``
+when a job starts and reads ``active_bytes.all.peak``/``reserved_bytes.all.peak`` when it ends, to
+print the "A: x GB, R: y GB" line. A tracker that reset the peak counters at every stage would make
+that line report only the last stage. So on accelerators the tracker has two modes:
+
+* ``owns_peak_counters=False`` (default; what the WebUI integration uses): the global counters are
+  never reset. At stage start the tracker reads the current global peak ``P0``; at the end ``P1``.
+  If ``P1 > P0`` the stage set a new high-water mark and its peak is exactly ``P1``. Otherwise the
+  stage stayed below an earlier peak and its own peak is the largest of the allocations sampled at
+  its start and end, at every :meth:`StageTracker.sample` call (the engines call it after every
+  tile/batch) and by an optional background sampler; such a record has ``exact=False``.
+* ``owns_peak_counters=True`` (CLI, benchmarks: nobody else reads the counters): the counters are
+  reset at every stage boundary, after folding the value read so far into every open (outer)
+  stage, so nested stages are all exact.
+
+On the CPU the "peak" is the process's resident set size. Linux keeps a resettable high-water mark
+(``VmHWM`` in ``/proc/self/status``, reset by writing ``5`` to ``/proc/self/clear_refs``); the
+tracker uses it with the same fold-before-reset rule, so CPU peaks are exact and nest. Nobody else
+reads that counter. Where it is unavailable, sampling is used (``exact=False``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .device import Backend, backend_of, process_rss, resolve_device
+
+logger = logging.getLogger(__name__)
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _read_vm_hwm() -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_vm_hwm() -> bool:
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+@dataclass
+class StageRecord:
+    """The outcome of one stage."""
+
+    name: str
+    depth: int
+    """0 for a top-level stage, 1 for a stage inside it, ..."""
+    parent: str | None
+    start_bytes: int
+    """Allocated (accelerator) or RSS (CPU) bytes when the stage began."""
+    end_bytes: int = 0
+    peak_bytes: int = 0
+    """Highest allocated (accelerator) or RSS (CPU) bytes seen during the stage."""
+    peak_reserved_bytes: int | None = None
+    seconds: float = 0.0
+    ok: bool = True
+    error: str | None = None
+    exact: bool = True
+    """False when the peak came from sampling (a lower bound), see the module docstring."""
+    measure: str = "allocated"
+    """``"allocated"`` (accelerator allocator) or ``"rss"`` (CPU process memory)."""
+    plan: str | None = None
+    """The plan the stage used (e.g. ``"exact t64"``), set by the engine through :meth:`StageTracker.note`."""
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def delta_peak_bytes(self) -> int:
+        """Peak above the memory in use when the stage began (its own working set)."""
+        return max(0, self.peak_bytes - self.start_bytes)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["delta_peak_bytes"] = self.delta_peak_bytes
+        return d
+
+
+class _Counter:
+    """Backend counters behind one small interface: current, peak, reset."""
+
+    def __init__(self, device: torch.device, owns_peak_counters: bool) -> None:
+        self.device = device
+        self.backend = backend_of(device)
+        self.owns = owns_peak_counters
+        self.accel = self.backend in (Backend.CUDA, Backend.ROCM, Backend.XPU)
+        self.measure = "allocated" if self.accel or self.backend is Backend.MPS else "rss"
+        self.hwm_ok = False
+        if self.measure == "rss":
+            self.hwm_ok = _read_vm_hwm() is not None and _reset_vm_hwm()
+
+    @property
+    def resettable(self) -> bool:
+        if self.measure == "rss":
+            return self.hwm_ok
+        return self.accel and self.owns
+
+    def current(self) -> int:
+        if self.backend in (Backend.CUDA, Backend.ROCM):
+            return int(torch.cuda.memory_allocated(self.device))
+        if self.backend is Backend.XPU:
+            return int(torch.xpu.memory_allocated(self.device))
+        if self.backend is Backend.MPS:
+            return int(torch.mps.current_allocated_memory())
+        return process_rss()
+
+    def peak(self) -> int | None:
+        """The backend's high-water mark, or ``None`` where there is none."""
+        if self.backend in (Backend.CUDA, Backend.ROCM):
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.backend is Backend.XPU:
+            return int(torch.xpu.max_memory_allocated(self.device))
+        if self.measure == "rss" and self.hwm_ok:
+            return _read_vm_hwm()
+        return None
+
+    def peak_reserved(self) -> int | None:
+        if self.backend in (Backend.CUDA, Backend.ROCM):
+            return int(torch.cuda.max_memory_reserved(self.device))
+        return None
+
+    def reset(self) -> None:
+        if not self.resettable:
+            return
+        if self.measure == "rss":
+            _reset_vm_hwm()
+        elif self.backend in (Backend.CUDA, Backend.ROCM):
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.backend is Backend.XPU:
+            torch.xpu.reset_peak_memory_stats(self.device)
+
+
+@dataclass
+class _Open:
+    record: StageRecord
+    t0: float
+    peak0: int | None
+    folded: int = 0
+    thread: int = 0
+
+
+class StageTracker:
+    """Records per-stage peak memory and time.
+
+    Thread-safe: stages nest per thread (parent/depth), while memory peaks are folded into every
+    open stage of every thread (memory is shared by the process).
+
+    Args:
+        device: the compute device to measure (default: best available).
+        owns_peak_counters: reset the accelerator's global peak counters at stage boundaries
+            (exact nested peaks). Leave ``False`` inside the WebUI (see the module docstring).
+        sample_interval: seconds between background samples while a stage is open; ``None``
+            disables the sampler (engines still call :meth:`sample`).
+        keep: how many finished records to keep (oldest dropped first).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        owns_peak_counters: bool = False,
+        sample_interval: float | None = None,
+        keep: int = 256,
+    ) -> None:
+        if sample_interval is not None and sample_interval <= 0:
+            raise ValueError(f"`sample_interval` must be > 0 or None, got {sample_interval}")
+        if keep < 1:
+            raise ValueError(f"`keep` must be >= 1, got {keep}")
+        self.device = resolve_device(device)
+        self._counter = _Counter(self.device, owns_peak_counters)
+        self._lock = threading.RLock()
+        self._open: list[_Open] = []
+        self._records: list[StageRecord] = []
+        self._keep = keep
+        self._sample_interval = sample_interval
+        self._sampler: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- reading ---------------------------------------------------------------------------
+    @property
+    def measure(self) -> str:
+        return self._counter.measure
+
+    @property
+    def records(self) -> list[StageRecord]:
+        """Finished stages, in the order they finished."""
+        with self._lock:
+            return list(self._records)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._records.clear()
+
+    def last(self, name: str) -> StageRecord | None:
+        with self._lock:
+            for rec in reversed(self._records):
+                if rec.name == name:
+                    return rec
+        return None
+
+    def summary(self) -> list[dict]:
+        return [r.to_dict() for r in self.records]
+
+    # -- measuring -------------------------------------------------------------------------
+    def sample(self) -> None:
+        """Fold the current allocation into every open stage's peak (cheap; call between tiles)."""
+        with self._lock:
+            if not self._open:
+                return
+            cur = self._counter.current()
+            for op in self._open:
+                op.folded = max(op.folded, cur)
+
+    def _thread_stack(self) -> list[_Open]:
+        me = threading.get_ident()
+        return [op for op in self._open if op.thread == me]
+
+    def note(self, plan: str | None = None, **notes: object) -> None:
+        """Attach the plan used (and any notes) to this thread's innermost open stage."""
+        with self._lock:
+            stack = self._thread_stack()
+            if not stack:
+                return
+            rec = stack[-1].record
+            if plan is not None:
+                rec.plan = plan
+            rec.notes.update(notes)
+
+    def _fold_counter(self) -> None:
+        """Fold the backend's high-water mark into every open stage (before a reset)."""
+        peak = self._counter.peak()
+        if peak is None:
+            return
+        for op in self._open:
+            op.folded = max(op.folded, peak)
+
+    @contextlib.contextmanager
+    def stage(self, name: str, *, plan: str | None = None) -> Iterator[StageRecord]:
+        """Measure the enclosed block as stage ``name``."""
+        if not name:
+            raise ValueError("a stage needs a non-empty `name`")
+        with self._lock:
+            stack = self._thread_stack()
+            parent = stack[-1].record.name if stack else None
+            cur = self._counter.current()
+            if self._counter.resettable:
+                self._fold_counter()
+                self._counter.reset()
+                peak0 = None
+            else:
+                peak0 = self._counter.peak()
+            rec = StageRecord(
+                name=name,
+                depth=len(stack),
+                parent=parent,
+                start_bytes=cur,
+                measure=self._counter.measure,
+                plan=plan,
+            )
+            op = _Open(
+                record=rec, t0=time.perf_counter(), peak0=peak0, folded=cur, thread=threading.get_ident()
+            )
+            self._open.append(op)
+            self._ensure_sampler()
+        try:
+            yield rec
+        except BaseException as exc:
+            rec.ok = False
+            rec.error = f"{type(exc).__name__}: {exc}"[:500]
+            raise
+        finally:
+            self._close(op)
+
+    def _close(self, op: _Open) -> None:
+        with self._lock:
+            rec = op.record
+            cur = self._counter.current()
+            op.folded = max(op.folded, cur)
+            peak = self._counter.peak()
+            if self._counter.resettable:
+                # The counter was reset when this stage (or a later nested one) began, and every
+                # nested reset folded the value before it: the maximum is exact.
+                if peak is not None:
+                    op.folded = max(op.folded, peak)
+                rec.exact = peak is not None
+            elif peak is not None and op.peak0 is not None and peak > op.peak0:
+                op.folded = max(op.folded, peak)
+                rec.exact = True
+            else:
+                rec.exact = False
+            rec.peak_bytes = op.folded
+            rec.end_bytes = cur
+            rec.peak_reserved_bytes = self._counter.peak_reserved()
+            rec.seconds = time.perf_counter() - op.t0
+            # Pop this stage (normally the innermost one) and propagate its peak outwards.
+            if op in self._open:
+                self._open.remove(op)
+            for outer in self._open:
+                outer.folded = max(outer.folded, op.folded)
+            self._records.append(rec)
+            del self._records[: -self._keep]
+            if not self._open:
+                self._stop.set()
+        logger.debug(
+            "stage %s: peak %.1f MiB (%s%s), %.3f s, %s",
+            rec.name,
+            rec.peak_bytes / 2**20,
+            rec.measure,
+            "" if rec.exact else ", sampled",
+            rec.seconds,
+            "ok" if rec.ok else f"failed ({rec.error})",
+        )
+
+    def _ensure_sampler(self) -> None:
+        if self._sample_interval is None or (self._sampler is not None and self._sampler.is_alive()):
+            return
+        self._stop.clear()
+        interval = self._sample_interval
+
+        def run() -> None:
+            while not self._stop.wait(interval):
+                self.sample()
+
+        self._sampler = threading.Thread(target=run, name="lib_vram-tracker-sampler", daemon=True)
+        self._sampler.start()

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from lib_vram import _cli_doctor
+from lib_vram.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The documented, stable keys of `doctor --json` (README, "doctor --json keys").
+TOP_KEYS = {
+    "schema",
+    "vram_guard_version",
+    "device",
+    "backend",
+    "name",
+    "cpu_only",
+    "memory",
+    "torch",
+    "precision",
+    "tier",
+    "notes",
+}
+MEMORY_KEYS = {
+    "basis",
+    "total_bytes",
+    "free_bytes",
+    "allocated_bytes",
+    "reserved_bytes",
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "process_rss_bytes",
+    "system_total_bytes",
+    "system_available_bytes",
+}
+
+
+def test_doctor_json_has_stable_keys(capsys):
+    assert main(["doctor", "--json", "--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) >= TOP_KEYS
+    assert set(report["memory"]) == MEMORY_KEYS
+    assert set(report["torch"]) == {"version", "cuda", "hip", "sdpa", "xformers"}
+    assert set(report["precision"]) == {"fp16", "bf16"}
+    assert set(report["tier"]) == {"gb", "label"}
+    assert report["cpu_only"] is True and report["backend"] == "cpu"
+    assert report["notes"] and "No GPU" in report["notes"][0]
+
+
+def test_doctor_keys_are_documented_in_readme():
+    readme = (ROOT / "README.md").read_text()
+    for key in TOP_KEYS | MEMORY_KEYS:
+        assert f"`{key}`" in readme, f"doctor key {key!r} missing from README"
+
+
+def test_doctor_table_mentions_cpu_only(capsys):
+    assert main(["doctor", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "memory tier" in out and "No GPU found" in out
+
+
+def test_doctor_as_module_subprocess():
+    out = subprocess.run(
+        [sys.executable, "-m", "lib_vram", "doctor", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert json.loads(out.stdout)["schema"] == _cli_doctor.SCHEMA_VERSION
+
+
+def test_bad_log_level_is_an_error(capsys):
+    try:
+        main(["--log-level", "LOUD", "doctor"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    assert "LOUD" in capsys.readouterr().err
