@@ -1,0 +1,97 @@
+"""Tiling geometry shared by the tiled VAE and the tiled upscaler.
+
+A tile has a **core** (the part of the output it owns; the cores partition the image) and an
+**input window** (the core grown by a halo on each side, clipped to the image). Pure functions of
+integers, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Span:
+    """A 1-D tile: ``[start, end)`` is read, ``[core_start, core_end)`` is owned."""
+
+    start: int
+    end: int
+    core_start: int
+    core_end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def core_size(self) -> int:
+        return self.core_end - self.core_start
+
+    @property
+    def lead(self) -> int:
+        """Halo actually present before the core (less than asked at the image border)."""
+        return self.core_start - self.start
+
+    @property
+    def trail(self) -> int:
+        """Halo actually present after the core."""
+        return self.end - self.core_end
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A 2-D tile: one :class:`Span` per axis."""
+
+    y: Span
+    x: Span
+
+    @property
+    def core_pixels(self) -> int:
+        return self.y.core_size * self.x.core_size
+
+    @property
+    def pixels(self) -> int:
+        return self.y.size * self.x.size
+
+
+def split_axis(length: int, tile: int, halo: int = 0, *, align: int = 1) -> list[Span]:
+    """Partition ``[0, length)`` into cores of at most ``tile`` (balanced), each grown by ``halo``.
+
+    Core boundaries fall on multiples of ``align`` (except the image end). The number of cores is
+    the smallest that keeps every core within ``tile``; their sizes differ by at most ``align``.
+    """
+    if length < 1:
+        raise ValueError(f"`length` must be >= 1, got {length}")
+    if tile < 1:
+        raise ValueError(f"`tile` must be >= 1, got {tile}")
+    if halo < 0:
+        raise ValueError(f"`halo` must be >= 0, got {halo}")
+    if align < 1:
+        raise ValueError(f"`align` must be >= 1, got {align}")
+    if tile % align:
+        raise ValueError(f"`tile` ({tile}) must be a multiple of `align` ({align})")
+    units = math.ceil(length / align)
+    tile_units = tile // align
+    n = math.ceil(units / tile_units)
+    # Balanced split of `units` into n parts.
+    bounds = [min(length, (i * units // n) * align) for i in range(n)] + [length]
+    spans = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        spans.append(Span(start=max(0, a - halo), end=min(length, b + halo), core_start=a, core_end=b))
+    return spans
+
+
+def grid(
+    height: int, width: int, tile_h: int, tile_w: int | None = None, halo: int = 0, *, align: int = 1
+) -> list[Tile]:
+    """Row-major tiles covering a ``height`` x ``width`` image (see :func:`split_axis`)."""
+    tile_w = tile_h if tile_w is None else tile_w
+    ys = split_axis(height, tile_h, halo, align=align)
+    xs = split_axis(width, tile_w, halo, align=align)
+    return [Tile(y=y, x=x) for y in ys for x in xs]
+
+
+def overhead(tiles: list[Tile], height: int, width: int) -> float:
+    """Pixels processed (input windows) over image pixels: the FLOP overhead of a tile plan."""
+    return sum(t.pixels for t in tiles) / float(height * width)
