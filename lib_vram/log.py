@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 LOGGER_NAME = "lib_vram"
 PREFIX = "[VRAM Guard]"
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (test runners and hosts swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # the base class assigns it; we always follow sys.stderr
+        pass
 
 
 def get_logger() -> logging.Logger:
@@ -27,7 +43,7 @@ def configure(level: str | int | None = None) -> logging.Logger:
             level = value
         logger.setLevel(level)
     if not any(getattr(h, "_lib_vram", False) for h in logger.handlers):
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(f"{PREFIX} %(levelname)s %(name)s: %(message)s"))
         handler._lib_vram = True  # type: ignore[attr-defined]
         logger.addHandler(handler)

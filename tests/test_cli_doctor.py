@@ -1,14 +1,29 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from lib_vram import _cli_doctor
 from lib_vram.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _restore_lib_vram_logger():
+    """main() configures the lib_vram logger (handler, level, propagate); undo it for other tests."""
+    logger = logging.getLogger("lib_vram")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+
 
 # The documented, stable keys of `doctor --json` (README, "doctor --json keys").
 TOP_KEYS = {
