@@ -284,6 +284,15 @@ FIELDS_BY_NAME: dict[str, OptionField] = {f.name: f for f in FIELDS}
 API_ARG_ORDER: tuple[str, ...] = tuple(f.name for f in FIELDS)
 """Field names in the order ``ui()`` returns its components (= positional API ``args``)."""
 
+EXTRAS_FIELDS: tuple[str, ...] = (
+    "enabled",
+    "upscale_tile",
+    "upscale_batch",
+    "precision_upscale",
+    "release_between_stages",
+)
+"""Keys (= keyword names of ``ScriptPostprocessing.process``) of the Extras section, in order."""
+
 
 @dataclass(frozen=True)
 class VRAMGuardOptions:
@@ -553,3 +562,18 @@ def infotext_getter(name: str) -> Callable[[Mapping[str, Any]], Any]:
 
     get.__name__ = f"vram_guard_infotext_{name}"
     return get
+
+
+def extras_options(kwargs: Mapping[str, Any], defaults: VRAMGuardOptions) -> VRAMGuardOptions:
+    """Options for one Extras run from ``process(pp, **kwargs)``.
+
+    ``None`` values (the Extras API passes ``None`` for every non-built-in operation) and missing
+    keys take ``defaults``. Tiled upscaling is what the section does, so ``upscale_tiling`` is on.
+    """
+    changes = {}
+    for key, value in kwargs.items():
+        if key not in EXTRAS_FIELDS:
+            raise ValueError(f"unknown Extras option `{key}`; known: {list(EXTRAS_FIELDS)}")
+        if value is not None:
+            changes[key] = value
+    return defaults.replace(upscale_tiling=True, **changes)
