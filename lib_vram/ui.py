@@ -217,10 +217,10 @@ def build_ui(
         fn=lambda preset: preset_changed(preset, preset_values),
         inputs=[controls["preset"]],
         outputs=targets,
-        show_progress=False,
+        show_progress="hidden",
     )
     if on_free is not None:
-        free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress=False)
+        free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress="hidden")
     infotext = [(controls[name], infotext_getter(name)) for name in API_ARG_ORDER]
     return UIWidgets(
         inputs=inputs,
@@ -296,7 +296,7 @@ def build_extras_widgets(
             )
             free_button = gr.Button(value="Free memory now", elem_id=free_id, variant="secondary", size="sm")
     if on_free is not None:
-        free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress=False)
+        free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress="hidden")
     return ExtrasWidgets(inputs=inputs, readout=readout, free_button=free_button)
 
 
