@@ -184,6 +184,10 @@ def test_settings_component_args():
 
 
 def test_preset_names_match_planner_presets():
-    presets = pytest.importorskip("lib_vram.presets", reason="planner branch not merged yet")
-    names = presets.PRESETS if isinstance(presets.PRESETS, (list, tuple)) else list(presets.PRESETS)
-    assert tuple(str(getattr(n, "name", n)) for n in names) == O.PRESET_NAMES
+    from lib_vram import presets
+
+    assert presets.PRESET_NAMES == O.PRESET_NAMES
+    assert ("Auto", *presets.PRESETS) == O.PRESET_NAMES
+    assert (*presets.PRESET_NAMES, "Custom") == O.PRESET_CHOICES
+    for name in O.PRESET_NAMES:
+        presets.resolve_preset(name, total_bytes=6 * 1024**3)
