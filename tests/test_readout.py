@@ -58,6 +58,7 @@ RECORDS = [
     {"name": "vae_decode", "peak_bytes": 4 * GiB, "seconds": 1.5, "plan": "exact t96"},
     {"name": "hires_upscale", "peak_bytes": 2 * GiB, "seconds": 2.0, "plan": "t192 b4 fp16"},
     {"name": "extras_upscale", "peak_bytes": GiB, "seconds": 0.5, "plan": "t256"},
+    {"name": "hires_decode", "peak_bytes": GiB, "seconds": 0.5, "plan": "exact t64"},
 ]
 
 
@@ -90,8 +91,15 @@ def test_payload_keys_are_stable():
     assert payload["cpu_only"] is False and payload["job_running"] is True
     json.dumps(payload)  # serialisable as the route's body
     stages = payload["stages"]
-    assert [s["stage"] for s in stages] == ["sampling", "hires_upscale", "decode", "extras_upscale"]
-    decode = stages[2]
+    assert [s["stage"] for s in stages] == [
+        "sampling",
+        "hires_decode",
+        "hires_upscale",
+        "decode",
+        "extras_upscale",
+    ]
+    assert stages[1]["label"] == "Hires first decode"
+    decode = stages[3]
     assert decode["count"] == 2 and decode["peak_bytes"] == int(4.5 * GiB)
     assert decode["plan"] == "exact t64" and decode["exact"] is False and decode["seconds"] == 2.5
     assert set(decode) == {"stage", "label", "peak_bytes", "plan", "seconds", "count", "ok", "exact", "error"}
