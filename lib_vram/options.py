@@ -1,0 +1,579 @@
+"""VRAM Guard's user options: one validated model and one table that drives everything else.
+
+:class:`VRAMGuardOptions` is what a generation runs with. :data:`FIELDS` describes every option
+once (label, default, kind, choices or range, settings key, infotext group, tooltip); the gradio
+accordion (:mod:`lib_vram.ui`), the Settings page (registered by the host adapter), the infotext and
+the API (``alwayson_scripts``) are all built from it, so they cannot drift apart.
+
+Pure: no gradio, no WebUI imports.
+
+Infotext
+--------
+One short entry, ``VRAM Guard: "preset 6GB, VAE auto exact t64 fp16, upscale on t192 fp16"``, whose
+value is a comma-separated list of *segments*; the first word of a segment is its group:
+
+=========== =================================================== ===============================
+segment     words                                               fields
+=========== =================================================== ===============================
+``preset``  preset name                                         ``preset``
+``VAE``     ``auto|always|off``, ``exact|fast``, ``t<N>``,      ``vae_tiling``, ``vae_mode``,
+            ``fp16|bf16|fp32``                                  ``vae_tile``, ``precision_vae``
+``upscale`` ``on|off``, ``t<N>``, ``b<N>``, ``fp16|bf16|fp32``  ``upscale_tiling``,
+                                                                ``upscale_tile``,
+                                                                ``upscale_batch``,
+                                                                ``precision_upscale``
+``UNet``    ``fp16``                                            ``unet_fp16``
+``release`` ``off``                                             ``release_between_stages``
+=========== =================================================== ===============================
+
+Inside a written segment a missing ``t``/``b``/precision word means Auto (0 / ``"Auto"``); a missing
+``UNet`` segment means ``unet_fp16=False`` and a missing ``release`` segment means release on. The
+entry therefore states every option, independent of anybody's defaults. The value contains commas,
+so the WebUI JSON-quotes it on write and unquotes it on read. The optional ``VRAM Guard plan``
+entry records the plan each stage used (informational; never pasted back).
+
+An infotext without the ``VRAM Guard`` key leaves the accordion unchanged when pasted: VRAM Guard
+changes how much memory a job needs, not the picture, so an image made without it is no reason to
+switch it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PRESET_NAMES: tuple[str, ...] = ("Auto", "4GB", "6GB", "8GB", "12GB", "16GB", "24GB+")
+"""Names of the memory presets (``lib_vram.presets.PRESETS`` has the same names, tested)."""
+PRESET_CHOICES: tuple[str, ...] = (*PRESET_NAMES, "Custom")
+"""What the preset control offers: the presets plus ``"Custom"`` (only the controls count)."""
+VAE_TILING_CHOICES: tuple[str, ...] = ("Auto", "Always", "Off")
+VAE_MODE_CHOICES: tuple[str, ...] = ("exact", "fast")
+PRECISION_CHOICES: tuple[str, ...] = ("Auto", "FP16", "BF16", "FP32")
+
+INFOTEXT_KEY = "VRAM Guard"
+"""The summary infotext key (also the script's title)."""
+INFOTEXT_PLAN_KEY = "VRAM Guard plan"
+"""Optional informational key: the plan each stage used."""
+SETTINGS_PREFIX = "vram_guard_"
+
+BOOL = "bool"
+CHOICE = "choice"
+INT = "int"
+
+
+@dataclass(frozen=True)
+class OptionField:
+    """One user option, described once for the UI, the settings page, the infotext and the API."""
+
+    name: str
+    """Field name in :class:`VRAMGuardOptions`, keyword in the name-keyed API form."""
+    label: str
+    """Visible label (unique: the WebUI's ``ui-config.json`` keys on it)."""
+    default: Any
+    kind: str
+    """``"bool"`` (checkbox), ``"choice"`` (dropdown/radio) or ``"int"`` (slider)."""
+    choices: tuple[str, ...] | None = None
+    """Allowed values of a ``"choice"``."""
+    range: tuple[int, int, int] | None = None
+    """``(minimum, maximum, step)`` of an ``"int"``; values must lie on the step grid from minimum.
+    0 means Auto where :attr:`auto_zero` is set."""
+    auto_zero: bool = False
+    """For ints: 0 means "Auto" (chosen by the planner)."""
+    infotext: str = ""
+    """Infotext group word of the summary entry (see the module docstring); ``"VRAM Guard"`` for
+    the enable switch, whose presence is the key itself."""
+    tooltip: str = ""
+
+    @property
+    def settings_key(self) -> str:
+        """Key of the Settings-page default for this option (``shared.opts.<key>``)."""
+        return SETTINGS_PREFIX + self.name
+
+    @property
+    def settings_label(self) -> str:
+        return f"Default: {self.label}" if self.name != "enabled" else "Enable VRAM Guard by default"
+
+    def component_args(self) -> dict[str, Any]:
+        """gradio keyword arguments for a settings component (``OptionInfo(component_args=...)``)."""
+        if self.kind == CHOICE:
+            return {"choices": list(self.choices or ())}
+        if self.kind == INT:
+            lo, hi, step = self.range or (0, 0, 1)
+            return {"minimum": lo, "maximum": hi, "step": step}
+        return {}
+
+    def coerce(self, value: Any) -> Any:
+        """Convert an API/UI/settings value to this field's type and check it.
+
+        Accepts what the front ends produce: gradio sliders may send ``64.0``, the API ``"64"``,
+        ``"Auto"`` for an auto int, ``"true"``/``"False"`` for a bool, and case variants of a
+        choice. Raises ``ValueError`` naming the field for anything else; never clamps.
+        """
+        name = self.name
+        if self.kind == BOOL:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, int) and value in (0, 1):
+                return bool(value)
+            if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            raise ValueError(f"`{name}` must be a bool, got {value!r}")
+        if self.kind == CHOICE:
+            if isinstance(value, str):
+                for choice in self.choices or ():
+                    if value.strip().lower() == choice.lower():
+                        return choice
+            raise ValueError(f"`{name}` must be one of {list(self.choices or ())}, got {value!r}")
+        # INT
+        orig = value
+        if isinstance(value, str):
+            text = value.strip()
+            if self.auto_zero and text.lower() == "auto":
+                value = 0
+            else:
+                try:
+                    value = float(text)
+                except ValueError:
+                    raise ValueError(f"`{name}` must be an integer, got {orig!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"`{name}` must be an integer, got {orig!r}")
+        if isinstance(value, float):
+            if not math.isfinite(value) or value != int(value):
+                raise ValueError(f"`{name}` must be an integer, got {orig!r}")
+            value = int(value)
+        self.check_int(value)
+        return value
+
+    def check_int(self, value: int) -> None:
+        lo, hi, step = self.range or (0, 0, 1)
+        auto = " (0 = Auto)" if self.auto_zero else ""
+        if not lo <= value <= hi or (value - lo) % step:
+            raise ValueError(f"`{self.name}` must be in {lo}..{hi} in steps of {step}{auto}, got {value!r}")
+
+
+FIELDS: tuple[OptionField, ...] = (
+    OptionField(
+        "enabled",
+        "VRAM Guard",
+        False,
+        BOOL,
+        infotext=INFOTEXT_KEY,
+        tooltip="Turn VRAM Guard on for this tab: tiled VAE, tiled upscaling, precision control and "
+        "memory release between stages.",
+    ),
+    OptionField(
+        "preset",
+        "Memory preset",
+        "Auto",
+        CHOICE,
+        choices=PRESET_CHOICES,
+        infotext="preset",
+        tooltip="Auto picks the preset for this card's memory at generation time; a size (e.g. 6GB) "
+        "plans for that card; Custom uses only the controls below. Controls left on Auto follow the "
+        "preset.",
+    ),
+    OptionField(
+        "vae_tiling",
+        "Tiled VAE",
+        "Auto",
+        CHOICE,
+        choices=VAE_TILING_CHOICES,
+        infotext="VAE",
+        tooltip="Auto tiles the VAE decode/encode only when the whole image would not fit in free "
+        "memory; Always tiles every time; Off never tiles.",
+    ),
+    OptionField(
+        "vae_mode",
+        "Tiled VAE mode",
+        "exact",
+        CHOICE,
+        choices=VAE_MODE_CHOICES,
+        infotext="VAE",
+        tooltip="exact: same picture as the untiled VAE (shared normalisation statistics, a few % "
+        "slower); fast: one pass with estimated statistics (tiny differences, faster).",
+    ),
+    OptionField(
+        "vae_tile",
+        "VAE tile size (latent px, 0 = Auto)",
+        0,
+        INT,
+        range=(0, 512, 16),
+        auto_zero=True,
+        infotext="VAE",
+        tooltip="Tile edge in latent pixels (x8 in image pixels). 0 = Auto: the largest tile that "
+        "fits in free memory.",
+    ),
+    OptionField(
+        "upscale_tiling",
+        "Tiled upscaling",
+        True,
+        BOOL,
+        infotext="upscale",
+        tooltip="Run ESRGAN-family upscalers tile by tile on the GPU (hires fix, img2img, SD upscale), "
+        "without seams, retrying with smaller tiles on out-of-memory.",
+    ),
+    OptionField(
+        "upscale_tile",
+        "Upscale tile size (px, 0 = Auto)",
+        0,
+        INT,
+        range=(0, 2048, 32),
+        auto_zero=True,
+        infotext="upscale",
+        tooltip="Upscaler tile edge in input pixels. 0 = Auto: chosen from free memory.",
+    ),
+    OptionField(
+        "upscale_batch",
+        "Upscale tiles per batch (0 = Auto)",
+        0,
+        INT,
+        range=(0, 64, 1),
+        auto_zero=True,
+        infotext="upscale",
+        tooltip="How many tiles go through the upscaler at once. 0 = Auto: chosen from free memory.",
+    ),
+    OptionField(
+        "precision_vae",
+        "VAE precision",
+        "Auto",
+        CHOICE,
+        choices=PRECISION_CHOICES,
+        infotext="VAE",
+        tooltip="Auto keeps the WebUI's choice (BF16 where the card supports it on small cards). "
+        "FP16/BF16 halve the VAE's memory; tiles that overflow are recomputed in a wider type.",
+    ),
+    OptionField(
+        "precision_upscale",
+        "Upscaler precision",
+        "Auto",
+        CHOICE,
+        choices=PRECISION_CHOICES,
+        infotext="upscale",
+        tooltip="Auto uses FP16/BF16 when the model supports it; batches with NaN/Inf are recomputed "
+        "in FP32.",
+    ),
+    OptionField(
+        "unet_fp16",
+        "FP16 UNet",
+        False,
+        BOOL,
+        infotext="UNet",
+        tooltip="Run the UNet in FP16 when the WebUI would run it in FP32 (e.g. --no-half): halves "
+        "its memory.",
+    ),
+    OptionField(
+        "release_between_stages",
+        "Release memory between stages",
+        True,
+        BOOL,
+        infotext="release",
+        tooltip="Collect garbage and return cached GPU memory between sampling, hires fix, decode and "
+        "postprocessing.",
+    ),
+)
+
+FIELDS_BY_NAME: dict[str, OptionField] = {f.name: f for f in FIELDS}
+
+API_ARG_ORDER: tuple[str, ...] = tuple(f.name for f in FIELDS)
+"""Field names in the order ``ui()`` returns its components (= positional API ``args``)."""
+
+EXTRAS_FIELDS: tuple[str, ...] = (
+    "enabled",
+    "upscale_tile",
+    "upscale_batch",
+    "precision_upscale",
+    "release_between_stages",
+)
+"""Keys (= keyword names of ``ScriptPostprocessing.process``) of the Extras section, in order."""
+
+
+@dataclass(frozen=True)
+class VRAMGuardOptions:
+    """Everything a VRAM Guard job is configured with (validated; errors name the field)."""
+
+    enabled: bool = False
+    preset: str = "Auto"
+    vae_tiling: str = "Auto"
+    vae_mode: str = "exact"
+    vae_tile: int = 0
+    upscale_tiling: bool = True
+    upscale_tile: int = 0
+    upscale_batch: int = 0
+    precision_vae: str = "Auto"
+    precision_upscale: str = "Auto"
+    unet_fp16: bool = False
+    release_between_stages: bool = True
+
+    def __post_init__(self) -> None:
+        for f in FIELDS:
+            value = getattr(self, f.name)
+            if f.kind == BOOL:
+                if not isinstance(value, bool):
+                    raise ValueError(f"`{f.name}` must be a bool, got {value!r}")
+            elif f.kind == CHOICE:
+                if value not in (f.choices or ()):
+                    raise ValueError(f"`{f.name}` must be one of {list(f.choices or ())}, got {value!r}")
+            else:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"`{f.name}` must be an int, got {value!r}")
+                f.check_int(value)
+
+    def replace(self, **changes: Any) -> VRAMGuardOptions:
+        """A copy with ``changes`` applied (coerced like API values, then validated)."""
+        return dataclasses.replace(self, **_coerce_all(changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in FIELDS}
+
+    def args(self) -> list[Any]:
+        """Positional script args in :data:`API_ARG_ORDER`."""
+        return [getattr(self, name) for name in API_ARG_ORDER]
+
+
+def _coerce_all(values: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in values.items():
+        field = FIELDS_BY_NAME.get(key)
+        if field is None:
+            raise ValueError(f"unknown VRAM Guard option `{key}`; known: {list(API_ARG_ORDER)}")
+        out[key] = field.coerce(value)
+    return out
+
+
+def from_args(args: Sequence[Any] | None, *, defaults: VRAMGuardOptions | None = None) -> VRAMGuardOptions:
+    """Build options from script args (UI, API ``alwayson_scripts``, Extras).
+
+    * Positional: values in :data:`API_ARG_ORDER`; fewer values than fields leave the rest at
+      ``defaults``; ``None`` at a position means "the default" (the Extras API passes ``None``).
+    * Name-keyed: a ``dict`` as the **first** arg, e.g. ``[{"preset": "6GB", "vae_tile": 64}]``;
+      keys are field names, missing keys take ``defaults``, ``enabled`` defaults to ``True`` in
+      this form (asking for options means wanting them). Any further args are ignored: the API
+      fills the remaining slots with the UI's default values.
+    * ``None`` or ``[]``: ``defaults``.
+
+    Raises ``ValueError`` naming the field for a bad value, an unknown key or too many args.
+    """
+    base = defaults if defaults is not None else VRAMGuardOptions()
+    if args is None:
+        return base
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise ValueError(f"`args` must be a sequence of values or a dict first, got {type(args).__name__}")
+    if len(args) == 0:
+        return base
+    first = args[0]
+    if isinstance(first, Mapping):
+        changes = {k: v for k, v in first.items() if v is not None}
+        for key in changes:
+            if not isinstance(key, str):
+                raise ValueError(f"VRAM Guard option names must be strings, got `{key!r}`")
+        changes.setdefault("enabled", True)
+        return base.replace(**changes)
+    if len(args) > len(API_ARG_ORDER):
+        raise ValueError(
+            f"`args` has {len(args)} values but VRAM Guard takes {len(API_ARG_ORDER)}: {list(API_ARG_ORDER)}"
+        )
+    changes = {name: value for name, value in zip(API_ARG_ORDER, args) if value is not None}
+    return base.replace(**changes)
+
+
+def defaults_from_settings(getter: Callable[[str, Any], Any]) -> VRAMGuardOptions:
+    """The Settings page's defaults: ``getter(f"vram_guard_{name}", default)`` for every field.
+
+    A stored value that is no longer valid (e.g. from an older version) is logged and replaced by
+    the built-in default, so a stale ``config.json`` cannot break generation.
+    """
+    values = {}
+    for f in FIELDS:
+        raw = getter(f.settings_key, f.default)
+        try:
+            values[f.name] = f.coerce(raw)
+        except ValueError as exc:
+            logger.warning("VRAM Guard: setting %s ignored (%s); using %r", f.settings_key, exc, f.default)
+            values[f.name] = f.default
+    return VRAMGuardOptions(**values)
+
+
+# -- infotext -------------------------------------------------------------------------------------
+
+_PRECISION_WORDS = {p.lower(): p for p in PRECISION_CHOICES if p != "Auto"}
+_INT_WORD = re.compile(r"^([tb])(\d+)$")
+
+
+def summary(opts: VRAMGuardOptions) -> str:
+    """The value of the ``VRAM Guard`` infotext entry (see the module docstring)."""
+    parts = [f"preset {opts.preset}"]
+    vae = ["VAE", opts.vae_tiling.lower(), opts.vae_mode]
+    if opts.vae_tile:
+        vae.append(f"t{opts.vae_tile}")
+    if opts.precision_vae != "Auto":
+        vae.append(opts.precision_vae.lower())
+    parts.append(" ".join(vae))
+    up = ["upscale", "on" if opts.upscale_tiling else "off"]
+    if opts.upscale_tile:
+        up.append(f"t{opts.upscale_tile}")
+    if opts.upscale_batch:
+        up.append(f"b{opts.upscale_batch}")
+    if opts.precision_upscale != "Auto":
+        up.append(opts.precision_upscale.lower())
+    parts.append(" ".join(up))
+    if opts.unet_fp16:
+        parts.append("UNet fp16")
+    if not opts.release_between_stages:
+        parts.append("release off")
+    return ", ".join(parts)
+
+
+INFOTEXT_KEY_RE = re.compile(r"^\w[\w \-/]+$")
+"""What the WebUI's infotext parser accepts as a key."""
+
+_STAGE_LABELS = {
+    "sampling": "sampling",
+    "hires_upscale": "hires upscale",
+    "hires_encode": "hires encode",
+    "vae_encode": "encode",
+    "vae_decode": "decode",
+    "decode": "decode",
+    "postprocess": "postprocess",
+}
+
+
+def _clean(text: str) -> str:
+    # A newline would end the infotext's parameter line; keep the entry on one line.
+    return " ".join(str(text).split())
+
+
+def to_infotext(opts: VRAMGuardOptions, *, plans: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Infotext entries for ``p.extra_generation_params`` (empty when disabled).
+
+    ``plans`` maps a stage name (``"vae_decode"``, ``"hires_upscale"``, ...) to the plan it used
+    (``"exact t64"``); they go into the informational ``VRAM Guard plan`` entry.
+    """
+    if not opts.enabled:
+        return {}
+    out = {INFOTEXT_KEY: summary(opts)}
+    if plans:
+        items = [
+            f"{_STAGE_LABELS.get(stage, stage.replace('_', ' '))} {_clean(plan)}"
+            for stage, plan in plans.items()
+            if plan
+        ]
+        if items:
+            out[INFOTEXT_PLAN_KEY] = "; ".join(items)
+    return out
+
+
+def from_infotext(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Field values stated by a parsed infotext (``parse_generation_parameters`` output).
+
+    Returns ``{}`` when there is no ``VRAM Guard`` entry (leave the accordion unchanged), else
+    ``enabled=True`` plus every field the entry states. Words that are not understood (a newer
+    version's, a typo) are logged and skipped; the rest still applies.
+    """
+    raw = params.get(INFOTEXT_KEY)
+    if raw is None:
+        return {}
+    text = str(raw).strip()
+    if len(text) >= 2 and text[0] == '"' and text[-1] == '"':
+        text = text[1:-1]
+    out: dict[str, Any] = {"enabled": True}
+    bad: list[str] = []
+    for segment in text.split(","):
+        words = segment.split()
+        if not words:
+            continue
+        group, rest = words[0], words[1:]
+        if group == "preset" and len(rest) == 1 and rest[0] in PRESET_CHOICES:
+            out["preset"] = rest[0]
+        elif group == "VAE":
+            _parse_vae(rest, out, bad)
+        elif group == "upscale":
+            _parse_upscale(rest, out, bad)
+        elif group == "UNet" and rest == ["fp16"]:
+            out["unet_fp16"] = True
+        elif group == "release" and len(rest) == 1 and rest[0] in ("on", "off"):
+            out["release_between_stages"] = rest[0] == "on"
+        else:
+            bad.append(segment.strip())
+    out.setdefault("unet_fp16", False)
+    out.setdefault("release_between_stages", True)
+    if bad:
+        logger.warning("VRAM Guard: infotext words not understood, skipped: %s", bad)
+    return out
+
+
+def _set_int(out: dict[str, Any], name: str, number: str, bad: list[str], word: str) -> None:
+    try:
+        out[name] = FIELDS_BY_NAME[name].coerce(int(number))
+    except ValueError:
+        bad.append(word)
+
+
+def _parse_vae(words: list[str], out: dict[str, Any], bad: list[str]) -> None:
+    out.setdefault("vae_tile", 0)
+    out.setdefault("precision_vae", "Auto")
+    for word in words:
+        m = _INT_WORD.match(word)
+        if word in ("auto", "always", "off"):
+            out["vae_tiling"] = word.capitalize()
+        elif word in VAE_MODE_CHOICES:
+            out["vae_mode"] = word
+        elif word in _PRECISION_WORDS:
+            out["precision_vae"] = _PRECISION_WORDS[word]
+        elif m and m.group(1) == "t":
+            _set_int(out, "vae_tile", m.group(2), bad, word)
+        else:
+            bad.append(f"VAE {word}")
+
+
+def _parse_upscale(words: list[str], out: dict[str, Any], bad: list[str]) -> None:
+    out.setdefault("upscale_tile", 0)
+    out.setdefault("upscale_batch", 0)
+    out.setdefault("precision_upscale", "Auto")
+    for word in words:
+        m = _INT_WORD.match(word)
+        if word in ("on", "off"):
+            out["upscale_tiling"] = word == "on"
+        elif word in _PRECISION_WORDS:
+            out["precision_upscale"] = _PRECISION_WORDS[word]
+        elif m:
+            _set_int(out, "upscale_tile" if m.group(1) == "t" else "upscale_batch", m.group(2), bad, word)
+        else:
+            bad.append(f"upscale {word}")
+
+
+def infotext_getter(name: str) -> Callable[[Mapping[str, Any]], Any]:
+    """A paste target for field ``name``: ``f(params) -> value | None`` (``None`` = leave as is).
+
+    Returns real Python values (a real ``bool``), which the WebUI's API ``infotext`` path needs
+    (it converts with ``type(value)(v)``, which would turn the string ``"False"`` into ``True``).
+    """
+    if name not in FIELDS_BY_NAME:
+        raise ValueError(f"unknown VRAM Guard option `{name}`")
+
+    def get(params: Mapping[str, Any]) -> Any:
+        return from_infotext(params).get(name)
+
+    get.__name__ = f"vram_guard_infotext_{name}"
+    return get
+
+
+def extras_options(kwargs: Mapping[str, Any], defaults: VRAMGuardOptions) -> VRAMGuardOptions:
+    """Options for one Extras run from ``process(pp, **kwargs)``.
+
+    ``None`` values (the Extras API passes ``None`` for every non-built-in operation) and missing
+    keys take ``defaults``. Tiled upscaling is what the section does, so ``upscale_tiling`` is on.
+    """
+    changes = {}
+    for key, value in kwargs.items():
+        if key not in EXTRAS_FIELDS:
+            raise ValueError(f"unknown Extras option `{key}`; known: {list(EXTRAS_FIELDS)}")
+        if value is not None:
+            changes[key] = value
+    return defaults.replace(upscale_tiling=True, **changes)

@@ -1,0 +1,317 @@
+"""The VRAM Guard accordion (txt2img/img2img) and the Extras section, built with gradio.
+
+Builds from :data:`lib_vram.options.FIELDS` and plain data handed in by the host adapter; never
+imports the WebUI (``modules``). Works with gradio 3.41.2 (A1111) and 4.x (Forge): only
+``gr.update``, context-manager layout blocks and constructor keywords both versions know.
+
+The WebUI's ``InputAccordion`` (an accordion that is also the enable checkbox) is passed in as
+``input_accordion``; without it, one already imported by the WebUI is used if present, otherwise a
+plain ``gr.Accordion`` with an "Enable VRAM Guard" checkbox stands in (standalone pages, tests).
+Forge's ``InputAccordion`` is a factory function; both are only ever *called*, so either works.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import gradio as gr
+
+from .options import (
+    API_ARG_ORDER,
+    EXTRAS_FIELDS,
+    FIELDS_BY_NAME,
+    INFOTEXT_KEY,
+    OptionField,
+    VRAMGuardOptions,
+    extras_options,
+    infotext_getter,
+)
+from .readout import placeholder_payload, render_readout_html
+
+logger = logging.getLogger(__name__)
+
+TABS = ("txt2img", "img2img")
+
+
+AUTO_VALUES: dict[str, Any] = {
+    "vae_tiling": "Auto",
+    "vae_tile": 0,
+    "precision_vae": "Auto",
+    "upscale_tile": 0,
+    "upscale_batch": 0,
+    "precision_upscale": "Auto",
+}
+"""Controls that can "follow the preset"; choosing a preset puts them back to these values."""
+
+PRESET_TARGETS: tuple[str, ...] = tuple(n for n in API_ARG_ORDER if n not in ("enabled", "preset"))
+"""The controls a preset change updates, in order (the outputs of the preset's ``change`` event)."""
+
+
+@dataclass
+class UIWidgets:
+    """What :func:`build_ui` made; ``inputs`` is what the Script's ``ui()`` returns."""
+
+    inputs: list[Any]
+    """Components in :data:`~lib_vram.options.API_ARG_ORDER`; the first is the enable switch."""
+    controls: dict[str, Any]
+    """The same components keyed by field name."""
+    readout: Any
+    free_button: Any
+    infotext_fields: list[tuple[Any, Callable[[Mapping[str, Any]], Any]]]
+    """``(component, f(params) -> value | None)`` pairs for ``Script.infotext_fields``."""
+    preset: Any
+    paste_field_names: list[str] = field(default_factory=lambda: [INFOTEXT_KEY])
+
+
+@dataclass
+class ExtrasWidgets:
+    """What :func:`build_extras_widgets` made; ``inputs`` is ``ScriptPostprocessing.ui()``'s dict."""
+
+    inputs: dict[str, Any]
+    readout: Any
+    free_button: Any
+
+
+def find_input_accordion() -> Callable[..., Any] | None:
+    """The WebUI's ``InputAccordion`` if the WebUI has already imported it (no import here)."""
+    mod = sys.modules.get("modules.ui_components")
+    return getattr(mod, "InputAccordion", None) if mod is not None else None
+
+
+def elem_id(prefix: str, tab: str, name: str) -> str:
+    return f"{prefix}_{tab}_{name}"
+
+
+def readout_elem_id(tab: str, prefix: str = "vram_guard") -> str:
+    """The readout's ``elem_id``; the JS updates ``#vram_guard_readout_<tab>``."""
+    return f"{prefix}_readout_{tab}"
+
+
+def _component(f: OptionField, value: Any, eid: str) -> Any:
+    if f.kind == "bool":
+        return gr.Checkbox(value=value, label=f.label, elem_id=eid)
+    if f.kind == "int":
+        lo, hi, step = f.range or (0, 0, 1)
+        return gr.Slider(minimum=lo, maximum=hi, step=step, value=value, label=f.label, elem_id=eid)
+    choices = list(f.choices or ())
+    if len(choices) <= 4:
+        return gr.Radio(choices=choices, value=value, label=f.label, elem_id=eid)
+    return gr.Dropdown(choices=choices, value=value, label=f.label, elem_id=eid)
+
+
+def tooltips_for(controls: Mapping[str, Any], extra: Mapping[str, tuple[str, str]] = ()) -> dict:
+    """elem_id → (label, tooltip) for the JS (``titles[label] = tooltip``, ``title`` attributes)."""
+    out: dict[str, tuple[str, str]] = {}
+    for name, comp in controls.items():
+        f = FIELDS_BY_NAME[name]
+        eid = getattr(comp, "elem_id", None) or getattr(comp, "accordion_id", None)
+        if eid:
+            out[str(eid)] = (f.label, f.tooltip)
+    out.update(dict(extra))
+    return out
+
+
+def _initial_readout(tab: str, tooltips: Mapping[str, tuple[str, str]], initial: str | None) -> str:
+    if initial is not None:
+        return initial
+    return render_readout_html(placeholder_payload(), tab=tab, tooltips=tooltips)
+
+
+def _enable_switch(
+    value: bool, *, label: str, eid: str, input_accordion: Callable[..., Any] | None
+) -> tuple[Any, Any, Any]:
+    """(enable component, context manager for the body, component that carries the elem_id)."""
+    factory = input_accordion if input_accordion is not None else find_input_accordion()
+    if factory is not None:
+        acc = factory(value, label=label, elem_id=eid)
+        return acc, acc, acc
+    acc = gr.Accordion(label=label, open=False, elem_id=eid, elem_classes=["vram-guard-accordion"])
+    return None, acc, acc
+
+
+def build_ui(
+    *,
+    tab: str,
+    defaults: VRAMGuardOptions,
+    input_accordion: Callable[..., Any] | None = None,
+    elem_prefix: str = "vram_guard",
+    on_free: Callable[[], str] | None = None,
+    preset_values: Callable[[str], Mapping[str, Any] | None] | None = None,
+    initial_readout: str | None = None,
+) -> UIWidgets:
+    """Build the "VRAM Guard" accordion inside the current gradio Blocks context.
+
+    Args:
+        tab: ``"txt2img"`` or ``"img2img"`` (element ids and the readout id use it).
+        defaults: initial values (the Settings page's defaults).
+        input_accordion: the WebUI's ``InputAccordion`` class/factory (``None``: detect, else a
+            plain accordion with an enable checkbox).
+        on_free: called by "Free memory now"; returns the readout HTML to show. ``None`` leaves
+            the button unwired (the caller wires ``free_button.click`` itself).
+        preset_values: ``f(preset_name) -> {field: value}`` shown when a preset is chosen (e.g.
+            the planner's resolution); ``None``: controls go back to Auto (follow the preset).
+        initial_readout: the readout's first HTML (``None``: a placeholder until the JS polls).
+    """
+    if tab not in TABS:
+        raise ValueError(f"`tab` must be one of {TABS}, got {tab!r}")
+    if not isinstance(defaults, VRAMGuardOptions):
+        raise ValueError(f"`defaults` must be a VRAMGuardOptions, got {type(defaults).__name__}")
+    controls: dict[str, Any] = {}
+    acc_id = f"{elem_prefix}_{tab}"
+    enable_field = FIELDS_BY_NAME["enabled"]
+    enable, body, _ = _enable_switch(
+        defaults.enabled, label=enable_field.label, eid=acc_id, input_accordion=input_accordion
+    )
+    with body:
+        if enable is None:
+            enable = gr.Checkbox(
+                value=defaults.enabled,
+                label="Enable VRAM Guard",
+                elem_id=elem_id(elem_prefix, tab, "enabled"),
+            )
+        controls["enabled"] = enable
+        with gr.Column(elem_classes=["vram-guard", "vram-guard-controls"]):
+            with gr.Row():
+                for name in ("preset", "release_between_stages", "unet_fp16"):
+                    controls[name] = _component(
+                        FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
+                    )
+            with gr.Row():
+                for name in ("vae_tiling", "vae_mode", "vae_tile", "precision_vae"):
+                    controls[name] = _component(
+                        FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
+                    )
+            with gr.Row():
+                for name in ("upscale_tiling", "upscale_tile", "upscale_batch", "precision_upscale"):
+                    controls[name] = _component(
+                        FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
+                    )
+            free_id = elem_id(elem_prefix, tab, "free")
+            tips = tooltips_for(
+                controls,
+                {
+                    free_id: (
+                        "Free memory now",
+                        "Collect garbage and return cached GPU memory to the driver now.",
+                    )
+                },
+            )
+            readout = gr.HTML(
+                value=_initial_readout(tab, tips, initial_readout),
+                elem_id=readout_elem_id(tab, elem_prefix),
+                elem_classes=["vram-guard-readout-box"],
+            )
+            with gr.Row():
+                free_button = gr.Button(value="Free memory now", elem_id=free_id, variant="secondary")
+    inputs = [controls[name] for name in API_ARG_ORDER]
+    targets = [controls[name] for name in PRESET_TARGETS]
+    controls["preset"].change(
+        fn=lambda preset: preset_changed(preset, preset_values),
+        inputs=[controls["preset"]],
+        outputs=targets,
+        show_progress=False,
+    )
+    if on_free is not None:
+        free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress=False)
+    infotext = [(controls[name], infotext_getter(name)) for name in API_ARG_ORDER]
+    return UIWidgets(
+        inputs=inputs,
+        controls=controls,
+        readout=readout,
+        free_button=free_button,
+        infotext_fields=infotext,
+        preset=controls["preset"],
+    )
+
+
+def preset_changed(
+    preset: str, preset_values: Callable[[str], Mapping[str, Any] | None] | None = None
+) -> list[Any]:
+    """Updates for :data:`PRESET_TARGETS` after the preset dropdown changed.
+
+    ``"Custom"``: nothing changes. A preset: controls that can follow a preset go back to Auto, or
+    show ``preset_values(preset)`` when given (unknown keys or bad values raise ``ValueError``).
+    """
+    if preset == "Custom":
+        return [gr.update() for _ in PRESET_TARGETS]
+    values: dict[str, Any] = dict(AUTO_VALUES)
+    if preset_values is not None:
+        resolved = preset_values(preset)
+        if resolved:
+            for key, value in resolved.items():
+                f = FIELDS_BY_NAME.get(key)
+                if f is None:
+                    raise ValueError(f"`preset_values` returned unknown option `{key}`")
+                values[key] = f.coerce(value)
+    return [gr.update(value=values[name]) if name in values else gr.update() for name in PRESET_TARGETS]
+
+
+def build_extras_widgets(
+    defaults: VRAMGuardOptions,
+    *,
+    input_accordion: Callable[..., Any] | None = None,
+    elem_prefix: str = "vram_guard",
+    on_free: Callable[[], str] | None = None,
+    initial_readout: str | None = None,
+) -> ExtrasWidgets:
+    """The Extras tab section: tiled-upscale settings, the readout and "Free memory now"."""
+    if not isinstance(defaults, VRAMGuardOptions):
+        raise ValueError(f"`defaults` must be a VRAMGuardOptions, got {type(defaults).__name__}")
+    tab = "extras"
+    inputs: dict[str, Any] = {}
+    enable, body, _ = _enable_switch(
+        defaults.enabled,
+        label="VRAM Guard upscaling",
+        eid=f"{elem_prefix}_{tab}",
+        input_accordion=input_accordion,
+    )
+    with body:
+        if enable is None:
+            enable = gr.Checkbox(
+                value=defaults.enabled,
+                label="Enable VRAM Guard upscaling",
+                elem_id=elem_id(elem_prefix, tab, "enabled"),
+            )
+        inputs["enabled"] = enable
+        with gr.Column(elem_classes=["vram-guard", "vram-guard-controls"]):
+            with gr.Row():
+                for name in EXTRAS_FIELDS[1:]:
+                    inputs[name] = _component(
+                        FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
+                    )
+            free_id = elem_id(elem_prefix, tab, "free")
+            tips = tooltips_for(inputs, {free_id: ("Free memory now", "Release cached GPU memory now.")})
+            readout = gr.HTML(
+                value=_initial_readout(tab, tips, initial_readout),
+                elem_id=readout_elem_id(tab, elem_prefix),
+                elem_classes=["vram-guard-readout-box"],
+            )
+            free_button = gr.Button(value="Free memory now", elem_id=free_id, variant="secondary")
+    if on_free is not None:
+        free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress=False)
+    return ExtrasWidgets(inputs=inputs, readout=readout, free_button=free_button)
+
+
+def build_extras_ui(defaults: VRAMGuardOptions, **kwargs: Any) -> dict[str, Any]:
+    """``ScriptPostprocessing.ui()``'s dict (keys = ``process()`` keyword names, see
+    :data:`EXTRAS_FIELDS`); keyword arguments as :func:`build_extras_widgets`."""
+    return build_extras_widgets(defaults, **kwargs).inputs
+
+
+__all__ = [
+    "EXTRAS_FIELDS",
+    "PRESET_TARGETS",
+    "ExtrasWidgets",
+    "UIWidgets",
+    "build_extras_ui",
+    "build_extras_widgets",
+    "build_ui",
+    "extras_options",
+    "find_input_accordion",
+    "preset_changed",
+    "readout_elem_id",
+]
