@@ -1,0 +1,400 @@
+"""Memory presets: one table of data, one place.
+
+A preset bundles every memory-related choice VRAM Guard makes for one class of card: how the VAE is
+tiled, how the upscaler is tiled and batched, which precision each stage runs in, where memory is
+released between stages, whether the UNet and text encoder leave the device while the VAE or the
+upscaler runs, how much memory is kept in reserve, and the CUDA caching-allocator settings.
+
+The presets are named after nominal card sizes ("4GB" ... "24GB+") plus **Auto**. Auto is not a
+preset of its own: :func:`resolve_preset` turns it into the tier preset of the device the job runs
+on, at generation time (the WebUI's Settings page would overwrite values copied by an ``onchange``
+callback, see ``host-api.md`` §7.1, so nothing is ever copied into other options).
+
+The tile bounds are *bounds*: the planner (:mod:`lib_vram.planner`) predicts each stage's peak and
+picks the largest tile/batch inside them that fits the free memory; the preset only keeps it from
+going below a size where tiling overhead dominates or above a size that a card of this class never
+benefits from.
+
+This module is pure data + pure functions: it imports neither torch nor the WebUI, so the UI and
+the settings page can import it cheaply.
+
+Where the numbers come from (measured in this project, see ``docs/benchmarks.md``): the untiled SD
+VAE decoder needs ~4.1 KB per output pixel in fp32 (~2 KB in fp16); an ESRGAN (RRDB) ~577 B per
+output pixel in fp32. A VAE tile of ``t`` latent pixels decodes ``(8t)²`` output pixels, so a 64-px
+tile works on 512² output pixels (~0.5 GiB in fp16), a 128-px tile on 1024² (~2 GiB in fp16).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from .tiers import TIERS_GB, GiB, tier_for_total, tier_label
+
+MiB = 1024**2
+
+VAE_MODES: tuple[str, ...] = ("auto", "exact", "fast", "off")
+"""``auto``: the engine/planner decides (untiled when it fits, else exact tiling, fast when even the
+exact mode's state does not fit); ``exact``: tiled with global GroupNorm statistics (matches untiled);
+``fast``: one pass with estimated statistics; ``off``: never tile the VAE."""
+
+PRECISIONS: tuple[str, ...] = ("auto", "fp16", "bf16", "fp32")
+"""``auto`` resolves per device (:func:`resolve_precision`): bf16 where supported, else fp16 (both
+with the engines' non-finite guard), fp32 on the CPU."""
+
+RELEASE_POINTS: tuple[str, ...] = (
+    "process",
+    "before_hr",
+    "post_sample",
+    "postprocess_batch",
+    "job_end",
+    "failure",
+)
+"""Stage boundaries where :func:`lib_vram.release.release_at` may run ``gc.collect()`` + cache release:
+
+* ``process`` - job start, before the text encoder and UNet run (drops leftovers of the last job);
+* ``before_hr`` - between the first pass and hires fix (the first-pass decode/upscale leftovers);
+* ``post_sample`` - after sampling, before the VAE decode (the sampler's activations);
+* ``postprocess_batch`` - after each batch's images are decoded;
+* ``job_end`` - after the job;
+* ``failure`` - when a stage raises or the job is interrupted (always recommended: the traceback's
+  frames keep tensors alive until collected).
+"""
+
+PRESET_NAMES: tuple[str, ...] = ("Auto", "4GB", "6GB", "8GB", "12GB", "16GB", "24GB+")
+"""Every preset name, in the order a UI shows them."""
+
+AUTO = "Auto"
+
+
+def _frozen_map(**kwargs: object) -> Mapping[str, object]:
+    return types.MappingProxyType(dict(kwargs))
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The memory settings of one card class. Every field is explained in the README table."""
+
+    name: str
+    """Preset name (one of :data:`PRESET_NAMES`; ``"Auto"`` after resolution keeps ``resolved_from``)."""
+    tier_gb: int | None
+    """Nominal card size in GB this preset is for (``None`` only for the unresolved Auto entry)."""
+    vae_mode: str
+    """VAE tiling mode, one of :data:`VAE_MODES`."""
+    vae_tile_min: int
+    """Smallest VAE tile side in latent pixels the planner may choose (8 image px per latent px)."""
+    vae_tile_max: int
+    """Largest VAE tile side in latent pixels; untiled is still chosen when the whole latent fits."""
+    upscale_tile_min: int
+    """Smallest upscaler input tile side in image pixels."""
+    upscale_tile_max: int
+    """Largest upscaler input tile side in image pixels."""
+    upscale_batch_max: int
+    """Most tiles per upscaler forward pass."""
+    precision_vae: str
+    """VAE precision, one of :data:`PRECISIONS`."""
+    precision_upscale: str
+    """Upscaler precision, one of :data:`PRECISIONS`."""
+    release_at: frozenset[str]
+    """Stage boundaries (subset of :data:`RELEASE_POINTS`) where memory is released."""
+    offload_unet_during_vae: bool
+    """Move the UNet to the CPU while the VAE runs (and while the hires upscaler runs)."""
+    offload_text_encoder_during_vae: bool
+    """Move the text encoder(s) to the CPU while the VAE runs (and while the hires upscaler runs)."""
+    safety_margin_bytes: int
+    """Memory kept free beyond every predicted peak: the larger of this and
+    ``safety_margin_fraction`` of the device's total memory (see :meth:`safety_margin`)."""
+    safety_margin_fraction: float
+    """Fraction of the device's total memory kept free beyond every predicted peak."""
+    allocator: Mapping[str, object] = field(hash=False)
+    """CUDA caching-allocator settings (``PYTORCH_CUDA_ALLOC_CONF`` keys):
+    ``garbage_collection_threshold`` (0-1 or ``None``) and ``expandable_segments`` (bool). They only
+    take effect when set before CUDA initialises (see :func:`allocator_conf`)."""
+    resolved_from: str | None = None
+    """For a resolved Auto preset: the tier preset it was resolved to (e.g. ``"8GB"``)."""
+
+    def safety_margin(self, total_bytes: int) -> int:
+        """The safety margin in bytes on a device with ``total_bytes`` of memory."""
+        if total_bytes < 0:
+            raise ValueError(f"`total_bytes` must be >= 0, got {total_bytes}")
+        return max(self.safety_margin_bytes, int(self.safety_margin_fraction * total_bytes))
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "tier_gb": self.tier_gb,
+            "vae_mode": self.vae_mode,
+            "vae_tile_min": self.vae_tile_min,
+            "vae_tile_max": self.vae_tile_max,
+            "upscale_tile_min": self.upscale_tile_min,
+            "upscale_tile_max": self.upscale_tile_max,
+            "upscale_batch_max": self.upscale_batch_max,
+            "precision_vae": self.precision_vae,
+            "precision_upscale": self.precision_upscale,
+            "release_at": sorted(self.release_at, key=RELEASE_POINTS.index),
+            "offload_unet_during_vae": self.offload_unet_during_vae,
+            "offload_text_encoder_during_vae": self.offload_text_encoder_during_vae,
+            "safety_margin_bytes": self.safety_margin_bytes,
+            "safety_margin_fraction": self.safety_margin_fraction,
+            "allocator": dict(self.allocator),
+            "resolved_from": self.resolved_from,
+        }
+
+
+_ALL_RELEASES = frozenset(RELEASE_POINTS)
+_TIGHT_RELEASES = frozenset({"before_hr", "post_sample", "job_end", "failure"})
+_LIGHT_RELEASES = frozenset({"post_sample", "job_end", "failure"})
+_MINIMAL_RELEASES = frozenset({"job_end", "failure"})
+
+
+# The table. One row per tier; the reasons for each value are in the comments and in the README's
+# "Presets" table. Tile sizes: VAE in latent px, upscaler in input image px.
+PRESETS: Mapping[str, Preset] = types.MappingProxyType(
+    {
+        "4GB": Preset(
+            name="4GB",
+            tier_gb=4,
+            # Exact tiling whenever the untiled decode does not fit; fast only as the last resort.
+            vae_mode="auto",
+            # 24 latent px is the floor: below it the ~13-px halo makes each tile mostly overlap.
+            # 64 px = 512² output px per tile, ~0.5 GiB of fp16 activations: fits next to nothing else.
+            vae_tile_min=24,
+            vae_tile_max=64,
+            # RRDB 4x at fp16: a 192-px input tile is 768² output px (~0.2 GiB); 64 px is the floor
+            # where the overlap would cost more than the tile.
+            upscale_tile_min=64,
+            upscale_tile_max=192,
+            upscale_batch_max=1,
+            # Half precision halves activations; the guard recomputes overflowing tiles wider.
+            precision_vae="auto",
+            precision_upscale="auto",
+            # Release at every boundary: the cost (~ms per gc.collect) is small next to an OOM.
+            release_at=_ALL_RELEASES,
+            # SD1.5's UNet (1.7 GB fp16) alone is 40 % of the card; SDXL's (5 GB) does not fit at all.
+            offload_unet_during_vae=True,
+            offload_text_encoder_during_vae=True,
+            # 256 MiB covers the CUDA context's growth, cuDNN workspaces and the display.
+            safety_margin_bytes=256 * MiB,
+            safety_margin_fraction=0.06,
+            # Reclaim cached blocks early (60 % usage) and map memory in growable segments, which
+            # avoids fragmentation when tile sizes change between stages.
+            allocator=_frozen_map(garbage_collection_threshold=0.6, expandable_segments=True),
+        ),
+        "6GB": Preset(
+            name="6GB",
+            tier_gb=6,
+            vae_mode="auto",
+            vae_tile_min=32,
+            # 96 px = 768² output px per tile, ~1.1 GiB of fp16 activations.
+            vae_tile_max=96,
+            upscale_tile_min=64,
+            upscale_tile_max=256,
+            upscale_batch_max=2,
+            precision_vae="auto",
+            precision_upscale="auto",
+            release_at=_ALL_RELEASES,
+            # SD1.5 fits beside the VAE; SDXL (5 GB UNet) does not.
+            offload_unet_during_vae=True,
+            offload_text_encoder_during_vae=True,
+            safety_margin_bytes=320 * MiB,
+            safety_margin_fraction=0.05,
+            allocator=_frozen_map(garbage_collection_threshold=0.6, expandable_segments=True),
+        ),
+        "8GB": Preset(
+            name="8GB",
+            tier_gb=8,
+            vae_mode="auto",
+            vae_tile_min=32,
+            # 128 px = 1024² output px per tile, ~2 GiB of fp16 activations.
+            vae_tile_max=128,
+            upscale_tile_min=96,
+            upscale_tile_max=384,
+            upscale_batch_max=2,
+            precision_vae="auto",
+            precision_upscale="auto",
+            # postprocess_batch and process releases matter little once the VAE is tiled.
+            release_at=_TIGHT_RELEASES,
+            # SDXL's UNet (5 GB) plus a 2-GiB VAE tile is too close to 8 GB; SD1.5 is fine. The
+            # text encoders (SDXL: 1.6 GB fp16) are idle during the VAE and cheap to move.
+            offload_unet_during_vae=False,
+            offload_text_encoder_during_vae=True,
+            safety_margin_bytes=384 * MiB,
+            safety_margin_fraction=0.05,
+            allocator=_frozen_map(garbage_collection_threshold=0.7, expandable_segments=True),
+        ),
+        "12GB": Preset(
+            name="12GB",
+            tier_gb=12,
+            vae_mode="auto",
+            vae_tile_min=48,
+            # 160 px = 1280² output px per tile, ~3.2 GiB of fp16 activations.
+            vae_tile_max=160,
+            upscale_tile_min=128,
+            upscale_tile_max=512,
+            upscale_batch_max=4,
+            precision_vae="auto",
+            precision_upscale="auto",
+            release_at=_LIGHT_RELEASES,
+            offload_unet_during_vae=False,
+            offload_text_encoder_during_vae=False,
+            safety_margin_bytes=512 * MiB,
+            safety_margin_fraction=0.05,
+            allocator=_frozen_map(garbage_collection_threshold=0.8, expandable_segments=True),
+        ),
+        "16GB": Preset(
+            name="16GB",
+            tier_gb=16,
+            vae_mode="auto",
+            vae_tile_min=64,
+            # 192 px = 1536² output px per tile, ~4.5 GiB of fp16 activations.
+            vae_tile_max=192,
+            upscale_tile_min=128,
+            upscale_tile_max=768,
+            upscale_batch_max=4,
+            precision_vae="auto",
+            precision_upscale="auto",
+            release_at=_LIGHT_RELEASES,
+            offload_unet_during_vae=False,
+            offload_text_encoder_during_vae=False,
+            safety_margin_bytes=640 * MiB,
+            safety_margin_fraction=0.05,
+            allocator=_frozen_map(garbage_collection_threshold=0.8, expandable_segments=True),
+        ),
+        "24GB+": Preset(
+            name="24GB+",
+            tier_gb=24,
+            vae_mode="auto",
+            vae_tile_min=64,
+            # 256 px = 2048² output px per tile: a 2048² image decodes untiled when it fits.
+            vae_tile_max=256,
+            upscale_tile_min=256,
+            upscale_tile_max=1024,
+            upscale_batch_max=8,
+            # fp32 VAE: memory is plentiful, so skip the guard's recomputes and keep reference output.
+            precision_vae="fp32",
+            precision_upscale="auto",
+            release_at=_MINIMAL_RELEASES,
+            offload_unet_during_vae=False,
+            offload_text_encoder_during_vae=False,
+            safety_margin_bytes=1 * GiB,
+            safety_margin_fraction=0.04,
+            # Plenty of memory: let the allocator cache freely (no early GC threshold); expandable
+            # segments still help fragmentation.
+            allocator=_frozen_map(garbage_collection_threshold=None, expandable_segments=True),
+        ),
+    }
+)
+"""The tier presets by name (Auto is resolved by :func:`resolve_preset`, not stored)."""
+
+
+def tier_preset_name(total_bytes: int) -> str:
+    """The tier preset for a device with ``total_bytes`` of memory (``"8GB"``, ``"24GB+"``)."""
+    return tier_label(tier_for_total(total_bytes))
+
+
+def resolve_precision(policy: str, caps: object | None) -> str:
+    """A concrete precision (``"fp16"``, ``"bf16"``, ``"fp32"``) for ``policy`` on a device.
+
+    ``caps`` is anything with ``backend``, ``fp16`` and ``bf16`` attributes (e.g.
+    :class:`lib_vram.device.Capabilities`) or ``None`` (assume a CUDA device with fp16 only).
+    ``auto`` prefers bf16 (same range as fp32, so no VAE overflow), then fp16, and picks fp32 on the
+    CPU, where half-precision kernels are slower than fp32. An explicit policy the device cannot run
+    raises.
+    """
+    if policy not in PRECISIONS:
+        raise ValueError(f"`policy` must be one of {PRECISIONS}, got {policy!r}")
+    backend = getattr(caps, "backend", "cuda")
+    fp16 = bool(getattr(caps, "fp16", True))
+    bf16 = bool(getattr(caps, "bf16", False))
+    if policy == "auto":
+        if backend == "cpu":
+            return "fp32"
+        if bf16:
+            return "bf16"
+        return "fp16" if fp16 else "fp32"
+    if policy == "fp16" and not fp16:
+        raise ValueError(f"`policy` fp16 is not supported on this {backend} device")
+    if policy == "bf16" and not bf16:
+        raise ValueError(f"`policy` bf16 is not supported on this {backend} device")
+    return policy
+
+
+def resolve_preset(name: str, total_bytes: int | None = None, caps: object | None = None) -> Preset:
+    """The preset to use for ``name`` on a device with ``total_bytes`` of memory.
+
+    A tier name returns its table entry. ``"Auto"`` returns the tier preset of the device (a copy
+    named ``"Auto"`` with ``resolved_from`` set), so it must be called at generation time with the
+    actual device's total memory; ``caps`` (see :func:`resolve_precision`) turns a device without
+    half-precision support to fp32. Pure function of its arguments.
+    """
+    if name not in PRESET_NAMES:
+        raise ValueError(f"`name` must be one of {PRESET_NAMES}, got {name!r}")
+    if name != AUTO:
+        return PRESETS[name]
+    if total_bytes is None:
+        raise ValueError("`total_bytes` is required to resolve the Auto preset")
+    base = PRESETS[tier_preset_name(total_bytes)]
+    changes: dict = {"name": AUTO, "resolved_from": base.name}
+    if caps is not None and not getattr(caps, "fp16", True) and not getattr(caps, "bf16", False):
+        changes["precision_vae"] = "fp32"
+        changes["precision_upscale"] = "fp32"
+    return replace(base, **changes)
+
+
+def allocator_conf(preset: Preset, backend: str = "cuda", platform: str | None = None) -> str:
+    """``PYTORCH_CUDA_ALLOC_CONF`` value for ``preset`` on ``backend``/``platform`` (``""``: none).
+
+    Only the CUDA caching allocator reads these keys (ROCm builds read the same variable);
+    ``expandable_segments`` is not supported on Windows or macOS builds and is left out there. The
+    variable must be set before CUDA initialises (the WebUI's ``webui-user`` script or the
+    extension's preload), so a preset picked later only takes effect after a restart.
+    """
+    if backend not in ("cuda", "rocm"):
+        return ""
+    plat = sys.platform if platform is None else platform
+    parts = []
+    gct = preset.allocator.get("garbage_collection_threshold")
+    if gct is not None:
+        parts.append(f"garbage_collection_threshold:{float(gct):g}")
+    if preset.allocator.get("expandable_segments") and plat.startswith("linux"):
+        parts.append("expandable_segments:True")
+    return ",".join(parts)
+
+
+def validate_preset(preset: Preset) -> None:
+    """Raise ``ValueError`` naming the first field of ``preset`` that is out of range."""
+    p = preset
+    if p.vae_mode not in VAE_MODES:
+        raise ValueError(f"`vae_mode` must be one of {VAE_MODES}, got {p.vae_mode!r}")
+    if not (8 <= p.vae_tile_min <= p.vae_tile_max):
+        raise ValueError(
+            "`vae_tile_min`/`vae_tile_max` must satisfy 8 <= min <= max, got "
+            f"{p.vae_tile_min}, {p.vae_tile_max}"
+        )
+    if not (16 <= p.upscale_tile_min <= p.upscale_tile_max):
+        raise ValueError(
+            f"`upscale_tile_min`/`upscale_tile_max` must satisfy 16 <= min <= max, got "
+            f"{p.upscale_tile_min}, {p.upscale_tile_max}"
+        )
+    if p.upscale_batch_max < 1:
+        raise ValueError(f"`upscale_batch_max` must be >= 1, got {p.upscale_batch_max}")
+    for fname in ("precision_vae", "precision_upscale"):
+        if getattr(p, fname) not in PRECISIONS:
+            raise ValueError(f"`{fname}` must be one of {PRECISIONS}, got {getattr(p, fname)!r}")
+    unknown = set(p.release_at) - set(RELEASE_POINTS)
+    if unknown:
+        raise ValueError(f"`release_at` has unknown boundaries {sorted(unknown)}; known: {RELEASE_POINTS}")
+    if p.safety_margin_bytes < 0:
+        raise ValueError(f"`safety_margin_bytes` must be >= 0, got {p.safety_margin_bytes}")
+    if not (0.0 <= p.safety_margin_fraction < 0.5):
+        raise ValueError(f"`safety_margin_fraction` must be in [0, 0.5), got {p.safety_margin_fraction}")
+    extra = set(p.allocator) - {"garbage_collection_threshold", "expandable_segments"}
+    if extra:
+        raise ValueError(f"`allocator` has unknown keys {sorted(extra)}")
+    gct = p.allocator.get("garbage_collection_threshold")
+    if gct is not None and not (0.0 < float(gct) < 1.0):
+        raise ValueError(f"`allocator` garbage_collection_threshold must be in (0, 1), got {gct}")
+    if p.name != AUTO and p.tier_gb not in TIERS_GB:
+        raise ValueError(f"`tier_gb` must be one of {TIERS_GB}, got {p.tier_gb}")
