@@ -157,7 +157,9 @@ def add_options(section: tuple[str, str, str], options: list[tuple[str, dict]]) 
     components: dict[str, Any] = {"bool": gr.Checkbox, "choice": gr.Dropdown, "int": gr.Slider, "html": None}
     for key, spec in options:
         if spec["kind"] == "html":
-            shared.opts.add_option(key, shared.OptionInfo(spec["default"], spec["label"], gr.HTML, section=section))
+            shared.opts.add_option(
+                key, shared.OptionInfo(spec["default"], spec["label"], gr.HTML, section=section)
+            )
             continue
         info = shared.OptionInfo(
             spec["default"],

@@ -92,6 +92,7 @@ class Job:
         self._hooked: list[weakref.ref] = []
         self._warned: set[str] = set()
         self.dtype_vae_at_start = None
+        self.forge_load_vae: Callable[[Any], None] | None = None
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -166,19 +167,19 @@ class Job:
     def vae_stage_name(self, kind: str) -> str:
         """Readout name of a VAE pass from the job's progress (``p``) and the calling thread."""
         if threading.get_ident() != self.thread:
-            return "preview decode" if kind == "decode" else "encode (other thread)"
+            return "preview_decode" if kind == "decode" else "other_encode"
         p = self.p
         hr = bool(getattr(p, "enable_hr", False)) and self.kind == "txt2img"
         in_hr = bool(getattr(p, "is_hr_pass", False))
         if kind == "decode":
-            return "hires decode" if hr and not in_hr else "decode"
-        return "hires encode" if hr and in_hr else "encode"
+            return "hires_decode" if hr and not in_hr else "decode"
+        return "hires_encode" if hr and in_hr else "encode"
 
     def upscale_stage_name(self) -> str:
         if self.kind == "txt2img":
-            return "hires upscale"
+            return "hires_upscale"
         if self.kind == "img2img":
-            return "img2img upscale"
+            return "img2img_upscale"
         return "upscale"
 
     # -- VAE ---------------------------------------------------------------------------------
@@ -190,11 +191,13 @@ class Job:
         """
         if handle is None:
             return False
+        done = False
         if handle.kind == "forge":
             from . import forge
 
-            return forge.install(self, handle.forge_vae)
-        done = False
+            # Forge's slots make its VAE call the decoder/encoder per image; our hooks on those
+            # modules (below) then do the tiling, exactly as on A1111.
+            done = forge.install(self, handle.forge_vae, load_vae=self.forge_load_vae)
         for kind, module in (("decode", handle.decoder), ("encode", handle.encoder)):
             if module is None:
                 continue
@@ -211,7 +214,9 @@ class Job:
     def _make_vae_hook(self, kind: str) -> Callable[..., Any]:
         job_ref = weakref.ref(self)
 
-        def hook(module: torch.nn.Module, call_next: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
+        def hook(
+            module: torch.nn.Module, call_next: Callable[..., Any], x: Any, *args: Any, **kwargs: Any
+        ) -> Any:
             job = job_ref()
             if job is None or args or not job.current():
                 return call_next(x, *args, **kwargs)
@@ -230,8 +235,14 @@ class Job:
                 out = call_next(x, **kwargs)
                 self.tracker.note(plan="untiled")
             return out
-        from lib_vram import vae as engine
-
+        try:
+            from lib_vram import vae as engine
+        except ImportError as exc:
+            self.warn_once(
+                "no-vae-engine", f"VRAM Guard: tiled VAE engine unavailable ({exc}); running untiled"
+            )
+            with self.stage(name):
+                return call_next(x, **kwargs)
         supported = engine.is_supported_decoder if kind == "decode" else engine.is_supported_encoder
         if not supported(module):
             self.warn_once(
@@ -252,7 +263,9 @@ class Job:
         report = engine.VAEReport()
         run = engine.tiled_decode if kind == "decode" else engine.tiled_encode
         with self._vae_lock, self.stage(name):
-            out = run(module, x, config=config, original_forward=call_next, tracker=self.tracker, report=report)
+            out = run(
+                module, x, config=config, original_forward=call_next, tracker=self.tracker, report=report
+            )
             self.tracker.note(plan=report.plan)
         if report.recomputed:
             self.note(

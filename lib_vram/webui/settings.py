@@ -36,7 +36,9 @@ class JobSettings:
     release_at: frozenset[str] = field(default_factory=frozenset)
 
     def describe(self) -> str:
-        dtype = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(self.vae_dtype, "host")
+        dtype = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(
+            self.vae_dtype, "host"
+        )
         return (
             f"preset {self.preset}; VAE {self.vae_tiling.lower()} {self.vae_mode} "
             f"t{self.vae_tile or 'auto'} {dtype}; upscale {'on' if self.upscale_tiling else 'off'} "
