@@ -300,6 +300,16 @@ class ScriptJobs:
         handle = self.host.vae_of(self.host.sd_model())
         if handle is not None and handle.kind == "forge" and job.forge_load_vae is None:
             job.forge_load_vae = self.host.forge_load_vae
+        if handle is not None:
+            from .integration import foreign_vae_wrapper
+
+            other = foreign_vae_wrapper(handle.decoder)
+            if other:
+                job.warn_once(
+                    "foreign-vae",
+                    f"VRAM Guard: another extension wraps the VAE decoder ({other}); whichever wraps it "
+                    "last decides how it runs (Tiled VAE? use one of the two)",
+                )
         if not job.hook_vae(handle):
             job.warn_once("no-vae", "VRAM Guard: no VAE found on the current model; the VAE is not tiled")
 
