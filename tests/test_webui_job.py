@@ -67,6 +67,8 @@ def test_enabled_job_hooks_records_and_postprocess_restores(env):
         assert torch.equal(enc(X), plain_enc)
     names = [r.name for r in job.tracker.records]
     assert names == ["decode", "encode"] and job.tracker.records[0].plan == "untiled"
+    plan = p.extra_generation_params["VRAM Guard plan"]
+    assert callable(plan) and plan(p=p, index=0) == "decode untiled; encode untiled"
     jobs.postprocess(p)
     assert untouched(dec) and untouched(enc) and "close" not in p.__dict__
     assert job.closed and not job.failed

@@ -308,11 +308,13 @@ class Job:
         }
 
     def plan_text(self, **_: Any) -> str | None:
-        """Infotext value for ``VRAM Guard plan`` (a callable value: evaluated when the image's
-        infotext is written, i.e. after the stages ran)."""
-        if not self.plans:
+        """Infotext value for ``VRAM Guard plan``. Put into ``extra_generation_params`` as a
+        callable, so it is evaluated when each image's infotext is written (after the stages ran)."""
+        if not self.plans or self.options is None:
             return None
-        return ", ".join(f"{k} {v}" for k, v in self.plans.items())
+        from lib_vram.options import INFOTEXT_PLAN_KEY, to_infotext
+
+        return to_infotext(self.options, plans=self.plans).get(INFOTEXT_PLAN_KEY)
 
 
 def _unhook(module_ref: weakref.ref) -> None:

@@ -284,12 +284,12 @@ class ScriptJobs:
             return None
         job.boundary("process")
         self.refresh(p)
-        from lib_vram.options import to_infotext
+        from lib_vram.options import INFOTEXT_PLAN_KEY, to_infotext
 
         entries = to_infotext(options)
         p.extra_generation_params.update(entries)
         if entries:
-            p.extra_generation_params["VRAM Guard plan"] = job.plan_text
+            p.extra_generation_params[INFOTEXT_PLAN_KEY] = job.plan_text
         return job
 
     def refresh(self, p: Any = None) -> None:
