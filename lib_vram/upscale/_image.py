@@ -33,7 +33,7 @@ ALPHA_MODES = ("model", "resize")
 
 
 def _to_float(arr: np.ndarray, scale: float) -> Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(arr)).float()
+    t = torch.from_numpy(np.array(arr)).float()  # a writable copy (PIL arrays are read-only)
     if t.dim() == 2:
         t = t[None]
     else:
@@ -83,8 +83,11 @@ def upscale_image(
     spec = as_spec(model, scale)
     n_in = spec.input_channels or 3
     mode = img.mode
-    if mode == "P" or (mode in ("L", "RGB") and "transparency" in img.info):
-        img = img.convert("RGBA" if mode != "L" else "LA")
+    has_key = "transparency" in img.info
+    if mode == "P":
+        img = img.convert("RGBA" if has_key else "RGB")
+    elif mode in ("L", "RGB") and has_key:
+        img = img.convert("LA" if mode == "L" else "RGBA")
     elif mode == "PA":
         img = img.convert("RGBA")
     elif mode == "1":
