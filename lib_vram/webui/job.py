@@ -299,7 +299,8 @@ class Job:
         return {
             "kind": self.kind,
             "settings": self.settings.describe(),
-            "records": [r.to_dict() for r in self.tracker.records],
+            # Top-level stages only: the engines open their own stages inside ours (same memory).
+            "records": [r.to_dict() for r in self.tracker.records if r.depth == 0],
             "releases": list(self.releases),
             "plans": dict(self.plans),
             "notes": list(self.notes),
