@@ -132,3 +132,15 @@ def test_extras_none_args_mean_settings_defaults(script):
 
     gc.collect()
     assert job.closed
+
+
+def test_settings_registered_in_one_section_the_settings_page_can_read(script):
+    from modules import script_callbacks, shared
+
+    register = [cb for kind, cb in script_callbacks.registered if kind == "ui_settings"][0]
+    register()
+    labels = shared.opts.data_labels
+    assert {f"vram_guard_{n}" for n in API_ARG_ORDER} <= set(labels)
+    for info in labels.values():
+        # The settings page does `elem_id, text = item.section`: exactly two items.
+        assert info.section == ("vram_guard", "VRAM Guard") and info.category_id == "system"

@@ -154,22 +154,24 @@ def add_options(section: tuple[str, str, str], options: list[tuple[str, dict]]) 
     import gradio as gr
     from modules import shared
 
-    components: dict[str, Any] = {"bool": gr.Checkbox, "choice": gr.Dropdown, "int": gr.Slider, "html": None}
+    # OptionInfo.section is (id, label); the category goes into category_id (what the WebUI's own
+    # options_section() does with a 3-tuple; the settings page unpacks exactly two).
+    section_id, label, category = section
+    components: dict[str, Any] = {"bool": gr.Checkbox, "choice": gr.Dropdown, "int": gr.Slider}
     for key, spec in options:
         if spec["kind"] == "html":
-            shared.opts.add_option(
-                key, shared.OptionInfo(spec["default"], spec["label"], gr.HTML, section=section)
+            info = shared.OptionHTML(spec["label"])
+        else:
+            info = shared.OptionInfo(
+                spec["default"],
+                spec["label"],
+                components[spec["kind"]],
+                spec.get("component_args") or None,
             )
-            continue
-        info = shared.OptionInfo(
-            spec["default"],
-            spec["label"],
-            components[spec["kind"]],
-            spec.get("component_args") or None,
-            section=section,
-        )
-        if spec.get("info"):
-            info = info.info(spec["info"])
+            if spec.get("info"):
+                info = info.info(spec["info"])
+        info.section = (section_id, label)
+        info.category_id = category
         shared.opts.add_option(key, info)
 
 
