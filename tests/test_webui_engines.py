@@ -97,7 +97,9 @@ def test_esrgan_upscale_goes_through_the_engine_and_the_cache(tmp_path):
     jobs = ScriptJobs(session, kind="txt2img")
     p = FakeP(enable_hr=True)
     job = jobs.process(p, opts(upscale_tiling=True, upscale_tile=32, vae_tiling="Off"))
-    img = Image.fromarray((torch.rand(40, 48, 3, generator=torch.Generator().manual_seed(2)) * 255).byte().numpy())
+    img = Image.fromarray(
+        (torch.rand(40, 48, 3, generator=torch.Generator().manual_seed(2)) * 255).byte().numpy()
+    )
     out1 = scaler.do_upscale(img, str(path))
     out2 = scaler.do_upscale(img, str(path))
     jobs.postprocess(p)
