@@ -19,6 +19,7 @@ import argparse
 import base64
 import io
 import json
+import re
 import sys
 import time
 import urllib.error
@@ -168,8 +169,8 @@ def main() -> int:
         # 3. Paste: the API's "infotext" field fills our args from the "VRAM Guard" entry.
         path, payload = reqs["txt2img"]
         r2 = run(a.url, "paste", path, dict(payload, infotext=infotext))
-        line = [s for s in r2["infotext"].split(", ") if s.startswith("VRAM Guard:")]
-        want_line = [s for s in infotext.split(", ") if s.startswith("VRAM Guard:")]
+        line = re.findall(r'VRAM Guard: "[^"]*"', r2["infotext"])
+        want_line = re.findall(r'VRAM Guard: "[^"]*"', infotext)
         record("infotext paste via API restores the options", line == want_line and bool(line), got=line,
                psnr=psnr(r2["image"], r["image"]))  # fmt: skip
     # 4. Hires fix with name-keyed args: VAE tiled 2x2 at hires, ESRGAN tiled through our engine.
