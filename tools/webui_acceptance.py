@@ -166,6 +166,17 @@ def main() -> int:
                psnr=psnr(r["image"], base("txt2img")), infotext=r["infotext"].split("\n")[-1],
                stages=[(s["stage"], s["plan"]) for s in st["stages"]])  # fmt: skip
         infotext = r["infotext"]
+        # PNG info: the image's embedded parameters, parsed by the WebUI's own infotext parser.
+        path, payload = reqs["txt2img"]
+        body, _ = call(
+            a.url,
+            "/sdapi/v1/txt2img",
+            dict(payload, alwayson_scripts={"VRAM Guard": {"args": on_positional}}),
+        )
+        png, _ = call(a.url, "/sdapi/v1/png-info", {"image": "data:image/png;base64," + body["images"][0]})
+        params = png.get("parameters") or {}
+        record("PNG info parses the VRAM Guard entry", params.get("VRAM Guard") == "preset Auto, VAE always exact t16, upscale on",
+               parsed={k: v for k, v in params.items() if k.startswith("VRAM Guard")})  # fmt: skip
         # 3. Paste: the API's "infotext" field fills our args from the "VRAM Guard" entry.
         path, payload = reqs["txt2img"]
         r2 = run(a.url, "paste", path, dict(payload, infotext=infotext))
@@ -191,6 +202,10 @@ def main() -> int:
     # 6. Extras: the API passes None for our fields -> Settings defaults; enable them there first.
     if want("extras"):
         path, payload = reqs["extras"]
+        # The Upscale operation caches results by input image and upscaler (not by our settings);
+        # a cache size of 0 makes every call upscale again.
+        cache_size = call(a.url, "/sdapi/v1/options")[0].get("upscaling_max_images_in_cache", 5)
+        call(a.url, "/sdapi/v1/options", {"upscaling_max_images_in_cache": 0})
         r = run(a.url, "extras off", path, payload)
         record("extras off identical to no extension", np.array_equal(r["image"], base("extras")),
                seconds=r["seconds"])  # fmt: skip
@@ -199,7 +214,8 @@ def main() -> int:
             r = run(a.url, "extras on", path, payload)
             st, _ = call(a.url, "/vram-guard/v1/status")
         finally:
-            call(a.url, "/sdapi/v1/options", {"vram_guard_enabled": False, "vram_guard_upscale_tile": 0})
+            call(a.url, "/sdapi/v1/options", {"vram_guard_enabled": False, "vram_guard_upscale_tile": 0,
+                                              "upscaling_max_images_in_cache": cache_size})  # fmt: skip
         record("extras on (Settings defaults, tile 32)", r["image"].shape == base("extras").shape,
                seconds=r["seconds"], psnr=psnr(r["image"], base("extras")),
                stages=[(s["stage"], s["plan"]) for s in st["stages"]])  # fmt: skip
