@@ -11,6 +11,8 @@ instance you start yourself:
   route, and compares pixels (identical / PSNR). Prints one line per check and a JSON summary.
 
 usage: webui_acceptance.py baseline|extension [--url URL] [--out DIR] [--upscaler NAME]
+                           [--only txt2img,hires,img2img,extras,sdupscale]
+(``sdupscale`` runs only when named in ``--only``.)
 """
 
 from __future__ import annotations
@@ -199,7 +201,17 @@ def main() -> int:
         record("on img2img Auto", "VRAM Guard:" in r["infotext"], seconds=r["seconds"],
                identical=bool(np.array_equal(r["image"], base("img2img"))), psnr=psnr(r["image"], base("img2img")),
                stages=[(s["stage"], s["plan"]) for s in st["stages"]])  # fmt: skip
-    # 6. Extras: the API passes None for our fields -> Settings defaults; enable them there first.
+    # 6. SD upscale script: its upscale runs before process_images (our job opens in setup()).
+    if only and "sdupscale" in only:
+        payload = dict(PROMPT, steps=1, width=256, height=256, init_images=[init_image(a.size)], denoising_strength=0.3,
+                       script_name="sd upscale", script_args=["", 64, a.upscaler, 2.0],
+                       alwayson_scripts={"VRAM Guard": {"args": [{"upscale_tile": 32, "vae_tiling": "Off"}]}})  # fmt: skip
+        r = run(a.url, "sdupscale", "/sdapi/v1/img2img", payload)
+        st, _ = call(a.url, "/vram-guard/v1/status")
+        stages = [(s["stage"], s["plan"]) for s in st["stages"]]
+        record("SD upscale script upscales through the engine", any(n == "img2img_upscale" for n, _ in stages),
+               seconds=r["seconds"], stages=stages)  # fmt: skip
+    # 7. Extras: the API passes None for our fields -> Settings defaults; enable them there first.
     if want("extras"):
         path, payload = reqs["extras"]
         # The Upscale operation caches results by input image and upscaler (not by our settings);
