@@ -201,7 +201,7 @@ FIELDS: tuple[OptionField, ...] = (
     ),
     OptionField(
         "vae_tile",
-        "VAE tile size (latent px, 0 = Auto)",
+        "VAE tile (latent px, 0 = Auto)",
         0,
         INT,
         range=(0, 512, 16),
@@ -221,7 +221,7 @@ FIELDS: tuple[OptionField, ...] = (
     ),
     OptionField(
         "upscale_tile",
-        "Upscale tile size (px, 0 = Auto)",
+        "Upscale tile (px, 0 = Auto)",
         0,
         INT,
         range=(0, 2048, 32),
@@ -231,7 +231,7 @@ FIELDS: tuple[OptionField, ...] = (
     ),
     OptionField(
         "upscale_batch",
-        "Upscale tiles per batch (0 = Auto)",
+        "Upscale batch (tiles, 0 = Auto)",
         0,
         INT,
         range=(0, 64, 1),

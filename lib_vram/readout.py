@@ -19,8 +19,8 @@ key                 meaning
                     (``null`` without an allocator), ``process_rss_bytes``,
                     ``system_total_bytes``, ``system_available_bytes``
 ``job_running``     whether a generation is running now
-``stages``          list, in pipeline order (sampling, hires upscale, hires encode, decode,
-                    postprocess, then any other stage in the order seen), one object per stage of
+``stages``          list, in pipeline order (:data:`KNOWN_STAGES`, then any other stage in the
+                    order seen), one object per stage of
                     the last job: ``stage`` (id), ``label``, ``peak_bytes``, ``plan`` (or
                     ``null``), ``seconds`` (summed), ``count`` (times it ran), ``ok``, ``exact``
                     (``false``: the peak is a sampled lower bound), ``error`` (or ``null``)
@@ -53,6 +53,23 @@ STAGES: tuple[tuple[str, str], ...] = (
 )
 """The pipeline stages the readout always lists, in order: (id, label)."""
 
+KNOWN_STAGES: tuple[tuple[str, str], ...] = (
+    ("encode", "Encode (img2img)"),
+    ("img2img_upscale", "Img2img upscale"),
+    ("sampling", "Sampling"),
+    ("hires_decode", "Hires first decode"),
+    ("hires_upscale", "Hires upscale"),
+    ("hires_encode", "Hires encode"),
+    ("hires_sampling", "Hires sampling"),
+    ("decode", "Decode"),
+    ("postprocess", "Postprocess"),
+    ("upscale", "Upscale (Extras)"),
+    ("preview_decode", "Live preview decode"),
+    ("other_encode", "Other encode"),
+)
+"""Every stage name the host adapter records, in pipeline order, with its label; stages not
+listed here follow them in the order seen."""
+
 STAGE_ALIASES: dict[str, str] = {
     "vae_decode": "decode",
     "hires_vae_encode": "hires_encode",
@@ -63,7 +80,8 @@ STAGE_ALIASES: dict[str, str] = {
 
 CPU_ONLY_NOTE = "CPU only: no GPU is in use, so VRAM Guard shows system RAM."
 
-_LABELS = dict(STAGES)
+_LABELS = dict(KNOWN_STAGES)
+_ORDER = {sid: i for i, (sid, _label) in enumerate(KNOWN_STAGES)}
 
 
 def _stage_id(name: str) -> str:
@@ -114,9 +132,8 @@ def _stages(records: Iterable[Any]) -> list[dict[str, Any]]:
         if not rec.get("ok", True):
             entry["ok"] = False
             entry["error"] = rec.get("error")
-    order = {sid: i for i, (sid, _label) in enumerate(STAGES)}
     # dicts keep insertion order; sorted() is stable, so unknown stages stay in the order seen.
-    return sorted(merged.values(), key=lambda e: order.get(e["stage"], len(order)))
+    return sorted(merged.values(), key=lambda e: _ORDER.get(e["stage"], len(_ORDER)))
 
 
 def status_payload(
@@ -206,8 +223,7 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
     rows = list(stages) + [
         {"stage": sid, "label": label, "missing": True} for sid, label in STAGES if sid not in listed
     ]
-    order = {sid: i for i, (sid, _l) in enumerate(STAGES)}
-    rows.sort(key=lambda r: order.get(r["stage"], len(order)))
+    rows.sort(key=lambda r: _ORDER.get(r["stage"], len(_ORDER)))
     parts.append('<table class="vram-guard-stages"><thead><tr>')
     parts.append("<th>stage</th><th>peak</th><th>plan</th><th>time</th></tr></thead><tbody>")
     for row in rows:

@@ -47,6 +47,17 @@ AUTO_VALUES: dict[str, Any] = {
 }
 """Controls that can "follow the preset"; choosing a preset puts them back to these values."""
 
+LAYOUT: tuple[tuple[str, ...], ...] = (
+    ("preset", "precision_vae", "precision_upscale"),
+    ("vae_tiling", "vae_mode", "vae_tile"),
+    ("upscale_tiling", "upscale_tile", "upscale_batch"),
+    ("release_between_stages", "unet_fp16"),
+)
+"""Rows of the accordion (display only; the input order is always ``API_ARG_ORDER``)."""
+
+DROPDOWNS = frozenset({"preset", "precision_vae", "precision_upscale"})
+"""Choice fields shown as dropdowns (the rest are radio buttons)."""
+
 PRESET_TARGETS: tuple[str, ...] = tuple(n for n in API_ARG_ORDER if n not in ("enabled", "preset"))
 """The controls a preset change updates, in order (the outputs of the preset's ``change`` event)."""
 
@@ -98,9 +109,9 @@ def _component(f: OptionField, value: Any, eid: str) -> Any:
         lo, hi, step = f.range or (0, 0, 1)
         return gr.Slider(minimum=lo, maximum=hi, step=step, value=value, label=f.label, elem_id=eid)
     choices = list(f.choices or ())
-    if len(choices) <= 4:
-        return gr.Radio(choices=choices, value=value, label=f.label, elem_id=eid)
-    return gr.Dropdown(choices=choices, value=value, label=f.label, elem_id=eid)
+    if f.name in DROPDOWNS:
+        return gr.Dropdown(choices=choices, value=value, label=f.label, elem_id=eid)
+    return gr.Radio(choices=choices, value=value, label=f.label, elem_id=eid)
 
 
 def tooltips_for(controls: Mapping[str, Any], extra: Mapping[str, tuple[str, str]] = ()) -> dict:
@@ -129,7 +140,7 @@ def _enable_switch(
     if factory is not None:
         acc = factory(value, label=label, elem_id=eid)
         return acc, acc, acc
-    acc = gr.Accordion(label=label, open=False, elem_id=eid, elem_classes=["vram-guard-accordion"])
+    acc = gr.Accordion(label=label, open=value, elem_id=eid, elem_classes=["vram-guard-accordion"])
     return None, acc, acc
 
 
@@ -175,21 +186,12 @@ def build_ui(
             )
         controls["enabled"] = enable
         with gr.Column(elem_classes=["vram-guard", "vram-guard-controls"]):
-            with gr.Row():
-                for name in ("preset", "release_between_stages", "unet_fp16"):
-                    controls[name] = _component(
-                        FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
-                    )
-            with gr.Row():
-                for name in ("vae_tiling", "vae_mode", "vae_tile", "precision_vae"):
-                    controls[name] = _component(
-                        FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
-                    )
-            with gr.Row():
-                for name in ("upscale_tiling", "upscale_tile", "upscale_batch", "precision_upscale"):
-                    controls[name] = _component(
-                        FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
-                    )
+            for row in LAYOUT:
+                with gr.Row():
+                    for name in row:
+                        controls[name] = _component(
+                            FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
+                        )
             free_id = elem_id(elem_prefix, tab, "free")
             tips = tooltips_for(
                 controls,
@@ -206,17 +208,19 @@ def build_ui(
                 elem_classes=["vram-guard-readout-box"],
             )
             with gr.Row():
-                free_button = gr.Button(value="Free memory now", elem_id=free_id, variant="secondary")
+                free_button = gr.Button(
+                    value="Free memory now", elem_id=free_id, variant="secondary", size="sm"
+                )
     inputs = [controls[name] for name in API_ARG_ORDER]
     targets = [controls[name] for name in PRESET_TARGETS]
     controls["preset"].change(
         fn=lambda preset: preset_changed(preset, preset_values),
         inputs=[controls["preset"]],
         outputs=targets,
-        show_progress=False,
+        show_progress="hidden",
     )
     if on_free is not None:
-        free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress=False)
+        free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress="hidden")
     infotext = [(controls[name], infotext_getter(name)) for name in API_ARG_ORDER]
     return UIWidgets(
         inputs=inputs,
@@ -290,9 +294,9 @@ def build_extras_widgets(
                 elem_id=readout_elem_id(tab, elem_prefix),
                 elem_classes=["vram-guard-readout-box"],
             )
-            free_button = gr.Button(value="Free memory now", elem_id=free_id, variant="secondary")
+            free_button = gr.Button(value="Free memory now", elem_id=free_id, variant="secondary", size="sm")
     if on_free is not None:
-        free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress=False)
+        free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress="hidden")
     return ExtrasWidgets(inputs=inputs, readout=readout, free_button=free_button)
 
 

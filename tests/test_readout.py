@@ -1,0 +1,195 @@
+"""Readout payload (stable keys), its HTML (escaped, CPU-only notice) and the JS's global names."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from lib_vram import readout as R
+from lib_vram.device import MemoryInfo, memory_info
+from lib_vram.tracker import StageTracker
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1024**3
+
+GPU = MemoryInfo(
+    device="cuda:0",
+    backend="cuda",
+    total=8 * GiB,
+    free=3 * GiB,
+    allocated=4 * GiB,
+    reserved=5 * GiB,
+    peak_allocated=6 * GiB,
+    peak_reserved=6 * GiB,
+    process_rss=2 * GiB,
+    system_total=32 * GiB,
+    system_available=20 * GiB,
+)
+
+
+class _Text(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.text = []
+        self.tags = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def text_of(markup: str) -> tuple[str, list[str]]:
+    p = _Text()
+    p.feed(markup)
+    return " ".join(" ".join(p.text).split()), p.tags
+
+
+RECORDS = [
+    {"name": "sampling", "peak_bytes": 3 * GiB, "seconds": 4.0, "plan": None},
+    {"name": "vae_decode", "peak_bytes": int(4.5 * GiB), "seconds": 1.0, "plan": "exact t64", "exact": False},
+    {"name": "vae_decode", "peak_bytes": 4 * GiB, "seconds": 1.5, "plan": "exact t96"},
+    {"name": "hires_upscale", "peak_bytes": 2 * GiB, "seconds": 2.0, "plan": "t192 b4 fp16"},
+    {"name": "extras_upscale", "peak_bytes": GiB, "seconds": 0.5, "plan": "t256"},
+    {"name": "hires_decode", "peak_bytes": GiB, "seconds": 0.5, "plan": "exact t64"},
+]
+
+
+def test_payload_keys_are_stable():
+    payload = R.status_payload(GPU, RECORDS, job_running=True, notes=["n1"], device_name="RTX 3060")
+    assert list(payload) == [
+        "schema",
+        "device",
+        "device_name",
+        "backend",
+        "cpu_only",
+        "memory",
+        "job_running",
+        "stages",
+        "notes",
+        "html",
+    ]
+    assert list(payload["memory"]) == [
+        "basis",
+        "total_bytes",
+        "used_bytes",
+        "free_bytes",
+        "allocated_bytes",
+        "reserved_bytes",
+        "process_rss_bytes",
+        "system_total_bytes",
+        "system_available_bytes",
+    ]
+    assert payload["memory"]["used_bytes"] == 5 * GiB and payload["memory"]["basis"] == "device memory"
+    assert payload["cpu_only"] is False and payload["job_running"] is True
+    json.dumps(payload)  # serialisable as the route's body
+    stages = payload["stages"]
+    assert [s["stage"] for s in stages] == [
+        "sampling",
+        "hires_decode",
+        "hires_upscale",
+        "decode",
+        "extras_upscale",
+    ]
+    assert stages[1]["label"] == "Hires first decode"
+    decode = stages[3]
+    assert decode["count"] == 2 and decode["peak_bytes"] == int(4.5 * GiB)
+    assert decode["plan"] == "exact t64" and decode["exact"] is False and decode["seconds"] == 2.5
+    assert set(decode) == {"stage", "label", "peak_bytes", "plan", "seconds", "count", "ok", "exact", "error"}
+
+
+def test_html_lists_every_stage_with_peak_and_plan():
+    payload = R.status_payload(GPU, RECORDS, job_running=False, device_name="RTX 3060")
+    text, _tags = text_of(R.render_readout_html(payload))
+    assert "RTX 3060 (cuda:0)" in text
+    assert "device memory: used 5.00 GiB of 8.00 GiB, free 3.00 GiB" in text
+    for label in ("Sampling", "Hires upscale", "Hires encode", "Decode ×2", "Postprocess", "Extras upscale"):
+        assert label in text
+    assert "≥ 4.50 GiB exact t64" in text
+    assert "2.00 GiB t192 b4 fp16" in text
+    assert "CPU only" not in text
+
+
+def test_cpu_only_says_so_and_shows_ram():
+    mem = memory_info("cpu")
+    payload = R.status_payload(mem, [], job_running=False)
+    assert payload["cpu_only"] is True
+    assert payload["memory"]["basis"] == "system RAM"
+    assert payload["notes"][0] == R.CPU_ONLY_NOTE
+    text, _ = text_of(payload["html"])
+    assert "system RAM: used" in text and "CPU only" in text
+
+
+def test_failed_stage_and_tracker_records():
+    tracker = StageTracker("cpu")
+    with tracker.stage("sampling"):
+        pass
+    with pytest.raises(RuntimeError), tracker.stage("decode", plan="exact t32"):
+        raise RuntimeError("CUDA out of memory")
+    payload = R.status_payload(memory_info("cpu"), tracker.records, job_running=False)
+    decode = payload["stages"][1]
+    assert decode["ok"] is False and "out of memory" in decode["error"]
+    assert 'class="vram-guard-stage vram-guard-failed"' in payload["html"]
+    with pytest.raises(ValueError, match="`records`"):
+        R.status_payload(GPU, [42], job_running=False)
+
+
+def test_everything_is_escaped():
+    evil = "<img src=x onerror=alert(1)>"
+    records = [{"name": evil, "peak_bytes": 1, "plan": evil, "ok": False, "error": evil}]
+    payload = R.status_payload(GPU, records, job_running=False, notes=[evil], device_name=evil)
+    markup = R.render_readout_html(payload, tab=evil, tooltips={evil: (evil, evil)})
+    _text, tags = text_of(markup)
+    assert "img" not in tags
+    assert "<img" not in markup
+
+
+def test_tooltips_attribute_round_trips():
+    tips = {"vram_guard_txt2img_preset": ("Memory preset", 'Say "hi" & <go>')}
+    markup = R.render_readout_html(R.placeholder_payload(), tab="txt2img", tooltips=tips)
+    m = re.search(r'data-vram-guard-tooltips="([^"]*)"', markup)
+    import html
+
+    assert json.loads(html.unescape(m.group(1))) == {k: list(v) for k, v in tips.items()}
+
+
+def test_format_bytes():
+    assert R.format_bytes(None) == "n/a"
+    assert R.format_bytes(512) == "512 B"
+    assert R.format_bytes(1536 * 2**20) == "1.50 GiB"
+    assert R.format_bytes(3 * 2**40) == "3072.00 GiB"
+
+
+JS = ROOT / "javascript" / "vram_guard.js"
+
+
+def test_js_globals_are_prefixed():
+    source = JS.read_text()
+    top = re.findall(r"^(?:function|var|let|const|class)\s+(\w+)", source, flags=re.M)
+    assert top, "no top-level names found: the check would be vacuous"
+    assert all(name.startswith("vramGuard") for name in top), top
+    assert "./vram-guard/v1/status" in source and R.STATUS_ROUTE == "/vram-guard/v1/status"
+
+
+def test_js_parses():
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node not installed; the browser test runs the script instead")
+    subprocess.run([node, "--check", str(JS)], check=True, timeout=60)
+
+
+def test_css_is_scoped():
+    css = (ROOT / "style.css").read_text()
+    css = re.sub(r"/\*.*?\*/", "", css, flags=re.S)
+    selectors = re.findall(r"([^{}]+)\{", css)
+    assert selectors
+    for group in selectors:
+        for sel in group.split(","):
+            assert sel.strip().startswith(".vram-guard"), sel

@@ -1,0 +1,245 @@
+"""The accordion in a real browser: headless Chromium, DevTools protocol, live readout updates.
+
+Serves the accordion (gradio 3.41 Blocks + javascript/vram_guard.js + style.css) with a fake
+status route (tests/ui_demo_server.py), then checks in Chromium that the JS fills the readout from
+the route, polls while a job runs, fetches once after it ends, stays quiet when idle, sets the
+tooltips, and that "Free memory now" goes through gradio to the server and back. Takes a
+screenshot; ``VRAM_GUARD_UPDATE_DOCS=1`` also writes it to docs/vram_guard_accordion.png.
+
+Needs Debian's ``chromium`` (``apt-get install -y chromium``); skipped only when it is absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+GiB = 1024**3
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="Chromium not installed (apt-get update && apt-get install -y chromium)"
+    ),
+]
+
+
+class CDP:
+    """A minimal Chrome DevTools Protocol client over one page's websocket."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.ids = itertools.count(1)
+
+    async def call(self, method: str, **params):
+        msg_id = next(self.ids)
+        await self.ws.send(json.dumps({"id": msg_id, "method": method, "params": params}))
+        while True:
+            msg = json.loads(await asyncio.wait_for(self.ws.recv(), timeout=60))
+            if msg.get("id") == msg_id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+
+    async def js(self, expression: str):
+        res = await self.call(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
+        if "exceptionDetails" in res:
+            raise RuntimeError(f"JS error in {expression!r}: {res['exceptionDetails']}")
+        return res["result"].get("value")
+
+    async def wait_for(self, expression: str, *, timeout: float = 30.0, what: str = ""):
+        deadline = time.monotonic() + timeout
+        value = None
+        while time.monotonic() < deadline:
+            value = await self.js(expression)
+            if value:
+                return value
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what or expression}; last value {value!r}")
+
+
+def launch_chromium(user_dir: Path) -> tuple[subprocess.Popen, int]:
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-quic",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={user_dir}",
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+        "--remote-debugging-address=127.0.0.1",
+        "--remote-debugging-port=0",
+        "--remote-allow-origins=*",
+        "--window-size=900,1000",
+        "about:blank",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port_file = user_dir / "DevToolsActivePort"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.read_text().strip():
+            return proc, int(port_file.read_text().split()[0])
+        if proc.poll() is not None:
+            raise RuntimeError(f"chromium exited with {proc.returncode}")
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("chromium did not open its DevTools port")
+
+
+def page_ws_url(port: int) -> str:
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        targets = json.loads(opener.open(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
+        pages = [t for t in targets if t.get("type") == "page"]
+        if pages:
+            return pages[0]["webSocketDebuggerUrl"]
+        time.sleep(0.2)
+    raise RuntimeError("no page target in chromium")
+
+
+READOUT = "document.querySelector('#vram_guard_readout_txt2img .vram-guard-readout')"
+
+
+def readout_text() -> str:
+    return f"({READOUT} ? {READOUT}.innerText : '')"
+
+
+async def scenario(url: str, ws_url: str, server, shot: Path) -> None:
+    import websockets
+
+    state = server.state
+    async with websockets.connect(ws_url, max_size=None, open_timeout=30) as ws:
+        cdp = CDP(ws)
+        await cdp.call("Page.enable")
+        await cdp.call("Runtime.enable")
+        await cdp.call("Page.navigate", url=url)
+        await cdp.wait_for(f"!!{READOUT}", timeout=90, what="the accordion's readout")
+        # The JS's first fetch replaces the placeholder with the route's payload.
+        await cdp.wait_for(f"{readout_text()}.includes('Demo GPU 6GB')", what="first status fetch")
+        assert await cdp.js("typeof vramGuardTick === 'function' && typeof vramGuardState === 'object'")
+        assert "idle" in await cdp.js(readout_text())
+        # Tooltips: set as title on the controls (and registered in titles[] inside the WebUI).
+        title = await cdp.js("document.querySelector('#vram_guard_txt2img_preset').title")
+        assert title.startswith("Auto picks the preset")
+
+        # A job starts: the readout follows the route about once a second.
+        hits0 = state.hits
+        state.update(
+            job_running=True,
+            used_gib=4.1,
+            records=[{"name": "sampling", "peak_bytes": int(3.6 * GiB), "seconds": 6.2, "plan": "sdp"}],
+        )
+        await cdp.wait_for(
+            f"{readout_text()}.includes('job running') && {readout_text()}.includes('3.60 GiB')",
+            timeout=20,
+            what="running job in the readout",
+        )
+        state.update(
+            records=[
+                *state.records,
+                {
+                    "name": "hires_upscale",
+                    "peak_bytes": int(2.4 * GiB),
+                    "seconds": 3.1,
+                    "plan": "t192 b4 fp16",
+                },
+            ]
+        )
+        await cdp.wait_for(f"{readout_text()}.includes('t192 b4 fp16')", timeout=20, what="second poll")
+        assert state.hits - hits0 >= 2
+
+        # The job ends: one more fetch brings the final stages and the idle state.
+        state.update(
+            job_running=False,
+            used_gib=2.3,
+            records=[
+                *state.records,
+                {
+                    "name": "hires_encode",
+                    "peak_bytes": int(3.0 * GiB),
+                    "seconds": 1.4,
+                    "plan": "exact t64 bf16",
+                },
+                {"name": "vae_decode", "peak_bytes": int(3.3 * GiB), "seconds": 2.9, "plan": "exact t64"},
+                {"name": "postprocess", "peak_bytes": int(2.1 * GiB), "seconds": 0.2, "plan": None},
+            ],
+        )
+        await cdp.wait_for(
+            f"{readout_text()}.includes('exact t64 bf16') && {readout_text()}.includes('idle')",
+            timeout=20,
+            what="final fetch after the job",
+        )
+        # Idle: no polling every second (only a slow refresh while the readout is visible).
+        idle0 = state.hits
+        await asyncio.sleep(3.0)
+        assert state.hits - idle0 <= 1, f"{state.hits - idle0} fetches in 3 s while idle"
+
+        text = await cdp.js(readout_text())
+        for label in ("Sampling", "Hires upscale", "Hires encode", "Decode", "Postprocess"):
+            assert label in text, label
+
+        # Screenshot of the accordion.
+        rect = await cdp.js(
+            "(() => { const r = document.querySelector('#vram_guard_txt2img').getBoundingClientRect();"
+            " return {x: r.x, y: r.y + window.scrollY, width: r.width, height: r.height}; })()"
+        )
+        assert rect["height"] > 200, rect
+        clip = {
+            "x": max(0, rect["x"] - 8),
+            "y": max(0, rect["y"] - 8),
+            "width": rect["width"] + 16,
+            "height": rect["height"] + 16,
+            "scale": 1,
+        }
+        shot_data = await cdp.call(
+            "Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=True
+        )
+        shot.write_bytes(base64.b64decode(shot_data["data"]))
+
+        # "Free memory now": gradio calls the server's callback, whose HTML lands in the readout.
+        await cdp.js("document.querySelector('#vram_guard_txt2img_free').click()")
+        await cdp.wait_for(f"{readout_text()}.includes('released 0.80 GiB')", timeout=30, what="free button")
+        assert state.frees == 1
+
+
+def test_accordion_renders_and_readout_follows_the_status_route(tmp_path):
+    from ui_demo_server import DemoServer
+
+    shot = tmp_path / "vram_guard_accordion.png"
+    with DemoServer() as server:
+        proc, port = launch_chromium(tmp_path / "profile")
+        try:
+            ws_url = page_ws_url(port)
+            asyncio.run(scenario(server.url, ws_url, server, shot))
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    if os.environ.get("VRAM_GUARD_UPDATE_DOCS") == "1":
+        (ROOT / "docs").mkdir(exist_ok=True)
+        shutil.copyfile(shot, ROOT / "docs" / "vram_guard_accordion.png")
