@@ -515,3 +515,89 @@ def plan_job(
             )  # fmt: skip
         )
     return plans
+
+
+# -- the engines' own code on fake tensors ---------------------------------------------------------
+
+
+def predict_engine_vae(
+    module: torch.nn.Module,
+    kind: str,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype | str = torch.float32,
+    tile: int | None = None,
+    mode: str = "exact",
+    backend: str = "cpu",
+) -> PeakPrediction:
+    """Peak of :func:`lib_vram.vae.tiled_decode`/``tiled_encode`` on ``module`` (any layout the
+    engine supports: the WebUI's own VAE, ldm, diffusers, :mod:`lib_vram.reference`), predicted by
+    running the engine itself on fake tensors (its finite-check guard off, its state kept on the
+    device). ``tile=None`` predicts the untiled pass the engine runs when everything fits."""
+    from .vae import TiledVAEConfig, tiled_decode, tiled_encode
+
+    if kind not in ("decode", "encode"):
+        raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
+    dt = dtype_of(dtype)
+    fmode = new_fake_mode()
+    cfg = TiledVAEConfig(
+        mode="auto" if tile is None else mode,
+        tile=tile,
+        budget_bytes=2**50,
+        dtype=dt,
+        guard=False,
+        state_offload="device",
+    )
+    run = tiled_decode if kind == "decode" else tiled_encode
+    state = fake_state(module, fmode, dt)
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return run(module, x, config=cfg)
+
+    wrapper = _Loop(module, lambda m, x: call(x))
+    fn = fake_call(wrapper, {f"inner.{k}": v for k, v in state.items()})
+    return predict_callable(
+        fn,
+        (tuple(input_shape),),
+        dtype=dt,
+        weights=weights_bytes(module, dt),
+        backend=backend,
+        fake_mode=fmode,
+    )
+
+
+def predict_engine_upscale(
+    model: object,
+    input_shape: tuple[int, ...],
+    dtype: str = "fp32",
+    tile: int | None = None,
+    batch: int = 1,
+    scale: int = 4,
+    backend: str = "cpu",
+) -> PeakPrediction:
+    """Peak of :func:`lib_vram.upscale.upscale_tensor` with ``model`` (a ``torch.nn.Module``),
+    predicted by running the engine on fake tensors (finite check off, accumulator on the device)."""
+    from .upscale import UpscaleConfig, upscale_tensor
+
+    net = getattr(model, "model", model)
+    dt = dtype_of(dtype)
+    fmode = new_fake_mode()
+    side = max(input_shape[-2:])
+    cfg = UpscaleConfig(
+        tile=side if tile is None else tile,
+        batch=batch,
+        precision=dtype,
+        device="cpu",
+        budget_bytes=2**50,
+        accumulate_on="device",
+        check_finite=False,
+        calibrate=False,
+    )
+    state = fake_state(net, fmode, dt)
+
+    def loop(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return upscale_tensor(m, x, config=cfg, scale=scale)
+
+    fn = fake_call(_Loop(net, loop), {f"inner.{k}": v for k, v in state.items()})
+    return predict_callable(
+        fn, (tuple(input_shape),), dtype=dt, weights=weights_bytes(net, dt), backend=backend, fake_mode=fmode
+    )
