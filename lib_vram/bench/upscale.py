@@ -58,7 +58,7 @@ PIL_OVERLAP = 8
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run of a few minutes)")
-    parser.add_argument("--large", action="store_true", help="add Compact 1024² and RRDBNet 256² (slow on CPU)")
+    parser.add_argument("--large", action="store_true", help="add Compact 1024², RRDBNet 256² (slow on CPU)")
     parser.add_argument("--json", action="store_true", help="print the records as JSON")
     parser.add_argument("--device", default=None, help="device (default: the best available)")
     parser.add_argument(
