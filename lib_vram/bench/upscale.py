@@ -3,8 +3,8 @@
 Every case runs in a fresh Python process (``--case JSON``), so peaks and caches do not leak
 between cases. Models are real spandrel architectures with random weights, saved to files and
 loaded through spandrel: Compact at the size of realesr-animevideov3 (64 features, 16 convs, x4),
-RRDBNet at the size of RealESRGAN_x4plus (64 filters, 23 blocks, x4; biased toward an image-like
-output, see :func:`lib_vram.bench._synthetic.make_imagelike_rrdb`), and a small Compact (16
+RRDBNet at the size of RealESRGAN_x4plus (64 filters, 23 blocks, x4), both initialised to behave
+like trained models (see :mod:`lib_vram.bench._synthetic`), and a small Compact (16
 features, 4 convs) for the constant-peak series.
 
 Columns: ``method`` (untiled | engine | pil_loop), ``arch``, ``image_px`` (input side), ``tile``,
@@ -111,7 +111,7 @@ def build_models(workdir: Path, archs: set[str]) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from ._synthetic import compact_class, make_imagelike_rrdb, rrdb_class
+    from ._synthetic import compact_class, make_imagelike_compact, make_imagelike_rrdb, rrdb_class
 
     for arch in sorted(archs):
         path = _model_path(workdir, arch)
@@ -127,6 +127,7 @@ def build_models(workdir: Path, archs: set[str]) -> None:
                 num_conv=cfg["num_conv"],
                 upscale=cfg["scale"],
             )
+            make_imagelike_compact(net)
         else:
             net = rrdb_class()(
                 in_nc=3,
