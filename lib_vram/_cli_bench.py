@@ -1,4 +1,4 @@
-"""``python -m lib_vram bench TARGET``: side-by-side benchmarks, one target per module.
+"""``python -m lib_vram bench TARGET``: side-by-side benchmarks (one module per target).
 
 Each target is a module ``lib_vram/bench/<name>.py`` with ``configure(parser)`` and
 ``run(args) -> int``; register it in ``TARGETS``.
@@ -10,11 +10,9 @@ import argparse
 import importlib
 
 NAME = "bench"
-HELP = "Run a benchmark (printed table; --json for machines)."
+HELP = "Run a benchmark (each case in a fresh process) and print a side-by-side table."
 
-TARGETS: dict[str, str] = {
-    "planner": "lib_vram.bench.planner",
-}
+TARGETS: dict[str, str] = {"upscale": "lib_vram.bench.upscale", "planner": "lib_vram.bench.planner"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
