@@ -176,6 +176,7 @@ class _Mid(nn.Module):
 class _Up(nn.Module):
     def __init__(self, c: int) -> None:
         super().__init__()
+        self.with_conv = True  # ldm's attribute: tells layout readers (the VAE engine) there is a conv
         self.conv = nn.Conv2d(c, c, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,6 +186,7 @@ class _Up(nn.Module):
 class _Down(nn.Module):
     def __init__(self, c: int) -> None:
         super().__init__()
+        self.with_conv = True
         self.conv = nn.Conv2d(c, c, 3, stride=2, padding=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

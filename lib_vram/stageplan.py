@@ -595,7 +595,9 @@ def predict_engine_upscale(
     state = fake_state(net, fmode, dt)
 
     def loop(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return upscale_tensor(m, x, config=cfg, scale=scale)
+        # A plain callable: the engine then leaves the module's device/dtype alone (the fake
+        # weights are already of ``dtype``).
+        return upscale_tensor(lambda t: m(t), x, config=cfg, scale=scale)
 
     fn = fake_call(_Loop(net, loop), {f"inner.{k}": v for k, v in state.items()})
     return predict_callable(

@@ -33,7 +33,8 @@ HELP = "Predicted vs measured peak memory (CPU RSS) for VAE and upscaler stages,
 class Case:
     name: str
     engine: str
-    """``"vae"`` or ``"upscale"``."""
+    """``"vae"``/``"upscale"`` (this module's tiled loops or the untiled model) or
+    ``"vae-engine"``/``"upscale-engine"`` (:mod:`lib_vram.vae` / :mod:`lib_vram.upscale` themselves)."""
     kind: str
     """``decode``/``encode`` (vae) or ``rrdb``/``compact`` (upscale)."""
     size: int
@@ -55,16 +56,15 @@ CASES: tuple[Case, ...] = (
     Case("enc-256-ch64", "vae", "encode", 256, 64),
     Case("dec-512-ch32", "vae", "decode", 512, 32, quick=True),
     Case("enc-512-ch32", "vae", "encode", 512, 32, quick=True),
-    Case("dec-768-ch32", "vae", "decode", 768, 32),
     Case("dec-1024-ch32-t32", "vae", "decode", 1024, 32, tile=32),
-    Case("enc-1024-ch32-t32", "vae", "encode", 1024, 32, tile=32),
+    Case("eng-dec-256-t16", "vae-engine", "decode", 256, 128, tile=16),
     Case("rrdb-256", "upscale", "rrdb", 256, quick=True),
-    Case("rrdb-512", "upscale", "rrdb", 512),
     Case("rrdb-1024-t128x2", "upscale", "rrdb", 1024, tile=128, batch=2),
+    Case("eng-rrdb-1024-t128x2", "upscale-engine", "rrdb", 1024, tile=128, batch=2),
     Case("compact-512", "upscale", "compact", 512, quick=True),
-    Case("compact-1024", "upscale", "compact", 1024),
     Case("compact-2048", "upscale", "compact", 2048),
     Case("compact-2048-t192x2", "upscale", "compact", 2048, tile=192, batch=2),
+    Case("eng-compact-2048-t192x2", "upscale-engine", "compact", 2048, tile=192, batch=2),
 )
 """The cases. CPU time decides the widths: the full SD decoder at 256², narrower VAEs (same ldm
 code) above; VAE sizes stop at 1024² because the mid-block attention of a 2048² decode (65536
@@ -95,9 +95,9 @@ def _build(case: Case):
     """The model and the input shape of ``case`` (build under a device/fake context as needed)."""
     from lib_vram import reference
 
-    if case.engine == "vae":
+    if case.engine in ("vae", "vae-engine"):
         lat = case.size // 8
-        if case.tile is None:
+        if case.tile is None or case.engine == "vae-engine":
             from ldm.modules.diffusionmodules.model import Decoder, Encoder
 
             cls = Decoder if case.kind == "decode" else Encoder
@@ -116,8 +116,37 @@ def _build(case: Case):
 
 
 def _runner(case: Case, model, *, dedupe: bool):
+    import torch
+
     from lib_vram import stageplan
 
+    if case.engine == "vae-engine":
+        from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
+
+        cfg = TiledVAEConfig(
+            mode="exact",
+            tile=case.tile,
+            budget_bytes=2**50,
+            dtype=torch.float32,
+            guard=False,
+            state_offload="device",
+        )
+        run = tiled_decode if case.kind == "decode" else tiled_encode
+        return lambda x: run(model, x, config=cfg)
+    if case.engine == "upscale-engine":
+        from lib_vram.upscale import UpscaleConfig, upscale_tensor
+
+        ucfg = UpscaleConfig(
+            tile=case.tile,
+            batch=case.batch,
+            precision="fp32",
+            device="cpu",
+            budget_bytes=2**50,
+            accumulate_on="device",
+            check_finite=False,
+            calibrate=False,
+        )
+        return lambda x: upscale_tensor(lambda t: model(t), x, config=ucfg, scale=SCALE)
     if case.tile is None:
         return model
     if case.engine == "vae":
@@ -135,6 +164,13 @@ def predict(case: Case) -> dict:
 
     with torch.device("meta"):
         model, shape = _build(case)
+    if case.engine in ("vae-engine", "upscale-engine"):
+        t0 = time.perf_counter()
+        if case.engine == "vae-engine":
+            pred = stageplan.predict_engine_vae(model, case.kind, shape, "fp32", case.tile, "exact")
+        else:
+            pred = stageplan.predict_engine_upscale(model, shape, "fp32", case.tile, case.batch, SCALE)
+        return {"prediction": pred.to_dict(), "predict_seconds": time.perf_counter() - t0}
     mode = P.new_fake_mode()
     state = P.fake_state(model, mode, torch.float32)
     if case.tile is None:
@@ -164,7 +200,7 @@ def measure(case: Case) -> dict:
     run = _runner(case, model, dedupe=False)
     tracker = StageTracker("cpu", owns_peak_counters=True)
     with torch.no_grad():
-        small = (1, shape[1], 8, 8) if case.engine == "vae" and case.kind == "decode" else (1, 3, 64, 64)
+        small = (1, shape[1], 8, 8) if case.kind == "decode" else (1, 3, 64, 64)
         with tracker.stage("warmup"):
             model(torch.randn(small))
         t0 = time.perf_counter()
@@ -208,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(measure(case)))
         return 0
     records = []
+    failed: list[str] = []
     for case in _select(args):
         pred = predict(case)
         env = dict(os.environ)
@@ -223,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if proc.returncode != 0:
             print(f"case {case.name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
-            return 1
+            failed.append(case.name)
+            continue
         meas = json.loads(proc.stdout.strip().splitlines()[-1])
         p = pred["prediction"]
         err = (
@@ -234,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
             "engine": case.engine,
             "kind": case.kind,
             "size": case.size,
-            "ch": case.ch if case.engine == "vae" else None,
+            "ch": case.ch if case.engine.startswith("vae") else None,
             "plan": case.plan,
             "predicted_bytes": p["activation_bytes"],
             "measured_bytes": meas["measured_delta_bytes"],
@@ -255,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.json:
         print(json.dumps(records, indent=2))
-        return 0
+        return 1 if failed else 0
     errs = [abs(r["error"]) for r in records if r["error"] is not None]
     print()
     print("| case | engine | plan | predicted MiB | measured MiB | error |")
@@ -270,4 +308,6 @@ def run(args: argparse.Namespace) -> int:
             f"\n{len(records)} cases; max |error| {100 * max(errs):.1f} %, "
             f"mean {100 * sum(errs) / len(errs):.1f} %"
         )
-    return 0
+    if failed:
+        print(f"failed cases: {', '.join(failed)}")
+    return 1 if failed else 0
