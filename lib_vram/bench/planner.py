@@ -71,6 +71,13 @@ code) above; VAE sizes stop at 1024Â² because the mid-block attention of a 2048Â
 tokens) alone takes minutes on two shared cores. Sizes are output px (decode, upscale) or input px
 (encode)."""
 
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+"""glibc settings for the measured processes: every allocation above 64 KiB gets its own mapping,
+returned to the OS when freed, so RSS follows the bytes actually allocated (as a GPU allocator's
+``allocated`` counter does). With glibc's default, the mmap threshold grows after the first large
+frees and later tensors come from the heap, whose freed chunks stay resident: RSS then depends on
+the allocation history, not only on what the stage holds (``--glibc-default`` shows that)."""
+
 RRDB_BLOCKS = 2
 SCALE = 4
 
@@ -221,6 +228,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--case", action="append", default=None, help="run only these cases (repeatable)")
     parser.add_argument("--json", action="store_true", help="print JSON records instead of the table")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="run the cases with glibc's default malloc thresholds (RSS then also holds freed heap chunks)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case (default 900)")
 
 
@@ -250,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if not args.glibc_default:
+            env.update(MALLOC_ENV)
         proc = subprocess.run(
             [sys.executable, "-m", "lib_vram", "bench", "planner", "--child", case.name],
             capture_output=True,
