@@ -7,6 +7,7 @@ import json
 
 from . import __version__
 from .device import capabilities, memory_info, resolve_device
+from .presets import tier_preset_name
 from .tiers import tier_for_total, tier_label
 
 NAME = "doctor"
@@ -65,6 +66,7 @@ def collect(device: str | None = None) -> dict:
         },
         "precision": {"fp16": caps.fp16, "bf16": caps.bf16},
         "tier": {"gb": tier, "label": tier_label(tier)},
+        "recommended_preset": tier_preset_name(mem.total),
         "notes": notes,
     }
 

@@ -14,7 +14,12 @@ import sys
 from . import __version__
 from .log import configure as configure_logging
 
-COMMANDS: tuple[str, ...] = ("lib_vram._cli_doctor",)
+COMMANDS: tuple[str, ...] = (
+    "lib_vram._cli_doctor",
+    "lib_vram._cli_plan",
+    "lib_vram._cli_upscale",
+    "lib_vram._cli_bench",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,6 +37,7 @@ TOP_KEYS = {
     "torch",
     "precision",
     "tier",
+    "recommended_preset",
     "notes",
 }
 MEMORY_KEYS = {

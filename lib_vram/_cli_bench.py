@@ -1,0 +1,33 @@
+"""``python -m lib_vram bench TARGET``: side-by-side benchmarks (one module per target).
+
+Each target is a module ``lib_vram/bench/<name>.py`` with ``configure(parser)`` and
+``run(args) -> int``; register it in ``TARGETS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+NAME = "bench"
+HELP = "Run a benchmark (each case in a fresh process) and print a side-by-side table."
+
+TARGETS: dict[str, str] = {
+    "upscale": "lib_vram.bench.upscale",
+    "planner": "lib_vram.bench.planner",
+    "vae": "lib_vram.bench.vae",
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="target", metavar="TARGET")
+    sub.required = True
+    for name, module_name in TARGETS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.configure(p)
+        p.set_defaults(_bench_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench_run(args) or 0)

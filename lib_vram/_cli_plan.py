@@ -1,0 +1,166 @@
+"""``python -m lib_vram plan``: predicted peak, chosen plan and fit, per stage, before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from .device import capabilities, free_bytes, memory_info, resolve_device
+from .presets import PRESET_NAMES, resolve_preset
+from .reference import ARCHS, UPSCALERS
+
+NAME = "plan"
+HELP = "Predict each stage's peak memory for a generation and choose tiles/batches that fit."
+
+SCHEMA_VERSION = 1
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"6GB"``/``"6G"``/``"6GiB"`` -> 6 GiB, ``"4096MB"`` -> 4 GiB. Card sizes are binary: a "6 GB"
+    card has 6 GiB, so GB and GiB mean the same here."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"`--vram` must look like 6GB, 5.5GiB or 4096MB, got {text!r}")
+    value = float(m.group(1))
+    unit = (m.group(2) or "gb").lower()
+    mult = 2**30 if unit.startswith("g") else 2**20
+    out = int(value * mult)
+    if out <= 0:
+        raise ValueError(f"`--vram` must be > 0, got {text!r}")
+    return out
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", required=True, choices=sorted(ARCHS), help="model family")
+    parser.add_argument("--width", type=int, required=True, help="image width in px (multiple of 8)")
+    parser.add_argument("--height", type=int, required=True, help="image height in px (multiple of 8)")
+    parser.add_argument("--batch", type=int, default=1, help="images per batch (default 1)")
+    parser.add_argument("--hires", type=float, default=None, help="hires fix scale, e.g. 2")
+    parser.add_argument("--upscaler", choices=UPSCALERS, default=None, help="4x upscaler (hires or final)")
+    parser.add_argument(
+        "--vram",
+        default=None,
+        help="plan for a card of this size (e.g. 6GB) instead of this device; on CUDA also caps "
+        "this process at that size (torch.cuda.set_per_process_memory_fraction)",
+    )
+    parser.add_argument("--preset", default="Auto", choices=PRESET_NAMES, help="preset (default Auto)")
+    parser.add_argument(
+        "--safety-margin", default=None, help="override the preset's safety margin (e.g. 512MB)"
+    )
+    parser.add_argument("--device", default=None, help="device whose capabilities apply (default: best)")
+    parser.add_argument("--json", action="store_true", help="print JSON: one record per stage")
+
+
+def emulate_vram(total: int, device: object | None = None) -> bool:
+    """On CUDA, cap this process's allocations at ``total`` bytes (an emulated smaller card).
+    Returns False where the backend has no such cap."""
+    import torch
+
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        return False
+    card = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, total / card), dev)
+    return True
+
+
+def collect(args: argparse.Namespace) -> dict:
+    from .stageplan import plan_job
+
+    dev = resolve_device(args.device)
+    caps = capabilities(dev)
+    if args.vram is not None:
+        total = free = parse_size(args.vram)
+        emulated = emulate_vram(total, dev)
+        # A generic card of that size: half precision, bf16 unknown -> assume fp16 only.
+        from types import SimpleNamespace
+
+        caps_used = SimpleNamespace(backend="cuda", fp16=True, bf16=False)
+    else:
+        total = memory_info(dev).total
+        free = free_bytes(dev)
+        emulated = False
+        caps_used = caps
+    preset = resolve_preset(args.preset, total, caps_used)
+    margin = None if args.safety_margin is None else parse_size(args.safety_margin)
+    plans = plan_job(
+        args.arch,
+        args.width,
+        args.height,
+        preset,
+        free,
+        total,
+        caps=caps_used,
+        batch=args.batch,
+        hires=args.hires,
+        upscaler=args.upscaler,
+        safety_margin_bytes=margin,
+    )
+    return {
+        "schema": SCHEMA_VERSION,
+        "arch": args.arch,
+        "width": args.width,
+        "height": args.height,
+        "batch": args.batch,
+        "hires": args.hires,
+        "upscaler": args.upscaler,
+        "preset": preset.name,
+        "resolved_from": preset.resolved_from,
+        "total_bytes": total,
+        "free_bytes": free,
+        "emulated": args.vram is not None,
+        "memory_fraction_set": emulated,
+        "stages": [p.to_dict() for p in plans],
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_table(report: dict) -> str:
+    head = (
+        f"{report['arch']} {report['width']}x{report['height']}"
+        + (f" batch {report['batch']}" if report["batch"] > 1 else "")
+        + (f", hires x{report['hires']:g}" if report["hires"] else "")
+        + (f", upscaler {report['upscaler']}" if report["upscaler"] else "")
+        + f"; preset {report['preset']}"
+        + (f" ({report['resolved_from']})" if report["resolved_from"] else "")
+        + f"; {_gib(report['free_bytes'])} free of {_gib(report['total_bytes'])}"
+        + (" (emulated)" if report["emulated"] else "")
+    )
+    rows = [("stage", "plan", "dtype", "predicted peak", "budget", "fits")]
+    for s in report["stages"]:
+        rows.append(
+            (
+                s["stage"],
+                s["plan"],
+                s["dtype"],
+                _gib(s["predicted_peak_bytes"]),
+                _gib(s["budget_bytes"]),
+                "yes" if s["fits"] else "NO",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [head, ""]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    for s in report["stages"]:
+        if s["warning"]:
+            lines.append(f"warning: {s['stage']}: {s['warning']}")
+    lines.append(
+        "peak = stage model weights + resident weights not offloaded + input + predicted activations; "
+        "budget = free - safety margin"
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect(args)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        print(format_table(report))
+    return 0 if all(s["fits"] for s in report["stages"]) else 3

@@ -1,0 +1,327 @@
+"""``python -m lib_vram bench planner``: predicted vs measured peak memory, per case.
+
+Every case runs in a fresh subprocess on the CPU: build the model with random weights, create the
+input, warm up on a tiny input, then run the stage inside ``StageTracker(owns_peak_counters=True)``,
+which reads Linux's resettable RSS high-water mark (``VmHWM``). The measured number is the peak
+*above* the memory in use when the stage began (weights and input are already resident); the
+predicted number is the predictor's activation bytes for the same model, shape and plan, from a
+fake run in this (parent) process. Error = predicted / measured - 1.
+
+Models: the real ldm ``Decoder``/``Encoder`` classes (untiled cases; full SD width where the CPU
+allows, narrower ``ch`` for large sizes - same code, fewer channels), the reference decoder/encoder
+of :mod:`lib_vram.reference` for the tiled plans (run by :mod:`lib_vram.stageplan`'s tiled loops),
+and spandrel's RRDBNet (ESRGAN; 2 blocks instead of 23: the peak depends on the width, not the
+depth) and SRVGGNetCompact. ``ldm`` is imported only inside the benchmark functions (it is a test
+dependency, never needed by the core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HELP = "Predicted vs measured peak memory (CPU RSS) for VAE and upscaler stages, untiled and tiled."
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    engine: str
+    """``"vae"``/``"upscale"`` (this module's tiled loops or the untiled model) or
+    ``"vae-engine"``/``"upscale-engine"`` (:mod:`lib_vram.vae` / :mod:`lib_vram.upscale` themselves)."""
+    kind: str
+    """``decode``/``encode`` (vae) or ``rrdb``/``compact`` (upscale)."""
+    size: int
+    """Output image side in px (decode/upscale) or input image side (encode)."""
+    ch: int = 128
+    tile: int | None = None
+    batch: int = 1
+    quick: bool = False
+
+    @property
+    def plan(self) -> str:
+        if self.tile is None:
+            return "untiled"
+        return f"tile {self.tile}" + (f" x{self.batch}" if self.batch > 1 else "")
+
+
+CASES: tuple[Case, ...] = (
+    Case("dec-256", "vae", "decode", 256, 128),
+    Case("enc-256-ch64", "vae", "encode", 256, 64),
+    Case("dec-512-ch32", "vae", "decode", 512, 32, quick=True),
+    Case("enc-512-ch32", "vae", "encode", 512, 32, quick=True),
+    Case("dec-1024-ch32-t32", "vae", "decode", 1024, 32, tile=32),
+    Case("eng-dec-256-t16", "vae-engine", "decode", 256, 128, tile=16),
+    Case("rrdb-256", "upscale", "rrdb", 256, quick=True),
+    Case("rrdb-1024-t128x2", "upscale", "rrdb", 1024, tile=128, batch=2),
+    Case("eng-rrdb-1024-t128x2", "upscale-engine", "rrdb", 1024, tile=128, batch=2),
+    Case("compact-512", "upscale", "compact", 512, quick=True),
+    Case("compact-2048", "upscale", "compact", 2048),
+    Case("compact-2048-t192x2", "upscale", "compact", 2048, tile=192, batch=2),
+    Case("eng-compact-2048-t192x2", "upscale-engine", "compact", 2048, tile=192, batch=2),
+)
+"""The cases. CPU time decides the widths: the full SD decoder at 256², narrower VAEs (same ldm
+code) above; VAE sizes stop at 1024² because the mid-block attention of a 2048² decode (65536
+tokens) alone takes minutes on two shared cores. Sizes are output px (decode, upscale) or input px
+(encode)."""
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+"""glibc settings for the measured processes: every allocation above 64 KiB gets its own mapping,
+returned to the OS when freed, so RSS follows the bytes actually allocated (as a GPU allocator's
+``allocated`` counter does). With glibc's default, the mmap threshold grows after the first large
+frees and later tensors come from the heap, whose freed chunks stay resident: RSS then depends on
+the allocation history, not only on what the stage holds (``--glibc-default`` shows that)."""
+
+RRDB_BLOCKS = 2
+SCALE = 4
+
+
+def _ldm_config(ch: int) -> dict:
+    # v1-inference.yaml first_stage_config ddconfig, with a configurable base width.
+    return dict(
+        double_z=True,
+        z_channels=4,
+        resolution=256,
+        in_channels=3,
+        out_ch=3,
+        ch=ch,
+        ch_mult=[1, 2, 4, 4],
+        num_res_blocks=2,
+        attn_resolutions=[],
+        dropout=0.0,
+    )
+
+
+def _build(case: Case):
+    """The model and the input shape of ``case`` (build under a device/fake context as needed)."""
+    from lib_vram import reference
+
+    if case.engine in ("vae", "vae-engine"):
+        lat = case.size // 8
+        if case.tile is None or case.engine == "vae-engine":
+            from ldm.modules.diffusionmodules.model import Decoder, Encoder
+
+            cls = Decoder if case.kind == "decode" else Encoder
+            model = cls(**_ldm_config(case.ch))
+        else:
+            arch = reference.VAEArch(f"sd-ch{case.ch}", z_channels=4, ch=case.ch)
+            cls = reference.Decoder if case.kind == "decode" else reference.Encoder
+            model = cls(arch, attn="sdpa")
+        shape = (1, 4, lat, lat) if case.kind == "decode" else (1, 3, case.size, case.size)
+        return model.eval(), shape
+    model = reference.build_upscaler(
+        case.kind, SCALE, num_blocks=RRDB_BLOCKS if case.kind == "rrdb" else None
+    )
+    side = case.size // SCALE
+    return model.eval(), (1, 3, side, side)
+
+
+def _runner(case: Case, model, *, dedupe: bool):
+    import torch
+
+    from lib_vram import stageplan
+
+    if case.engine == "vae-engine":
+        from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
+
+        cfg = TiledVAEConfig(
+            mode="exact",
+            tile=case.tile,
+            budget_bytes=2**50,
+            dtype=torch.float32,
+            guard=False,
+            state_offload="device",
+        )
+        run = tiled_decode if case.kind == "decode" else tiled_encode
+        return lambda x: run(model, x, config=cfg)
+    if case.engine == "upscale-engine":
+        from lib_vram.upscale import UpscaleConfig, upscale_tensor
+
+        ucfg = UpscaleConfig(
+            tile=case.tile,
+            batch=case.batch,
+            precision="fp32",
+            device="cpu",
+            budget_bytes=2**50,
+            accumulate_on="device",
+            check_finite=False,
+            calibrate=False,
+        )
+        return lambda x: upscale_tensor(lambda t: model(t), x, config=ucfg, scale=SCALE)
+    if case.tile is None:
+        return model
+    if case.engine == "vae":
+        loop = stageplan.tiled_decode if case.kind == "decode" else stageplan.tiled_encode
+        return lambda x: loop(model, x, case.tile, dedupe=dedupe)
+    return lambda x: stageplan.tiled_upscale(model, x, case.tile, case.batch, SCALE, dedupe=dedupe)
+
+
+def predict(case: Case) -> dict:
+    """The predictor's numbers for ``case`` (fake run; the model is built on the meta device)."""
+    import torch
+
+    from lib_vram import predict as P
+    from lib_vram import reference, stageplan
+
+    with torch.device("meta"):
+        model, shape = _build(case)
+    if case.engine in ("vae-engine", "upscale-engine"):
+        t0 = time.perf_counter()
+        if case.engine == "vae-engine":
+            pred = stageplan.predict_engine_vae(model, case.kind, shape, "fp32", case.tile, "exact")
+        else:
+            pred = stageplan.predict_engine_upscale(model, shape, "fp32", case.tile, case.batch, SCALE)
+        return {"prediction": pred.to_dict(), "predict_seconds": time.perf_counter() - t0}
+    mode = P.new_fake_mode()
+    state = P.fake_state(model, mode, torch.float32)
+    if case.tile is None:
+        fn = P.fake_call(model, state)
+    elif case.engine == "vae":
+        loop = stageplan.tiled_decode if case.kind == "decode" else stageplan.tiled_encode
+        fn = stageplan._loop_call(model, state, loop, tile=case.tile, dedupe=True)
+    else:
+        fn = stageplan._loop_call(
+            model, state, stageplan.tiled_upscale, tile=case.tile, batch=case.batch, scale=SCALE, dedupe=True
+        )
+    t0 = time.perf_counter()
+    with reference.dry_run():
+        pred = P.predict_callable(fn, (shape,), weights=P.weights_bytes(model), backend="cpu", fake_mode=mode)
+    return {"prediction": pred.to_dict(), "predict_seconds": time.perf_counter() - t0}
+
+
+def measure(case: Case) -> dict:
+    """Run ``case`` for real (call in a fresh process) and measure its peak RSS above the start."""
+    import torch
+
+    from lib_vram.tracker import StageTracker
+
+    torch.manual_seed(0)
+    model, shape = _build(case)
+    x = torch.randn(shape)
+    run = _runner(case, model, dedupe=False)
+    tracker = StageTracker("cpu", owns_peak_counters=True)
+    with torch.no_grad():
+        small = (1, shape[1], 8, 8) if case.kind == "decode" else (1, 3, 64, 64)
+        with tracker.stage("warmup"):
+            model(torch.randn(small))
+        t0 = time.perf_counter()
+        with tracker.stage(case.name) as rec:
+            y = run(x)
+            del y
+        seconds = time.perf_counter() - t0
+    return {
+        "measured_delta_bytes": rec.delta_peak_bytes,
+        "exact": rec.exact,
+        "seconds": seconds,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="only the 4 light cases (~1-2 min)")
+    parser.add_argument("--case", action="append", default=None, help="run only these cases (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print JSON records instead of the table")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="run the cases with glibc's default malloc thresholds (RSS then also holds freed heap chunks)",
+    )
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case (default 900)")
+
+
+def _select(args: argparse.Namespace) -> list[Case]:
+    by_name = {c.name: c for c in CASES}
+    if args.case:
+        unknown = [n for n in args.case if n not in by_name]
+        if unknown:
+            raise ValueError(f"`--case` {unknown} unknown; known: {sorted(by_name)}")
+        return [by_name[n] for n in args.case]
+    return [c for c in CASES if c.quick or not args.quick]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.child:
+        case = {c.name: c for c in CASES}[args.child]
+        print(json.dumps(measure(case)))
+        return 0
+    records = []
+    failed: list[str] = []
+    for case in _select(args):
+        pred = predict(case)
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if not args.glibc_default:
+            env.update(MALLOC_ENV)
+        proc = subprocess.run(
+            [sys.executable, "-m", "lib_vram", "bench", "planner", "--child", case.name],
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+            env=env,
+            check=False,
+        )
+        if proc.returncode != 0:
+            print(f"case {case.name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+            failed.append(case.name)
+            continue
+        meas = json.loads(proc.stdout.strip().splitlines()[-1])
+        p = pred["prediction"]
+        err = (
+            p["activation_bytes"] / meas["measured_delta_bytes"] - 1 if meas["measured_delta_bytes"] else None
+        )
+        rec = {
+            "case": case.name,
+            "engine": case.engine,
+            "kind": case.kind,
+            "size": case.size,
+            "ch": case.ch if case.engine.startswith("vae") else None,
+            "plan": case.plan,
+            "predicted_bytes": p["activation_bytes"],
+            "measured_bytes": meas["measured_delta_bytes"],
+            "error": err,
+            "weights_bytes": p["weights_bytes"],
+            "input_bytes": p["input_bytes"],
+            "predict_seconds": pred["predict_seconds"],
+            "run_seconds": meas["seconds"],
+            "exact": meas["exact"],
+        }
+        records.append(rec)
+        if not args.json:
+            print(
+                f"{rec['case']:<22} {rec['plan']:<12} pred {_mib(rec['predicted_bytes']):>8} MiB  "
+                f"meas {_mib(rec['measured_bytes']):>8} MiB  err {100 * (err or 0):+6.1f} %  "
+                f"({rec['run_seconds']:.0f} s)",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 1 if failed else 0
+    errs = [abs(r["error"]) for r in records if r["error"] is not None]
+    print()
+    print("| case | engine | plan | predicted MiB | measured MiB | error |")
+    print("|---|---|---|---:|---:|---:|")
+    for r in records:
+        print(
+            f"| {r['case']} | {r['engine']} | {r['plan']} | {_mib(r['predicted_bytes'])} | "
+            f"{_mib(r['measured_bytes'])} | {100 * (r['error'] or 0):+.1f} % |"
+        )
+    if errs:
+        print(
+            f"\n{len(records)} cases; max |error| {100 * max(errs):.1f} %, "
+            f"mean {100 * sum(errs) / len(errs):.1f} %"
+        )
+    if failed:
+        print(f"failed cases: {', '.join(failed)}")
+    return 1 if failed else 0

@@ -1,0 +1,376 @@
+"""``python -m lib_vram bench upscale``: untiled vs this engine vs a one-tile-at-a-time PIL loop.
+
+Every case runs in a fresh Python process (``--case JSON``), so peaks and caches do not leak
+between cases. Models are real spandrel architectures with random weights, saved to files and
+loaded through spandrel: Compact at the size of realesr-animevideov3 (64 features, 16 convs, x4),
+RRDBNet at the size of RealESRGAN_x4plus (64 filters, 23 blocks, x4), both initialised to behave
+like trained models (see :mod:`lib_vram.bench._synthetic`), and a small Compact (16
+features, 4 convs) for the constant-peak series.
+
+Columns: ``method`` (untiled | engine | pil_loop), ``arch``, ``image_px`` (input side), ``tile``,
+``batch``, ``seconds`` (uint8 image in -> uint8 image out), ``peak_bytes`` (see below),
+``psnr_db``/``max_err_lsb`` (8-bit, against the untiled output of the same run), ``flop_ratio``
+(input pixels processed / image pixels), plus ``overlap``, ``rss_peak_bytes``, ``dtype``.
+
+``peak_bytes``: on CUDA the allocator's peak during the case minus what was allocated before
+(weights); on the CPU the peak of live tensor bytes created inside the model's forward passes plus
+the batch fed to them - the working set a device would need beyond weights, input and output (the
+CPU has no separate device memory; ``rss_peak_bytes`` is the whole process's high-water mark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HELP = "Tiled upscaling: untiled vs this engine (tiles x batches) vs a one-tile-at-a-time PIL loop."
+
+FIELDS = (
+    "method",
+    "arch",
+    "image_px",
+    "tile",
+    "batch",
+    "seconds",
+    "peak_bytes",
+    "psnr_db",
+    "max_err_lsb",
+    "flop_ratio",
+    "overlap",
+    "rss_peak_bytes",
+    "dtype",
+)
+
+ARCHS = {
+    "compact": {"kind": "compact", "num_feat": 64, "num_conv": 16, "scale": 4},
+    "rrdb": {"kind": "rrdb", "num_filters": 64, "num_blocks": 23, "scale": 4},
+    "compact-s": {"kind": "compact", "num_feat": 16, "num_conv": 4, "scale": 4},
+}
+PIL_OVERLAP = 8
+"""The WebUI's default ``ESRGAN_tile_overlap``."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run of a few minutes)")
+    parser.add_argument("--large", action="store_true", help="add Compact 1024², RRDBNet 256² (slow on CPU)")
+    parser.add_argument("--json", action="store_true", help="print the records as JSON")
+    parser.add_argument("--device", default=None, help="device (default: the best available)")
+    parser.add_argument(
+        "--precision", default="auto", choices=("auto", "fp16", "bf16", "fp32"), help="auto: fp16 on GPU"
+    )
+    parser.add_argument("--workdir", type=Path, default=None, help="where model files and references go")
+    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
+
+
+def plan(quick: bool, large: bool = False) -> list[dict]:
+    """The cases, in order; each (arch, size) starts with its untiled reference."""
+    cases: list[dict] = []
+
+    def group(
+        arch: str, px: int, engine: list[tuple[int, int]], pil: list[int], untiled: bool = True
+    ) -> None:
+        if untiled:
+            cases.append({"method": "untiled", "arch": arch, "image_px": px, "tile": 0, "batch": 1})
+        for tile, batch in engine:
+            cases.append({"method": "engine", "arch": arch, "image_px": px, "tile": tile, "batch": batch})
+        for tile in pil:
+            cases.append({"method": "pil_loop", "arch": arch, "image_px": px, "tile": tile, "batch": 1})
+
+    if quick:
+        group("compact", 128, [(64, 4), (32, 8)], [64])
+        group("rrdb", 64, [(32, 4)], [32])
+        for px in (128, 256):
+            group("compact-s", px, [(64, 4)], [], untiled=False)
+        return cases
+    group("compact", 256, [(192, 4), (128, 4), (64, 8)], [192, 64])
+    group("compact", 512, [(192, 4), (128, 4)], [192])
+    group("rrdb", 96, [(64, 4), (32, 8)], [64])
+    if large:  # needs a GPU or a quiet many-core CPU
+        group("compact", 1024, [(192, 4), (64, 8)], [192])
+        group("rrdb", 256, [(192, 4), (96, 4)], [192])
+    for px in (512, 1024, 2048):
+        group("compact-s", px, [(192, 4)], [], untiled=False)
+    return cases
+
+
+# -- one case (child process) ------------------------------------------------------------------------
+
+
+def _model_path(workdir: Path, arch: str) -> Path:
+    return workdir / f"{arch}.safetensors"
+
+
+def build_models(workdir: Path, archs: set[str]) -> None:
+    """Save each architecture's random-weight model (seed 0) once."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ._synthetic import compact_class, make_imagelike_compact, make_imagelike_rrdb, rrdb_class
+
+    for arch in sorted(archs):
+        path = _model_path(workdir, arch)
+        if path.exists():
+            continue
+        cfg = ARCHS[arch]
+        torch.manual_seed(0)
+        if cfg["kind"] == "compact":
+            net = compact_class()(
+                num_in_ch=3,
+                num_out_ch=3,
+                num_feat=cfg["num_feat"],
+                num_conv=cfg["num_conv"],
+                upscale=cfg["scale"],
+            )
+            make_imagelike_compact(net)
+        else:
+            net = rrdb_class()(
+                in_nc=3,
+                out_nc=3,
+                num_filters=cfg["num_filters"],
+                num_blocks=cfg["num_blocks"],
+                scale=cfg["scale"],
+            )
+            make_imagelike_rrdb(net)
+        save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
+
+
+def _source(px: int):
+    import numpy as np
+    from PIL import Image
+
+    from ._synthetic import image_like
+
+    arr = (image_like(px, px, seed=1)[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    return Image.fromarray(arr, "RGB")
+
+
+def pil_loop(model, img, tile: int, overlap: int, device, dtype):  # noqa: ANN001
+    """The WebUI's scheme, rewritten from its description: tiles of ``tile`` px spread evenly with
+    at least ``overlap`` px overlap, one at a time, each through PIL -> float64 -> device -> PIL,
+    pasted with a linear ramp over ``overlap`` output-scaled px at the new tile's left/top edge."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    s = model.scale
+    w, h = img.size
+
+    def starts(length: int) -> tuple[list[int], int]:
+        if length <= tile:
+            return [0], length
+        n = math.ceil((length - overlap) / (tile - overlap))
+        return [round(i * (length - tile) / (n - 1)) for i in range(n)], tile
+
+    ys, th = starts(h)
+    xs, tw = starts(w)
+    out = Image.new("RGB", (w * s, h * s))
+    ramp = overlap * s
+    for y in ys:
+        for x in xs:
+            arr = np.asarray(img.crop((x, y, x + tw, y + th)), dtype=np.float64) / 255.0
+            t = torch.from_numpy(arr).permute(2, 0, 1)[None].to(device=device, dtype=dtype)
+            with torch.inference_mode():
+                o = model(t)
+            o8 = (o[0].permute(1, 2, 0).float().cpu().numpy() * 255.0).round().clip(0, 255).astype(np.uint8)
+            mask = np.ones((th * s, tw * s), np.float64)
+            if x > 0:
+                mask[:, :ramp] *= np.linspace(0, 1, ramp)[None, :]
+            if y > 0:
+                mask[:ramp, :] *= np.linspace(0, 1, ramp)[:, None]
+            out.paste(
+                Image.fromarray(o8), (x * s, y * s), Image.fromarray((mask * 255).round().astype(np.uint8))
+            )
+    flop = len(xs) * len(ys) * tw * th / float(w * h)
+    return np.asarray(out), flop
+
+
+def run_case(case: dict) -> dict:
+    """Run one case in this process and return its record."""
+    import numpy as np
+    import torch
+
+    from ..device import resolve_device
+    from ..tracker import _read_vm_hwm, _reset_vm_hwm
+    from ..upscale import UpscaleConfig, UpscaleReport, as_spec, context, load_model, upscale_tensor
+    from ..upscale._calibrate import LiveBytes
+
+    workdir = Path(case["workdir"])
+    device = resolve_device(case.get("device"))
+    precision = case.get("precision", "auto")
+    if precision == "auto":
+        precision = "fp16" if device.type == "cuda" else "fp32"
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    model = load_model(_model_path(workdir, case["arch"]), device=device)
+    model.to(dtype)
+    img = _source(case["image_px"])
+    cuda = device.type == "cuda"
+
+    # Working-set meter: allocator peak on CUDA, live bytes inside forward passes elsewhere.
+    meter = {"peak": 0}
+    modes: list[LiveBytes] = []
+
+    def pre(module, args):  # noqa: ANN001
+        m = LiveBytes()
+        m.__enter__()
+        modes.append(m)
+        meter["in"] = args[0].numel() * args[0].element_size()
+
+    def post(module, args, out):  # noqa: ANN001
+        m = modes.pop()
+        m.__exit__(None, None, None)
+        meter["peak"] = max(meter["peak"], m.peak + meter.get("in", 0))
+
+    if not cuda:
+        model.model.register_forward_pre_hook(pre)
+        model.model.register_forward_hook(post)
+
+    overlap = None
+    calib_s = 0.0
+    if case["method"] == "engine":  # calibrate before timing (cached per process in real use)
+        t0 = time.perf_counter()
+        spec = as_spec(model)
+        with spec.placed(device, dtype):
+            overlap = context(spec, device, dtype)
+        calib_s = time.perf_counter() - t0
+        meter["peak"] = 0
+    if cuda:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    _reset_vm_hwm()
+    rss0 = _read_vm_hwm() or 0
+    rep = UpscaleReport()
+    flop = 1.0
+    t0 = time.perf_counter()
+    if case["method"] == "pil_loop":
+        out8, flop = pil_loop(model, img, case["tile"], PIL_OVERLAP, device, dtype)
+    else:
+        x = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None].float().div_(255)
+        if case["method"] == "untiled":
+            with torch.inference_mode():
+                y = model(x.to(device=device, dtype=dtype)).float()
+        else:
+            cfg = UpscaleConfig(
+                tile=case["tile"],
+                batch=case["batch"],
+                overlap=overlap,
+                precision=precision,
+                device=device,
+                accumulate_on="cpu" if case["arch"] == "compact-s" else "auto",
+            )
+            y = upscale_tensor(model, x, config=cfg, report=rep)
+            flop = rep.flop_ratio
+        out8 = (y[0] * 255).round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated(device) - base) if cuda else meter["peak"]
+    rss = max(0, (_read_vm_hwm() or 0) - rss0)
+    ref_path = workdir / f"ref-{case['arch']}-{case['image_px']}-{precision}.npy"
+    psnr = max_err = None
+    if case["method"] == "untiled":
+        np.save(ref_path, out8)
+        psnr, max_err = math.inf, 0
+    elif ref_path.exists():
+        ref = np.load(ref_path).astype(np.float64)
+        diff = out8.astype(np.float64) - ref
+        mse = float((diff**2).mean())
+        psnr = math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+        max_err = int(np.abs(diff).max())
+    return {
+        "method": case["method"],
+        "arch": case["arch"],
+        "image_px": case["image_px"],
+        "tile": case["tile"],
+        "batch": case["batch"],
+        "seconds": round(seconds, 3),
+        "peak_bytes": int(peak),
+        "psnr_db": None if psnr is None else (psnr if math.isinf(psnr) else round(psnr, 2)),
+        "max_err_lsb": max_err,
+        "flop_ratio": round(flop, 3),
+        "overlap": overlap if overlap is not None else (PIL_OVERLAP if case["method"] == "pil_loop" else 0),
+        "rss_peak_bytes": int(rss),
+        "dtype": precision,
+        "device": str(device),
+        "calib_seconds": round(calib_s, 3),
+        "plan": rep.plan,
+    }
+
+
+# -- the parent ---------------------------------------------------------------------------------------
+
+
+def _fmt(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return "inf" if math.isinf(v) else f"{v:.2f}"
+    return str(v)
+
+
+def table(records: list[dict]) -> str:
+    cols = list(FIELDS)
+    rows = [[_fmt(r.get(c)) for c in cols] for r in records]
+    for r, row in zip(records, rows):
+        row[cols.index("peak_bytes")] = f"{r['peak_bytes'] / 2**20:.1f} MiB"
+        row[cols.index("rss_peak_bytes")] = f"{r['rss_peak_bytes'] / 2**20:.1f} MiB"
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    line = "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |" for row in rows]
+    return "\n".join([line, sep, *body])
+
+
+def ratios(records: list[dict]) -> list[str]:
+    """Time of each tiled case over the untiled time of the same arch and size."""
+    base = {(r["arch"], r["image_px"]): r["seconds"] for r in records if r["method"] == "untiled"}
+    out = []
+    for r in records:
+        b = base.get((r["arch"], r["image_px"]))
+        if r["method"] != "untiled" and b:
+            out.append(
+                f"{r['arch']} {r['image_px']}² {r['method']} tile {r['tile']} batch {r['batch']}: "
+                f"{r['seconds'] / b:.2f}x untiled time"
+            )
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.case:
+        print(json.dumps(run_case(json.loads(args.case))))
+        return 0
+    cases = plan(args.quick, args.large)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vram-guard-bench-upscale-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    build_models(workdir, {c["arch"] for c in cases})
+    records = []
+    for i, case in enumerate(cases, 1):
+        full = dict(case, workdir=str(workdir), device=args.device, precision=args.precision)
+        what = f"{case['method']} {case['arch']} {case['image_px']}² t{case['tile']} b{case['batch']}"
+        label = f"[{i}/{len(cases)}] {what}"
+        print(label, file=sys.stderr, flush=True)
+        cmd = [sys.executable, "-m", "lib_vram", "bench", "upscale", "--case", json.dumps(full)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            print(proc.stderr[-2000:], file=sys.stderr)
+            return 1
+        rec = json.loads(proc.stdout.strip().splitlines()[-1])
+        records.append(rec)
+        print(
+            f"    {rec['seconds']:.2f}s psnr {_fmt(rec['psnr_db'])} {rec['plan']}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if args.json:
+        print(json.dumps(records, indent=2))
+    else:
+        print(table(records))
+        print()
+        print("\n".join(ratios(records)))
+    return 0

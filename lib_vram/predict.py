@@ -1,0 +1,283 @@
+"""Predict a stage's peak memory before it runs, by running its code on fake tensors.
+
+How it works
+------------
+PyTorch's fake-tensor mode (``torch._subclasses.fake_tensor.FakeTensorMode``) runs the real model
+code - the same Python, the same aten operators, the same shapes and dtypes - without allocating or
+computing anything. :class:`LiveBytesCounter` is a ``TorchDispatchMode`` pushed inside it: every
+operator's outputs are registered by their storage, and a ``weakref.finalize`` on each storage
+subtracts its bytes when Python frees it. The high-water mark of that running total is the peak of
+the bytes the stage's operators allocate, in the order the real code allocates and frees them
+(in-place ops and views share a storage and are not counted twice). A 1024² SD VAE decode is counted
+in ~0.2 s.
+
+What the count covers and what it does not:
+
+* **weights** are counted separately (:attr:`PeakPrediction.weights_bytes`): they are resident
+  before and after a stage, so a planner subtracts them from the free memory once;
+* **input** bytes (the latent, the image) also exist before the stage starts;
+* **activations** are what the fake run counts;
+* **workspace** - scratch memory of the backend's kernels (cuDNN, oneDNN), allocator rounding -
+  is invisible to the dispatcher; it is modelled by a per-backend :class:`Calibration` fitted to
+  measurements (``python -m lib_vram bench planner``).
+
+Models never need real weights for a prediction: build them inside the fake mode (see
+:mod:`lib_vram.reference`), or pass a real module, whose weights :func:`fake_state` replaces by fake
+tensors only for the fake run (the module itself is not touched, nothing is allocated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def dtype_of(name: str | torch.dtype) -> torch.dtype:
+    """``"fp16"`` -> ``torch.float16`` (dtypes pass through)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"`dtype` must be one of {tuple(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+class LiveBytesCounter(TorchDispatchMode):
+    """Counts the bytes of live tensor storages created by operators, and their peak.
+
+    Use it inside a ``FakeTensorMode`` (it works with real tensors too). Storages that existed
+    before the counter was entered (weights, inputs) are not counted unless :meth:`track` is called
+    on them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.ops = 0
+        self._sizes: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.live_bytes -= self._sizes.pop(key, 0)
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage (once) until it is freed."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._sizes:
+            return
+        nbytes = int(storage.nbytes())
+        self._sizes[key] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._free, key)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """A fake mode that also accepts real tensors (converted to fake on use, never copied)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_state(module: torch.nn.Module, fake_mode: FakeTensorMode, dtype: torch.dtype | None = None) -> dict:
+    """Fake stand-ins (no memory) for ``module``'s parameters and buffers, floating ones at ``dtype``.
+
+    Used with ``torch.func.functional_call`` so that the module itself is never modified: a real
+    model loaded in the WebUI keeps its weights, device and dtype.
+    """
+    state = {}
+    with fake_mode:
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            state[name] = torch.empty(tuple(t.shape), dtype=dt)
+    return state
+
+
+def fake_call(module: torch.nn.Module, state: dict) -> Callable[..., object]:
+    """``module``'s forward with ``state`` (from :func:`fake_state`) in place of its tensors."""
+
+    def call(*args: object, **kwargs: object) -> object:
+        return torch.func.functional_call(module, state, args, kwargs, strict=False)
+
+    call.__name__ = type(module).__name__
+    return call
+
+
+def weights_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of ``module``'s parameters and buffers (floating ones counted at ``dtype`` if given)."""
+    total = 0
+    seen: set[int] = set()
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        size = t.element_size()
+        if dtype is not None and t.is_floating_point():
+            size = torch.empty((), dtype=dtype, device="meta").element_size()
+        total += t.numel() * size
+    return total
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Maps a fake count to device memory: ``activation * scale + offset_bytes``.
+
+    ``scale`` covers kernels' scratch space that grows with the tensors (im2col buffers, layout
+    reorders, cuDNN workspaces); ``offset_bytes`` a fixed per-stage cost (allocator segments,
+    library handles). ``source`` says which measurement the numbers come from.
+    """
+
+    scale: float = 1.0
+    offset_bytes: int = 0
+    source: str = "uncalibrated"
+
+    def apply(self, activation_bytes: int) -> int:
+        return int(activation_bytes * self.scale) + self.offset_bytes
+
+
+CALIBRATIONS: dict[str, Calibration] = {
+    # Measured on this project's CPU runs (ldm decoder, RRDB, Compact; see docs/benchmarks.md,
+    # "Planner"): the fake count alone lands within a few percent of the process's RSS high-water
+    # mark, so no correction is applied.
+    "cpu": Calibration(1.0, 0, "CPU RSS high-water mark, docs/benchmarks.md (Planner): no correction needed"),
+    # No GPU measurement yet: the fake count is used as is. CUDA's caching allocator rounds
+    # allocations to 512 B (negligible here); cuDNN workspaces are not modelled.
+    "cuda": Calibration(1.0, 0, "uncalibrated: no GPU measurement yet"),
+    "rocm": Calibration(1.0, 0, "uncalibrated: no GPU measurement yet"),
+    "mps": Calibration(1.0, 0, "uncalibrated"),
+    "xpu": Calibration(1.0, 0, "uncalibrated"),
+}
+
+
+def calibration_for(backend: str) -> Calibration:
+    return CALIBRATIONS.get(backend, Calibration())
+
+
+@dataclass(frozen=True)
+class PeakPrediction:
+    """Predicted memory of one stage, in bytes, split by what holds it."""
+
+    weights_bytes: int
+    """Model parameters and buffers (resident before the stage starts)."""
+    input_bytes: int
+    """The stage's input tensors (also resident before it starts)."""
+    activation_bytes: int
+    """Peak of the bytes the stage's operators allocate (the fake count, calibrated)."""
+    raw_activation_bytes: int
+    """The fake count before calibration."""
+    calibration: str = "uncalibrated"
+
+    @property
+    def stage_bytes(self) -> int:
+        """What the stage needs beyond what is already resident (weights and input)."""
+        return self.activation_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Weights + input + activations: the device memory in use at the stage's peak."""
+        return self.weights_bytes + self.input_bytes + self.activation_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+
+@contextlib.contextmanager
+def _quiet_fake() -> Iterator[None]:
+    with torch.no_grad():
+        yield
+
+
+def count_peak(
+    fn: Callable[..., object],
+    *args: object,
+    fake_mode: FakeTensorMode | None = None,
+    **kwargs: object,
+) -> tuple[int, int]:
+    """Run ``fn(*args, **kwargs)`` under a fake mode; return ``(peak_bytes, ops)`` allocated by it.
+
+    ``args`` may be fake tensors of ``fake_mode``, real tensors (converted on use) or anything else.
+    The result of ``fn`` is dropped inside the count, so an output that stays alive is part of the
+    peak but not of what remains.
+    """
+    mode = fake_mode or new_fake_mode()
+    counter = LiveBytesCounter()
+    with _quiet_fake(), mode, counter:
+        result = fn(*args, **kwargs)
+        del result
+    return counter.peak_bytes, counter.ops
+
+
+def predict_callable(
+    fn: Callable[..., object],
+    input_shapes: tuple[tuple[int, ...], ...],
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    weights: int = 0,
+    backend: str = "cpu",
+    fake_mode: FakeTensorMode | None = None,
+) -> PeakPrediction:
+    """Predict ``fn(*inputs)`` where ``inputs`` are fresh fake tensors of ``input_shapes``."""
+    dt = dtype_of(dtype)
+    mode = fake_mode or new_fake_mode()
+    with mode:
+        inputs = [torch.empty(s, dtype=dt) for s in input_shapes]
+    input_bytes = sum(t.numel() * t.element_size() for t in inputs)
+    raw, ops = count_peak(fn, *inputs, fake_mode=mode)
+    cal = calibration_for(backend)
+    logger.debug("fake run of %s: %d ops, peak %.1f MiB", getattr(fn, "__name__", fn), ops, raw / 2**20)
+    return PeakPrediction(
+        weights_bytes=weights,
+        input_bytes=input_bytes,
+        activation_bytes=cal.apply(raw),
+        raw_activation_bytes=raw,
+        calibration=cal.source,
+    )
+
+
+def predict_module_peak(
+    module: torch.nn.Module,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype | str = torch.float32,
+    *,
+    backend: str = "cpu",
+    fake_mode: FakeTensorMode | None = None,
+) -> PeakPrediction:
+    """Predict the peak of ``module(x)`` for an input of ``input_shape`` at ``dtype`` (untiled).
+
+    ``module`` may hold real weights (they are copied as fake tensors, nothing is allocated) or be
+    built inside ``fake_mode``.
+    """
+    dt = dtype_of(dtype)
+    mode = fake_mode or new_fake_mode()
+    call = fake_call(module, fake_state(module, mode, dt))
+    return predict_callable(
+        call,
+        (tuple(input_shape),),
+        dtype=dt,
+        weights=weights_bytes(module, dt),
+        backend=backend,
+        fake_mode=mode,
+    )

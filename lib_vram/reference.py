@@ -1,0 +1,310 @@
+"""Reference architectures for predictions made without the user's model (the ``plan`` CLI).
+
+The predictor (:mod:`lib_vram.predict`) runs a model's own code on fake tensors. Inside the WebUI
+that is the loaded VAE/upscaler itself. Standalone, there is no model, and the core may not import
+``ldm``/``sgm``; so this module describes the networks' layer sequences in plain ``torch.nn``,
+in the same operator order as the WebUI's code (the ldm/sgm KL autoencoder, whose activation is
+``x * sigmoid(x)`` - two tensors, not one), and builds the upscalers with spandrel (which the WebUI
+itself uses). ``tests/test_predict.py`` checks that the reference decoder and encoder produce the
+same fake peak as the real ldm classes, operator for operator.
+
+Build them inside a ``FakeTensorMode`` (see :func:`build_vae_decoder`): no weight memory is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VAEArch:
+    """The shape of a KL autoencoder (the SD VAE family)."""
+
+    name: str
+    z_channels: int
+    ch: int = 128
+    ch_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    downscale: int = 8
+    unet_bytes: int = 0
+    """Diffusion model weights in fp16 (resident unless offloaded during VAE/upscale stages)."""
+    text_encoder_bytes: int = 0
+    """Text encoder weights in fp16."""
+    activation: str = "x_sigmoid"
+    """``"x_sigmoid"`` (ldm/sgm: ``x * torch.sigmoid(x)``) or ``"silu"`` (fused, one tensor)."""
+
+
+GB = 10**9
+
+ARCHS: dict[str, VAEArch] = {
+    # SD 1.x: VAE ddconfig of v1-inference.yaml; UNet 860 M params, CLIP-L text encoder 123 M.
+    "sd15": VAEArch("sd15", z_channels=4, unet_bytes=int(1.72 * GB), text_encoder_bytes=int(0.25 * GB)),
+    # SDXL: same VAE layout (sgm); UNet 2.6 B params, CLIP-L + OpenCLIP-bigG 817 M.
+    "sdxl": VAEArch("sdxl", z_channels=4, unet_bytes=int(5.14 * GB), text_encoder_bytes=int(1.64 * GB)),
+    # SD3 medium: 16-channel latent VAE; MMDiT 2 B params; CLIP-L + CLIP-G (T5 not counted: the
+    # WebUI loads it optionally, often in fp8).
+    "sd3": VAEArch(
+        "sd3",
+        z_channels=16,
+        unet_bytes=int(4.17 * GB),
+        text_encoder_bytes=int(1.39 * GB),
+        activation="silu",
+    ),
+}
+
+
+_DRY_RUN: contextvars.ContextVar[bool] = contextvars.ContextVar("lib_vram_reference_dry_run", default=False)
+
+
+@contextlib.contextmanager
+def dry_run() -> Iterator[None]:
+    """Inside: the reference attention computes only one of its equal-shaped query chunks (the
+    others are allocated, not computed). For fake runs only: results are not the real output."""
+    token = _DRY_RUN.set(True)
+    try:
+        yield
+    finally:
+        _DRY_RUN.reset(token)
+
+
+ATTN_CHUNK_BYTES = 64 * 2**20
+"""Most bytes of attention scores the ``"sdpa"`` attention materialises at once (per query chunk)."""
+
+
+def _act(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "silu":
+        return F.silu(x)
+    return x * torch.sigmoid(x)
+
+
+def _norm(c: int) -> nn.GroupNorm:
+    return nn.GroupNorm(32, c, eps=1e-6, affine=True)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, act: str) -> None:
+        super().__init__()
+        self.act = act
+        self.norm1 = _norm(cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm2 = _norm(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.nin_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One operation per line, rebinding ``h``: each intermediate is freed exactly when ldm's is.
+        h = self.norm1(x)
+        h = _act(h, self.act)
+        h = self.conv1(h)
+        h = self.norm2(h)
+        h = _act(h, self.act)
+        h = self.conv2(h)
+        if self.nin_shortcut is not None:
+            x = self.nin_shortcut(x)
+        return x + h
+
+
+class AttnBlock(nn.Module):
+    """Single-head spatial self-attention; ``"sdpa"`` (memory-efficient kernel, what the WebUI uses
+    with SDP/xformers optimisations) or ``"vanilla"`` (materialises the tokens² matrix)."""
+
+    def __init__(self, c: int, kind: str = "sdpa") -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = _norm(c)
+        self.q = nn.Conv2d(c, c, 1)
+        self.k = nn.Conv2d(c, c, 1)
+        self.v = nn.Conv2d(c, c, 1)
+        self.proj_out = nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        b, c, hh, ww = q.shape
+        if self.kind == "vanilla":
+            q = q.reshape(b, c, hh * ww).permute(0, 2, 1)
+            k = k.reshape(b, c, hh * ww)
+            w = torch.bmm(q, k) * (int(c) ** (-0.5))
+            w = F.softmax(w, dim=2)
+            v = v.reshape(b, c, hh * ww)
+            h = torch.bmm(v, w.permute(0, 2, 1)).reshape(b, c, hh, ww)
+        else:
+            n = hh * ww
+            q, k, v = (t.reshape(b, 1, c, n).transpose(2, 3) for t in (q, k, v))
+            # Queries in chunks: whichever kernel SDPA picks (flash, memory-efficient or the math
+            # fallback that materialises scores), a chunk's scores stay under ATTN_CHUNK_BYTES.
+            rows = max(1, ATTN_CHUNK_BYTES // max(1, n * q.element_size()))
+            if rows >= n:
+                h = F.scaled_dot_product_attention(q, k, v)
+            else:
+                parts = []
+                for i in range(0, n, rows):
+                    if parts and _DRY_RUN.get() and i + rows <= n:
+                        # Same-shaped chunk as the first: same allocations, so a dry run only
+                        # allocates its output (keeps fake runs of big latents fast).
+                        parts.append(torch.empty_like(parts[0]))
+                    else:
+                        parts.append(F.scaled_dot_product_attention(q[:, :, i : i + rows], k, v))
+                h = torch.cat(parts, dim=2)
+                del parts
+            h = h.transpose(2, 3).reshape(b, c, hh, ww)
+        h = self.proj_out(h)
+        return x + h
+
+
+class _Mid(nn.Module):
+    def __init__(self, c: int, act: str, attn: str) -> None:
+        super().__init__()
+        self.block_1 = ResBlock(c, c, act)
+        self.attn_1 = AttnBlock(c, attn)
+        self.block_2 = ResBlock(c, c, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_2(self.attn_1(self.block_1(x)))
+
+
+class _Up(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.with_conv = True  # ldm's attribute: tells layout readers (the VAE engine) there is a conv
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+class _Down(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.with_conv = True
+        self.conv = nn.Conv2d(c, c, 3, stride=2, padding=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (0, 1, 0, 1), mode="constant", value=0))
+
+
+class Decoder(nn.Module):
+    """KL-VAE decoder with the ldm layout (``conv_in``, ``mid``, ``up[i].block/upsample``, ...)."""
+
+    def __init__(self, arch: VAEArch, attn: str = "sdpa") -> None:
+        super().__init__()
+        self.act = arch.activation
+        mults = arch.ch_mult
+        block_in = arch.ch * mults[-1]
+        self.conv_in = nn.Conv2d(arch.z_channels, block_in, 3, padding=1)
+        self.mid = _Mid(block_in, self.act, attn)
+        self.up = nn.ModuleList()
+        for level in reversed(range(len(mults))):
+            stage = nn.Module()
+            block_out = arch.ch * mults[level]
+            blocks = []
+            for _ in range(arch.num_res_blocks + 1):
+                blocks.append(ResBlock(block_in, block_out, self.act))
+                block_in = block_out
+            stage.block = nn.ModuleList(blocks)
+            stage.upsample = _Up(block_in) if level != 0 else None
+            self.up.insert(0, stage)
+        self.norm_out = _norm(block_in)
+        self.conv_out = nn.Conv2d(block_in, 3, 3, padding=1)
+
+    def forward_tail(self, h: torch.Tensor) -> torch.Tensor:
+        """Everything after the mid block (the part a tiled decode runs per tile)."""
+        for level in reversed(range(len(self.up))):
+            for block in self.up[level].block:
+                h = block(h)
+            if self.up[level].upsample is not None:
+                h = self.up[level].upsample(h)
+        h = self.norm_out(h)
+        h = _act(h, self.act)
+        return self.conv_out(h)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.forward_tail(self.mid(self.conv_in(z)))
+
+
+class Encoder(nn.Module):
+    """KL-VAE encoder with the ldm layout (double_z: outputs mean and log-variance)."""
+
+    def __init__(self, arch: VAEArch, attn: str = "sdpa") -> None:
+        super().__init__()
+        self.act = arch.activation
+        mults = (1, *arch.ch_mult)
+        self.conv_in = nn.Conv2d(3, arch.ch, 3, padding=1)
+        self.down = nn.ModuleList()
+        block_in = arch.ch
+        for level in range(len(arch.ch_mult)):
+            stage = nn.Module()
+            block_in = arch.ch * mults[level]
+            block_out = arch.ch * mults[level + 1]
+            blocks = []
+            for _ in range(arch.num_res_blocks):
+                blocks.append(ResBlock(block_in, block_out, self.act))
+                block_in = block_out
+            stage.block = nn.ModuleList(blocks)
+            stage.downsample = _Down(block_in) if level != len(arch.ch_mult) - 1 else None
+            self.down.append(stage)
+        self.mid = _Mid(block_in, self.act, attn)
+        self.norm_out = _norm(block_in)
+        self.conv_out = nn.Conv2d(block_in, 2 * arch.z_channels, 3, padding=1)
+
+    def _down_path(self, x: torch.Tensor) -> list[torch.Tensor]:
+        hs = [self.conv_in(x)]
+        for stage in self.down:
+            for block in stage.block:
+                hs.append(block(hs[-1]))
+            if stage.downsample is not None:
+                hs.append(stage.downsample(hs[-1]))
+        return hs
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything before the mid block (the part a tiled encode runs per tile)."""
+        return self._down_path(x)[-1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Like ldm/sgm, every level's output stays in a list until the forward returns, so the
+        # whole down path's activations are alive at once: that is what the real encoder costs.
+        hs = self._down_path(x)
+        h = self.mid(hs[-1])
+        h = self.norm_out(h)
+        h = _act(h, self.act)
+        return self.conv_out(h)
+
+
+def vae_arch(name: str) -> VAEArch:
+    if name not in ARCHS:
+        raise ValueError(f"`arch` must be one of {tuple(ARCHS)}, got {name!r}")
+    return ARCHS[name]
+
+
+UPSCALERS: tuple[str, ...] = ("rrdb", "compact")
+
+
+def build_upscaler(kind: str, scale: int = 4, *, num_filters: int = 64, num_blocks: int | None = None):
+    """A spandrel upscaler network: ``"rrdb"`` (ESRGAN / RealESRGAN x4plus, 23 blocks of 64
+    filters) or ``"compact"`` (RealESRGAN general/anime compact, 16 convs of 64 filters).
+
+    Call inside a fake mode to build it without weight memory.
+    """
+    if kind == "rrdb":
+        from spandrel.architectures.ESRGAN import RRDBNet
+
+        return RRDBNet(
+            num_filters=num_filters, num_blocks=23 if num_blocks is None else num_blocks, scale=scale
+        )
+    if kind == "compact":
+        from spandrel.architectures.Compact import SRVGGNetCompact
+
+        return SRVGGNetCompact(
+            num_feat=num_filters, num_conv=16 if num_blocks is None else num_blocks, upscale=scale
+        )
+    raise ValueError(f"`upscaler` must be one of {UPSCALERS}, got {kind!r}")

@@ -1,0 +1,48 @@
+"""Tiled upscaling with ESRGAN-family models (anything spandrel loads) or any callable image model.
+
+Public API::
+
+    from lib_vram.upscale import (UpscaleConfig, UpscaleReport, upscale_tensor, upscale_image,
+                                  load_model, ModelCache, default_cache, UpscaleError, Interrupted)
+
+See :mod:`lib_vram.upscale._engine` for the algorithm (geometry, blending, OOM continuation),
+:mod:`lib_vram.upscale._calibrate` for how tile size and overlap are derived, and
+:mod:`lib_vram.upscale._image` for the PIL mode table.
+"""
+
+from __future__ import annotations
+
+from ._adapter import ModelSpec, as_spec, choose_dtype
+from ._calibrate import (
+    LiveBytes,
+    bytes_per_px,
+    clear_calibration,
+    context,
+    measure_bytes_per_px,
+    measure_context,
+)
+from ._engine import upscale_tensor
+from ._image import upscale_image
+from ._models import ModelCache, default_cache, load_model
+from ._types import Interrupted, UpscaleConfig, UpscaleError, UpscaleReport
+
+__all__ = [
+    "Interrupted",
+    "LiveBytes",
+    "ModelCache",
+    "ModelSpec",
+    "UpscaleConfig",
+    "UpscaleError",
+    "UpscaleReport",
+    "as_spec",
+    "bytes_per_px",
+    "context",
+    "measure_bytes_per_px",
+    "choose_dtype",
+    "clear_calibration",
+    "default_cache",
+    "load_model",
+    "measure_context",
+    "upscale_image",
+    "upscale_tensor",
+]

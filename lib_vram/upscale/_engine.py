@@ -1,0 +1,416 @@
+"""The tiled upscaling engine: batched tiles on the device, seamless blending, OOM continuation.
+
+Geometry. The (padded) image is split into balanced tile **cores** (:func:`lib_vram.geometry.
+split_axis`); each tile reads its core plus ``overlap`` input pixels of context on every side
+(clipped at the image border, grown where the model's size requirements ask for more). Windows
+of equal shape are stacked into one batch per forward pass.
+
+Blending. Every output pixel belongs to one core. Across each boundary between two cores the two
+tiles cross-fade linearly over ``feather`` input pixels centred on the boundary (``feather`` =
+half the overlap); outside that band a tile has weight 1 on its core and 0 elsewhere. So the outer
+three quarters of each halo - the pixels computed with the least context - never reach the
+output, the weights are a partition of unity by construction (no weight buffer), and they remain
+one after a tile is split into smaller tiles (the split only adds boundaries inside its core).
+
+Out of memory. The error is noted inside the ``except`` block, which is then left (its traceback
+holds the batch's tensors), memory is released, and the batch goes back to the queue: first the
+batch is halved, then the tile size (the tiles not yet done are re-split; finished tiles stay in
+the accumulator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..device import free_bytes, is_oom_error, release, resolve_device
+from ..geometry import split_axis
+from ._adapter import ModelSpec, as_spec, choose_dtype
+from ._calibrate import bytes_per_px, context
+from ._types import Interrupted, UpscaleConfig, UpscaleError, UpscaleReport
+
+logger = logging.getLogger(__name__)
+
+BUDGET_FRACTION = 0.8
+"""Share of the free device memory an automatic plan uses (the rest absorbs fragmentation)."""
+AUTO_TILE_MAX = 512
+"""Largest automatic tile core (input px) when the whole image does not fit: a 512² tile keeps any
+current GPU busy, so larger tiles would only raise the peak. ``DISCOURAGED`` models ignore it."""
+MAX_AUTO_BATCH = 16
+MIN_TILE = 16
+INPUT_ON_DEVICE_FRACTION = 0.25
+"""The input image goes to the device once unless it would take more than this share of the
+budget (a huge image then stays in host memory and only its tiles travel)."""
+
+
+@dataclass(frozen=True)
+class _Tile:
+    b: int
+    y0: int
+    y1: int
+    x0: int
+    x1: int
+    wy0: int
+    wy1: int
+    wx0: int
+    wx1: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.wy1 - self.wy0, self.wx1 - self.wx0)
+
+
+def _legal_len(spec: ModelSpec, n: int) -> int:
+    n = max(n, spec.minimum, 1)
+    return -(-n // spec.multiple_of) * spec.multiple_of
+
+
+def _grow(start: int, end: int, need: int, limit: int) -> tuple[int, int]:
+    """Grow ``[start, end)`` to length ``need`` inside ``[0, limit)`` (after first, then before)."""
+    extra = need - (end - start)
+    if extra <= 0:
+        return start, end
+    new_end = min(limit, end + extra)
+    start = max(0, start - (extra - (new_end - end)))
+    return start, new_end
+
+
+def _axis_windows(
+    spec: ModelSpec, c0: int, c1: int, tile: int, halo: int, n: int
+) -> list[tuple[int, int, int, int]]:
+    """Cores of ``[c0, c1)`` (at most ``tile``) with their windows ``(core0, core1, win0, win1)``.
+
+    Windows are the core plus ``halo`` clipped to ``[0, n)``, made legal for the model, and then
+    equalised within their class (touching one image border, both, or none) so that tiles of a
+    class can share a batch: balanced cores differ by a pixel, and such a pixel would otherwise
+    split every batch.
+    """
+    cores = [(c0 + sp.core_start, c0 + sp.core_end) for sp in split_axis(c1 - c0, tile)]
+    wins = [(max(0, a - halo), min(n, b + halo)) for a, b in cores]
+    lens = [_legal_len(spec, e - s) for s, e in wins]
+
+    def cls(i: int) -> int:
+        return (wins[i][0] == 0) + (wins[i][1] == n)
+
+    target: dict[int, int] = {}
+    for i, length in enumerate(lens):
+        target[cls(i)] = max(target.get(cls(i), 0), length)
+    out = []
+    for i, (a, b) in enumerate(cores):
+        s0, e0 = _grow(wins[i][0], wins[i][1], min(n, target[cls(i)]), n)
+        out.append((a, b, s0, e0))
+    return out
+
+
+def _make_tiles(
+    spec: ModelSpec, b: int, region: tuple[int, int, int, int], tile: int, halo: int, h: int, w: int
+) -> list[_Tile]:
+    y0, y1, x0, x1 = region
+    ys = _axis_windows(spec, y0, y1, tile, halo, h)
+    xs = _axis_windows(spec, x0, x1, tile, halo, w)
+    tiles = []
+    for cy0, cy1, wy0, wy1 in ys:
+        for cx0, cx1, wx0, wx1 in xs:
+            if spec.square:
+                side = max(wy1 - wy0, wx1 - wx0)
+                wy0, wy1 = _grow(wy0, wy1, side, h)
+                wx0, wx1 = _grow(wx0, wx1, side, w)
+            tiles.append(_Tile(b, cy0, cy1, cx0, cx1, wy0, wy1, wx0, wx1))
+    return tiles
+
+
+def _pad(x: Tensor, pad_h: int, pad_w: int) -> Tensor:
+    """Pad bottom/right the way spandrel does (reflect up to size-1, then replicate)."""
+    if not pad_h and not pad_w:
+        return x
+    h, w = x.shape[-2:]
+    rh, rw = min(pad_h, h - 1), min(pad_w, w - 1)
+    if rh or rw:
+        x = torch.nn.functional.pad(x, (0, rw, 0, rh), mode="reflect")
+    if pad_h - rh or pad_w - rw:
+        x = torch.nn.functional.pad(x, (0, pad_w - rw, 0, pad_h - rh), mode="replicate")
+    return x
+
+
+def _axis_weights(
+    c0: int, c1: int, n: int, s: int, feather: int, device: torch.device
+) -> tuple[int, int, Tensor | None]:
+    """Output range ``[lo, hi)`` a tile writes on one axis and its weights (``None`` = all 1)."""
+    fs = feather * s
+    lo = c0 * s if c0 == 0 or fs == 0 else c0 * s - fs // 2
+    hi = c1 * s if c1 == n or fs == 0 else c1 * s + fs // 2
+    hi = min(hi, n * s)
+    if fs == 0 or (c0 == 0 and c1 == n):
+        return lo, hi, None
+    p = torch.arange(lo, hi, device=device, dtype=torch.float32) + 0.5
+    w = torch.ones_like(p)
+    if c0 > 0:
+        w = w * ((p - (c0 * s - fs / 2.0)) / fs).clamp(0, 1)
+    if c1 < n:
+        w = w * (((c1 * s + fs / 2.0) - p) / fs).clamp(0, 1)
+    return lo, hi, w
+
+
+class _Run:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        cfg: UpscaleConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        rep: UpscaleReport,
+        tracker: object | None,
+        should_interrupt: Callable[[], bool] | None,
+        progress: Callable[[int, int], None] | None,
+    ) -> None:
+        self.spec, self.cfg, self.device, self.dtype = spec, cfg, device, dtype
+        self.rep, self.tracker = rep, tracker
+        self.should_interrupt, self.progress = should_interrupt, progress
+
+    # -- model call with the precision guard ----------------------------------------------
+    def forward(self, inp: Tensor) -> Tensor:
+        spec, rep = self.spec, self.rep
+        rep.forward_calls += 1
+        with torch.inference_mode():
+            raw = spec.forward(inp)
+        if self.cfg.check_finite and self.dtype != torch.float32:
+            bad = ~torch.isfinite(raw).flatten(1).all(dim=1)
+            if bool(bad.any()):  # the guard's one host sync per batch
+                idx = bad.nonzero().flatten().tolist()
+                rep.recomputed_batches += 1
+                rep.events.append(f"non-finite {self.dtype} output in {len(idx)} tile(s): recomputed in fp32")
+                logger.info("non-finite %s output in %d tile(s): recomputing in fp32", self.dtype, len(idx))
+                spec.set_dtype(torch.float32)
+                try:
+                    rep.forward_calls += 1
+                    with torch.inference_mode():
+                        fixed = spec.forward(inp[idx].float())
+                finally:
+                    spec.set_dtype(self.dtype)
+                raw = raw.float()
+                raw[idx] = fixed.float()
+        return raw.float().clamp_(0, 1)
+
+    # -- planning ---------------------------------------------------------------------------
+    def run(self, x: Tensor) -> Tensor:
+        spec, cfg, rep, device, dtype = self.spec, self.cfg, self.rep, self.device, self.dtype
+        bsz, ch, h, w = x.shape
+        s = spec.scale
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        auto_size = cfg.tile is None or cfg.batch is None
+        per_px = bytes_per_px(spec, device, dtype, measure=cfg.calibrate and auto_size) + ch * itemsize
+        rep.bytes_per_px = per_px
+        hp, wp = spec.pad_to(h, w)
+        budget = cfg.budget_bytes
+        if budget is None:
+            budget = int(free_bytes(device) * BUDGET_FRACTION)
+        rep.budget_bytes = budget
+        acc_bytes = bsz * ch * hp * s * wp * s * 4
+        in_bytes = bsz * ch * hp * wp * itemsize
+        if cfg.accumulate_on == "auto":
+            fits = device.type == "cpu" or acc_bytes + in_bytes <= budget // 2
+            acc_dev = device if fits else torch.device("cpu")
+        else:
+            acc_dev = device if cfg.accumulate_on == "device" else torch.device("cpu")
+        in_dev = device if acc_dev == device or in_bytes <= budget * INPUT_ON_DEVICE_FRACTION else acc_dev
+        tile_budget = budget - (acc_bytes if acc_dev == device else 0) - (in_bytes if in_dev == device else 0)
+
+        max_dim = max(hp, wp)
+        whole = spec.tiling == "internal" or (cfg.tile is None and hp * wp * per_px <= tile_budget)
+        halo = 0
+        if not whole and (cfg.tile is None or cfg.tile < max_dim):
+            halo = cfg.overlap
+            if halo is None:
+                halo = context(spec, device, dtype, measure=cfg.calibrate)
+        if whole:
+            tile = max_dim
+        elif cfg.tile is not None:
+            tile = cfg.tile
+        else:
+            side = math.isqrt(max(0, int(tile_budget / per_px)))
+            tile = max(MIN_TILE, (side - 2 * halo) // 8 * 8)
+            if spec.tiling != "discouraged":
+                tile = min(tile, AUTO_TILE_MAX)
+        tile = min(tile, max_dim)
+        feather = min(halo // 2, tile // 2)
+        min_tile = max(MIN_TILE, 2 * feather)
+
+        if spec.square:
+            need = _legal_len(spec, min(tile + 2 * halo, max_dim))
+            hp, wp = max(hp, need), max(wp, need)
+        tiles = [t for b in range(bsz) for t in _make_tiles(spec, b, (0, hp, 0, wp), tile, halo, hp, wp)]
+        area = tiles[0].shape[0] * tiles[0].shape[1]
+        if cfg.batch is not None:
+            batch = cfg.batch
+        else:
+            batch = int(max(1, min(MAX_AUTO_BATCH, len(tiles), tile_budget // max(1.0, area * per_px))))
+
+        rep.tiled = len(tiles) > bsz
+        rep.overlap, rep.feather = (halo, feather) if rep.tiled else (0, 0)
+        rep.tile, rep.batch = tile, batch
+        rep.dtype, rep.device, rep.accumulate_on = str(dtype).replace("torch.", ""), str(device), str(acc_dev)
+        rep.tiles_total = len(tiles)
+        rep.plan = (
+            f"tiled t{tile} o{halo} f{feather} b{batch}" if rep.tiled else f"whole b{batch}"
+        ) + f" {rep.dtype} acc={acc_dev.type}"
+        note = getattr(self.tracker, "note", None)
+        if note is not None:
+            note(plan=rep.plan, tiles=len(tiles), bytes_per_px=round(per_px))
+        logger.debug("upscale plan: %s, %d tiles, budget %.0f MiB", rep.plan, len(tiles), budget / 2**20)
+
+        xp = _pad(x.to(device=in_dev, dtype=dtype), hp - h, wp - w)
+        out = self.loop(xp, tiles, tile, halo, feather, batch, min_tile, acc_dev)
+        res = out[:, :, : h * s, : w * s]
+        return res.contiguous() if (hp, wp) != (h, w) else res
+
+    # -- the tile loop ----------------------------------------------------------------------
+    def loop(
+        self,
+        xp: Tensor,
+        tiles: list[_Tile],
+        tile: int,
+        halo: int,
+        feather: int,
+        batch: int,
+        min_tile: int,
+        acc_dev: torch.device,
+    ) -> Tensor:
+        spec, rep, device = self.spec, self.rep, self.device
+        bsz, _, hp, wp = xp.shape
+        h_out, w_out = hp * spec.scale, wp * spec.scale
+        s = spec.scale
+        acc: Tensor | None = None
+        pending: deque[_Tile] = deque(tiles)
+        processed_px = 0
+        while pending:
+            if self.should_interrupt is not None and self.should_interrupt():
+                if acc is not None:
+                    rep.partial = acc
+                raise Interrupted(f"upscale interrupted after {rep.tiles_done} of {rep.tiles_total} tiles")
+            shape = pending[0].shape
+            group: list[_Tile] = []
+            rest: deque[_Tile] = deque()
+            for t in pending:
+                (group if len(group) < batch and t.shape == shape else rest).append(t)
+            inp = torch.stack([xp[t.b, :, t.wy0 : t.wy1, t.wx0 : t.wx1] for t in group]).to(device)
+            out: Tensor | None = None
+            oom = False
+            try:
+                out = self.forward(inp)
+            except Exception as exc:
+                if not is_oom_error(exc):
+                    raise
+                oom = True
+                logger.debug("OOM at tile %d batch %d: %s", tile, len(group), exc)
+            if oom:
+                inp = out = None
+                rep.ooms += 1
+                release(device)
+                if batch > 1:
+                    batch = max(1, min(batch, len(group)) // 2)
+                    rep.events.append(f"out of memory: batch -> {batch}")
+                elif tile // 2 >= min_tile:
+                    tile //= 2
+                    rep.events.append(f"out of memory: tile -> {tile}")
+                    pending = deque(
+                        sub
+                        for t in pending
+                        for sub in _make_tiles(spec, t.b, (t.y0, t.y1, t.x0, t.x1), tile, halo, hp, wp)
+                    )
+                    rep.tiles_total = rep.tiles_done + len(pending)
+                else:
+                    raise UpscaleError(
+                        f"out of memory even with one {tile}px tile (overlap {halo}) on {device}; "
+                        "free memory or lower `budget_bytes`"
+                    )
+                rep.tile, rep.batch = tile, batch
+                logger.info("upscale: %s", rep.events[-1])
+                continue
+            assert out is not None
+            lh, lw = shape
+            if out.shape[0] != len(group) or tuple(out.shape[-2:]) != (lh * s, lw * s):
+                raise UpscaleError(
+                    f"{spec.name} returned {tuple(out.shape)} for input {tuple(inp.shape)}; "
+                    f"expected scale {s} (is `scale` right?)"
+                )
+            if acc is None:
+                acc = torch.zeros(bsz, out.shape[1], h_out, w_out, dtype=torch.float32, device=acc_dev)
+            if out.device != acc.device:
+                out = out.to(acc.device)
+            for i, t in enumerate(group):
+                ly0, ly1, wy = _axis_weights(t.y0, t.y1, hp, s, feather, acc.device)
+                lx0, lx1, wx = _axis_weights(t.x0, t.x1, wp, s, feather, acc.device)
+                piece = out[i, :, ly0 - t.wy0 * s : ly1 - t.wy0 * s, lx0 - t.wx0 * s : lx1 - t.wx0 * s]
+                if wy is not None:
+                    piece = piece * wy[:, None]
+                if wx is not None:
+                    piece = piece * wx[None, :]
+                acc[t.b, :, ly0:ly1, lx0:lx1] += piece
+                processed_px += lh * lw
+            pending = rest
+            del inp, out
+            rep.tiles_done += len(group)
+            if self.progress is not None:
+                self.progress(rep.tiles_done, rep.tiles_total)
+            sample = getattr(self.tracker, "sample", None)
+            if sample is not None:
+                sample()
+        assert acc is not None
+        rep.flop_ratio = processed_px / float(bsz * hp * wp)
+        return acc.clamp_(0, 1)
+
+
+def upscale_tensor(
+    model: object,
+    x: Tensor,
+    *,
+    config: UpscaleConfig | None = None,
+    scale: int | None = None,
+    should_interrupt: Callable[[], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    tracker: object | None = None,
+    report: UpscaleReport | None = None,
+) -> Tensor:
+    """Upscale ``x`` (``[B, C, H, W]``, float in [0, 1]) with ``model``, tiled as memory requires.
+
+    Args:
+        model: a spandrel ``ImageModelDescriptor`` or a callable ``[N,C,h,w] -> [N,C',h*s,w*s]``
+            (then ``scale`` is required). The model is moved to the device/dtype for the call and
+            put back afterwards.
+        config: :class:`UpscaleConfig` (defaults: everything automatic).
+        should_interrupt: polled before each batch; True raises :class:`Interrupted`.
+        progress: called as ``progress(tiles_done, tiles_total)`` after each batch (the total grows
+            when an out-of-memory error makes the remaining tiles smaller).
+        tracker: a :class:`lib_vram.tracker.StageTracker`; the run is its stage ``"upscale"``.
+        report: an :class:`UpscaleReport` to fill in (readable also after an exception).
+
+    Returns:
+        ``[B, C', H*s, W*s]`` float32 in [0, 1]. It lives where it was accumulated: on the device
+        when the output fitted the budget there (``report.accumulate_on``), else on the CPU.
+    """
+    cfg = config if config is not None else UpscaleConfig()
+    rep = report if report is not None else UpscaleReport()
+    spec = as_spec(model, scale)
+    if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"`x` must be a float tensor [B, C, H, W], got {getattr(x, 'shape', type(x))}")
+    if spec.input_channels is not None and x.shape[1] != spec.input_channels:
+        raise ValueError(f"`x` has {x.shape[1]} channels; {spec.name} expects {spec.input_channels}")
+    if x.shape[-1] < 1 or x.shape[-2] < 1 or x.shape[0] < 1:
+        raise ValueError(f"`x` is empty: {tuple(x.shape)}")
+    device = resolve_device(cfg.device)
+    dtype = choose_dtype(cfg.precision, spec, device)
+    t0 = time.perf_counter()
+    stage = tracker.stage("upscale") if tracker is not None else contextlib.nullcontext()  # type: ignore[attr-defined]
+    try:
+        with stage, spec.placed(device, dtype), torch.inference_mode():
+            return _Run(spec, cfg, device, dtype, rep, tracker, should_interrupt, progress).run(x)
+    finally:
+        rep.seconds = time.perf_counter() - t0

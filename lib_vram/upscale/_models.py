@@ -1,0 +1,139 @@
+"""Loading upscaler model files through spandrel, with a small bounded cache.
+
+The WebUI reads an ESRGAN file from disk on every upscale; :class:`ModelCache` keeps the last few
+loaded models keyed by file identity (path, mtime, size) and placement (device, dtype).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from ..device import release, resolve_device
+from ._types import UpscaleError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_SUFFIXES = (".pth", ".pt", ".ckpt", ".safetensors")
+
+
+def _load_uncached(path: Path, device: torch.device, dtype: torch.dtype | None) -> object:
+    try:
+        import spandrel
+    except ImportError as exc:
+        raise UpscaleError(f"{path.name}: spandrel is not installed ({exc})") from exc
+    if path.suffix.lower() not in SUPPORTED_SUFFIXES:
+        raise UpscaleError(
+            f"{path.name}: unsupported file type {path.suffix or '(none)'!r}; use one of {SUPPORTED_SUFFIXES}"
+        )
+    try:
+        descriptor = spandrel.ModelLoader(device=device).load_from_file(str(path))
+    except spandrel.UnsupportedModelError as exc:
+        msg = f"{path.name}: unsupported model architecture (spandrel does not know it)"
+        raise UpscaleError(msg) from exc
+    except Exception as exc:  # torch.load/safetensors raise many types for a damaged file
+        if isinstance(exc, (KeyboardInterrupt, MemoryError)):
+            raise
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        msg = f"{path.name}: corrupt or unreadable model file ({type(exc).__name__}: {reason})"
+        raise UpscaleError(msg) from exc
+    if not isinstance(descriptor, spandrel.ImageModelDescriptor):
+        raise UpscaleError(
+            f"{path.name}: a {type(descriptor).__name__} ({descriptor.architecture.name}) is not an "
+            "image-to-image upscaler"
+        )
+    if dtype is not None and dtype != torch.float32:
+        try:
+            descriptor.to(dtype)
+        except spandrel.UnsupportedDtypeError as exc:
+            msg = f"{path.name}: {descriptor.architecture.name} does not support {dtype}"
+            raise UpscaleError(msg) from exc
+    descriptor.eval()
+    return descriptor
+
+
+class ModelCache:
+    """A bounded LRU of loaded models keyed by ``(path, mtime, size, device, dtype)``.
+
+    A file changed on disk gets a new key (and is reloaded); the oldest entry is dropped when more
+    than ``max_models`` are held. :meth:`clear` drops all and releases device memory.
+    """
+
+    def __init__(self, max_models: int = 2) -> None:
+        if not isinstance(max_models, int) or max_models < 1:
+            raise ValueError(f"`max_models` must be an int >= 1, got {max_models!r}")
+        self.max_models = max_models
+        self._items: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.loads = 0
+        """How many times a file was actually read (cache misses)."""
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @staticmethod
+    def key(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
+        st = path.stat()
+        return (str(path.resolve()), st.st_mtime_ns, st.st_size, str(device), str(dtype or torch.float32))
+
+    def get(self, path: str | os.PathLike, device: torch.device, dtype: torch.dtype | None = None) -> object:
+        p = Path(path)
+        if not p.is_file():
+            raise UpscaleError(f"{p.name}: no such model file ({p})")
+        key = self.key(p, device, dtype)
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        model = _load_uncached(p, device, dtype)
+        with self._lock:
+            self.loads += 1
+            self._items[key] = model
+            self._items.move_to_end(key)
+            while len(self._items) > self.max_models:
+                old_key, _ = self._items.popitem(last=False)
+                logger.debug("model cache: dropped %s", old_key[0])
+        return model
+
+    def clear(self) -> None:
+        """Drop every cached model and release the memory they held."""
+        with self._lock:
+            devices = {k[3] for k in self._items}
+            self._items.clear()
+        for dev in devices:
+            release(dev)
+
+
+_default: ModelCache | None = None
+_default_lock = threading.Lock()
+
+
+def default_cache() -> ModelCache:
+    """The process-wide cache used when :func:`load_model` gets none (created on first use)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = ModelCache()
+        return _default
+
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    device: torch.device | str | None = None,
+    cache: ModelCache | None = None,
+    dtype: torch.dtype | None = None,
+) -> object:
+    """Load an upscaler (``.pth``, ``.pt``, ``.ckpt``, ``.safetensors``) as a spandrel
+    ``ImageModelDescriptor`` on ``device``, through ``cache`` (default: :func:`default_cache`).
+
+    Raises :class:`UpscaleError` naming the file and the reason when it is missing, damaged, of an
+    unknown architecture or not an image-to-image model.
+    """
+    dev = resolve_device(device)
+    return (cache if cache is not None else default_cache()).get(path, dev, dtype)

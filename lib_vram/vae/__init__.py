@@ -1,0 +1,52 @@
+"""Tiled VAE engine: exact and fast tiled decode/encode in bounded memory.
+
+Public API (see ``README.md``, "Tiled VAE"):
+
+* :func:`tiled_decode`, :func:`tiled_encode` with a :class:`TiledVAEConfig`; what ran is written
+  into a :class:`VAEReport`.
+* :func:`is_supported_decoder`, :func:`is_supported_encoder`: layout checks (ldm/sgm, diffusers).
+* :func:`estimate_peak_bytes`: analytic peak of a pass, used by ``mode="auto"``.
+* :data:`learned_tiles`: tile sizes that worked after an out-of-memory retry, per shape.
+* :class:`Interrupted`, :class:`VAEOutOfMemory`: the errors it raises besides ``ValueError``.
+* :func:`attention`: the chunked, memory-efficient attention used for the mid block.
+
+The package never imports ``ldm``, ``sgm`` or ``diffusers``: layouts are recognised by attribute
+names.
+"""
+
+from __future__ import annotations
+
+from ._api import is_supported_decoder, is_supported_encoder, tiled_decode, tiled_encode
+from ._attention import attention, query_chunk
+from ._config import (
+    Interrupted,
+    LearnedTiles,
+    Recompute,
+    TiledVAEConfig,
+    VAEOutOfMemory,
+    VAEReport,
+    learned_tiles,
+)
+from ._layout import UnsupportedLayout, decoder_spec, encoder_spec
+from ._plan import choose_tile, estimate_peak_bytes
+
+__all__ = [
+    "Interrupted",
+    "LearnedTiles",
+    "Recompute",
+    "TiledVAEConfig",
+    "UnsupportedLayout",
+    "VAEOutOfMemory",
+    "VAEReport",
+    "attention",
+    "choose_tile",
+    "decoder_spec",
+    "encoder_spec",
+    "estimate_peak_bytes",
+    "is_supported_decoder",
+    "is_supported_encoder",
+    "learned_tiles",
+    "query_chunk",
+    "tiled_decode",
+    "tiled_encode",
+]

@@ -1,0 +1,520 @@
+"""Public entry points: :func:`tiled_decode`, :func:`tiled_encode`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..device import capabilities, free_bytes, is_oom_error, release
+from ..geometry import grid
+from ..tracker import StageTracker
+from ._config import TiledVAEConfig, VAEOutOfMemory, VAEReport, learned_tiles
+from ._engine import (
+    TT,
+    Box,
+    Program,
+    Run,
+    Ticker,
+    TileState,
+    decoder_global,
+    decoder_tiles,
+    encoder_global,
+    encoder_tiles,
+    lockstep,
+    needs,
+    replay,
+    sync_count,
+)
+from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec
+from ._plan import choose_tile, estimate_spec_bytes, smaller
+
+logger = logging.getLogger(__name__)
+
+SAFETY_MARGIN = 0.15
+"""Share of the free memory left alone when ``budget_bytes`` is None (other allocations,
+fragmentation, framework workspaces the estimate does not count)."""
+MIN_MARGIN = 256 * 2**20
+
+
+def is_supported_decoder(module: nn.Module) -> bool:
+    """True if :func:`tiled_decode` can run ``module`` (ldm/sgm or diffusers decoder layout)."""
+    try:
+        decoder_spec(module)
+    except UnsupportedLayout as exc:
+        logger.debug("decoder not supported: %s", exc)
+        return False
+    return True
+
+
+def is_supported_encoder(module: nn.Module) -> bool:
+    """True if :func:`tiled_encode` can run ``module`` (ldm/sgm or diffusers encoder layout)."""
+    try:
+        encoder_spec(module)
+    except UnsupportedLayout as exc:
+        logger.debug("encoder not supported: %s", exc)
+        return False
+    return True
+
+
+def _module_dtype(spec: VAESpec) -> torch.dtype:
+    return spec.conv_out.weight.dtype
+
+
+def _budget(config: TiledVAEConfig, device: torch.device) -> int:
+    if config.budget_bytes is not None:
+        return config.budget_bytes
+    free = free_bytes(device)
+    return max(1, free - max(MIN_MARGIN, int(free * SAFETY_MARGIN)))
+
+
+def _wide(config: TiledVAEConfig, device: torch.device) -> torch.dtype:
+    if config.guard_dtype is not None:
+        return config.guard_dtype
+    return torch.bfloat16 if capabilities(device).bf16 else torch.float32
+
+
+@contextlib.contextmanager
+def _stage(tracker: StageTracker | None, name: str) -> Iterator[None]:
+    if tracker is None:
+        yield
+        return
+    with tracker.stage(name):
+        yield
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+class _Pass:
+    """One decode or encode call: planning, stages, OOM retries."""
+
+    def __init__(
+        self,
+        spec: VAESpec,
+        x: torch.Tensor,
+        config: TiledVAEConfig,
+        report: VAEReport,
+        should_interrupt: Callable[[], bool] | None,
+        progress: Callable[[int, int], None] | None,
+        tracker: StageTracker | None,
+    ) -> None:
+        self.spec = spec
+        self.x = x
+        self.config = config
+        self.report = report
+        self.device = x.device
+        self.dtype = config.dtype or _module_dtype(spec)
+        self.out_dtype = x.dtype
+        self.should_interrupt = should_interrupt
+        self.progress = progress
+        self.tracker = tracker
+        self.budget = _budget(config, self.device)
+        self.halo, _ = needs(spec)
+        f = spec.factor
+        b, _, h, w = x.shape
+        self.align = f if spec.kind == "encoder" else 1
+        self.lat_shape = (
+            (b, spec.in_channels, h, w)
+            if spec.kind == "decoder"
+            else (b, spec.out_channels, math.ceil(h / f), math.ceil(w / f))
+        )
+        self.key = learned_tiles.key(spec.kind, spec.layout, spec.in_channels, tuple(x.shape), self.dtype)
+        report.kind = spec.kind
+        report.layout = spec.layout
+        report.dtype = str(self.dtype).replace("torch.", "")
+        report.halo = self.halo
+        report.budget_bytes = self.budget
+
+    # -- planning ------------------------------------------------------------------------------
+    def offload_for(self, tile: int, mode: str) -> torch.device | None:
+        choice = self.config.state_offload
+        if self.device.type == "cpu" or mode != "exact":
+            choice = "device" if choice == "auto" else choice
+        if choice == "auto":
+            on_dev = estimate_spec_bytes(self.spec, tuple(self.x.shape), self.dtype, tile=tile, mode="exact")
+            choice = "device" if on_dev <= self.budget else "cpu"
+        self.report.state_offload = choice
+        return None if choice == "device" or self.device.type == "cpu" else torch.device("cpu")
+
+    def estimate(self, tile: int | None, mode: str, on_device: bool = True) -> int:
+        return estimate_spec_bytes(
+            self.spec,
+            tuple(self.x.shape),
+            self.dtype,
+            tile=tile,
+            mode=mode,
+            state_on_device=on_device,
+            out_dtype=self.out_dtype,
+        )
+
+    def pick_tile(self, mode: str) -> int:
+        if self.config.tile is not None:
+            return self.config.tile
+        learned = learned_tiles.get(self.key)
+        if learned is not None:
+            self.report.notes.append(f"tile {learned} learned from an earlier out-of-memory retry")
+            return learned
+        on_dev = self.config.state_offload == "device" or self.device.type == "cpu"
+        tile, est = choose_tile(
+            self.spec, tuple(self.x.shape), self.dtype, self.budget, mode=mode, state_on_device=on_dev
+        )
+        if est > self.budget:
+            self.report.notes.append(f"no tile fits the budget ({self.budget} B); using the smallest, {tile}")
+        return tile
+
+    def new_run(self, offload: torch.device | None) -> Run:
+        return Run(
+            device=self.device,
+            dtype=self.dtype,
+            guard=self.config.guard,
+            wide=_wide(self.config, self.device),
+            offload=offload,
+            report=self.report,
+        )
+
+    # -- stages --------------------------------------------------------------------------------
+    def tiles(self, h: int, w: int, tile: int) -> list[Box]:
+        core = tile * self.align
+        return [
+            Box(t.y.core_start, t.y.core_end, t.x.core_start, t.x.core_end)
+            for t in grid(h, w, core, core, 0, align=self.align)
+        ]
+
+    def run_global(self, run: Run, data: torch.Tensor, ticker: Ticker) -> torch.Tensor:
+        run.stage = "global"
+        b, c, h, w = data.shape
+        st = TileState(0, TT(data, 0, 0, h, w), Box(0, h, 0, w))
+        prog = decoder_global if self.spec.kind == "decoder" else encoder_global
+        lockstep([prog(run, st, self.spec)], ticker)
+        assert st.h is not None
+        out = st.h.data
+        st.h = None
+        return out
+
+    def tile_program(
+        self, run: Run, src: torch.Tensor, box: Box, index: int, target: torch.Tensor
+    ) -> Program:
+        _, _, h, w = src.shape
+        y0, y1 = max(0, box.y0 - self.halo), min(h, box.y1 + self.halo)
+        x0, x1 = max(0, box.x0 - self.halo), min(w, box.x1 + self.halo)
+        st = TileState(index, TT(src[..., y0:y1, x0:x1], y0, x0, h, w), box)
+        if self.spec.kind == "decoder":
+            return decoder_tiles(run, st, self.spec, target)
+        return encoder_tiles(run, st, self.spec, target)
+
+    def target_for(self, src: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = src.shape
+        if self.spec.kind == "decoder":
+            f = self.spec.factor
+            c = (
+                self.spec.levels[-1].blocks[-1].out_channels
+                if self.spec.give_pre_end
+                else self.spec.out_channels
+            )
+            return torch.empty((b, c, h * f, w * f), dtype=self.out_dtype, device=self.device)
+        hh, ww = h, w
+        for lv in self.spec.levels:
+            if lv.resample_kind == "down":
+                hh, ww = (hh + 1 - 3) // 2 + 1, (ww + 1 - 3) // 2 + 1
+        return torch.empty((b, self.spec.mid_channels, hh, ww), dtype=self.dtype, device=self.device)
+
+    def run_tiles(self, run: Run, src: torch.Tensor, tile: int, mode: str, ticker: Ticker) -> torch.Tensor:
+        """The tiled stage at one tile size (raises on OOM; the caller retries smaller)."""
+        run.stage = "tiles"
+        _, _, h, w = src.shape
+        boxes = self.tiles(h, w, tile)
+        self.report.tiles = len(boxes)
+        target = self.target_for(src)
+        if mode == "exact" or len(boxes) == 1:
+            gens = [self.tile_program(run, src, bx, i, target) for i, bx in enumerate(boxes)]
+            lockstep(gens, ticker)
+            del gens
+            return target
+        # fast: GroupNorm statistics once, from sample crops covering ~1/fast_sample^2 of the
+        # image at full scale (exact lock-step among themselves), then every tile on its own.
+        record: list = []
+        if self.config.fast_estimate == "downsample" and self.config.fast_sample > 1:
+            f = self.config.fast_sample
+            if self.spec.kind == "decoder":
+                small = src[..., ::f, ::f]
+            else:
+                small = torch.nn.functional.avg_pool2d(src, f, ceil_mode=True)
+            sh, sw = small.shape[-2:]
+            scratch = self.target_for(small)
+            sgens = [
+                self.tile_program(run, small, bx, -1 - i, scratch)
+                for i, bx in enumerate(self.tiles(sh, sw, max(tile, math.ceil(max(sh, sw) / self.align))))
+            ]
+        else:
+            sgens = [
+                self.tile_program(run, src, bx, -1 - i, target)
+                for i, bx in enumerate(sample_boxes(h, w, self.config.fast_sample, self.align))
+            ]
+        lockstep(sgens, Ticker(1, ticker.should_interrupt, None, ticker.sample), record)
+        del sgens
+        gens = (self.tile_program(run, src, bx, i, target) for i, bx in enumerate(boxes))
+        replay(gens, record, ticker)
+        return target
+
+    # -- the whole pass --------------------------------------------------------------------------
+    def tile_steps(self, n_tiles: int, mode: str) -> int:
+        return n_tiles * ((sync_count(self.spec, "tiles") + 1) if mode == "exact" else 1)
+
+    def global_after(self) -> int:
+        return sync_count(self.spec, "global") + 1 if self.spec.kind == "encoder" else 0
+
+    def total_steps(self, n_tiles: int, mode: str) -> int:
+        steps = sync_count(self.spec, "tiles") + 1
+        tiled = n_tiles * (steps if mode == "exact" else 1)
+        return tiled + sync_count(self.spec, "global") + 1
+
+    def tiled(self, mode: str) -> torch.Tensor:
+        spec = self.spec
+        tile = self.pick_tile(mode)
+        sample = self.tracker.sample if self.tracker is not None else None
+        x = self.x.to(self.dtype)
+        b, _, h, w = x.shape
+        n_tiles = len(self.tiles(h, w, tile))
+        ticker = Ticker(self.total_steps(n_tiles, mode), self.should_interrupt, self.progress, sample)
+        ticker.check()
+        if spec.kind == "decoder":
+            # conv_in + mid block on the whole latent, once (an OOM here propagates: no tile to shrink).
+            grun = self.new_run(None)
+            try:
+                src = self.run_global(grun, x, ticker)
+            finally:
+                grun.close()
+            del x
+        else:
+            src = x
+        while True:
+            offload = self.offload_for(tile, mode)
+            self.report.mode = mode
+            self.report.tile = tile
+            self.report.peak_estimate_bytes = self.estimate(tile, mode, offload is None)
+            n_tiles = len(self.tiles(src.shape[-2], src.shape[-1], tile))
+            ticker.total = max(
+                ticker.total, ticker.done + self.tile_steps(n_tiles, mode) + self.global_after()
+            )
+            run = self.new_run(offload)
+            failed = False
+            try:
+                out = self.run_tiles(run, src, tile, mode, ticker)
+            except Exception as exc:
+                if not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
+                    raise
+                logger.info("%s: out of memory at tile %d, retrying smaller", spec.kind, tile)
+                failed = True
+            finally:
+                run.close()
+            if not failed:
+                break
+            # Out of the except block: the traceback and the tiles' tensors are gone now.
+            self.report.oom_retries.append(tile)
+            release(self.device)
+            nxt = smaller(tile)
+            if nxt is None:
+                raise VAEOutOfMemory(
+                    f"{spec.kind}: out of memory even with the smallest tile ({tile}); "
+                    f"tried {self.report.oom_retries}"
+                )
+            tile = nxt
+        del src
+        if spec.kind == "encoder":
+            grun = self.new_run(None)
+            try:
+                out = self.run_global(grun, out, ticker)
+            finally:
+                grun.close()
+        if self.report.oom_retries:
+            learned_tiles.put(self.key, tile)
+        return out.to(self.out_dtype)
+
+    def untiled_host(self, original_forward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+        """Try the host's own forward; None on OOM (after release) or on non-finite output."""
+        self.report.mode = "untiled"
+        self.report.peak_estimate_bytes = self.estimate(None, "untiled")
+        failed = False
+        try:
+            out = original_forward(self.x)
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            failed = True
+        if failed:
+            self.report.oom_retries.append(0)
+            release(self.device)
+            return None
+        if self.config.guard and not _finite(out):
+            self.report.notes.append("untiled output had NaN/Inf: rerun by the guarded engine")
+            del out
+            return None
+        return out
+
+
+def _axis_samples(n: int, frac: float, align: int) -> list[tuple[int, int]]:
+    want = max(1, math.ceil(n * frac))
+    k = 1 if want < 16 else 2 if want < 64 else 4
+    size = max(align, math.ceil(want / k / align) * align)
+    out = []
+    for i in range(k):
+        centre = (i + 0.5) * n / k
+        a = max(0, min(n - size, int(centre - size / 2)))
+        a = (a // align) * align
+        out.append((a, min(n, a + size)))
+    return sorted(set(out))
+
+
+def sample_boxes(h: int, w: int, sample: int, align: int) -> list[Box]:
+    """Cores of the fast-mode statistics pass: a few crops spread over the image, covering about
+    ``1/sample`` of each axis (the whole image when ``sample`` is 1)."""
+    if sample <= 1:
+        return [Box(0, h, 0, w)]
+    ys = _axis_samples(h, 1 / sample, align)
+    xs = _axis_samples(w, 1 / sample, align)
+    return [Box(y0, y1, x0, x1) for y0, y1 in ys for x0, x1 in xs]
+
+
+def _check_input(x: torch.Tensor, spec: VAESpec, name: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"`{name}` must be a 4-D tensor (B, C, H, W), got {getattr(x, 'shape', type(x))}")
+    if x.shape[1] != spec.in_channels:
+        raise ValueError(f"`{name}` has {x.shape[1]} channels, the module expects {spec.in_channels}")
+
+
+def _run_pass(
+    spec: VAESpec,
+    x: torch.Tensor,
+    config: TiledVAEConfig,
+    original_forward: Callable[[torch.Tensor], torch.Tensor] | None,
+    should_interrupt: Callable[[], bool] | None,
+    progress: Callable[[int, int], None] | None,
+    tracker: StageTracker | None,
+    report: VAEReport | None,
+    stage: str,
+) -> torch.Tensor:
+    if not isinstance(config, TiledVAEConfig):
+        raise ValueError(f"`config` must be a TiledVAEConfig, got {type(config).__name__}")
+    rep = report if report is not None else VAEReport()
+    t0 = time.perf_counter()
+    with _stage(tracker, stage), torch.no_grad():
+        p = _Pass(spec, x, config, rep, should_interrupt, progress, tracker)
+        out = None
+        if config.mode == "auto":
+            untiled_est = p.estimate(None, "untiled")
+            if config.tile is None and learned_tiles.get(p.key) is None and untiled_est <= p.budget:
+                if original_forward is not None:
+                    out = p.untiled_host(original_forward)
+                else:
+                    b, _, h, w = x.shape
+                    full = math.ceil(max(h, w) / (spec.factor if spec.kind == "encoder" else 1))
+                    p2 = _Pass(
+                        spec,
+                        x,
+                        TiledVAEConfig(**{**_fields(config), "tile": full, "mode": "exact"}),
+                        rep,
+                        should_interrupt,
+                        progress,
+                        tracker,
+                    )
+                    out = p2.tiled("exact")
+                    if not rep.oom_retries:
+                        rep.mode = "untiled"
+            if out is None:
+                out = p.tiled("exact")
+        else:
+            out = p.tiled(config.mode)
+        rep.seconds = time.perf_counter() - t0
+        if tracker is not None:
+            tracker.note(
+                plan=rep.plan,
+                tiles=rep.tiles,
+                recomputed=len(rep.recomputed),
+                oom_retries=list(rep.oom_retries),
+            )
+    return out
+
+
+def _fields(config: TiledVAEConfig) -> dict:
+    from dataclasses import fields
+
+    return {f.name: getattr(config, f.name) for f in fields(config)}
+
+
+def tiled_decode(
+    decoder: nn.Module,
+    z: torch.Tensor,
+    *,
+    config: TiledVAEConfig,
+    original_forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    should_interrupt: Callable[[], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    tracker: StageTracker | None = None,
+    report: VAEReport | None = None,
+) -> torch.Tensor:
+    """Decode latents ``z`` with ``decoder`` in bounded memory; same result as ``decoder(z)``.
+
+    Never calls ``decoder(...)`` or ``decoder.forward`` (the WebUI glue installs this function as
+    ``decoder.forward``): the untiled path calls ``original_forward(z)`` when given, otherwise the
+    engine walks the layers itself.
+
+    Args:
+        decoder: an ldm/sgm ``Decoder`` or diffusers ``Decoder`` (see :func:`is_supported_decoder`).
+        z: ``(B, C, H, W)`` latents (already scaled/post-quant-conv'ed, as ``decoder(z)`` takes them).
+        config: :class:`TiledVAEConfig`.
+        original_forward: the decoder's own forward, for the untiled path of ``mode="auto"``.
+        should_interrupt: polled between tiles; True raises :class:`Interrupted`.
+        progress: ``progress(done, total)`` after each tile step.
+        tracker: records the stage ``"vae_decode"`` and is sampled between tiles.
+        report: filled with what ran (mode, tile, retries, recomputed segments, ...).
+
+    Returns:
+        the decoded image ``(B, out_ch, 8H, 8W)`` in ``z``'s dtype, on ``z``'s device.
+
+    Raises:
+        ValueError: unsupported module or bad input (the message names it).
+        Interrupted: ``should_interrupt()`` returned True.
+        VAEOutOfMemory: even the smallest tile did not fit.
+    """
+    try:
+        spec = decoder_spec(decoder)
+    except UnsupportedLayout as exc:
+        raise ValueError(f"`decoder` is not a supported VAE decoder: {exc}") from exc
+    _check_input(z, spec, "z")
+    return _run_pass(
+        spec, z, config, original_forward, should_interrupt, progress, tracker, report, "vae_decode"
+    )
+
+
+def tiled_encode(
+    encoder: nn.Module,
+    x: torch.Tensor,
+    *,
+    config: TiledVAEConfig,
+    original_forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    should_interrupt: Callable[[], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    tracker: StageTracker | None = None,
+    report: VAEReport | None = None,
+) -> torch.Tensor:
+    """Encode images ``x`` with ``encoder`` in bounded memory; same result as ``encoder(x)``.
+
+    Returns the encoder's raw output (the moments, before ``quant_conv``), like ``encoder(x)``.
+    ``config.tile`` is in latent pixels here too (an SD encoder tile covers ``8 * tile`` image
+    pixels). Everything else as :func:`tiled_decode`; the tracker stage is ``"vae_encode"``.
+    """
+    try:
+        spec = encoder_spec(encoder)
+    except UnsupportedLayout as exc:
+        raise ValueError(f"`encoder` is not a supported VAE encoder: {exc}") from exc
+    _check_input(x, spec, "x")
+    return _run_pass(
+        spec, x, config, original_forward, should_interrupt, progress, tracker, report, "vae_encode"
+    )

@@ -1,0 +1,182 @@
+"""Configuration, report and errors of the tiled VAE engine."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+MODES = ("auto", "exact", "fast")
+OFFLOAD = ("auto", "device", "cpu")
+_REDUCED = (torch.float16, torch.bfloat16)
+_ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class Interrupted(RuntimeError):
+    """Raised between tiles when ``should_interrupt()`` returned True.
+
+    A ``RuntimeError`` subclass so that hosts that treat any runtime error as "job failed" keep
+    working; catch it by type to tell an interrupt from a failure. Nothing is left patched or
+    allocated when it propagates.
+    """
+
+
+class VAEOutOfMemory(RuntimeError):
+    """Even the smallest tile ran out of memory. Its message contains "out of memory" so that
+    :func:`lib_vram.device.is_oom_error` recognises it."""
+
+
+@dataclass(frozen=True)
+class TiledVAEConfig:
+    """How to run a VAE decode/encode.
+
+    Attributes:
+        mode: ``"auto"`` (untiled when the whole pass fits ``budget_bytes``, else exact tiles),
+            ``"exact"`` (tiles whose output equals the untiled pass up to float rounding) or
+            ``"fast"`` (one pass, independent tiles, GroupNorm statistics estimated once from a
+            downsampled pass; seamless, not exact).
+        tile: core size of a tile in **latent** pixels, for decode and encode alike (an encoder
+            tile covers ``tile * 8`` image pixels for SD). ``None``: the largest that fits the
+            budget (or what an earlier out-of-memory retry learned for this shape).
+        budget_bytes: memory the pass may use on the compute device. ``None``: the device's free
+            memory minus a safety margin, read when the pass starts.
+        dtype: compute dtype. ``None``: the module's own dtype. ``torch.float16``/``bfloat16`` run
+            in reduced precision (the module's weights are cast on the fly, the module is not
+            changed).
+        guard: check every tile segment for NaN/Inf and recompute only that segment in a wider
+            dtype (``guard_dtype``). Off: no data-dependent checks at all (the engine then runs
+            under ``FakeTensorMode``).
+        guard_dtype: the wider dtype; ``None`` = bfloat16 where the device supports it (when
+            computing in float16), else float32.
+        state_offload: where tiles waiting at a GroupNorm keep their activations: ``"device"``,
+            ``"cpu"`` (pinned memory on accelerators) or ``"auto"`` (device when it fits the budget).
+        fast_sample: fast mode estimates the GroupNorm statistics once, from a few crops at full
+            scale that cover about ``1/fast_sample`` of each axis (``1/fast_sample**2`` of the
+            area); 1 = from the whole image (exact statistics, but two passes).
+        fast_estimate: ``"crops"`` (full-scale crops spread over the image) or ``"downsample"``
+            (the whole image, subsampled by ``fast_sample`` per axis).
+    """
+
+    mode: str = "auto"
+    tile: int | None = None
+    budget_bytes: int | None = None
+    dtype: torch.dtype | None = None
+    guard: bool = True
+    guard_dtype: torch.dtype | None = None
+    state_offload: str = "auto"
+    fast_sample: int = 2
+    fast_estimate: str = "crops"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"`mode` must be one of {MODES}, got {self.mode!r}")
+        if self.tile is not None and (not isinstance(self.tile, int) or self.tile < 1):
+            raise ValueError(f"`tile` must be a positive int (latent pixels) or None, got {self.tile!r}")
+        if self.budget_bytes is not None and (
+            not isinstance(self.budget_bytes, int) or self.budget_bytes < 1
+        ):
+            raise ValueError(f"`budget_bytes` must be a positive int or None, got {self.budget_bytes!r}")
+        if self.dtype is not None and self.dtype not in _ALLOWED_DTYPES:
+            raise ValueError(f"`dtype` must be a floating dtype or None, got {self.dtype!r}")
+        if self.guard_dtype is not None and self.guard_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"`guard_dtype` must be torch.float32, torch.bfloat16 or None, got {self.guard_dtype!r}"
+            )
+        if self.state_offload not in OFFLOAD:
+            raise ValueError(f"`state_offload` must be one of {OFFLOAD}, got {self.state_offload!r}")
+        if self.fast_estimate not in ("crops", "downsample"):
+            raise ValueError(f"`fast_estimate` must be 'crops' or 'downsample', got {self.fast_estimate!r}")
+        if not isinstance(self.fast_sample, int) or self.fast_sample < 1:
+            raise ValueError(f"`fast_sample` must be an int >= 1, got {self.fast_sample!r}")
+
+
+@dataclass
+class Recompute:
+    """One segment recomputed in a wider dtype by the precision guard."""
+
+    stage: str
+    """``"global"`` (conv_in/mid block/encoder end) or ``"tiles"``."""
+    tile: int
+    step: int
+    """Index of the segment in the tile's program."""
+    from_dtype: str
+    to_dtype: str
+    kept_wide: bool
+    """True when the result did not fit the narrow dtype and the tile continued in the wide one."""
+
+
+@dataclass
+class VAEReport:
+    """What one :func:`tiled_decode`/:func:`tiled_encode` call did (read it afterwards)."""
+
+    kind: str = ""
+    layout: str = ""
+    mode: str = ""
+    """What ran: ``"untiled"`` (host forward), ``"exact"``, ``"fast"``."""
+    tile: int | None = None
+    tiles: int = 0
+    halo: int = 0
+    """Latent (decode) or image (encode) pixels of context around each tile core."""
+    dtype: str = ""
+    state_offload: str = ""
+    oom_retries: list[int] = field(default_factory=list)
+    """Tile sizes that ran out of memory, in the order tried (0 = the untiled attempt)."""
+    attention_chunk: int | None = None
+    recomputed: list[Recompute] = field(default_factory=list)
+    peak_estimate_bytes: int = 0
+    budget_bytes: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def plan(self) -> str:
+        """Short plan label for the tracker and the infotext, e.g. ``"exact t64 x4"``."""
+        if self.mode == "untiled" or not self.tile:
+            return self.mode
+        return f"{self.mode} t{self.tile} x{self.tiles}"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["plan"] = self.plan
+        return d
+
+
+class LearnedTiles:
+    """Process-wide memory of tile sizes that worked after an out-of-memory retry.
+
+    Keyed by ``(kind, layout, channels, latent shape, dtype)``. The engine consults it when
+    ``TiledVAEConfig.tile`` is None; the planner may read it. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[tuple, int] = {}
+
+    @staticmethod
+    def key(kind: str, layout: str, channels: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple:
+        return (kind, layout, int(channels), tuple(int(s) for s in shape), str(dtype))
+
+    def get(self, key: tuple) -> int | None:
+        with self._lock:
+            return self._data.get(key)
+
+    def put(self, key: tuple, tile: int) -> None:
+        with self._lock:
+            self._data[key] = int(tile)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+
+    def items(self) -> list[tuple[tuple, int]]:
+        with self._lock:
+            return list(self._data.items())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+
+learned_tiles = LearnedTiles()
+"""The engine's process-level memory of tile sizes learned after OOM retries."""

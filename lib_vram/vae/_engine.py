@@ -1,0 +1,653 @@
+"""The tile engine: programs that walk a :class:`VAESpec`, and the drivers that run them.
+
+How exact tiling works (see ``docs/design.md``, "Tiled VAE"):
+
+* Every part of the VAE that needs the whole image (decoder: ``conv_in`` + mid block with its
+  attention; encoder: mid block + ``norm_out``/``conv_out``) runs once on the whole latent, which
+  is small. Its attention uses :func:`lib_vram.vae._attention.attention` (never an N x N matrix).
+* The rest runs per tile. A tile is a generator ("program") that yields at every GroupNorm the
+  per-channel mean/variance of its **core** (the part of the image it owns; the cores partition
+  the image) and receives the combined, exact whole-image statistics back. Tiles therefore
+  advance in lock-step between GroupNorms; while one tile computes, the others wait with their
+  activations parked on the device or in (pinned) CPU memory.
+* A tile's window is its core plus a halo as wide as the remaining receptive field, derived from
+  the layer list. A 3x3 conv is run on the window with the module's own zero padding, and the
+  invalid ring it produces at interior tile edges is cropped: the halo shrinks by one pixel per
+  conv, exactly as far as it must. After each resampling step the window is cropped to the halo
+  still needed. The result equals the untiled pass up to float rounding.
+
+Fast mode uses the same programs, but runs every tile to completion on its own with GroupNorm
+statistics recorded once from a pass over a downsampled mid-block output: one pass, no parked
+state, and seamless because every tile uses the same statistics.
+
+All ops call the VAE's own submodules (``conv(x)``), so hooks, LoRA patches and weight-casting
+wrappers of the host still apply; GroupNorm and SiLU are computed here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._attention import DEFAULT_SCORE_BYTES, attention
+from ._config import Interrupted, Recompute, VAEReport
+from ._layout import Attention, Resnet, VAESpec
+
+logger = logging.getLogger(__name__)
+
+
+# -- tensors with a window ---------------------------------------------------------------------
+
+
+class TT(NamedTuple):
+    """A tile's tensor and where it sits: rows ``[y0, y0+h)``, cols ``[x0, x0+w)`` of an ``H x W``
+    feature map at the current resolution."""
+
+    data: torch.Tensor
+    y0: int
+    x0: int
+    H: int
+    W: int
+
+    @property
+    def y1(self) -> int:
+        return self.y0 + self.data.shape[-2]
+
+    @property
+    def x1(self) -> int:
+        return self.x0 + self.data.shape[-1]
+
+    def with_data(self, data: torch.Tensor) -> TT:
+        return TT(data, self.y0, self.x0, self.H, self.W)
+
+
+class Box(NamedTuple):
+    """A core ``[y0, y1) x [x0, x1)`` at the current resolution."""
+
+    y0: int
+    y1: int
+    x0: int
+    x1: int
+
+
+def crop(t: TT, box: Box, need: int = 0) -> TT:
+    """Crop ``t`` to ``box`` grown by ``need`` (clipped to the image); errors if ``t`` is too small."""
+    y0, y1 = max(0, box.y0 - need), min(t.H, box.y1 + need)
+    x0, x1 = max(0, box.x0 - need), min(t.W, box.x1 + need)
+    if t.y0 > y0 or t.y1 < y1 or t.x0 > x0 or t.x1 < x1:
+        raise RuntimeError(
+            f"internal error: tile window {(t.y0, t.y1, t.x0, t.x1)} does not cover {(y0, y1, x0, x1)}"
+        )
+    if (y0, y1, x0, x1) == (t.y0, t.y1, t.x0, t.x1):
+        return t
+    d = t.data[..., y0 - t.y0 : y1 - t.y0, x0 - t.x0 : x1 - t.x0]
+    return TT(d, y0, x0, t.H, t.W)
+
+
+def up_box(box: Box) -> Box:
+    return Box(box.y0 * 2, box.y1 * 2, box.x0 * 2, box.x1 * 2)
+
+
+def down_box(box: Box, H: int, W: int, Hn: int, Wn: int) -> Box:
+    """Core after a stride-2 conv; starts are even (tile cores are aligned to the latent grid)."""
+    return Box(
+        box.y0 // 2,
+        Hn if box.y1 >= H else box.y1 // 2,
+        box.x0 // 2,
+        Wn if box.x1 >= W else box.x1 // 2,
+    )
+
+
+def down_size(n: int) -> int:
+    """Output length of the VAE's (0,1)-padded, stride-2, 3x3 conv."""
+    return (n + 1 - 3) // 2 + 1
+
+
+# -- needed halo, from the layer list ----------------------------------------------------------
+
+
+def _ops(spec: VAESpec) -> list[str]:
+    """The spatial ops of the tiled part, in order: ``conv`` (3x3), ``up`` (nearest x2), ``down``."""
+    ops: list[str] = []
+    if spec.kind == "encoder":
+        ops.append("conv" if spec.conv_in.kernel_size[0] == 3 else "pw")
+    for lv in spec.levels:
+        ops += ["conv", "conv"] * len(lv.blocks)
+        if lv.resample_kind == "up":
+            ops.append("up")
+            if lv.resample is not None:
+                ops.append("conv")
+        elif lv.resample_kind == "down":
+            ops.append("down")
+    if spec.kind == "decoder" and not spec.give_pre_end and spec.conv_out.kernel_size[0] == 3:
+        ops.append("conv")
+    return ops
+
+
+def needs(spec: VAESpec) -> tuple[int, list[int]]:
+    """Halo needed at the start of the tiled part, and after each op of :func:`_ops`."""
+    ops = _ops(spec)
+    after = [0] * len(ops)
+    need = 0
+    for i in reversed(range(len(ops))):
+        after[i] = need
+        op = ops[i]
+        if op == "conv":
+            need += 1
+        elif op == "up":
+            need = (need + 1) // 2
+        elif op == "down":
+            need = 2 * need + 1
+    return need, after
+
+
+def resample_needs(spec: VAESpec) -> list[int]:
+    """Halo to keep after each level's resampling (before its conv, for the decoder)."""
+    ops = _ops(spec)
+    _, after = needs(spec)
+    out = [i for i, op in enumerate(ops) if op in ("up", "down")]
+    return [after[i] for i in out]
+
+
+def sync_count(spec: VAESpec, part: str) -> int:
+    """GroupNorms a tile program meets: ``part`` is ``"tiles"`` or ``"global"``."""
+    n_mid = sum(2 if isinstance(m, Resnet) else 1 for m in spec.mid)
+    n_levels = sum(2 * len(lv.blocks) for lv in spec.levels)
+    if spec.kind == "decoder":
+        return n_mid if part == "global" else n_levels + (0 if spec.give_pre_end else 1)
+    return n_levels if part == "tiles" else n_mid + 1
+
+
+# -- statistics ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a program yields at a GroupNorm: the module and its core's per-channel statistics."""
+
+    gn: nn.GroupNorm
+    count: int
+    mean: torch.Tensor
+    """(B, C) float64."""
+    var: torch.Tensor
+    """(B, C) float64, biased."""
+
+
+Affine = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(mean, scale, bias), each (B, C, 1, 1) float64: ``y = (x - mean) * scale + bias``."""
+
+
+def core_stats(t: TT, box: Box) -> tuple[int, torch.Tensor, torch.Tensor]:
+    c = crop(t, box).data
+    if c.dtype not in (torch.float32, torch.float64):
+        c = c.float()
+    var, mean = torch.var_mean(c, dim=(2, 3), correction=0)
+    return c.shape[-2] * c.shape[-1], mean.double(), var.double()
+
+
+def combine(gn: nn.GroupNorm, reqs: list[Request]) -> Affine:
+    """Exact whole-image GroupNorm from per-tile core statistics (float64, parallel variance)."""
+    total = sum(r.count for r in reqs)
+    mean = sum(r.mean * (r.count / total) for r in reqs)
+    var = sum((r.var + (r.mean - mean) ** 2) * (r.count / total) for r in reqs)
+    assert isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor)
+    b, c = mean.shape
+    g = gn.num_groups
+    m = mean.view(b, g, c // g)
+    gm = m.mean(-1, keepdim=True)
+    gv = (var.view(b, g, c // g) + (m - gm) ** 2).mean(-1, keepdim=True)
+    rstd = torch.rsqrt(gv + gn.eps)
+    gm = gm.expand(b, g, c // g).reshape(b, c)
+    scale = rstd.expand(b, g, c // g).reshape(b, c)
+    bias = torch.zeros_like(scale)
+    if gn.affine and gn.weight is not None:
+        scale = scale * gn.weight.detach().to(device=scale.device, dtype=torch.float64)
+        bias = bias + gn.bias.detach().to(device=scale.device, dtype=torch.float64)
+    return gm.view(b, c, 1, 1), scale.view(b, c, 1, 1), bias.view(b, c, 1, 1)
+
+
+# -- the run context ---------------------------------------------------------------------------
+
+
+class TileState:
+    """One tile's live tensors (kept here, not in generator locals, so that parking moves them)."""
+
+    __slots__ = ("index", "h", "res", "box", "step")
+
+    def __init__(self, index: int, h: TT, box: Box) -> None:
+        self.index = index
+        self.h: TT | None = h
+        self.res: TT | None = None
+        self.box = box
+        self.step = 0
+
+
+class Run:
+    """Per-call context: dtypes, guard, offload, report, module calls with cast weights."""
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        guard: bool,
+        wide: torch.dtype,
+        offload: torch.device | None,
+        report: VAEReport,
+        score_bytes: int = DEFAULT_SCORE_BYTES,
+    ) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.guard = guard
+        self.wide = wide
+        self.offload = offload
+        self.report = report
+        self.score_bytes = score_bytes
+        self.stage = "global"
+        self._cast: dict[tuple[int, torch.dtype], dict[str, torch.Tensor]] = {}
+        self._warned = False
+
+    # module calls ------------------------------------------------------------------------
+    def call(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        p = next(iter(mod.parameters()), None)
+        if p is None or p.dtype == x.dtype:
+            return mod(x)
+        key = (id(mod), x.dtype)
+        params = self._cast.get(key)
+        if params is None:
+            params = {n: q.detach().to(x.dtype) for n, q in mod.named_parameters()}
+            self._cast[key] = params
+        return torch.func.functional_call(mod, params, (x,))
+
+    def close(self) -> None:
+        self._cast.clear()
+
+    # parking -----------------------------------------------------------------------------
+    def _move(self, t: TT | None, device: torch.device, pin: bool) -> TT | None:
+        if t is None or t.data.device == device:
+            return t
+        if pin:
+            dst = torch.empty(t.data.shape, dtype=t.data.dtype, device=device, pin_memory=True)
+            dst.copy_(t.data, non_blocking=True)
+            return t.with_data(dst)
+        return t.with_data(t.data.to(device, non_blocking=True))
+
+    def park(self, st: TileState) -> None:
+        if self.offload is None:
+            return
+        same = st.res is not None and st.h is not None and st.res.data is st.h.data
+        pin = self.offload.type == "cpu" and self.device.type == "cuda"
+        st.h = self._move(st.h, self.offload, pin)
+        st.res = st.h if same else self._move(st.res, self.offload, pin)
+
+    def unpark(self, st: TileState) -> None:
+        if self.offload is None:
+            return
+        same = st.res is not None and st.h is not None and st.res.data is st.h.data
+        st.h = self._move(st.h, self.device, False)
+        st.res = st.h if same else self._move(st.res, self.device, False)
+
+    # guarded segments --------------------------------------------------------------------
+    def seg(self, st: TileState, fn: Callable[..., TT], *args: Any) -> TT:
+        """Run one segment of a tile program (between two GroupNorms) under the precision guard."""
+        st.step += 1
+        out = fn(self, *args)
+        if not self.guard or _finite(out.data):
+            return out
+        narrow = out.data.dtype
+        wide = self.wide if narrow == torch.float16 else torch.float32
+        if narrow in (torch.float32, torch.float64):
+            if not self._warned:
+                logger.warning(
+                    "non-finite values in %s tile %d step %d at %s: nothing wider to recompute in",
+                    self.stage,
+                    st.index,
+                    st.step,
+                    narrow,
+                )
+                self._warned = True
+            self.report.notes.append(f"non-finite in {self.stage} tile {st.index} step {st.step} ({narrow})")
+            return out
+        del out
+        wargs = tuple(a.with_data(a.data.to(wide)) if isinstance(a, TT) else a for a in args)
+        out = fn(self, *wargs)
+        del wargs
+        back = out.data.to(narrow)
+        kept = not _finite(back)
+        if not kept:
+            out = out.with_data(back)
+        del back
+        self.report.recomputed.append(
+            Recompute(
+                self.stage,
+                st.index,
+                st.step,
+                str(narrow).replace("torch.", ""),
+                str(wide).replace("torch.", ""),
+                kept,
+            )
+        )
+        logger.info(
+            "precision guard: %s tile %d step %d overflowed in %s, recomputed in %s%s",
+            self.stage,
+            st.index,
+            st.step,
+            narrow,
+            wide,
+            " (continues in the wider dtype)" if kept else "",
+        )
+        if kept and not _finite(out.data):
+            self.report.notes.append(
+                f"non-finite even in {wide}: {self.stage} tile {st.index} step {st.step}"
+            )
+        return out
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+# -- ops -----------------------------------------------------------------------------------------
+
+
+def conv_same(run: Run, mod: nn.Conv2d, t: TT) -> TT:
+    """A stride-1 'same' conv on a window: run it, drop the invalid ring at interior edges."""
+    y = run.call(mod, t.data)
+    p = mod.kernel_size[0] // 2
+    if not p:
+        return t.with_data(y)
+    top = p if t.y0 > 0 else 0
+    bot = p if t.y1 < t.H else 0
+    left = p if t.x0 > 0 else 0
+    right = p if t.x1 < t.W else 0
+    if top or bot or left or right:
+        y = y[..., top : y.shape[-2] - bot, left : y.shape[-1] - right]
+    return TT(y, t.y0 + top, t.x0 + left, t.H, t.W)
+
+
+def conv_down(run: Run, mod: nn.Conv2d, t: TT) -> TT:
+    """The VAE's downsampler: zero pad (0,1,0,1) on the whole image, 3x3 conv with stride 2."""
+    d, y0, x0 = t.data, t.y0, t.x0
+    if y0 % 2:
+        d, y0 = d[..., 1:, :], y0 + 1
+    if x0 % 2:
+        d, x0 = d[..., :, 1:], x0 + 1
+    pad_b = 1 if t.y1 >= t.H else 0
+    pad_r = 1 if t.x1 >= t.W else 0
+    if pad_b or pad_r:
+        d = F.pad(d, (0, pad_r, 0, pad_b))
+    y = run.call(mod, d)
+    return TT(y, y0 // 2, x0 // 2, down_size(t.H), down_size(t.W))
+
+
+def apply_norm(t: TT, aff: Affine, act: nn.Module | None, *, silu: bool = True) -> torch.Tensor:
+    mean, scale, bias = (a.to(t.data.dtype) for a in aff)
+    y = t.data - mean
+    y.mul_(scale).add_(bias)
+    if not silu:
+        return y
+    if act is None or isinstance(act, nn.SiLU):
+        return F.silu(y, inplace=True)
+    return act(y)
+
+
+def _seg_conv(run: Run, t: TT, conv: nn.Conv2d) -> TT:
+    return conv_same(run, conv, t)
+
+
+def _seg_norm_conv(run: Run, t: TT, aff: Affine, act: nn.Module | None, conv: nn.Conv2d) -> TT:
+    y = t.with_data(apply_norm(t, aff, act))
+    return conv_same(run, conv, y)
+
+
+def _seg_norm_conv_add(
+    run: Run,
+    t: TT,
+    aff: Affine,
+    act: nn.Module | None,
+    conv: nn.Conv2d,
+    res: TT,
+    shortcut: nn.Conv2d | None,
+    scale: float,
+) -> TT:
+    out = _seg_norm_conv(run, t, aff, act, conv)
+    box = Box(out.y0, out.y1, out.x0, out.x1)
+    if shortcut is None:
+        r = crop(res, box).data
+    elif shortcut.kernel_size[0] == 1:
+        r = run.call(shortcut, crop(res, box).data)
+    else:
+        r = crop(conv_same(run, shortcut, res), box).data
+    data = out.data
+    data.add_(r.to(data.dtype))
+    if scale != 1.0:
+        data.div_(scale)
+    return out
+
+
+def _seg_up(run: Run, t: TT, conv: nn.Conv2d | None, box: Box, need: int) -> TT:
+    y = F.interpolate(t.data, scale_factor=2.0, mode="nearest")
+    u = crop(TT(y, t.y0 * 2, t.x0 * 2, t.H * 2, t.W * 2), box, need)
+    if conv is None:
+        return u.with_data(u.data.contiguous())
+    return conv_same(run, conv, u)
+
+
+def _seg_down(run: Run, t: TT, conv: nn.Conv2d, box: Box, need: int) -> TT:
+    return crop(conv_down(run, conv, t), box, need)
+
+
+def _seg_out(run: Run, t: TT, aff: Affine, act: nn.Module | None, conv: nn.Conv2d, tanh: bool) -> TT:
+    y = conv_same(run, conv, t.with_data(apply_norm(t, aff, act)))
+    if tanh:
+        y = y.with_data(torch.tanh(y.data))
+    return y
+
+
+def _seg_attn(run: Run, t: TT, aff: Affine, at: Attention) -> TT:
+    x = t.data
+    y = apply_norm(t, aff, None, silu=False)
+    b, c, h, w = x.shape
+    if at.linear:
+        flat = y.flatten(2).transpose(1, 2)  # (B, N, C)
+        del y
+        q, k, v = (run.call(m, flat) for m in (at.q, at.k, at.v))
+        del flat
+        d = q.shape[-1] // at.heads
+        q, k, v = (z.view(b, h * w, at.heads, d).transpose(1, 2) for z in (q, k, v))
+    else:
+        q, k, v = (run.call(m, y) for m in (at.q, at.k, at.v))
+        del y
+        q, k, v = (z.flatten(2).transpose(1, 2).unsqueeze(1) for z in (q, k, v))  # (B, 1, N, C)
+    run.report.attention_chunk = min(
+        q.shape[2], max(1, run.score_bytes // max(1, b * q.shape[1] * k.shape[2] * 4))
+    )
+    o = attention(q, k, v, scale=at.scale, max_bytes=run.score_bytes)
+    del q, k, v
+    if at.linear:
+        o = o.transpose(1, 2).reshape(b, h * w, -1)
+        o = run.call(at.out, o).transpose(1, 2).reshape(b, c, h, w)
+    else:
+        o = o.squeeze(1).transpose(1, 2).reshape(b, c, h, w)
+        o = run.call(at.out, o)
+    if at.residual:
+        o = o + x
+    if at.rescale != 1.0:
+        o = o / at.rescale
+    return t.with_data(o)
+
+
+# -- programs ------------------------------------------------------------------------------------
+
+Program = Generator[Request, Affine, None]
+
+
+def _sync(run: Run, st: TileState, gn: nn.GroupNorm) -> Generator[Request, Affine, Affine]:
+    assert st.h is not None
+    n, mean, var = core_stats(st.h, st.box)
+    run.park(st)
+    aff = yield Request(gn, n, mean, var)
+    run.unpark(st)
+    return aff
+
+
+def _resnet(run: Run, st: TileState, blk: Resnet) -> Generator[Request, Affine, None]:
+    st.res = st.h
+    aff = yield from _sync(run, st, blk.norm1)
+    st.h = run.seg(st, _seg_norm_conv, st.h, aff, blk.act, blk.conv1)
+    shortcut = blk.shortcut
+    if shortcut is not None and shortcut.kernel_size[0] == 1 and blk.out_channels < blk.in_channels:
+        # Park the (smaller) projected residual instead of the block input.
+        st.res = run.seg(st, _seg_conv, st.res, shortcut)
+        shortcut = None
+    aff = yield from _sync(run, st, blk.norm2)
+    st.h = run.seg(st, _seg_norm_conv_add, st.h, aff, blk.act, blk.conv2, st.res, shortcut, blk.out_scale)
+    st.res = None
+
+
+def _attn(run: Run, st: TileState, at: Attention) -> Generator[Request, Affine, None]:
+    aff = yield from _sync(run, st, at.norm)
+    st.h = run.seg(st, _seg_attn, st.h, aff, at)
+
+
+def _mid(run: Run, st: TileState, spec: VAESpec) -> Generator[Request, Affine, None]:
+    for item in spec.mid:
+        if isinstance(item, Resnet):
+            yield from _resnet(run, st, item)
+        else:
+            yield from _attn(run, st, item)
+
+
+def decoder_global(run: Run, st: TileState, spec: VAESpec) -> Program:
+    """conv_in + mid block on the whole latent."""
+    st.h = run.seg(st, _seg_conv, st.h, spec.conv_in)
+    yield from _mid(run, st, spec)
+
+
+def decoder_tiles(run: Run, st: TileState, spec: VAESpec, out: torch.Tensor) -> Program:
+    """Up path (+ norm_out, conv_out) of one tile; writes its core into ``out``."""
+    rneeds = iter(resample_needs(spec))
+    for lv in spec.levels:
+        for blk in lv.blocks:
+            yield from _resnet(run, st, blk)
+        if lv.resample_kind == "up":
+            st.box = up_box(st.box)
+            st.h = run.seg(st, _seg_up, st.h, lv.resample, st.box, next(rneeds))
+    if not spec.give_pre_end:
+        aff = yield from _sync(run, st, spec.norm_out)
+        st.h = run.seg(st, _seg_out, st.h, aff, spec.act_out, spec.conv_out, spec.tanh_out)
+    assert st.h is not None
+    b = st.box
+    out[:, :, b.y0 : b.y1, b.x0 : b.x1] = crop(st.h, b).data.to(out.dtype)
+    st.h = None
+
+
+def encoder_tiles(run: Run, st: TileState, spec: VAESpec, feat: torch.Tensor) -> Program:
+    """conv_in + down path of one tile; writes its latent core into ``feat``."""
+    st.h = run.seg(st, _seg_conv, st.h, spec.conv_in)
+    rneeds = iter(resample_needs(spec))
+    for lv in spec.levels:
+        for blk in lv.blocks:
+            yield from _resnet(run, st, blk)
+        if lv.resample_kind == "down":
+            assert st.h is not None and lv.resample is not None
+            h = st.h
+            st.box = down_box(st.box, h.H, h.W, down_size(h.H), down_size(h.W))
+            del h
+            st.h = run.seg(st, _seg_down, st.h, lv.resample, st.box, next(rneeds))
+    assert st.h is not None
+    b = st.box
+    feat[:, :, b.y0 : b.y1, b.x0 : b.x1] = crop(st.h, b).data.to(feat.dtype)
+    st.h = None
+
+
+def encoder_global(run: Run, st: TileState, spec: VAESpec) -> Program:
+    """Mid block + norm_out + conv_out on the whole latent."""
+    yield from _mid(run, st, spec)
+    aff = yield from _sync(run, st, spec.norm_out)
+    st.h = run.seg(st, _seg_out, st.h, aff, spec.act_out, spec.conv_out, False)
+
+
+# -- drivers -------------------------------------------------------------------------------------
+
+
+class Ticker:
+    """Between-tile duties: interrupt check, progress callback, tracker sample."""
+
+    def __init__(
+        self,
+        total: int,
+        should_interrupt: Callable[[], bool] | None,
+        progress: Callable[[int, int], None] | None,
+        sample: Callable[[], None] | None,
+    ) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.should_interrupt = should_interrupt
+        self.progress = progress
+        self.sample = sample
+
+    def check(self) -> None:
+        if self.should_interrupt is not None and self.should_interrupt():
+            raise Interrupted("VAE pass interrupted between tiles")
+
+    def tick(self) -> None:
+        self.done = min(self.total, self.done + 1)
+        if self.sample is not None:
+            self.sample()
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+        self.check()
+
+
+def lockstep(
+    gens: list[Program], ticker: Ticker, record: list[tuple[nn.GroupNorm, Affine]] | None = None
+) -> None:
+    """Advance all tiles to the next GroupNorm, combine their statistics exactly, repeat."""
+    send: list[Affine | None] = [None] * len(gens)
+    while True:
+        reqs: list[Request | None] = []
+        for i, g in enumerate(gens):
+            try:
+                reqs.append(g.send(send[i]))  # type: ignore[arg-type]
+            except StopIteration:
+                reqs.append(None)
+            ticker.tick()
+        done = [r is None for r in reqs]
+        if all(done):
+            return
+        if any(done):
+            raise RuntimeError("internal error: tiles fell out of lock-step")
+        gn = reqs[0].gn  # type: ignore[union-attr]
+        if any(r.gn is not gn for r in reqs):  # type: ignore[union-attr]
+            raise RuntimeError("internal error: tiles reached different GroupNorms")
+        aff = combine(gn, reqs)  # type: ignore[arg-type]
+        del reqs
+        if record is not None:
+            record.append((gn, aff))
+        send = [aff] * len(gens)
+
+
+def replay(gens: Iterator[Program], stats: list[tuple[nn.GroupNorm, Affine]], ticker: Ticker) -> None:
+    """Run tiles one after another to completion with fixed, recorded statistics (fast mode)."""
+    for g in gens:
+        k = 0
+        msg: Affine | None = None
+        while True:
+            try:
+                req = g.send(msg)  # type: ignore[arg-type]
+            except StopIteration:
+                break
+            if k >= len(stats) or req.gn is not stats[k][0]:
+                raise RuntimeError("internal error: fast-mode statistics do not match the program")
+            msg = stats[k][1]
+            k += 1
+            del req
+        ticker.tick()
+        del g

@@ -1,0 +1,207 @@
+"""Every read or write of WebUI state, behind one small function each.
+
+This is the only module of VRAM Guard that imports ``modules`` (always lazily, inside a function),
+so the rest of :mod:`lib_vram.webui` can be tested against real torch modules and plain objects.
+Paths refer to AUTOMATIC1111 v1.10.1 (``host-api.md``); Forge differences are noted where they
+matter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+# -- options and flags ---------------------------------------------------------------------------
+def opts_get(key: str, default: Any) -> Any:
+    """``shared.opts.<key>`` or ``default`` (our options exist only after ``on_ui_settings`` ran)."""
+    from modules import shared
+
+    return getattr(shared.opts, key, default)
+
+
+def cmd_opt(name: str, default: Any = None) -> Any:
+    """A parsed command-line flag (``shared.cmd_opts.<name>``)."""
+    from modules import shared
+
+    return getattr(shared.cmd_opts, name, default)
+
+
+# -- job state -----------------------------------------------------------------------------------
+def job_token() -> float | None:
+    """Identifies the running WebUI job: ``shared.state.time_start`` is set by every ``state.begin``."""
+    from modules import shared
+
+    return getattr(shared.state, "time_start", None)
+
+
+def interrupted() -> bool:
+    from modules import shared
+
+    return bool(getattr(shared.state, "interrupted", False) or getattr(shared.state, "skipped", False))
+
+
+# -- model and VAE -------------------------------------------------------------------------------
+def sd_model() -> Any:
+    from modules import shared
+
+    return getattr(shared, "sd_model", None)
+
+
+@dataclass(frozen=True)
+class VAEHandle:
+    """Where the current model's VAE is and how to hook it."""
+
+    kind: str
+    """``"ldm"`` (A1111 ldm/sgm ``first_stage_model``) or ``"forge"`` (``forge_objects.vae``)."""
+    first_stage_model: Any
+    decoder: torch.nn.Module | None
+    encoder: torch.nn.Module | None
+    forge_vae: Any = None
+
+
+def vae_of(model: Any) -> VAEHandle | None:
+    """The VAE of ``model`` (A1111: ``first_stage_model``; Forge: ``forge_objects.vae``), or None."""
+    if model is None:
+        return None
+    fsm = getattr(model, "first_stage_model", None)
+    if fsm is not None:
+        dec = getattr(fsm, "decoder", None)
+        enc = getattr(fsm, "encoder", None)
+        return VAEHandle(
+            "ldm",
+            fsm,
+            dec if isinstance(dec, torch.nn.Module) else None,
+            enc if isinstance(enc, torch.nn.Module) else None,
+        )
+    forge_objects = getattr(model, "forge_objects", None)
+    vae = getattr(forge_objects, "vae", None) if forge_objects is not None else None
+    if vae is not None and getattr(vae, "patcher", None) is not None:
+        inner = getattr(vae, "first_stage_model", None)
+        return VAEHandle(
+            "forge", inner, getattr(inner, "decoder", None), getattr(inner, "encoder", None), forge_vae=vae
+        )
+    return None
+
+
+def forge_load_vae(vae: Any) -> None:
+    """Forge: let its memory manager put the VAE on the device (what ``decode_inner`` does)."""
+    from backend import memory_management  # Forge only
+
+    memory_management.load_model_gpu(vae.patcher)
+
+
+# -- precision -----------------------------------------------------------------------------------
+def dtype_vae() -> torch.dtype | None:
+    from modules import devices
+
+    return getattr(devices, "dtype_vae", None)
+
+
+def set_dtype_vae(dtype: torch.dtype) -> None:
+    """Set ``devices.dtype_vae`` (the WebUI re-casts the VAE to it on every encode, host-api §3.3)."""
+    from modules import devices
+
+    devices.dtype_vae = dtype
+
+
+def device() -> torch.device:
+    from modules import devices
+
+    return torch.device(devices.device)
+
+
+def esrgan_device() -> torch.device:
+    from modules import devices
+
+    return torch.device(getattr(devices, "device_esrgan", devices.device))
+
+
+def nan_check_disabled() -> bool:
+    return bool(cmd_opt("disable_nan_check", False))
+
+
+def add_comment(p: Any, text: str) -> None:
+    """A note under the result in the UI (``p.comment``; not saved in the infotext)."""
+    comment = getattr(p, "comment", None)
+    if callable(comment):
+        comment(text)
+
+
+# -- upscalers -----------------------------------------------------------------------------------
+def upscaler_instances() -> list[Any]:
+    """The distinct ``Upscaler`` objects behind ``shared.sd_upscalers`` (host-api §5.1)."""
+    from modules import shared
+
+    seen: dict[int, Any] = {}
+    for data in getattr(shared, "sd_upscalers", None) or []:
+        scaler = getattr(data, "scaler", None)
+        if scaler is not None:
+            seen.setdefault(id(scaler), scaler)
+    return list(seen.values())
+
+
+# -- settings ------------------------------------------------------------------------------------
+def add_options(section: tuple[str, str, str], options: list[tuple[str, dict]]) -> None:
+    """Register settings: ``options`` = ``[(key, {default, label, kind, component_args, info})]``."""
+    import gradio as gr
+    from modules import shared
+
+    # OptionInfo.section is (id, label); the category goes into category_id (what the WebUI's own
+    # options_section() does with a 3-tuple; the settings page unpacks exactly two).
+    section_id, label, category = section
+    components: dict[str, Any] = {"bool": gr.Checkbox, "choice": gr.Dropdown, "int": gr.Slider}
+    for key, spec in options:
+        if spec["kind"] == "html":
+            info = shared.OptionHTML(spec["label"])
+        else:
+            info = shared.OptionInfo(
+                spec["default"],
+                spec["label"],
+                components[spec["kind"]],
+                spec.get("component_args") or None,
+            )
+            if spec.get("info"):
+                info = info.info(spec["info"])
+        info.section = (section_id, label)
+        info.category_id = category
+        shared.opts.add_option(key, info)
+
+
+def input_accordion() -> Callable[..., Any] | None:
+    """``modules.ui_components.InputAccordion`` (A1111 and Forge), or None."""
+    try:
+        from modules.ui_components import InputAccordion
+    except ImportError:
+        return None
+    return InputAccordion
+
+
+# -- extensions ----------------------------------------------------------------------------------
+TILED_VAE_FOLDERS = ("multidiffusion-upscaler-for-automatic1111",)
+"""Folder names the Tiled Diffusion/Tiled VAE extension is installed under by default."""
+
+
+def active_extension_dirs() -> list[str]:
+    """Paths of the enabled extensions (``modules.extensions.active()``)."""
+    try:
+        from modules import extensions
+    except ImportError:
+        return []
+    return [getattr(ext, "path", "") for ext in extensions.active()]
+
+
+def tiled_vae_extension_installed(paths: list[str] | None = None) -> str | None:
+    """The folder of an enabled Tiled VAE (MultiDiffusion) extension, or None."""
+    for path in paths if paths is not None else active_extension_dirs():
+        base = os.path.basename(os.path.normpath(path)).lower()
+        if base in TILED_VAE_FOLDERS or os.path.isfile(os.path.join(path, "scripts", "tilevae.py")):
+            return path
+    return None

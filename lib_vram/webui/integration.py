@@ -1,0 +1,159 @@
+"""Wiring done once per load: settings page, HTTP routes, logging, conflict checks.
+
+Called from the callbacks ``scripts/vram_guard.py`` registers (``on_ui_settings``,
+``on_app_started``); nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SECTION = ("vram_guard", "VRAM Guard", "system")
+"""Settings section (id, label, category); every option needs a tuple section (host-api §7.1)."""
+STATUS_ROUTE = "/vram-guard/v1/status"
+FREE_ROUTE = "/vram-guard/v1/free"
+
+
+def _default_host() -> Any:
+    from . import host
+
+    return host
+
+
+def settings_options() -> list[tuple[str, dict]]:
+    """The Settings page: the preset table, then a default for every accordion control."""
+    from lib_vram.options import BOOL, CHOICE, FIELDS
+
+    out: list[tuple[str, dict]] = [
+        ("vram_guard_presets_table", {"kind": "html", "default": None, "label": presets_table_html()})
+    ]
+    for f in FIELDS:
+        kind = {BOOL: "bool", CHOICE: "choice"}.get(f.kind, "int")
+        out.append(
+            (
+                f.settings_key,
+                {
+                    "default": f.default,
+                    "label": f.settings_label,
+                    "kind": kind,
+                    "component_args": f.component_args(),
+                    "info": f.tooltip,
+                },
+            )
+        )
+    return out
+
+
+def presets_table_html() -> str:
+    """The presets as a table (they are data in :mod:`lib_vram.presets`; Auto resolves per job)."""
+    from lib_vram.presets import PRESETS, RELEASE_POINTS
+
+    rows = []
+    for name, p in PRESETS.items():
+        release = ", ".join(r for r in RELEASE_POINTS if r in p.release_at)
+        rows.append(
+            "<tr>"
+            + "".join(
+                f"<td>{html.escape(str(v))}</td>"
+                for v in (
+                    name,
+                    p.vae_mode,
+                    f"{p.vae_tile_min}-{p.vae_tile_max}",
+                    f"{p.upscale_tile_min}-{p.upscale_tile_max}",
+                    p.upscale_batch_max,
+                    p.precision_vae,
+                    p.precision_upscale,
+                    release,
+                )
+            )
+            + "</tr>"
+        )
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in (
+            "preset",
+            "VAE",
+            "VAE tile (latent px)",
+            "upscale tile (px)",
+            "batch",
+            "VAE prec.",
+            "upscale prec.",
+            "release at",
+        )
+    )
+    return (
+        "<p>Memory presets. <b>Auto</b> picks the row for this card's total memory when a job starts; "
+        "accordion controls left on Auto/0 follow the preset. <code>--vram-guard-preset NAME</code> "
+        "overrides the accordion's preset.</p>"
+        f"<table class='vram-guard-presets'><tr>{head}</tr>{''.join(rows)}</table>"
+    )
+
+
+def register_settings(host: Any = None) -> None:
+    host = host if host is not None else _default_host()
+    host.add_options(SECTION, settings_options())
+
+
+def defaults(host: Any = None) -> Any:
+    """The accordion's defaults from the Settings page (``VRAMGuardOptions``)."""
+    from lib_vram.options import defaults_from_settings
+
+    host = host if host is not None else _default_host()
+    return defaults_from_settings(host.opts_get)
+
+
+def mount_routes(app: Any, session: Any) -> None:
+    """``GET /vram-guard/v1/status`` and ``POST /vram-guard/v1/free`` on the WebUI's own FastAPI
+    app (nothing listens on a new port)."""
+
+    def status() -> dict:
+        return session.status()
+
+    def free() -> dict:
+        return session.free()
+
+    existing = {getattr(r, "path", None) for r in getattr(app, "routes", [])}
+    if STATUS_ROUTE not in existing:
+        app.add_api_route(STATUS_ROUTE, status, methods=["GET"])
+    if FREE_ROUTE not in existing:
+        app.add_api_route(FREE_ROUTE, free, methods=["POST"])
+
+
+def configure_logging(host: Any = None) -> None:
+    from lib_vram import log
+
+    host = host if host is not None else _default_host()
+    level = host.cmd_opt("vram_guard_log_level", None)
+    log.configure(level or "INFO")
+
+
+def check_conflicts(session: Any, host: Any = None) -> None:
+    """Tell the user when the Tiled VAE extension is enabled next to us (log + readout note)."""
+    from .session import TILED_VAE_NOTE
+
+    host = host if host is not None else _default_host()
+    where = host.tiled_vae_extension_installed()
+    if where:
+        session.note(TILED_VAE_NOTE.format(where=where))
+
+
+def foreign_vae_wrapper(module: Any) -> str | None:
+    """Describe an instance-level wrapper on a VAE module that is not ours (e.g. Tiled VAE's
+    ``VAEHook``, which also leaves ``original_forward`` on the module), or None."""
+    from lib_vram.hooks import ATTR
+
+    if module is None:
+        return None
+    d = getattr(module, "__dict__", {})
+    fwd = d.get("forward")
+    ours = getattr(fwd, "_vram_guard_trampoline", False)
+    reg = d.get(ATTR)
+    if "original_forward" in d:
+        return f"{type(fwd).__name__} (Tiled VAE's hook)"
+    if fwd is not None and not ours and (reg is None or not reg.installed):
+        return getattr(fwd, "__qualname__", type(fwd).__name__)
+    return None

@@ -1,0 +1,324 @@
+"""One VRAM Guard job inside the WebUI: what it installed, and what it measured.
+
+A :class:`Job` owns an ``ExitStack`` with every patch it made (VAE hooks, upscaler patches, Forge
+wrappers). It is closed
+
+* by the script's ``postprocess`` (success),
+* at the next ``setup``/``process`` of the same script (the WebUI skips ``postprocess`` when the job
+  raised, e.g. an out-of-memory error),
+* by the ``p.close`` safety net: the WebUI runs every txt2img/img2img job (UI and API) inside
+  ``with closing(p)``, so a wrapper on that one ``p`` object (which the host throws away after the
+  job) closes ours in the host's own ``finally``, before anything else can run,
+* on script unload (``on_script_unloaded`` → :meth:`Session.close_all`),
+
+and while it is open every hook it installed checks :meth:`Job.current` — the job that installed it
+is still the WebUI's running job (``shared.state.time_start``) — and passes straight through
+otherwise. So even a patch that somehow outlived its job does nothing.
+
+Host access goes through ``host`` (by default :mod:`lib_vram.webui.host`), so tests can drive a job
+with real torch modules and a plain object for the host state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+
+from lib_vram.device import release
+from lib_vram.hooks import register_hook, remove_hook
+from lib_vram.tracker import StageTracker
+
+from .settings import JobSettings
+
+logger = logging.getLogger(__name__)
+
+HOOK_NAME = "vram_guard"
+"""Name of our hook in a module's hook registry."""
+
+
+def _default_host() -> Any:
+    from . import host
+
+    return host
+
+
+class Job:
+    """A running VRAM Guard job (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: JobSettings,
+        *,
+        kind: str,
+        token: Any,
+        p: Any = None,
+        options: Any = None,
+        tracker: StageTracker | None = None,
+        device: torch.device | str | None = None,
+        session: Any = None,
+        host: Any = None,
+    ) -> None:
+        if kind not in ("txt2img", "img2img", "extras"):
+            raise ValueError(f"`kind` must be txt2img, img2img or extras, got {kind!r}")
+        self.settings = settings
+        self.options = options
+        self.kind = kind
+        self.token = token
+        self.host = host if host is not None else _default_host()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.tracker = tracker if tracker is not None else StageTracker(self.device, owns_peak_counters=False)
+        self.session = session
+        self.stack = ExitStack()
+        self.thread = threading.get_ident()
+        self.started = time.time()
+        self.closed = False
+        self.failed = False
+        self.postprocessed = False
+        self.notes: list[str] = []
+        self.releases: list[dict] = []
+        self.plans: dict[str, str] = {}
+        self._p_ref = weakref.ref(p) if p is not None else None
+        self._lock = threading.RLock()
+        self._vae_lock = threading.RLock()
+        self._span: contextlib.AbstractContextManager | None = None
+        self._hooked: list[weakref.ref] = []
+        self._warned: set[str] = set()
+        self.dtype_vae_at_start = None
+        self.forge_load_vae: Callable[[Any], None] | None = None
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def p(self) -> Any:
+        return self._p_ref() if self._p_ref is not None else None
+
+    def current(self) -> bool:
+        """True while this job is open and the WebUI is still running the job that opened it."""
+        if self.closed:
+            return False
+        try:
+            return self.host.job_token() == self.token
+        except (ImportError, AttributeError):
+            return False
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+            logger.info("%s", text)
+
+    def warn_once(self, key: str, text: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        logger.warning("%s", text)
+        self.note(text)
+
+    # -- stages ------------------------------------------------------------------------------
+    def begin_span(self, name: str) -> None:
+        """Open a stage that spans host hooks (e.g. ``sampling``); the next stage or boundary ends it."""
+        self.end_span()
+        if threading.get_ident() != self.thread:
+            return
+        cm = self.tracker.stage(name)
+        cm.__enter__()
+        self._span = cm
+
+    def end_span(self) -> None:
+        cm, self._span = self._span, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[Any]:
+        """A measured stage; on the job thread it ends any open span first."""
+        if threading.get_ident() == self.thread:
+            self.end_span()
+        with self.tracker.stage(name) as rec:
+            yield rec
+        if rec.plan:
+            self.plans[name] = rec.plan
+
+    def boundary(self, name: str) -> None:
+        """A stage boundary: release memory there if the settings ask for it, and record it."""
+        if threading.get_ident() == self.thread:
+            self.end_span()
+        if name not in self.settings.release_at:
+            return
+        try:
+            res = release(self.device)
+        except RuntimeError as exc:
+            logger.warning("memory release at %s failed: %s", name, exc)
+            return
+        self.releases.append(
+            {
+                "at": name,
+                "freed_device_bytes": res.freed_device_bytes,
+                "collected_objects": res.collected_objects,
+            }
+        )
+
+    def vae_stage_name(self, kind: str) -> str:
+        """Readout name of a VAE pass from the job's progress (``p``) and the calling thread."""
+        if threading.get_ident() != self.thread:
+            return "preview_decode" if kind == "decode" else "other_encode"
+        p = self.p
+        hr = bool(getattr(p, "enable_hr", False)) and self.kind == "txt2img"
+        in_hr = bool(getattr(p, "is_hr_pass", False))
+        if kind == "decode":
+            return "hires_decode" if hr and not in_hr else "decode"
+        return "hires_encode" if hr and in_hr else "encode"
+
+    def upscale_stage_name(self) -> str:
+        if self.kind == "txt2img":
+            return "hires_upscale"
+        if self.kind == "img2img":
+            return "img2img_upscale"
+        return "upscale"
+
+    # -- VAE ---------------------------------------------------------------------------------
+    def hook_vae(self, handle: Any) -> bool:
+        """Install our hooks on the VAE of ``handle`` (a :class:`host.VAEHandle`); idempotent.
+
+        Called at ``process()`` and again at every later hook point, because the model (and its
+        VAE) can change mid-job (hires checkpoint, refiner). Returns whether anything is hooked.
+        """
+        if handle is None:
+            return False
+        done = False
+        if handle.kind == "forge":
+            from . import forge
+
+            # Forge's slots make its VAE call the decoder/encoder per image; our hooks on those
+            # modules (below) then do the tiling, exactly as on A1111.
+            done = forge.install(self, handle.forge_vae, load_vae=self.forge_load_vae)
+        for kind, module in (("decode", handle.decoder), ("encode", handle.encoder)):
+            if module is None:
+                continue
+            if any(ref() is module for ref in self._hooked):
+                done = True
+                continue
+            register_hook(module, HOOK_NAME, self._make_vae_hook(kind), replace=True)
+            mref = weakref.ref(module)
+            self._hooked.append(mref)
+            self.stack.callback(_unhook, mref)
+            done = True
+        return done
+
+    def _make_vae_hook(self, kind: str) -> Callable[..., Any]:
+        job_ref = weakref.ref(self)
+
+        def hook(
+            module: torch.nn.Module, call_next: Callable[..., Any], x: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            job = job_ref()
+            if job is None or args or not job.current():
+                return call_next(x, *args, **kwargs)
+            return job.vae_call(kind, module, call_next, x, kwargs)
+
+        return hook
+
+    def vae_call(
+        self, kind: str, module: torch.nn.Module, call_next: Callable[..., Any], x: torch.Tensor, kwargs: dict
+    ) -> torch.Tensor:
+        """Run one VAE decode/encode the way the settings ask (called by our hooks)."""
+        s = self.settings
+        name = self.vae_stage_name(kind)
+        if kwargs or (s.vae_tiling == "Off" and s.vae_dtype is None):
+            with self.stage(name):
+                out = call_next(x, **kwargs)
+                self.tracker.note(plan="untiled")
+            return out
+        try:
+            from lib_vram import vae as engine
+        except ImportError as exc:
+            self.warn_once(
+                "no-vae-engine", f"VRAM Guard: tiled VAE engine unavailable ({exc}); running untiled"
+            )
+            with self.stage(name):
+                return call_next(x, **kwargs)
+        supported = engine.is_supported_decoder if kind == "decode" else engine.is_supported_encoder
+        if not supported(module):
+            self.warn_once(
+                f"unsupported-{kind}",
+                f"VRAM Guard: this model's VAE {kind}r ({type(module).__name__}) is not supported; "
+                "running it untiled",
+            )
+            with self.stage(name):
+                return call_next(x, **kwargs)
+        mode, tile = s.vae_mode, s.vae_tile
+        if s.vae_tiling == "Off":
+            # Forced precision without tiling: one tile covering the whole pass, so that the
+            # per-tile precision guard still applies (it is what keeps FP16 from producing NaNs).
+            mode = "exact"
+            side = max(int(x.shape[-2]), int(x.shape[-1]))
+            tile = side if kind == "decode" else -(-side // 8)
+        config = engine.TiledVAEConfig(mode=mode, tile=tile, dtype=s.vae_dtype)
+        report = engine.VAEReport()
+        run = engine.tiled_decode if kind == "decode" else engine.tiled_encode
+        with self._vae_lock, self.stage(name):
+            out = run(
+                module, x, config=config, original_forward=call_next, tracker=self.tracker, report=report
+            )
+            self.tracker.note(plan=report.plan)
+        if report.recomputed:
+            self.note(
+                f"VRAM Guard: {len(report.recomputed)} {kind} segment(s) overflowed in {report.dtype} and "
+                "were recomputed in a wider type"
+            )
+        return out
+
+    # -- closing -----------------------------------------------------------------------------
+    def close(self, *, failed: bool = False) -> None:
+        """Undo everything this job installed (idempotent, thread-safe); release memory."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.failed = failed
+        try:
+            if threading.get_ident() == self.thread:
+                self.end_span()
+            else:
+                self._span = None
+            self.boundary("failure" if failed else "job_end")
+        finally:
+            self.stack.close()
+            if self.session is not None:
+                self.session.job_closed(self)
+        logger.debug("job %s closed (%s)", self.kind, "failed" if failed else "ok")
+
+    def summary(self) -> dict:
+        """What the readout and the status route show about this job."""
+        return {
+            "kind": self.kind,
+            "settings": self.settings.describe(),
+            # Top-level stages only: the engines open their own stages inside ours (same memory).
+            "records": [r.to_dict() for r in self.tracker.records if r.depth == 0],
+            "releases": list(self.releases),
+            "plans": dict(self.plans),
+            "notes": list(self.notes),
+            "failed": self.failed,
+            "closed": self.closed,
+        }
+
+    def plan_text(self, **_: Any) -> str | None:
+        """Infotext value for ``VRAM Guard plan``. Put into ``extra_generation_params`` as a
+        callable, so it is evaluated when each image's infotext is written (after the stages ran)."""
+        if not self.plans or self.options is None:
+            return None
+        from lib_vram.options import INFOTEXT_PLAN_KEY, to_infotext
+
+        return to_infotext(self.options, plans=self.plans).get(INFOTEXT_PLAN_KEY)
+
+
+def _unhook(module_ref: weakref.ref) -> None:
+    module = module_ref()
+    if module is not None:
+        remove_hook(module, HOOK_NAME)

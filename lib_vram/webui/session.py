@@ -1,0 +1,370 @@
+"""The extension's process-wide state and the per-script job driver.
+
+:class:`Session` — one per loaded ``scripts/vram_guard.py`` (created there, passed to everything):
+open jobs (closed all at once on unload), the last job's summary for the readout and the status
+route, the upscaler model cache, and session-level notes (e.g. "the WebUI switched its VAE to FP32").
+
+:class:`ScriptJobs` — owned by one ``Script`` instance (one per tab): turns the WebUI's hook calls
+(``setup``, ``process``, ``before_hr``, ``post_sample``, ``postprocess_batch``, ``postprocess``) into
+:class:`~lib_vram.webui.job.Job` operations. Every method is safe to call in any order and any
+number of times.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from lib_vram.device import capabilities, memory_info, release
+
+from .job import Job
+from .settings import resolve
+
+logger = logging.getLogger(__name__)
+
+TILED_VAE_NOTE = (
+    "The Tiled VAE (multidiffusion-upscaler) extension is also enabled ({where}). Both tile the VAE: "
+    "use one of them (disable Tiled VAE in its accordion, or VRAM Guard's 'Tiled VAE' = Off)."
+)
+REVERT_NOTE = (
+    "The WebUI switched its VAE from {old} to {new} after a NaN (its automatic VAE precision "
+    "fallback); that stays for the rest of this session and needs about twice the VAE memory. "
+    "VRAM Guard keeps {old} for its jobs when 'VAE precision' is FP16/BF16 (each tile that "
+    "overflows is recomputed wider); restart the WebUI to reset it."
+)
+
+
+def _default_host() -> Any:
+    from . import host
+
+    return host
+
+
+class Session:
+    """Process-wide state of the loaded extension (see the module docstring)."""
+
+    def __init__(self, host: Any = None) -> None:
+        self.host = host if host is not None else _default_host()
+        self._jobs: weakref.WeakSet[Job] = weakref.WeakSet()
+        self._lock = threading.RLock()
+        self.last: dict | None = None
+        self.notes: list[str] = []
+        self._cache: Any = None
+        self._dtype_seen: torch.dtype | None = None
+
+    # -- jobs --------------------------------------------------------------------------------
+    def job_opened(self, job: Job) -> None:
+        with self._lock:
+            self._jobs.add(job)
+
+    def job_closed(self, job: Job) -> None:
+        with self._lock:
+            self._jobs.discard(job)
+            self.last = job.summary()
+        self.check_dtype_vae(job)
+
+    def open_jobs(self) -> list[Job]:
+        with self._lock:
+            return list(self._jobs)
+
+    def close_all(self, *, failed: bool = False) -> int:
+        """Close every open job (``on_script_unloaded``); returns how many were open."""
+        jobs = self.open_jobs()
+        for job in jobs:
+            job.close(failed=failed)
+        return len(jobs)
+
+    def model_changed(self, sd_model: Any) -> None:
+        """``on_model_loaded``: hook the new model's VAE for the jobs that are running now
+        (a hires checkpoint is loaded between the first pass and the hires re-encode)."""
+        for job in self.open_jobs():
+            if job.current():
+                job.hook_vae(self.host.vae_of(sd_model))
+
+    def note(self, text: str) -> None:
+        with self._lock:
+            if text not in self.notes:
+                self.notes.append(text)
+                logger.warning("%s", text)
+
+    # -- precision watch ---------------------------------------------------------------------
+    def check_dtype_vae(self, job: Job | None = None) -> None:
+        """Tell the user (log + readout + ``p.comment``) when the WebUI widened its VAE dtype."""
+        try:
+            now = self.host.dtype_vae()
+        except (ImportError, AttributeError):
+            return
+        if now is None:
+            return
+        before = self._dtype_seen
+        self._dtype_seen = now
+        if before is None or now == before or _WIDTH.get(now, 0) <= _WIDTH.get(before, 0):
+            return
+        text = REVERT_NOTE.format(old=_dtype_name(before), new=_dtype_name(now))
+        self.note(text)
+        if job is not None and job.p is not None:
+            self.host.add_comment(job.p, text)
+
+    # -- upscaler model cache ----------------------------------------------------------------
+    def model_cache(self) -> Any:
+        if self._cache is None:
+            from lib_vram.upscale import default_cache
+
+            self._cache = default_cache()
+        return self._cache
+
+    # -- readout -----------------------------------------------------------------------------
+    def status(self) -> dict:
+        """The readout payload (``GET /vram-guard/v1/status``)."""
+        from lib_vram.readout import status_payload
+
+        dev = self._device()
+        jobs = self.open_jobs()
+        running = any(j.current() for j in jobs)
+        last = jobs[-1].summary() if jobs else self.last
+        records = last["records"] if last else []
+        notes = list(self.notes)
+        if last:
+            notes += [n for n in last["notes"] if n not in notes]
+            for rel in last.get("releases", []):
+                if rel["freed_device_bytes"]:
+                    notes.append(
+                        f"release at {rel['at']}: {rel['freed_device_bytes'] / 2**20:.0f} MiB returned"
+                    )
+        name = None
+        try:
+            name = capabilities(dev).name
+        except (RuntimeError, AssertionError) as exc:
+            logger.debug("device name unavailable: %s", exc)
+        return status_payload(memory_info(dev), records, job_running=running, notes=notes, device_name=name)
+
+    def readout_html(self) -> str:
+        from lib_vram.readout import render_readout_html
+
+        return render_readout_html(self.status())
+
+    def free(self) -> dict:
+        """ "Free memory now": gc + cache release; returns the new status with what was freed."""
+        res = release(self._device())
+        status = self.status()
+        status["freed_device_bytes"] = res.freed_device_bytes
+        status["collected_objects"] = res.collected_objects
+        return status
+
+    def free_html(self) -> str:
+        from lib_vram.readout import render_readout_html
+
+        return render_readout_html(self.free())
+
+    def _device(self) -> torch.device:
+        try:
+            return self.host.device()
+        except (ImportError, AttributeError):
+            return torch.device("cpu")
+
+
+_WIDTH = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+"""Numeric range of the VAE dtypes, narrowest first (a switch to a wider one is the NaN fallback)."""
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return {torch.float16: "FP16", torch.bfloat16: "BF16", torch.float32: "FP32"}.get(dtype, str(dtype))
+
+
+class ScriptJobs:
+    """Drives the jobs of one ``Script`` instance (see the module docstring)."""
+
+    def __init__(self, session: Session, *, kind: str) -> None:
+        self.session = session
+        self.kind = kind
+        self.job: Job | None = None
+
+    @property
+    def host(self) -> Any:
+        return self.session.host
+
+    # -- opening / closing -------------------------------------------------------------------
+    def close(self, *, failed: bool = False) -> None:
+        job, self.job = self.job, None
+        if job is not None:
+            job.close(failed=failed)
+
+    def _open(self, p: Any, options: Any) -> Job | None:
+        """Open a job for ``p`` unless the current one belongs to the same WebUI job."""
+        job = self.job
+        token = self.host.job_token()
+        if job is not None and not job.closed and job.token == token and job.options == options:
+            return job
+        if job is not None:
+            # A job that was not closed by postprocess: the last run raised (OOM...).
+            self.close(failed=not job.postprocessed)
+        if self.host.cmd_opt("vram_guard_disable", False):
+            return None
+        dev = self.host.device()
+        info = memory_info(dev)
+        caps = capabilities(dev)
+        settings = resolve(
+            options, total_bytes=info.total, caps=caps, preset_override=self.host.cmd_opt("vram_guard_preset")
+        )
+        job = Job(
+            settings,
+            kind=self.kind,
+            token=token,
+            p=p,
+            options=options,
+            device=dev,
+            session=self.session,
+            host=self.host,
+        )
+        self.job = job
+        self.session.job_opened(job)
+        if getattr(options, "unet_fp16", False):
+            job.warn_once(
+                "unet",
+                "VRAM Guard: 'FP16 UNet' is not applied inside the WebUI yet; use the WebUI's own "
+                "precision flags (drop --no-half) for that",
+            )
+        self.session.check_dtype_vae(job)
+        if p is not None:
+            self._safety_net(p, job)
+        if settings.upscale_tiling:
+            from .upscalers import patch_upscalers
+
+            patch_upscalers(
+                job,
+                self.host.upscaler_instances(),
+                device=self.host.esrgan_device(),
+                cache=self.session.model_cache,
+            )
+        logger.info("VRAM Guard job (%s): %s", self.kind, settings.describe())
+        return job
+
+    def _safety_net(self, p: Any, job: Job) -> None:
+        """Close ``job`` in the host's own ``finally``: every txt2img/img2img job (UI and API) runs
+        inside ``with closing(p)``; ``p`` is thrown away after the job, so wrapping its ``close``
+        leaves nothing behind."""
+        from .patching import patch_attr
+
+        if not callable(getattr(p, "close", None)):
+            return
+
+        def close(original: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if not job.closed:
+                    job.close(failed=not job.postprocessed)
+                if self.job is job:
+                    self.job = None
+
+        try:
+            patch_attr(p, "close", close, job.stack)
+        except (AttributeError, TypeError) as exc:
+            logger.debug("no p.close safety net: %s", exc)
+
+    # -- the WebUI's hooks -------------------------------------------------------------------
+    def setup(self, p: Any, options: Any) -> None:
+        """``Script.setup``: early, so the SD upscale script's upscale (before any
+        ``process_images``) already goes through us."""
+        if not options.enabled:
+            self.close()
+            return
+        self._open(p, options)
+
+    def process(self, p: Any, options: Any) -> Job | None:
+        if not options.enabled:
+            self.close()  # stale patches of a crashed run; nothing else happens when disabled
+            return None
+        job = self._open(p, options)
+        if job is None:
+            return None
+        job.boundary("process")
+        self.refresh(p)
+        from lib_vram.options import INFOTEXT_PLAN_KEY, to_infotext
+
+        entries = to_infotext(options)
+        p.extra_generation_params.update(entries)
+        if entries:
+            p.extra_generation_params[INFOTEXT_PLAN_KEY] = job.plan_text
+        return job
+
+    def refresh(self, p: Any = None) -> None:
+        """Hook the VAE of the model the WebUI uses *now* (it can change mid-job)."""
+        job = self.job
+        if job is None or job.closed:
+            return
+        handle = self.host.vae_of(self.host.sd_model())
+        if handle is not None and handle.kind == "forge" and job.forge_load_vae is None:
+            job.forge_load_vae = self.host.forge_load_vae
+        if handle is not None:
+            from .integration import foreign_vae_wrapper
+
+            other = foreign_vae_wrapper(handle.decoder)
+            if other:
+                job.warn_once(
+                    "foreign-vae",
+                    f"VRAM Guard: another extension wraps the VAE decoder ({other}); whichever wraps it "
+                    "last decides how it runs (Tiled VAE? use one of the two)",
+                )
+        if not job.hook_vae(handle):
+            job.warn_once("no-vae", "VRAM Guard: no VAE found on the current model; the VAE is not tiled")
+
+    def before_sampling(self, p: Any) -> None:
+        job = self.job
+        if job is not None and not job.closed:
+            self.refresh(p)
+            job.begin_span("hires_sampling" if getattr(p, "is_hr_pass", False) else "sampling")
+
+    def before_hr(self, p: Any) -> None:
+        job = self.job
+        if job is not None and not job.closed:
+            job.boundary("before_hr")
+            self.refresh(p)
+
+    def post_sample(self, p: Any) -> None:
+        job = self.job
+        if job is not None and not job.closed:
+            job.boundary("post_sample")
+            self.refresh(p)
+
+    def postprocess_batch(self, p: Any) -> None:
+        job = self.job
+        if job is not None and not job.closed:
+            job.boundary("postprocess_batch")
+            job.begin_span("postprocess")
+
+    def postprocess(self, p: Any) -> None:
+        job = self.job
+        if job is not None:
+            job.postprocessed = True
+            self.close()
+
+    # -- Extras ------------------------------------------------------------------------------
+    def extras(self, pp: Any, options: Any) -> Job | None:
+        """Extras (``ScriptPostprocessing.process_firstpass``): open a job that routes the built-in
+        Upscale operation's upscaler through the tiled engine. Closed when ``pp`` is dropped (the
+        end of this image's run), at the next Extras run, or by the job token check."""
+        if not options.enabled:
+            self.close()
+            return None
+        job = self._open(None, options)
+        if job is None:
+            return None
+        weakref.finalize(pp, _close_if_open, weakref.ref(job))
+        info = getattr(pp, "info", None)
+        if isinstance(info, dict):
+            from lib_vram.options import to_infotext
+
+            info.update(to_infotext(options))
+        return job
+
+
+def _close_if_open(job_ref: weakref.ref) -> None:
+    job = job_ref()
+    if job is not None and not job.closed:
+        job.postprocessed = True
+        job.close()

@@ -1,0 +1,120 @@
+"""Route the WebUI's ESRGAN-family upscalers through VRAM Guard's tiled engine and model cache.
+
+Where: the ``do_upscale`` of the ``Upscaler`` *instances* behind ``shared.sd_upscalers`` (an
+instance attribute, undone when the job closes). Every path that upscales with a model — hires fix
+and img2img resize (``images.resize_image``), the SD upscale script and the Extras tab — ends in
+``UpscalerData.scaler.upscale()`` → ``self.do_upscale(img, path)``, so this one place covers them
+all. Patching the module-level ``upscale_with_model`` instead would need one patch per importing
+module (``esrgan_model``, ``realesrgan_model``, ``dat_model``, ``hat_model`` bind the name at import,
+host-api §5.3) and would still let ESRGAN reload its model from disk at every call; at
+``do_upscale`` we get the model *path* and load it through our :class:`~lib_vram.upscale.ModelCache`.
+
+Anything we cannot handle (a URL still to download, an architecture our loader rejects) goes to the
+WebUI's own ``do_upscale`` unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .patching import patch_attr
+
+logger = logging.getLogger(__name__)
+
+PATH_ARG = ("UpscalerESRGAN", "UpscalerHAT")
+"""Classes whose ``do_upscale`` gets the model file path itself."""
+INFO_ARG = ("UpscalerRealESRGAN", "UpscalerDAT")
+"""Classes whose ``do_upscale`` gets a path/URL that their ``load_model`` resolves to an
+``UpscalerData`` with ``local_data_path`` (downloading it if needed)."""
+FAMILY = PATH_ARG + INFO_ARG
+
+
+def model_path(scaler: Any, selected: Any) -> str | None:
+    """The local model file ``scaler.do_upscale(img, selected)`` would load, or None."""
+    cls = type(scaler).__name__
+    if not isinstance(selected, str):
+        return None
+    if cls in PATH_ARG:
+        return selected if os.path.isfile(selected) else None
+    if cls in INFO_ARG:
+        info = type(scaler).load_model(scaler, selected)  # the class's own resolver (may download)
+        path = getattr(info, "local_data_path", None)
+        return path if isinstance(path, str) and os.path.isfile(path) else None
+    return None
+
+
+def patch_upscalers(job: Any, scalers: list[Any], *, device: Any, cache: Callable[[], Any]) -> int:
+    """Patch ``do_upscale`` of every ESRGAN-family scaler in ``scalers`` for ``job``; returns how many.
+
+    ``cache()`` returns the model cache (called at the first upscale, so nothing is imported or
+    allocated for jobs that never upscale)."""
+    n = 0
+    for scaler in scalers:
+        if type(scaler).__name__ not in FAMILY:
+            continue
+        patch_attr(scaler, "do_upscale", _make(job, scaler, device=device, cache=cache), job.stack)
+        n += 1
+    return n
+
+
+def _make(job: Any, scaler: Any, *, device: Any, cache: Any) -> Callable[..., Any]:
+    def do_upscale(original: Callable[..., Any], img: Any, selected: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or not job.current() or not job.settings.upscale_tiling:
+            return original(img, selected, *args, **kwargs)
+        return upscale(job, scaler, original, img, selected, device=device, cache=cache)
+
+    return do_upscale
+
+
+def upscale(
+    job: Any, scaler: Any, original: Callable[..., Any], img: Any, selected: Any, *, device: Any, cache: Any
+):
+    """One upscale through the tiled engine (falls back to ``original`` where we cannot help)."""
+    try:
+        from lib_vram import upscale as engine
+    except ImportError as exc:
+        job.warn_once("no-upscale-engine", f"VRAM Guard: tiled upscale engine unavailable ({exc})")
+        return original(img, selected)
+    try:
+        path = model_path(scaler, selected)
+    except (OSError, ValueError) as exc:
+        logger.warning(
+            "VRAM Guard: cannot resolve upscaler model %r (%s); using the WebUI's upscaler", selected, exc
+        )
+        path = None
+    if path is None:
+        return original(img, selected)
+    try:
+        model = engine.load_model(path, device=device, cache=cache())
+    except engine.UpscaleError as exc:
+        job.warn_once(
+            f"upscale-load-{path}",
+            f"VRAM Guard: cannot load {os.path.basename(path)} for tiled upscaling ({exc}); "
+            "the WebUI's upscaler runs it instead",
+        )
+        return original(img, selected)
+    s = job.settings
+    config = engine.UpscaleConfig(
+        tile=s.upscale_tile, batch=s.upscale_batch, precision=s.upscale_precision, device=device
+    )
+    report = engine.UpscaleReport()
+    with job.stage(job.upscale_stage_name()):
+        try:
+            out = engine.upscale_image(
+                model,
+                img,
+                config=config,
+                should_interrupt=job.host.interrupted,
+                tracker=job.tracker,
+                report=report,
+            )
+        except engine.Interrupted:
+            # What the WebUI's own tiled upscale does when interrupted: hand back the input.
+            job.tracker.note(plan="interrupted")
+            return img
+        plan = getattr(report, "plan", None)
+        job.tracker.note(plan=plan if isinstance(plan, str) else None)
+    return out

@@ -1,0 +1,143 @@
+"""VRAM Guard's WebUI entry points: the txt2img/img2img accordion, the Extras section, callbacks.
+
+Thin on purpose: it parses the UI/API arguments and forwards each WebUI hook to
+:mod:`lib_vram.webui`, where the logic lives and is tested. Importing this file only registers
+callbacks (host-api §2); everything else happens when the WebUI calls in.
+"""
+
+from __future__ import annotations
+
+from modules import script_callbacks, scripts, scripts_postprocessing
+
+from lib_vram import webui as vg
+from lib_vram.options import extras_options, from_args
+from lib_vram.webui import host
+
+SESSION = vg.Session()
+"""This load's state (jobs, last readout, model cache); replaced when "Reload UI" re-runs the file."""
+
+
+class VRAMGuardScript(scripts.Script):
+    """The "VRAM Guard" accordion (always visible, next to Hires. fix)."""
+
+    section = "accordions"
+    create_group = False
+
+    def title(self):
+        return "VRAM Guard"
+
+    def show(self, is_img2img):
+        return scripts.AlwaysVisible
+
+    def ui(self, is_img2img):
+        from lib_vram.ui import build_ui
+
+        widgets = build_ui(
+            tab="img2img" if is_img2img else "txt2img",
+            defaults=vg.defaults(),
+            input_accordion=host.input_accordion(),
+            on_free=SESSION.free_html,
+        )
+        self.infotext_fields = widgets.infotext_fields
+        self.paste_field_names = widgets.paste_field_names
+        return widgets.inputs
+
+    # -- job lifecycle (lib_vram.webui.ScriptJobs) -------------------------------------------
+    @property
+    def jobs(self) -> vg.ScriptJobs:
+        jobs = self.__dict__.get("_vram_guard_jobs")
+        if jobs is None:
+            kind = "img2img" if getattr(self, "is_img2img", False) else "txt2img"
+            jobs = self.__dict__["_vram_guard_jobs"] = vg.ScriptJobs(SESSION, kind=kind)
+        return jobs
+
+    def _options(self, args):
+        return from_args(list(args), defaults=vg.defaults())
+
+    def setup(self, p, *args):
+        self.jobs.setup(p, self._options(args))
+
+    def process(self, p, *args):
+        options = self._options(args)
+        if not options.enabled:
+            if self.jobs.job is not None:
+                self.jobs.close()  # a crashed run's leftovers; nothing else when disabled
+            return
+        self.jobs.process(p, options)
+
+    def process_before_every_sampling(self, p, *args, **kwargs):
+        if self.jobs.job is not None:
+            self.jobs.before_sampling(p)
+
+    def before_hr(self, p, *args):
+        if self.jobs.job is not None:
+            self.jobs.before_hr(p)
+
+    def post_sample(self, p, ps, *args):
+        if self.jobs.job is not None:
+            self.jobs.post_sample(p)
+
+    def postprocess_batch(self, p, *args, **kwargs):
+        if self.jobs.job is not None:
+            self.jobs.postprocess_batch(p)
+
+    def postprocess(self, p, processed, *args):
+        if self.jobs.job is not None:
+            self.jobs.postprocess(p)
+
+
+class VRAMGuardExtras(scripts_postprocessing.ScriptPostprocessing):
+    """Extras: tiled upscaling for the built-in Upscale operation, plus the readout.
+
+    Route (b) of host-api §6.4: no second upscaler UI. ``process_firstpass`` (called for every
+    operation before any ``process``, whatever the user's operation order) opens a job that routes
+    the upscaler the built-in "Upscale" operation picks through VRAM Guard's tiled engine.
+    """
+
+    name = "VRAM Guard"
+    order = 999
+
+    def ui(self):
+        from lib_vram.ui import build_extras_ui
+
+        return build_extras_ui(
+            vg.defaults(), input_accordion=host.input_accordion(), on_free=SESSION.free_html
+        )
+
+    @property
+    def jobs(self) -> vg.ScriptJobs:
+        jobs = self.__dict__.get("_vram_guard_jobs")
+        if jobs is None:
+            jobs = self.__dict__["_vram_guard_jobs"] = vg.ScriptJobs(SESSION, kind="extras")
+        return jobs
+
+    def process_firstpass(self, pp, **args):
+        # None values (the Extras API passes None for our arguments) mean "the Settings defaults".
+        self.jobs.extras(pp, extras_options(args, vg.defaults()))
+
+    def process(self, pp, **args):
+        return None
+
+
+def _on_ui_settings():
+    vg.register_settings()
+
+
+def _on_app_started(demo, app):
+    vg.configure_logging()
+    vg.mount_routes(app, SESSION)
+    vg.check_conflicts(SESSION)
+
+
+def _on_model_loaded(sd_model):
+    SESSION.model_changed(sd_model)
+
+
+def _on_script_unloaded():
+    SESSION.close_all()
+
+
+script_callbacks.on_ui_settings(_on_ui_settings)
+script_callbacks.on_app_started(_on_app_started)
+script_callbacks.on_model_loaded(_on_model_loaded)
+script_callbacks.on_script_unloaded(_on_script_unloaded)

@@ -1,0 +1,41 @@
+"""Shared test helpers.
+
+The spandrel architecture imports live in one place, :mod:`lib_vram.bench._synthetic` (shared with
+the benchmark), re-exported here: a spandrel version bump touches one line there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lib_vram.bench._synthetic import compact_class, image_like, make_imagelike_rrdb, rrdb_class
+
+__all__ = ["compact_class", "image_like", "make_imagelike_rrdb", "rrdb_class", "save_and_load"]
+
+
+def save_and_load(net: torch.nn.Module, path: Path):
+    """Save ``net``'s weights as safetensors and load them back through spandrel's ModelLoader."""
+    import spandrel
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
+    return spandrel.ModelLoader().load_from_file(str(path))
+
+
+@pytest.fixture
+def tiny_compact(tmp_path):
+    """A real spandrel Compact x2 (8 features, 2 convs), random weights, loaded from a file."""
+    torch.manual_seed(0)
+    net = compact_class()(num_in_ch=3, num_out_ch=3, num_feat=8, num_conv=2, upscale=2)
+    return save_and_load(net, tmp_path / "tiny_compact.safetensors")
+
+
+@pytest.fixture
+def tiny_rrdb(tmp_path):
+    """A real spandrel ESRGAN (RRDBNet x4, 8 filters, 1 block), image-like, loaded from a file."""
+    torch.manual_seed(0)
+    net = make_imagelike_rrdb(rrdb_class()(in_nc=3, out_nc=3, num_filters=8, num_blocks=1, scale=4))
+    return save_and_load(net, tmp_path / "tiny_rrdb.safetensors")

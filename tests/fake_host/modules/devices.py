@@ -1,0 +1,7 @@
+"""Host state: the devices the WebUI picked (modules/devices.py)."""
+
+import torch
+
+device = torch.device("cpu")
+device_esrgan = torch.device("cpu")
+dtype_vae = torch.float32

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lib_vram import _cli_plan
+from lib_vram.cli import main
+from lib_vram.presets import PRESET_NAMES
+
+RECORD_KEYS = {
+    "stage",
+    "plan",
+    "predicted_peak_bytes",
+    "fits",
+    "budget_bytes",
+    "safety_margin_bytes",
+    "warning",
+}
+
+
+def _plan(capsys, *argv: str) -> tuple[int, dict]:
+    rc = main(["plan", *argv, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_sdxl_2048_decode_plans_to_fit_4gb(capsys):
+    rc, rep = _plan(capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "4GB")
+    assert rc == 0
+    assert rep["preset"] == "Auto" and rep["resolved_from"] == "4GB" and rep["emulated"]
+    (dec,) = rep["stages"]
+    assert set(dec) >= RECORD_KEYS
+    assert dec["stage"] == "vae_decode" and dec["fits"] and dec["plan"].startswith("tile ")
+    assert dec["predicted_peak_bytes"] <= dec["budget_bytes"] < 4 * 2**30
+    # Untiled was tried first and did not fit.
+    assert dec["candidates"][0]["plan"] == "untiled"
+    assert dec["candidates"][0]["predicted_peak_bytes"] > dec["budget_bytes"]
+
+
+def test_4x_upscale_of_1024_plans_to_fit_4gb(capsys):
+    rc, rep = _plan(
+        capsys, "--arch", "sd15", "--width", "1024", "--height", "1024", "--upscaler", "rrdb", "--vram", "4GB"
+    )
+    assert rc == 0
+    up = rep["stages"][-1]
+    assert up["stage"] == "upscale" and up["fits"] and up["tile"] is not None
+
+
+def test_doomed_run_is_warned_before_it_starts(capsys):
+    rc, rep = _plan(
+        capsys,
+        "--arch",
+        "sd15",
+        "--width",
+        "512",
+        "--height",
+        "512",
+        "--vram",
+        "4GB",
+        "--safety-margin",
+        "3.9GB",
+    )
+    assert rc == 3
+    (dec,) = rep["stages"]
+    assert not dec["fits"] and "out-of-memory" in dec["warning"]
+
+
+def test_table_output(capsys):
+    assert main(["plan", "--arch", "sd15", "--width", "512", "--height", "512", "--vram", "8GB"]) == 0
+    out = capsys.readouterr().out
+    assert "vae_decode" in out and "untiled" in out and "preset Auto (8GB)" in out
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("6GB", 6 * 2**30), ("5.5GiB", int(5.5 * 2**30)), ("4096MB", 2**32)]
+)
+def test_parse_size(text, value):
+    assert _cli_plan.parse_size(text) == value
+
+
+def test_parse_size_rejects_garbage():
+    with pytest.raises(ValueError, match="`--vram`"):
+        _cli_plan.parse_size("lots")
+
+
+def test_doctor_recommends_a_preset(capsys):
+    assert main(["doctor", "--json", "--device", "cpu"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["recommended_preset"] in PRESET_NAMES and rep["recommended_preset"] == rep["tier"]["label"]

@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from ldm.modules.diffusionmodules.model import Decoder as LdmDecoder
+from ldm.modules.diffusionmodules.model import Encoder as LdmEncoder
+
+from lib_vram import reference, stageplan
+from lib_vram.predict import LiveBytesCounter, fake_state, new_fake_mode, predict_module_peak
+
+# The SD ddconfig at a quarter of the width (same code path, cheap).
+DD = dict(
+    double_z=True,
+    z_channels=4,
+    resolution=256,
+    in_channels=3,
+    out_ch=3,
+    ch=32,
+    ch_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_resolutions=[],
+    dropout=0.0,
+)
+ARCH = reference.VAEArch("sd-ch32", z_channels=4, ch=32)
+
+
+def test_counter_tracks_allocations_and_frees_on_real_tensors():
+    with LiveBytesCounter() as c:
+        a = torch.ones(1000)  # 4000 B
+        b = torch.ones(500)  # 2000 B
+        del a
+        d = b * 2  # 2000 B; a's 4000 are free again
+        b.add_(1)  # in place: nothing new
+        e = b.view(-1)  # a view: same storage
+    assert c.peak_bytes == 6000
+    assert c.live_bytes == 4000
+    del b, d, e
+    assert c.live_bytes == 0
+
+
+@pytest.mark.parametrize("size", [8, 16])
+def test_reference_vae_counts_like_the_real_ldm_classes(size):
+    mode = new_fake_mode()
+    with torch.device("meta"):
+        pairs = [
+            (LdmDecoder(**DD), reference.Decoder(ARCH, attn="vanilla"), (1, 4, size, size)),
+            (LdmEncoder(**DD), reference.Encoder(ARCH, attn="vanilla"), (1, 3, 8 * size, 8 * size)),
+        ]
+    for ldm_mod, ref_mod, shape in pairs:
+        a = predict_module_peak(ldm_mod, shape, fake_mode=mode)
+        b = predict_module_peak(ref_mod, shape, fake_mode=mode)
+        assert a.raw_activation_bytes == b.raw_activation_bytes > 0
+        assert a.weights_bytes == b.weights_bytes
+
+
+def test_prediction_leaves_a_real_module_untouched():
+    torch.manual_seed(0)
+    dec = LdmDecoder(**DD).eval()
+    before = {k: v.clone() for k, v in dec.state_dict().items()}
+    pred = predict_module_peak(dec, (1, 4, 16, 16), torch.float16)
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in dec.parameters())
+    assert all(torch.equal(before[k], v) for k, v in dec.state_dict().items())
+    half = pred.weights_bytes
+    assert half == sum(p.numel() for p in dec.parameters()) * 2 + sum(b.numel() * 4 for b in dec.buffers())
+    full = predict_module_peak(dec, (1, 4, 16, 16), torch.float32)
+    assert full.raw_activation_bytes == 2 * pred.raw_activation_bytes
+    with torch.no_grad():
+        assert dec(torch.randn(1, 4, 2, 2)).shape == (1, 3, 16, 16)  # still a working module
+
+
+def test_spandrel_model_loaded_from_file(tmp_path):
+    from spandrel import ModelLoader
+    from spandrel.architectures.Compact import SRVGGNetCompact
+
+    torch.manual_seed(0)
+    net = SRVGGNetCompact(num_feat=16, num_conv=4, upscale=4)
+    path = tmp_path / "compact.pth"
+    torch.save(net.state_dict(), path)
+    desc = ModelLoader().load_from_file(path)
+    pred = predict_module_peak(desc.model, (1, 3, 32, 32))
+    # The output alone is 3 x 128 x 128 fp32.
+    assert pred.raw_activation_bytes >= 3 * 128 * 128 * 4
+    assert pred.weights_bytes == sum(p.numel() * 4 for p in desc.model.parameters()) + sum(
+        b.numel() * b.element_size() for b in desc.model.buffers()
+    )
+
+
+def test_tiled_loops_match_untiled_shapes_and_smaller_tiles_predict_less():
+    torch.manual_seed(0)
+    with torch.no_grad():
+        dec = reference.Decoder(ARCH).eval()
+        z = torch.randn(1, 4, 12, 10)
+        assert stageplan.tiled_decode(dec, z, 4).shape == dec(z).shape
+        enc = reference.Encoder(ARCH).eval()
+        x = torch.randn(1, 3, 96, 80)
+        assert stageplan.tiled_encode(enc, x, 4).shape == enc(x).shape
+    peaks = [
+        stageplan.predict_vae("decode", "sd15", 512, 512, "fp16", t).activation_bytes for t in (None, 32, 16)
+    ]
+    assert peaks[0] > peaks[1] > peaks[2]
+
+
+def test_dedupe_does_not_change_the_predicted_peak():
+    mode = new_fake_mode()
+    with torch.device("meta"):
+        model = reference.build_upscaler("compact", 4, num_filters=16, num_blocks=4)
+    state = fake_state(model, mode, torch.float32)
+
+    def peak(dedupe: bool) -> int:
+        fn = stageplan._loop_call(
+            model, state, stageplan.tiled_upscale, tile=48, batch=2, scale=4, dedupe=dedupe
+        )
+        with mode:
+            x = torch.empty(1, 3, 100, 130)
+        with torch.no_grad(), mode, LiveBytesCounter() as c:
+            fn(x)
+        return c.peak_bytes
+
+    assert peak(True) == peak(False)

@@ -1,0 +1,385 @@
+"""Tiled VAE engine against the real ldm and diffusers VAE classes (CPU, tiny channel counts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vae_models import diffusers_vae, ldm_decoder, ldm_encoder, smooth_latent
+
+from lib_vram.tracker import StageTracker
+from lib_vram.vae import (
+    Interrupted,
+    TiledVAEConfig,
+    VAEOutOfMemory,
+    VAEReport,
+    attention,
+    estimate_peak_bytes,
+    is_supported_decoder,
+    is_supported_encoder,
+    learned_tiles,
+    tiled_decode,
+    tiled_encode,
+)
+
+EXACT_TOL = 1e-4
+
+
+def _ref(module, x):
+    with torch.no_grad():
+        return module(x)
+
+
+@pytest.fixture(autouse=True)
+def _clear_learned():
+    learned_tiles.clear()
+    yield
+    learned_tiles.clear()
+
+
+# -- exactness ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tile", [4, 7])
+def test_ldm_decode_exact_matches_untiled_odd_shape_batch2(tile):
+    dec = ldm_decoder()
+    z = smooth_latent(2, 4, 13, 17)
+    ref = _ref(dec, z)
+    rep = VAEReport()
+    out = tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=tile), report=rep)
+    assert out.shape == ref.shape and out.dtype == z.dtype
+    assert rep.tiles > 1 and rep.mode == "exact"
+    assert (out - ref).abs().max().item() < EXACT_TOL
+
+
+def test_ldm_decode_16_channels_two_levels():
+    dec = ldm_decoder(16, ch_mult=(1, 2, 2), num_res_blocks=2)
+    z = smooth_latent(1, 16, 11, 9, seed=1)
+    ref = _ref(dec, z)
+    out = tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=4))
+    assert (out - ref).abs().max().item() < EXACT_TOL
+
+
+def test_ldm_decoder_flags_give_pre_end_and_tanh_out():
+    for kw in ({"tanh_out": True}, {"give_pre_end": True}):
+        dec = ldm_decoder(**kw)
+        z = smooth_latent(1, 4, 10, 12, seed=2)
+        ref = _ref(dec, z)
+        out = tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=4))
+        assert out.shape == ref.shape, kw
+        assert (out - ref).abs().max().item() < EXACT_TOL, kw
+
+
+@pytest.mark.parametrize("latent_channels", [4, 16])
+def test_diffusers_decode_exact(latent_channels):
+    vae = diffusers_vae(latent_channels)
+    z = smooth_latent(2, latent_channels, 9, 14, seed=3)
+    ref = _ref(vae.decoder, z)
+    out = tiled_decode(vae.decoder, z, config=TiledVAEConfig(mode="exact", tile=4))
+    assert (out - ref).abs().max().item() < EXACT_TOL
+
+
+@pytest.mark.parametrize("tile", [4, 6])
+def test_ldm_encode_exact_odd_image(tile):
+    enc = ldm_encoder(ch_mult=(1, 2, 2))
+    x = torch.rand(2, 3, 44, 62, generator=torch.Generator().manual_seed(4)) * 2 - 1
+    ref = _ref(enc, x)
+    rep = VAEReport()
+    out = tiled_encode(enc, x, config=TiledVAEConfig(mode="exact", tile=tile), report=rep)
+    assert out.shape == ref.shape and rep.tiles > 1
+    assert (out - ref).abs().max().item() < EXACT_TOL
+
+
+def test_diffusers_encode_exact():
+    vae = diffusers_vae(16)
+    x = torch.rand(1, 3, 36, 44, generator=torch.Generator().manual_seed(5)) * 2 - 1
+    ref = _ref(vae.encoder, x)
+    out = tiled_encode(vae.encoder, x, config=TiledVAEConfig(mode="exact", tile=10))
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() < EXACT_TOL
+
+
+def test_engine_never_calls_the_module_forward():
+    """The WebUI glue installs tiled_decode as `decoder.forward`: the engine must not recurse."""
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 8, 8, seed=6)
+    ref = _ref(dec, z)
+
+    def boom(*a, **k):
+        raise AssertionError("engine called decoder.forward")
+
+    dec.forward = boom
+    for cfg in (TiledVAEConfig(mode="exact", tile=4), TiledVAEConfig(mode="auto")):
+        out = tiled_decode(dec, z, config=cfg)
+        assert (out - ref).abs().max().item() < EXACT_TOL
+
+
+# -- fast mode -------------------------------------------------------------------------------------
+
+
+def test_fast_mode_is_seamless_and_exact_with_full_statistics():
+    dec = ldm_decoder(ch_mult=(1, 2, 2))
+    z = smooth_latent(1, 4, 16, 12, seed=7)
+    ref = _ref(dec, z)
+    # Statistics from the whole image: fast mode is then exact.
+    full = tiled_decode(dec, z, config=TiledVAEConfig(mode="fast", tile=8, fast_sample=1))
+    assert (full - ref).abs().max().item() < EXACT_TOL
+    # Sampled statistics: every tile uses the same ones, so the tiling does not show at all --
+    # two different tilings give the same image (no seams by construction).
+    a = tiled_decode(dec, z, config=TiledVAEConfig(mode="fast", tile=6, fast_sample=2))
+    b = tiled_decode(dec, z, config=TiledVAEConfig(mode="fast", tile=8, fast_sample=2))
+    assert (a - b).abs().max().item() < EXACT_TOL
+    assert (a - ref).abs().max().item() > EXACT_TOL  # it is an estimate (the test can fail)
+
+
+# -- precision guard -----------------------------------------------------------------------------
+
+
+def _overflow_hook(module, inputs, output):
+    # Scales activations far beyond float16's range (65504); the next GroupNorm undoes the scale.
+    return output * 1e5
+
+
+def test_fp16_overflow_is_recomputed_in_the_wider_dtype():
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 10, 10, seed=8)
+    conv = dec.up[0].block[0].conv1
+    handle = conv.register_forward_hook(_overflow_hook)
+    try:
+        ref = _ref(dec, z)  # fp32 with the same hook
+        assert torch.isfinite(ref).all()
+        rep = VAEReport()
+        cfg = TiledVAEConfig(mode="exact", tile=5, dtype=torch.float16, guard_dtype=torch.float32)
+        out = tiled_decode(dec, z, config=cfg, report=rep)
+        unguarded = tiled_decode(
+            dec, z, config=TiledVAEConfig(mode="exact", tile=5, dtype=torch.float16, guard=False)
+        )
+    finally:
+        handle.remove()
+    assert not torch.isfinite(unguarded).all()  # the hook really overflows fp16
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max().item() < 2e-2
+    assert rep.recomputed, "the guard did not report a recompute"
+    assert {r.step for r in rep.recomputed} == {rep.recomputed[0].step}  # only that segment
+    assert len(rep.recomputed) == rep.tiles  # once per tile, nothing else
+    assert all(r.from_dtype == "float16" and r.to_dtype == "float32" for r in rep.recomputed)
+
+
+def test_bf16_guard_default_and_bf16_compute():
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 10, 10, seed=9)
+    ref = _ref(dec, z)
+    out = tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=5, dtype=torch.bfloat16))
+    assert out.dtype == torch.float32
+    assert (out - ref).abs().max().item() < 0.1
+    handle = dec.up[0].block[0].conv1.register_forward_hook(_overflow_hook)
+    try:
+        rep = VAEReport()
+        out = tiled_decode(
+            dec, z, config=TiledVAEConfig(mode="exact", tile=5, dtype=torch.float16), report=rep
+        )
+    finally:
+        handle.remove()
+    assert torch.isfinite(out).all() and rep.recomputed
+    assert rep.recomputed[0].to_dtype == "bfloat16"  # bf16 where supported (CPU supports it)
+
+
+# -- auto mode, out of memory ----------------------------------------------------------------------
+
+
+class _OOMAbove:
+    """Forward pre-hook that raises a real torch.OutOfMemoryError above an input size."""
+
+    def __init__(self, limit_px: int) -> None:
+        self.limit = limit_px
+        self.raised = 0
+
+    def __call__(self, module, inputs):
+        x = inputs[0]
+        if x.shape[-1] * x.shape[-2] > self.limit:
+            self.raised += 1
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.numel() * 4} bytes")
+
+
+def test_auto_mode_retries_smaller_after_oom_and_remembers():
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 16, 16, seed=10)
+    ref = _ref(dec, z)
+    hook = _OOMAbove(limit_px=20 * 20)  # conv_out at full res (32x32) is above, 16x16-core tiles are not
+    handle = dec.conv_out.register_forward_pre_hook(hook)
+    try:
+        rep = VAEReport()
+        out = tiled_decode(dec, z, config=TiledVAEConfig(mode="auto", budget_bytes=2**40), report=rep)
+        assert hook.raised >= 1
+        assert rep.oom_retries and rep.mode == "exact" and rep.tile is not None and rep.tile < 16
+        assert (out - ref).abs().max().item() < EXACT_TOL
+        learned = learned_tiles.items()
+        assert learned and learned[0][1] == rep.tile
+        # With the host forward as the untiled path: it OOMs, the engine tiles, using what it learned.
+        rep2 = VAEReport()
+        out2 = tiled_decode(
+            dec,
+            z,
+            config=TiledVAEConfig(mode="auto", budget_bytes=2**40),
+            original_forward=dec.forward,
+            report=rep2,
+        )
+        assert (out2 - ref).abs().max().item() < EXACT_TOL
+        assert rep2.tile == rep.tile and not rep2.oom_retries
+    finally:
+        handle.remove()
+
+
+def test_oom_at_every_size_raises_a_named_error():
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 8, 8, seed=11)
+    handle = dec.conv_out.register_forward_pre_hook(_OOMAbove(limit_px=0))
+    try:
+        with pytest.raises(VAEOutOfMemory, match="out of memory"):
+            tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=8))
+    finally:
+        handle.remove()
+
+
+def test_auto_mode_untiled_when_it_fits_and_tiles_when_not():
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 16, 16, seed=12)
+    ref = _ref(dec, z)
+    calls = []
+
+    def host_forward(x):
+        calls.append(x.shape)
+        return ref
+
+    rep = VAEReport()
+    out = tiled_decode(
+        dec,
+        z,
+        config=TiledVAEConfig(mode="auto", budget_bytes=2**40),
+        original_forward=host_forward,
+        report=rep,
+    )
+    assert calls and rep.mode == "untiled" and out is ref
+    untiled = estimate_peak_bytes(dec, tuple(z.shape), torch.float32, tile=None, mode="untiled")
+    rep = VAEReport()
+    out = tiled_decode(dec, z, config=TiledVAEConfig(mode="auto", budget_bytes=untiled // 3), report=rep)
+    assert rep.mode == "exact" and rep.tiles > 1
+    assert (out - ref).abs().max().item() < EXACT_TOL
+
+
+def test_estimate_grows_with_tile_and_exact_tiles_are_smaller_than_untiled():
+    dec = ldm_decoder(ch_mult=(1, 2, 2))
+    shape = (1, 4, 256, 256)
+    ests = [estimate_peak_bytes(dec, shape, torch.float16, tile=t, mode="fast") for t in (16, 32, 64)]
+    assert ests == sorted(ests)
+    untiled = estimate_peak_bytes(dec, shape, torch.float16, tile=None, mode="untiled")
+    assert estimate_peak_bytes(dec, shape, torch.float16, tile=32, mode="fast") < untiled / 3
+
+
+# -- interrupt, progress, tracker -----------------------------------------------------------------
+
+
+def test_interrupt_stops_between_tiles():
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 12, 12, seed=13)
+    seen = []
+    state = {"n": 0}
+
+    def should_interrupt():
+        state["n"] += 1
+        return state["n"] > 5
+
+    with pytest.raises(Interrupted):
+        tiled_decode(
+            dec,
+            z,
+            config=TiledVAEConfig(mode="exact", tile=4),
+            should_interrupt=should_interrupt,
+            progress=lambda d, t: seen.append((d, t)),
+        )
+    assert seen and seen[-1][0] < seen[-1][1]  # stopped part-way
+    # The module is untouched: a normal decode afterwards is exact.
+    out = tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=4))
+    assert (out - _ref(dec, z)).abs().max().item() < EXACT_TOL
+
+
+def test_progress_reaches_total_and_tracker_records_stage():
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 12, 12, seed=14)
+    seen = []
+    tracker = StageTracker("cpu")
+    tiled_decode(
+        dec,
+        z,
+        config=TiledVAEConfig(mode="exact", tile=4),
+        progress=lambda d, t: seen.append((d, t)),
+        tracker=tracker,
+    )
+    assert seen[-1][0] == seen[-1][1]
+    rec = tracker.last("vae_decode")
+    assert rec is not None and rec.ok and rec.plan and rec.plan.startswith("exact t4")
+
+
+# -- support checks, validation -----------------------------------------------------------------
+
+
+def test_supported_layouts_and_clear_errors():
+    assert is_supported_decoder(ldm_decoder()) and is_supported_encoder(ldm_encoder())
+    vae = diffusers_vae()
+    assert is_supported_decoder(vae.decoder) and is_supported_encoder(vae.encoder)
+    assert not is_supported_decoder(torch.nn.Conv2d(4, 4, 3))
+    with pytest.raises(ValueError, match="`decoder`"):
+        tiled_decode(torch.nn.Conv2d(4, 4, 3), torch.zeros(1, 4, 8, 8), config=TiledVAEConfig())
+    with pytest.raises(ValueError, match="`z`"):
+        tiled_decode(ldm_decoder(), torch.zeros(1, 5, 8, 8), config=TiledVAEConfig())
+    for bad in (
+        {"mode": "fastest"},
+        {"tile": 0},
+        {"state_offload": "disk"},
+        {"budget_bytes": -1},
+        {"fast_sample": 0},
+    ):
+        with pytest.raises(ValueError, match="`" + next(iter(bad)) + "`"):
+            TiledVAEConfig(**bad)
+
+
+def test_cpu_state_offload_setting_is_exact():
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 10, 10, seed=15)
+    out = tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=4, state_offload="cpu"))
+    assert (out - _ref(dec, z)).abs().max().item() < EXACT_TOL
+
+
+def test_runs_under_fake_tensor_mode_without_guard():
+    """The planner dry-runs the engine on fake tensors: no data-dependent Python with guard=False."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dec = ldm_decoder()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        z = mode.from_tensor(torch.zeros(1, 4, 12, 12))
+        out = tiled_decode(
+            dec, z, config=TiledVAEConfig(mode="exact", tile=4, guard=False, budget_bytes=2**30)
+        )
+        assert tuple(out.shape) == (1, 3, 24, 24)
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+
+def test_attention_matches_reference_when_chunked():
+    g = torch.Generator().manual_seed(16)
+    q, k, v = (torch.randn(2, 1, 300, 8, generator=g) for _ in range(3))
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, -1) @ v
+    out = attention(q, k, v, max_bytes=2 * 300 * 4 * 7)  # forces chunks of 7 queries
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_attention_at_256_squared_latent_stays_far_below_n_squared():
+    n = 256 * 256
+    g = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=g) for _ in range(3))
+    tracker = StageTracker("cpu")
+    with tracker.stage("attn") as rec:
+        out = attention(q, k, v)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    n_squared = n * n * 4  # the float32 score matrix: 16 GiB
+    assert rec.delta_peak_bytes < n_squared / 50, rec.delta_peak_bytes

@@ -1,0 +1,146 @@
+"""``scripts/vram_guard.py`` against the minimal fake ``modules`` package in tests/fake_host/.
+
+The fake holds host *state* only (Script base class, callback registrars, opts/cmd_opts/state,
+devices); the VAE is a real ldm decoder and the UI a real gradio 3.41 Blocks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from webui_fakes import FakeP, fake_sd_model
+
+from lib_vram.hooks import ATTR
+from lib_vram.options import API_ARG_ORDER, EXTRAS_FIELDS, VRAMGuardOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = ROOT / "tests" / "fake_host"
+
+
+@pytest.fixture()
+def script(tmp_path, monkeypatch):
+    """Import the script file the way the WebUI does (by path), with the fake host first."""
+    monkeypatch.syspath_prepend(str(FAKE))
+    for name in [m for m in sys.modules if m == "modules" or m.startswith("modules.")]:
+        monkeypatch.delitem(sys.modules, name)
+    import modules.shared as shared
+
+    shared.sd_model = fake_sd_model()
+    monkeypatch.chdir(tmp_path)
+    spec = importlib.util.spec_from_file_location("vram_guard.py", ROOT / "scripts" / "vram_guard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    module.SESSION.close_all()
+    for name in [m for m in sys.modules if m == "modules" or m.startswith("modules.")]:
+        del sys.modules[name]
+
+
+def test_import_only_registers_callbacks(script, tmp_path):
+    from modules import script_callbacks, shared
+
+    kinds = sorted(kind for kind, _ in script_callbacks.registered)
+    assert kinds == ["app_started", "model_loaded", "script_unloaded", "ui_settings"]
+    assert os.listdir(tmp_path) == []  # no files written
+    dec = shared.sd_model.first_stage_model.decoder
+    assert "forward" not in dec.__dict__ and ATTR not in dec.__dict__  # nothing patched
+    assert script.SESSION.open_jobs() == []
+    # exactly one Script and one ScriptPostprocessing subclass, none of the base classes imported
+    from modules import scripts, scripts_postprocessing
+
+    found = [v for v in vars(script).values() if isinstance(v, type)]
+    assert [c for c in found if issubclass(c, scripts.Script)] == [script.VRAMGuardScript]
+    assert [c for c in found if issubclass(c, scripts_postprocessing.ScriptPostprocessing)] == [
+        script.VRAMGuardExtras
+    ]
+
+
+def test_ui_returns_one_input_per_option(script):
+    import gradio as gr
+
+    s = script.VRAMGuardScript()
+    assert s.title() == "VRAM Guard" and s.section == "accordions"
+    with gr.Blocks():
+        inputs = s.ui(False)
+    assert len(inputs) == len(API_ARG_ORDER)
+    assert len(s.infotext_fields) == len(API_ARG_ORDER)
+    with gr.Blocks():
+        extras = script.VRAMGuardExtras().ui()
+    assert list(extras) == list(EXTRAS_FIELDS)
+
+
+def test_process_disabled_returns_at_once_and_installs_nothing(script):
+    from modules import shared
+
+    s = script.VRAMGuardScript()
+    p = FakeP()
+    args = VRAMGuardOptions(enabled=False).args()
+    s.setup(p, *args)
+    assert s.process(p, *args) is None
+    dec = shared.sd_model.first_stage_model.decoder
+    assert "forward" not in dec.__dict__ and ATTR not in dec.__dict__
+    assert p.extra_generation_params == {} and "close" not in p.__dict__
+    assert script.SESSION.open_jobs() == []
+
+
+def test_process_enabled_name_keyed_api_args_then_postprocess(script):
+    from modules import shared
+
+    s = script.VRAMGuardScript()
+    p = FakeP()
+    args = [{"vae_tiling": "Off", "release_between_stages": False, "upscale_tiling": False}]
+    s.setup(p, *args)
+    s.process(p, *args)
+    dec = shared.sd_model.first_stage_model.decoder
+    assert "forward" in dec.__dict__
+    assert p.extra_generation_params["VRAM Guard"].startswith("preset Auto, VAE off")
+    with torch.no_grad():
+        dec(torch.randn(1, 4, 8, 8))
+    s.postprocess(p, None, *args)
+    assert "forward" not in dec.__dict__ and script.SESSION.last["records"][0]["name"] == "decode"
+
+
+def test_unload_callback_closes_jobs(script):
+    from modules import script_callbacks, shared
+
+    s = script.VRAMGuardScript()
+    args = [{"vae_tiling": "Off", "upscale_tiling": False}]
+    s.process(FakeP(), *args)
+    unload = [cb for kind, cb in script_callbacks.registered if kind == "script_unloaded"][0]
+    unload()
+    assert "forward" not in shared.sd_model.first_stage_model.decoder.__dict__
+
+
+def test_extras_none_args_mean_settings_defaults(script):
+    from modules import scripts_postprocessing, shared
+
+    shared.opts.vram_guard_enabled = True
+    shared.opts.vram_guard_upscale_tile = 64
+    e = script.VRAMGuardExtras()
+    pp = scripts_postprocessing.PostprocessedImage(None)
+    e.process_firstpass(pp, **{k: None for k in EXTRAS_FIELDS})
+    job = e.jobs.job
+    assert job is not None and job.settings.upscale_tile == 64 and job.settings.upscale_tiling
+    assert pp.info["VRAM Guard"].startswith("preset Auto")
+    del pp  # the end of this image's Extras run
+    import gc
+
+    gc.collect()
+    assert job.closed
+
+
+def test_settings_registered_in_one_section_the_settings_page_can_read(script):
+    from modules import script_callbacks, shared
+
+    register = [cb for kind, cb in script_callbacks.registered if kind == "ui_settings"][0]
+    register()
+    labels = shared.opts.data_labels
+    assert {f"vram_guard_{n}" for n in API_ARG_ORDER} <= set(labels)
+    for info in labels.values():
+        # The settings page does `elem_id, text = item.section`: exactly two items.
+        assert info.section == ("vram_guard", "VRAM Guard") and info.category_id == "system"

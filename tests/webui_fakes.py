@@ -1,0 +1,110 @@
+"""Host-state fakes for the WebUI adapter tests (the VAE/upscaler modules used with them are real).
+
+``FakeHost`` has the same functions as :mod:`lib_vram.webui.host` but reads plain attributes
+instead of the WebUI's ``shared``/``devices``; ``FakeP`` is the few fields of a processing object
+the adapter reads; ``fake_sd_model`` is an A1111-shaped model holder around real ldm modules.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from ldm.modules.diffusionmodules.model import Decoder, Encoder
+
+from lib_vram.webui import host as real_host
+
+
+def tiny_decoder(seed: int = 0) -> Decoder:
+    torch.manual_seed(seed)
+    return Decoder(
+        ch=32,
+        out_ch=3,
+        ch_mult=(1, 2),
+        num_res_blocks=1,
+        attn_resolutions=[],
+        in_channels=3,
+        resolution=32,
+        z_channels=4,
+    ).eval()
+
+
+def tiny_encoder(seed: int = 1) -> Encoder:
+    torch.manual_seed(seed)
+    return Encoder(
+        ch=32,
+        out_ch=3,
+        ch_mult=(1, 2),
+        num_res_blocks=1,
+        attn_resolutions=[],
+        in_channels=3,
+        resolution=32,
+        z_channels=4,
+    ).eval()
+
+
+def fake_sd_model(decoder: torch.nn.Module | None = None, encoder: torch.nn.Module | None = None) -> Any:
+    fsm = SimpleNamespace(decoder=decoder or tiny_decoder(), encoder=encoder or tiny_encoder())
+    return SimpleNamespace(first_stage_model=fsm)
+
+
+class FakeHost:
+    def __init__(self, model: Any = None) -> None:
+        self.token: Any = 1.0
+        self.model = model
+        self.scalers: list[Any] = []
+        self.dtype = torch.float32
+        self.comments: list[str] = []
+        self.flags: dict[str, Any] = {}
+        self.loaded: list[Any] = []
+
+    def job_token(self) -> Any:
+        return self.token
+
+    def interrupted(self) -> bool:
+        return False
+
+    def cmd_opt(self, name: str, default: Any = None) -> Any:
+        return self.flags.get(name, default)
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def esrgan_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def sd_model(self) -> Any:
+        return self.model
+
+    def vae_of(self, model: Any) -> Any:
+        return real_host.vae_of(model)  # pure: reads attributes only
+
+    def upscaler_instances(self) -> list[Any]:
+        return list(self.scalers)
+
+    def dtype_vae(self) -> torch.dtype:
+        return self.dtype
+
+    def add_comment(self, p: Any, text: str) -> None:
+        self.comments.append(text)
+
+    def forge_load_vae(self, vae: Any) -> None:
+        self.loaded.append(vae)
+
+
+class FakeP:
+    """The fields of ``StableDiffusionProcessing`` the adapter reads, and ``close()``."""
+
+    def __init__(self, *, enable_hr: bool = False) -> None:
+        self.extra_generation_params: dict[str, Any] = {}
+        self.enable_hr = enable_hr
+        self.is_hr_pass = False
+        self.closed = 0
+        self.comments: list[str] = []
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def comment(self, text: str) -> None:
+        self.comments.append(text)

@@ -1,0 +1,240 @@
+"""Acceptance run of VRAM Guard against a running AUTOMATIC1111 WebUI (started with ``--api``).
+
+Talks to the WebUI's HTTP API only (urllib + numpy + Pillow). Two phases, each against a WebUI
+instance you start yourself:
+
+* ``baseline`` — a WebUI *without* the extension (e.g. started with ``--disable-extra-extensions``):
+  saves txt2img, hires fix, img2img and Extras results to ``--out``.
+* ``extension`` — the same WebUI *with* ``extensions/vram-guard``: runs the same calls with VRAM
+  Guard off (must be bit-identical to the baseline), on (positional and name-keyed
+  ``alwayson_scripts``), pastes an infotext through the API's ``infotext`` field, checks the status
+  route, and compares pixels (identical / PSNR). Prints one line per check and a JSON summary.
+
+usage: webui_acceptance.py baseline|extension [--url URL] [--out DIR] [--upscaler NAME]
+                           [--only txt2img,hires,img2img,extras,sdupscale]
+(``sdupscale`` runs only when named in ``--only``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+from PIL import Image
+
+PROMPT = {"prompt": "a red apple on a wooden table", "negative_prompt": "", "cfg_scale": 7,
+          "sampler_name": "Euler a", "seed": 1234, "batch_size": 1, "n_iter": 1}  # fmt: skip
+ARG_ORDER = ["enabled", "preset", "vae_tiling", "vae_mode", "vae_tile", "upscale_tiling", "upscale_tile",
+             "upscale_batch", "precision_vae", "precision_upscale", "unet_fp16", "release_between_stages"]  # fmt: skip
+
+
+def call(url: str, path: str, payload: dict | None = None, timeout: float = 1800) -> tuple[dict, float]:
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if payload is None else "POST")  # fmt: skip
+    t0 = time.time()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read().decode()), time.time() - t0
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')[:800]}") from None
+
+
+def init_image(size: int) -> str:
+    rng = np.random.default_rng(7)
+    y, x = np.mgrid[0:size, 0:size] / size
+    img = np.stack([x, y, 0.5 + 0.5 * np.sin(6 * x * y)], -1) * 200 + rng.integers(0, 40, (size, size, 3))
+    buf = io.BytesIO()
+    Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def requests(upscaler: str, size: int, steps: int) -> dict[str, tuple[str, dict]]:
+    base = dict(PROMPT, steps=steps, width=size, height=size)
+    return {
+        "txt2img": ("/sdapi/v1/txt2img", base),
+        "hires": (
+            "/sdapi/v1/txt2img",
+            dict(
+                base,
+                enable_hr=True,
+                hr_scale=2,
+                hr_upscaler=upscaler,
+                hr_second_pass_steps=1,
+                denoising_strength=0.5,
+            ),
+        ),  # fmt: skip
+        "img2img": ("/sdapi/v1/img2img", dict(base, init_images=[init_image(size)], denoising_strength=0.6)),
+        "extras": (
+            "/sdapi/v1/extra-single-image",
+            {
+                "image": init_image(size + 8),
+                "resize_mode": 0,
+                "upscaling_resize": 2,
+                "upscaler_1": upscaler,
+                "upscaler_2": "None",
+                "extras_upscaler_2_visibility": 0,
+            },
+        ),  # fmt: skip
+    }
+
+
+def decode(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64.split(",", 1)[-1]))).convert("RGB"))
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        return float("nan")
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def run(url: str, name: str, path: str, payload: dict) -> dict:
+    body, dt = call(url, path, payload)
+    imgs = body.get("images") or [body.get("image")]
+    info = body.get("info")
+    info = json.loads(info) if isinstance(info, str) and info.startswith("{") else info
+    text = (info.get("infotexts") or [""])[0] if isinstance(info, dict) else (body.get("html_info") or "")
+    return {"name": name, "seconds": round(dt, 1), "image": decode(imgs[0]), "infotext": text}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=["baseline", "extension"])
+    ap.add_argument("--url", default="http://127.0.0.1:7860")
+    ap.add_argument("--out", default="/tmp/vram-guard-acceptance")
+    ap.add_argument("--upscaler", default="ESRGAN_x4-tiny-random")
+    ap.add_argument("--size", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--only", default="")
+    a = ap.parse_args()
+    import os
+
+    os.makedirs(a.out, exist_ok=True)
+    reqs = requests(a.upscaler, a.size, a.steps)
+    only = set(filter(None, a.only.split(",")))
+    results: list[dict] = []
+
+    def record(check: str, ok: bool, **data) -> None:
+        results.append({"check": check, "ok": ok, **data})
+        print(f"{'PASS' if ok else 'FAIL'} {check} {json.dumps(data)}", flush=True)
+
+    if a.phase == "baseline":
+        for name, (path, payload) in reqs.items():
+            if only and name not in only:
+                continue
+            r = run(a.url, name, path, payload)
+            Image.fromarray(r["image"]).save(f"{a.out}/base-{name}.png")
+            record(f"baseline {name}", True, seconds=r["seconds"], shape=list(r["image"].shape))
+        return 0
+
+    def base(name: str) -> np.ndarray:
+        return np.asarray(Image.open(f"{a.out}/base-{name}.png").convert("RGB"))
+
+    def with_args(name: str, args: list) -> tuple[str, dict]:
+        path, payload = reqs[name]
+        return path, dict(payload, alwayson_scripts={"VRAM Guard": {"args": args}})
+
+    status, _ = call(a.url, "/vram-guard/v1/status")
+    record("status route", status.get("schema") == 1, backend=status.get("backend"))
+
+    def want(name: str) -> bool:
+        return not only or name in only
+
+    # 1. Off: bit-identical to the WebUI without the extension; no infotext entry.
+    for name in ("txt2img", "hires", "img2img"):
+        if not want(name):
+            continue
+        r = run(a.url, name, *with_args(name, [False]))
+        same = np.array_equal(r["image"], base(name))
+        record(f"off {name} identical to no extension", same and "VRAM Guard" not in r["infotext"],
+               seconds=r["seconds"], psnr=psnr(r["image"], base(name)))  # fmt: skip
+
+    on_positional = [True, "Auto", "Always", "exact", 16, True, 0, 0, "Auto", "Auto", False, True]
+    # 2. On, positional args, VAE always tiled (16-px latent tiles: 128 px image = 1 tile, hires 2x2).
+    if want("txt2img"):
+        r = run(a.url, "txt2img", *with_args("txt2img", on_positional))
+        st, _ = call(a.url, "/vram-guard/v1/status")
+        record("on txt2img positional (VAE Always t16)", "VRAM Guard:" in r["infotext"], seconds=r["seconds"],
+               psnr=psnr(r["image"], base("txt2img")), infotext=r["infotext"].split("\n")[-1],
+               stages=[(s["stage"], s["plan"]) for s in st["stages"]])  # fmt: skip
+        infotext = r["infotext"]
+        # PNG info: the image's embedded parameters, parsed by the WebUI's own infotext parser.
+        path, payload = reqs["txt2img"]
+        body, _ = call(
+            a.url,
+            "/sdapi/v1/txt2img",
+            dict(payload, alwayson_scripts={"VRAM Guard": {"args": on_positional}}),
+        )
+        png, _ = call(a.url, "/sdapi/v1/png-info", {"image": "data:image/png;base64," + body["images"][0]})
+        params = png.get("parameters") or {}
+        record("PNG info parses the VRAM Guard entry", params.get("VRAM Guard") == "preset Auto, VAE always exact t16, upscale on",
+               parsed={k: v for k, v in params.items() if k.startswith("VRAM Guard")})  # fmt: skip
+        # 3. Paste: the API's "infotext" field fills our args from the "VRAM Guard" entry.
+        path, payload = reqs["txt2img"]
+        r2 = run(a.url, "paste", path, dict(payload, infotext=infotext))
+        line = re.findall(r'VRAM Guard: "[^"]*"', r2["infotext"])
+        want_line = re.findall(r'VRAM Guard: "[^"]*"', infotext)
+        record("infotext paste via API restores the options", line == want_line and bool(line), got=line,
+               psnr=psnr(r2["image"], r["image"]))  # fmt: skip
+    # 4. Hires fix with name-keyed args: VAE tiled 2x2 at hires, ESRGAN tiled through our engine.
+    if want("hires"):
+        keyed = [{"vae_tiling": "Always", "vae_tile": 16, "upscale_tile": 32}]
+        r = run(a.url, "hires", *with_args("hires", keyed))
+        st, _ = call(a.url, "/vram-guard/v1/status")
+        record("on hires name-keyed (VAE t16, upscale t32)", "VRAM Guard:" in r["infotext"], seconds=r["seconds"],
+               psnr=psnr(r["image"], base("hires")), infotext=r["infotext"].split("\n")[-1],
+               stages=[(s["stage"], s["plan"]) for s in st["stages"]])  # fmt: skip
+    # 5. img2img, Auto: the encode/decode fit, so untiled = identical to the WebUI.
+    if want("img2img"):
+        r = run(a.url, "img2img", *with_args("img2img", [{"vae_tiling": "Auto"}]))
+        st, _ = call(a.url, "/vram-guard/v1/status")
+        record("on img2img Auto", "VRAM Guard:" in r["infotext"], seconds=r["seconds"],
+               identical=bool(np.array_equal(r["image"], base("img2img"))), psnr=psnr(r["image"], base("img2img")),
+               stages=[(s["stage"], s["plan"]) for s in st["stages"]])  # fmt: skip
+    # 6. SD upscale script: its upscale runs before process_images (our job opens in setup()).
+    if only and "sdupscale" in only:
+        payload = dict(PROMPT, steps=1, width=256, height=256, init_images=[init_image(a.size)], denoising_strength=0.3,
+                       script_name="sd upscale", script_args=["", 64, a.upscaler, 2.0],
+                       alwayson_scripts={"VRAM Guard": {"args": [{"upscale_tile": 32, "vae_tiling": "Off"}]}})  # fmt: skip
+        r = run(a.url, "sdupscale", "/sdapi/v1/img2img", payload)
+        st, _ = call(a.url, "/vram-guard/v1/status")
+        stages = [(s["stage"], s["plan"]) for s in st["stages"]]
+        record("SD upscale script upscales through the engine", any(n == "img2img_upscale" for n, _ in stages),
+               seconds=r["seconds"], stages=stages)  # fmt: skip
+    # 7. Extras: the API passes None for our fields -> Settings defaults; enable them there first.
+    if want("extras"):
+        path, payload = reqs["extras"]
+        # The Upscale operation caches results by input image and upscaler (not by our settings);
+        # a cache size of 0 makes every call upscale again.
+        cache_size = call(a.url, "/sdapi/v1/options")[0].get("upscaling_max_images_in_cache", 5)
+        call(a.url, "/sdapi/v1/options", {"upscaling_max_images_in_cache": 0})
+        r = run(a.url, "extras off", path, payload)
+        record("extras off identical to no extension", np.array_equal(r["image"], base("extras")),
+               seconds=r["seconds"])  # fmt: skip
+        call(a.url, "/sdapi/v1/options", {"vram_guard_enabled": True, "vram_guard_upscale_tile": 32})
+        try:
+            r = run(a.url, "extras on", path, payload)
+            st, _ = call(a.url, "/vram-guard/v1/status")
+        finally:
+            call(a.url, "/sdapi/v1/options", {"vram_guard_enabled": False, "vram_guard_upscale_tile": 0,
+                                              "upscaling_max_images_in_cache": cache_size})  # fmt: skip
+        record("extras on (Settings defaults, tile 32)", r["image"].shape == base("extras").shape,
+               seconds=r["seconds"], psnr=psnr(r["image"], base("extras")),
+               stages=[(s["stage"], s["plan"]) for s in st["stages"]])  # fmt: skip
+    with open(f"{a.out}/results.json", "w") as fh:
+        json.dump(results, fh, indent=1)
+    return 0 if all(x["ok"] for x in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
