@@ -12,7 +12,11 @@ import importlib
 NAME = "bench"
 HELP = "Run a benchmark (each case in a fresh process) and print a side-by-side table."
 
-TARGETS: dict[str, str] = {"upscale": "lib_vram.bench.upscale", "planner": "lib_vram.bench.planner"}
+TARGETS: dict[str, str] = {
+    "vae": "lib_vram.bench.vae",
+    "upscale": "lib_vram.bench.upscale",
+    "planner": "lib_vram.bench.planner",
+}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

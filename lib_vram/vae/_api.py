@@ -240,10 +240,23 @@ class _Pass:
         # fast: GroupNorm statistics once, from sample crops covering ~1/fast_sample^2 of the
         # image at full scale (exact lock-step among themselves), then every tile on its own.
         record: list = []
-        sgens = [
-            self.tile_program(run, src, bx, -1 - i, target)
-            for i, bx in enumerate(sample_boxes(h, w, self.config.fast_sample, self.align))
-        ]
+        if self.config.fast_estimate == "downsample" and self.config.fast_sample > 1:
+            f = self.config.fast_sample
+            if self.spec.kind == "decoder":
+                small = src[..., ::f, ::f]
+            else:
+                small = torch.nn.functional.avg_pool2d(src, f, ceil_mode=True)
+            sh, sw = small.shape[-2:]
+            scratch = self.target_for(small)
+            sgens = [
+                self.tile_program(run, small, bx, -1 - i, scratch)
+                for i, bx in enumerate(self.tiles(sh, sw, max(tile, math.ceil(max(sh, sw) / self.align))))
+            ]
+        else:
+            sgens = [
+                self.tile_program(run, src, bx, -1 - i, target)
+                for i, bx in enumerate(sample_boxes(h, w, self.config.fast_sample, self.align))
+            ]
         lockstep(sgens, Ticker(1, ticker.should_interrupt, None, ticker.sample), record)
         del sgens
         gens = (self.tile_program(run, src, bx, i, target) for i, bx in enumerate(boxes))
@@ -251,6 +264,12 @@ class _Pass:
         return target
 
     # -- the whole pass --------------------------------------------------------------------------
+    def tile_steps(self, n_tiles: int, mode: str) -> int:
+        return n_tiles * ((sync_count(self.spec, "tiles") + 1) if mode == "exact" else 1)
+
+    def global_after(self) -> int:
+        return sync_count(self.spec, "global") + 1 if self.spec.kind == "encoder" else 0
+
     def total_steps(self, n_tiles: int, mode: str) -> int:
         steps = sync_count(self.spec, "tiles") + 1
         tiled = n_tiles * (steps if mode == "exact" else 1)
@@ -281,7 +300,9 @@ class _Pass:
             self.report.tile = tile
             self.report.peak_estimate_bytes = self.estimate(tile, mode, offload is None)
             n_tiles = len(self.tiles(src.shape[-2], src.shape[-1], tile))
-            ticker.total = max(ticker.total, ticker.done + self.total_steps(n_tiles, mode))
+            ticker.total = max(
+                ticker.total, ticker.done + self.tile_steps(n_tiles, mode) + self.global_after()
+            )
             run = self.new_run(offload)
             failed = False
             try:

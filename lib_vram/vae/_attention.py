@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SCORE_BYTES = 128 * 2**20
+DEFAULT_SCORE_BYTES = 32 * 2**20
 """Upper bound for one chunk's (queries x keys) score matrix in float32, should a backend use the
-math kernel: 128 MiB keeps a 256x256 latent (65,536 tokens) at 512 queries per chunk."""
+math kernel: 32 MiB keeps a 256x256 latent (65,536 tokens) at 128 queries per chunk."""
 
 
 def query_chunk(batch: int, heads: int, tokens: int, max_bytes: int = DEFAULT_SCORE_BYTES) -> int:

@@ -54,6 +54,8 @@ class TiledVAEConfig:
         fast_sample: fast mode estimates the GroupNorm statistics once, from a few crops at full
             scale that cover about ``1/fast_sample`` of each axis (``1/fast_sample**2`` of the
             area); 1 = from the whole image (exact statistics, but two passes).
+        fast_estimate: ``"crops"`` (full-scale crops spread over the image) or ``"downsample"``
+            (the whole image, subsampled by ``fast_sample`` per axis).
     """
 
     mode: str = "auto"
@@ -63,7 +65,8 @@ class TiledVAEConfig:
     guard: bool = True
     guard_dtype: torch.dtype | None = None
     state_offload: str = "auto"
-    fast_sample: int = 4
+    fast_sample: int = 2
+    fast_estimate: str = "crops"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,6 +85,8 @@ class TiledVAEConfig:
             )
         if self.state_offload not in OFFLOAD:
             raise ValueError(f"`state_offload` must be one of {OFFLOAD}, got {self.state_offload!r}")
+        if self.fast_estimate not in ("crops", "downsample"):
+            raise ValueError(f"`fast_estimate` must be 'crops' or 'downsample', got {self.fast_estimate!r}")
         if not isinstance(self.fast_sample, int) or self.fast_sample < 1:
             raise ValueError(f"`fast_sample` must be an int >= 1, got {self.fast_sample!r}")
 

@@ -1,0 +1,372 @@
+"""``python -m lib_vram bench vae``: tiled VAE (exact, fast) against untiled and diffusers.
+
+Full-size SD1.x VAE architecture (ldm ``Decoder``/``Encoder``: ch 128, ch_mult 1,2,4,4, two ResNets
+per level) with random weights from a fixed seed. The latent is image-like, not white noise: a
+generated picture (gradients, discs, texture) pooled to latent resolution and mixed to the latent
+channels by a fixed random matrix, so GroupNorm statistics differ between tiles. Each case runs
+in a fresh process (clean peak counters); the untiled case of each size saves its output as the
+reference for the others (PSNR over the reference's value range, max abs error).
+
+``diffusers`` runs ``AutoencoderKL.tiled_decode`` on the same weights, converted with diffusers'
+own ``convert_ldm_vae_checkpoint``. The untiled ldm decoder runs with its mid-block attention
+computed by ``scaled_dot_product_attention`` (as the WebUI's SDP optimisation does), so the
+untiled baseline is not inflated by an N x N attention matrix.
+
+This module imports ``ldm``/``diffusers`` only inside the worker function (benchmarks, not core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HELP = "Tiled VAE: untiled vs exact vs fast vs diffusers tiled_decode (full-size SD VAE, random weights)."
+
+SD_VAE = {
+    "ch": 128,
+    "out_ch": 3,
+    "ch_mult": (1, 2, 4, 4),
+    "num_res_blocks": 2,
+    "attn_resolutions": [],
+    "in_channels": 3,
+    "resolution": 256,
+    "z_channels": 4,
+}
+
+FULL_CASES = [
+    # (kind, mode, image_px, tile)
+    ("decode", "untiled", 512, None),
+    ("decode", "exact", 512, 32),
+    ("decode", "fast", 512, 32),
+    ("decode", "diffusers", 512, 32),
+    ("encode", "untiled", 512, None),
+    ("encode", "exact", 512, 32),
+    ("decode", "untiled", 1024, None),
+    ("decode", "exact", 1024, 64),
+    ("decode", "exact", 1024, 32),
+    ("decode", "fast", 1024, 64),
+    ("decode", "diffusers", 1024, 64),
+]
+QUICK_CASES = [
+    ("decode", "untiled", 256, None),
+    ("decode", "exact", 256, 16),
+    ("decode", "fast", 256, 16),
+    ("decode", "diffusers", 256, 16),
+    ("encode", "untiled", 256, None),
+    ("encode", "exact", 256, 16),
+]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="CI-sized run (256 px)")
+    parser.add_argument("--json", action="store_true", help="print one JSON record per case")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
+    parser.add_argument("--sizes", default=None, help="comma-separated image sizes to keep (e.g. 512,1024)")
+    parser.add_argument("--workdir", default=".bench/vae", help="where references and images go")
+    parser.add_argument("--diff-image", default=None, help="write the fast-mode |diff| image here (PNG)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per case (0 = default)")
+    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.case:
+        rec = _worker(json.loads(args.case))
+        print("BENCH_RECORD " + json.dumps(rec), flush=True)
+        return 0
+    cases = QUICK_CASES if args.quick else FULL_CASES
+    if args.sizes:
+        keep = {int(s) for s in args.sizes.split(",")}
+        cases = [c for c in cases if c[2] in keep]
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    biggest_fast = max((c[2] for c in cases if c[1] == "fast"), default=None)
+    records = []
+    for kind, mode, px, tile in cases:
+        spec = {
+            "kind": kind,
+            "mode": mode,
+            "image_px": px,
+            "tile": tile,
+            "device": args.device,
+            "dtype": args.dtype,
+            "workdir": str(workdir),
+            "threads": args.threads,
+            "diff_image": args.diff_image if (mode == "fast" and px == biggest_fast) else None,
+        }
+        cmd = [sys.executable, "-m", "lib_vram", "bench", "vae", "--case", json.dumps(spec)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        rec = None
+        for line in proc.stdout.splitlines():
+            if line.startswith("BENCH_RECORD "):
+                rec = json.loads(line[len("BENCH_RECORD ") :])
+        if rec is None:
+            rec = {**spec, "method": kind, "error": (proc.stderr or proc.stdout)[-800:]}
+        records.append(rec)
+        if args.json:
+            print(json.dumps(rec), flush=True)
+        else:
+            print(_row(rec), flush=True)
+    if not args.json:
+        print()
+        print(table(records))
+    return 0 if all("error" not in r for r in records) else 1
+
+
+def _row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['method']} {r['mode']} {r['image_px']} t{r['tile']}: ERROR {r['error'][-300:]}"
+    return (
+        f"{r['method']} {r['mode']} {r['image_px']} t{r['tile']}: {r['seconds']:.1f}s "
+        f"peak {r['peak_bytes'] / 2**20:.0f} MiB psnr {r['psnr_db']} maxerr {r['max_abs_err']}"
+    )
+
+
+def table(records: list[dict]) -> str:
+    """Markdown table with ratios against the untiled case of the same method and size."""
+    base = {
+        (r["method"], r["image_px"]): r for r in records if r.get("mode") == "untiled" and "error" not in r
+    }
+    lines = [
+        "| method | mode | image | tile | seconds | CPU s | time vs untiled | peak MiB | peak vs untiled "
+        "| PSNR dB | max abs err | seam ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if "error" in r:
+            lines.append(
+                f"| {r['method']} | {r['mode']} | {r['image_px']} | {r['tile']} | error | | | | | | | |"
+            )
+            continue
+        b = base.get((r["method"], r["image_px"]))
+        tr = f"{r['cpu_seconds'] / b['cpu_seconds']:.2f}x" if b else "-"
+        pr = f"{100 * r['peak_bytes'] / b['peak_bytes']:.0f} %" if b and b["peak_bytes"] else "-"
+        psnr = (
+            "inf"
+            if r["psnr_db"] is None and r["mode"] == "untiled"
+            else (r["psnr_db"] if r["psnr_db"] is not None else "-")
+        )
+        if isinstance(psnr, float):
+            psnr = f"{psnr:.1f}"
+        err = r["max_abs_err"]
+        err = f"{err:.2e}" if isinstance(err, float) else "-"
+        seam = r.get("seam_ratio")
+        seam = f"{seam:.2f}" if isinstance(seam, float) else "-"
+        lines.append(
+            f"| {r['method']} | {r['mode']} | {r['image_px']}² | {r['tile'] or '-'} | {r['seconds']:.1f} "
+            f"| {r['cpu_seconds']:.1f} | {tr} | {r['peak_bytes'] / 2**20:.0f} | {pr} | {psnr} | {err} "
+            f"| {seam} |"
+        )
+    return "\n".join(lines)
+
+
+# -- worker (fresh process per case) ---------------------------------------------------------------
+
+
+def picture(n: int, seed: int = 0):
+    """A generated test picture in [-1, 1]: gradients, a sine pattern, discs, fine texture."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, n), torch.linspace(0, 1, n), indexing="ij")
+    img = torch.stack([yy, xx, 0.5 + 0.5 * torch.sin(8 * xx + 4 * yy)])
+    for _ in range(16):
+        cy, cx, r = torch.rand(3, generator=g)
+        col = torch.rand(3, 1, 1, generator=g)
+        m = ((yy - cy) ** 2 + (xx - cx) ** 2 < (0.25 * r) ** 2).float()
+        img = img * (1 - m) + col * m
+    img = img + 0.05 * torch.randn(3, n, n, generator=g)
+    return (img.clamp(0, 1) * 2 - 1)[None]
+
+
+def image_latent(px: int, channels: int = 4, seed: int = 0):
+    """Image-like latent: the picture pooled to latent size, mixed to ``channels`` by a fixed
+    random matrix, plus mild texture."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed + 1)
+    img = picture(px, seed)
+    pooled = F.avg_pool2d(img, 8)
+    mix = torch.randn(channels, 3, generator=g)
+    z = torch.einsum("oc,bchw->bohw", mix, pooled)
+    z = z + 0.2 * torch.randn(z.shape, generator=g)
+    return (z - z.mean()) / z.std()
+
+
+def _build(kind: str):
+    import contextlib
+    import io
+
+    import torch
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        from ldm.modules.diffusionmodules.model import Decoder, Encoder
+
+        torch.manual_seed(0)
+        dec = Decoder(**SD_VAE).eval()
+        enc = Encoder(**SD_VAE).eval()
+    return dec, enc
+
+
+def _sdp_attn_forward(block):
+    """The ldm AttnBlock computed with SDPA (what the WebUI's --opt-sdp-attention installs)."""
+    import torch.nn.functional as F
+
+    def forward(x):
+        h = block.norm(x)
+        q, k, v = block.q(h), block.k(h), block.v(h)
+        b, c, hh, ww = q.shape
+        q, k, v = (t.flatten(2).transpose(1, 2).unsqueeze(1) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v)
+        o = o.squeeze(1).transpose(1, 2).reshape(b, c, hh, ww)
+        return x + block.proj_out(o)
+
+    return forward
+
+
+def _to_diffusers(dec, enc, dtype, device):
+    from diffusers import AutoencoderKL
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    config = {
+        "in_channels": 3,
+        "out_channels": 3,
+        "down_block_types": ["DownEncoderBlock2D"] * 4,
+        "up_block_types": ["UpDecoderBlock2D"] * 4,
+        "block_out_channels": [128, 256, 512, 512],
+        "layers_per_block": 2,
+        "latent_channels": 4,
+        "norm_num_groups": 32,
+        "use_quant_conv": False,
+        "use_post_quant_conv": False,
+    }
+    sd = {f"decoder.{k}": v for k, v in dec.state_dict().items()}
+    sd.update({f"encoder.{k}": v for k, v in enc.state_dict().items()})
+    new = convert_ldm_vae_checkpoint(sd, config)
+    vae = AutoencoderKL(**config).eval()
+    missing, unexpected = vae.load_state_dict(new, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return vae.to(device=device, dtype=dtype)
+
+
+def _worker(spec: dict) -> dict:
+    import numpy as np
+    import torch
+
+    from lib_vram.tracker import StageTracker
+    from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[spec["dtype"]]
+    device = torch.device(spec["device"])
+    kind, mode, px, tile = spec["kind"], spec["mode"], spec["image_px"], spec["tile"]
+    dec, enc = _build(kind)
+    if mode == "diffusers":
+        vae = _to_diffusers(dec, enc, dtype, device)
+        del dec, enc
+        vae.enable_tiling()
+        vae.tile_sample_min_size = tile * 8
+        vae.tile_latent_min_size = tile
+        module = vae
+    else:
+        module = (dec if kind == "decode" else enc).to(device=device, dtype=dtype)
+        del dec, enc
+        if mode == "untiled" and kind == "decode":
+            module.mid.attn_1.forward = _sdp_attn_forward(module.mid.attn_1)
+    x = image_latent(px) if kind == "decode" else picture(px)
+    x = x.to(device=device, dtype=dtype)
+    tracker = StageTracker(device, owns_peak_counters=True)
+    report = VAEReport()
+    cfg = TiledVAEConfig(mode=mode, tile=tile) if mode in ("exact", "fast") else None
+    import gc
+
+    gc.collect()
+    c0, t0 = time.process_time(), time.perf_counter()
+    with torch.no_grad(), tracker.stage("case") as rec:
+        if mode == "untiled":
+            out = module(x)
+        elif mode == "diffusers":
+            out = module.tiled_decode(x).sample if kind == "decode" else module.encoder(x)
+        elif kind == "decode":
+            out = tiled_decode(module, x, config=cfg, report=report)
+        else:
+            out = tiled_encode(module, x, config=cfg, report=report)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    peak = rec.delta_peak_bytes
+    out = out.float().cpu()
+    work = Path(spec["workdir"])
+    ref_path = work / f"ref_{kind}_{px}_{spec['dtype']}_{spec['device'].split(':')[0]}.pt"
+    psnr = err = seam = None
+    if mode == "untiled":
+        torch.save(out, ref_path)
+    elif ref_path.exists():
+        ref = torch.load(ref_path)
+        diff = (out - ref).abs()
+        err = float(diff.max())
+        mse = float((diff**2).mean())
+        rng = float(ref.max() - ref.min())
+        psnr = math.inf if mse == 0 else 10 * math.log10(rng**2 / mse)
+        if kind == "decode" and report.tiles > 1 and mode in ("exact", "fast"):
+            seam = _seam_ratio(diff, px, report.tile * 8)
+        if spec.get("diff_image"):
+            _save_diff(diff, Path(spec["diff_image"]), report.tile * 8 if report.tile else None)
+    return {
+        "method": kind,
+        "mode": mode,
+        "image_px": px,
+        "tile": tile,
+        "device": spec["device"],
+        "dtype": spec["dtype"],
+        "seconds": round(seconds, 3),
+        "cpu_seconds": round(cpu_seconds, 3),
+        "peak_bytes": int(peak),
+        "peak_measure": rec.measure,
+        "peak_estimate_bytes": report.peak_estimate_bytes or None,
+        "tiles": report.tiles or None,
+        "psnr_db": None if psnr is None else (round(psnr, 2) if math.isfinite(psnr) else None),
+        "max_abs_err": err,
+        "seam_ratio": seam,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "numpy": np.__version__,
+    }
+
+
+def _seam_ratio(diff, px: int, tile_px: int) -> float | None:
+    """Mean |diff| within 2 px of a tile border over the mean elsewhere (1.0 = no seam)."""
+    import torch
+
+    d = diff.mean(dim=(0, 1))
+    mask = torch.zeros_like(d, dtype=torch.bool)
+    for b in range(tile_px, px, tile_px):
+        mask[max(0, b - 2) : b + 2, :] = True
+        mask[:, max(0, b - 2) : b + 2] = True
+    if not mask.any() or mask.all():
+        return None
+    rest = float(d[~mask].mean())
+    return float(d[mask].mean()) / rest if rest > 0 else None
+
+
+def _save_diff(diff, path: Path, tile_px: int | None) -> None:
+    import numpy as np
+    from PIL import Image
+
+    d = diff.mean(dim=1)[0].numpy()
+    scale = float(np.percentile(d, 99.5)) or 1.0
+    img = (np.clip(d / scale, 0, 1) * 255).astype(np.uint8)
+    im = Image.fromarray(img, mode="L")
+    if im.width > 512:
+        im = im.resize((512, 512), Image.BILINEAR)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    im.save(path, optimize=True)
