@@ -16,6 +16,8 @@ TARGETS: dict[str, str] = {
     "upscale": "lib_vram.bench.upscale",
     "planner": "lib_vram.bench.planner",
     "vae": "lib_vram.bench.vae",
+    "upscale": "lib_vram.bench.upscale",
+    "planner": "lib_vram.bench.planner",
 }
 
 

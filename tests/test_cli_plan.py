@@ -87,3 +87,8 @@ def test_doctor_recommends_a_preset(capsys):
     assert main(["doctor", "--json", "--device", "cpu"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["recommended_preset"] in PRESET_NAMES and rep["recommended_preset"] == rep["tier"]["label"]
+
+
+def test_bench_planner_is_registered_and_rejects_unknown_cases(capsys):
+    assert main(["bench", "planner", "--case", "no-such-case"]) == 2
+    assert "`--case`" in capsys.readouterr().err

@@ -117,3 +117,18 @@ def test_dedupe_does_not_change_the_predicted_peak():
         return c.peak_bytes
 
     assert peak(True) == peak(False)
+
+
+def test_engines_run_on_fake_tensors_and_tiles_predict_less():
+    with torch.device("meta"):
+        dec = reference.Decoder(ARCH)
+        net = reference.build_upscaler("compact", 4, num_filters=16, num_blocks=4)
+    untiled = stageplan.predict_engine_vae(dec, "decode", (1, 4, 32, 32), "fp32", None)
+    tiled = stageplan.predict_engine_vae(dec, "decode", (1, 4, 32, 32), "fp32", 16, "exact")
+    assert 0 < tiled.activation_bytes < untiled.activation_bytes
+    whole = stageplan.predict_engine_upscale(net, (1, 3, 128, 128), "fp32", None)
+    tiles = stageplan.predict_engine_upscale(net, (1, 3, 128, 128), "fp32", 48, 2)
+    # Either way the 4x output (3 x 512 x 512 fp32) is allocated.
+    assert min(whole.activation_bytes, tiles.activation_bytes) >= 3 * 512 * 512 * 4
+    with pytest.raises(ValueError, match="`kind`"):
+        stageplan.predict_engine_vae(dec, "both", (1, 4, 8, 8))

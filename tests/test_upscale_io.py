@@ -46,7 +46,7 @@ def test_rgb_through_a_real_spandrel_model(tiny_compact):
     img = rgb_image()
     out = upscale_image(tiny_compact, img, config=TILED)
     assert out.mode == "RGB" and out.size == (56, 40)
-    ref = tiny_compact(torch.from_numpy(np.asarray(img)).permute(2, 0, 1)[None].float() / 255)
+    ref = tiny_compact(torch.from_numpy(np.array(img)).permute(2, 0, 1)[None].float() / 255)
     ref8 = (ref[0].permute(1, 2, 0) * 255).round().numpy().astype(np.int16)
     assert np.abs(np.asarray(out).astype(np.int16) - ref8).max() <= 5
 

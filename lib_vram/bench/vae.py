@@ -43,7 +43,6 @@ FULL_CASES = [
     # (kind, mode, image_px, tile)
     ("decode", "untiled", 512, None),
     ("decode", "exact", 512, 32),
-    ("decode", "exact", 512, 16),
     ("decode", "fast", 512, 32),
     ("decode", "diffusers", 512, 32),
     ("encode", "untiled", 512, None),
