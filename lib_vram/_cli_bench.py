@@ -13,8 +13,6 @@ NAME = "bench"
 HELP = "Run a benchmark (each case in a fresh process) and print a side-by-side table."
 
 TARGETS: dict[str, str] = {
-    "upscale": "lib_vram.bench.upscale",
-    "planner": "lib_vram.bench.planner",
     "vae": "lib_vram.bench.vae",
     "upscale": "lib_vram.bench.upscale",
     "planner": "lib_vram.bench.planner",
