@@ -366,7 +366,7 @@ def _save_diff(diff, path: Path, tile_px: int | None) -> None:
     scale = float(np.percentile(d, 99.5)) or 1.0
     img = (np.clip(d / scale, 0, 1) * 255).astype(np.uint8)
     im = Image.fromarray(img, mode="L")
-    if im.width > 512:
-        im = im.resize((512, 512), Image.BILINEAR)
+    if im.width > 256:
+        im = im.resize((256, 256), Image.BILINEAR)
     path.parent.mkdir(parents=True, exist_ok=True)
     im.save(path, optimize=True)

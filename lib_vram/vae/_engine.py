@@ -17,8 +17,9 @@ How exact tiling works (see ``docs/design.md``, "Tiled VAE"):
   still needed. The result equals the untiled pass up to float rounding.
 
 Fast mode uses the same programs, but runs every tile to completion on its own with GroupNorm
-statistics recorded once from a pass over a downsampled mid-block output: one pass, no parked
-state, and seamless because every tile uses the same statistics.
+statistics recorded once by a lock-step pass over a few full-scale sample crops (or a subsampled
+image, ``fast_estimate="downsample"``): no parked state, and seamless because every tile uses the
+same statistics.
 
 All ops call the VAE's own submodules (``conv(x)``), so hooks, LoRA patches and weight-casting
 wrappers of the host still apply; GroupNorm and SiLU are computed here.
