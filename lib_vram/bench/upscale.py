@@ -67,6 +67,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--precision", default="auto", choices=("auto", "fp16", "bf16", "fp32"), help="auto: fp16 on GPU"
     )
     parser.add_argument("--workdir", type=Path, default=None, help="where model files and references go")
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="ARCH:PX",
+        help="run only one architecture and size, e.g. rrdb:256 (with --large for the large ones)",
+    )
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
 
 
@@ -352,6 +358,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(run_case(json.loads(args.case))))
         return 0
     cases = plan(args.quick, args.large)
+    if args.only:
+        arch, _, px = args.only.partition(":")
+        cases = [c for c in cases if c["arch"] == arch and str(c["image_px"]) == px]
+        if not cases:
+            raise ValueError(f"`--only {args.only}` matches no case (try --large for the large sizes)")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vram-guard-bench-upscale-"))
     workdir.mkdir(parents=True, exist_ok=True)
     build_models(workdir, {c["arch"] for c in cases})
