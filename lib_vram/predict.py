@@ -82,9 +82,13 @@ def _nbytes(shape: tuple[int, ...] | torch.Size, elem: int) -> int:
 
 
 def cpu_conv_workspace_bytes(
-    input_shape: tuple[int, ...], weight_shape: tuple[int, ...], output_shape: tuple[int, ...], elem: int
+    input_shape: tuple[int, ...],
+    weight_shape: tuple[int, ...],
+    output_shape: tuple[int, ...],
+    elem: int,
+    input_contiguous: bool = True,
 ) -> int:
-    """Scratch bytes the CPU convolution allocates besides its output, for contiguous NCHW tensors.
+    """Scratch bytes the CPU convolution allocates besides its output.
 
     On torch's CPU backend (oneDNN available and enabled, the default: ``torch._C._select_conv_backend``
     returns ``Mkldnn`` for the 2-D float convolutions of VAEs and upscalers) the kernel computes in
@@ -94,12 +98,23 @@ def cpu_conv_workspace_bytes(
     warm-up call of the same shape): peak above the output = ``max(input, output) + weight`` bytes
     within ~1 MiB for 3->64, 64->64, 64->3 channels at 256²-512² and 128..512 channels at 64²-128²;
     nothing of it stays allocated after the call (the buffers are freed, not cached).
+
+    A non-contiguous input (a cropped view, as tiled engines pass) is first copied to a contiguous
+    tensor inside the operator, below the dispatcher: ``+ input`` bytes while the call runs.
+    (oneDNN also keeps ~15 MiB of lazily created state from its first sizeable convolution on; that
+    is a one-time cost of the process, paid by any earlier convolution, so it is not a stage term.)
     """
-    return max(_nbytes(input_shape, elem), _nbytes(output_shape, elem)) + _nbytes(weight_shape, elem)
+    in_bytes = _nbytes(input_shape, elem)
+    copy = 0 if input_contiguous else in_bytes
+    return copy + max(in_bytes, _nbytes(output_shape, elem)) + _nbytes(weight_shape, elem)
 
 
 def cuda_conv_workspace_bytes(
-    input_shape: tuple[int, ...], weight_shape: tuple[int, ...], output_shape: tuple[int, ...], elem: int
+    input_shape: tuple[int, ...],
+    weight_shape: tuple[int, ...],
+    output_shape: tuple[int, ...],
+    elem: int,
+    input_contiguous: bool = True,
 ) -> int:
     """cuDNN's convolution workspace: not modelled (0) until a GPU measurement calibrates it.
 
@@ -110,7 +125,8 @@ def cuda_conv_workspace_bytes(
     return 0
 
 
-WorkspaceTerm = Callable[[tuple, tuple, tuple, int], int]
+WorkspaceTerm = Callable[[tuple, tuple, tuple, int, bool], int]
+"""``(input_shape, weight_shape, output_shape, element_size, input_contiguous) -> bytes``."""
 
 WORKSPACE_TERMS: dict[str, WorkspaceTerm] = {
     "cpu": cpu_conv_workspace_bytes,
@@ -166,7 +182,9 @@ class LiveBytesCounter(TorchDispatchMode):
         if self.workspace is not None and func.name() in _CONV_OPS and isinstance(out, torch.Tensor):
             inp, weight = args[0], args[1]
             elem = out.element_size()
-            scratch = self.workspace(tuple(inp.shape), tuple(weight.shape), tuple(out.shape), elem)
+            contiguous = inp.is_contiguous() or inp.is_contiguous(memory_format=torch.channels_last)
+            shapes = (tuple(inp.shape), tuple(weight.shape), tuple(out.shape))
+            scratch = self.workspace(*shapes, elem, contiguous)
             self.workspace_peak_bytes = max(self.workspace_peak_bytes, scratch)
             # the scratch lives while the operator runs, next to its output: a transient peak
             self.peak_bytes = max(self.peak_bytes, self.live_bytes + scratch)
