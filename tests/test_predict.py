@@ -72,6 +72,30 @@ def test_cpu_conv_scratch_is_a_transient_peak_at_each_convolution(inference):
     assert mps.raw_activation_bytes == out1
 
 
+def test_cpu_conv_scratch_counts_the_copy_of_a_non_contiguous_input():
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1, bias=False)
+    mode = new_fake_mode()
+    with mode:
+        big = torch.empty(1, 4, 33, 33)
+    crop, weight, n = (1, 4, 32, 32), (4, 4, 3, 3), 4 * 32 * 32 * 4
+
+    def cropped(t):  # a view: not contiguous
+        with torch.no_grad():
+            return conv(t[:, :, :32, :32])
+
+    def copied(t):  # an explicit contiguous copy first
+        with torch.no_grad():
+            return conv(t[:, :, :32, :32].contiguous())
+
+    for fn, contiguous in ((cropped, False), (copied, True)):
+        without, _ = count_peak(fn, big, fake_mode=mode)
+        with_scratch, _ = count_peak(fn, big, fake_mode=mode, workspace=cpu_conv_workspace_bytes)
+        assert with_scratch - without == cpu_conv_workspace_bytes(crop, weight, crop, 4, contiguous)
+    assert cpu_conv_workspace_bytes(crop, weight, crop, 4, False) == n + cpu_conv_workspace_bytes(
+        crop, weight, crop, 4, True
+    )
+
+
 @pytest.mark.parametrize("size", [8, 16])
 def test_reference_vae_counts_like_the_real_ldm_classes(size):
     mode = new_fake_mode()
