@@ -17,9 +17,13 @@ What the count covers and what it does not:
   before and after a stage, so a planner subtracts them from the free memory once;
 * **input** bytes (the latent, the image) also exist before the stage starts;
 * **activations** are what the fake run counts;
-* **workspace** - scratch memory of the backend's kernels (cuDNN, oneDNN), allocator rounding -
-  is invisible to the dispatcher; it is modelled by a per-backend :class:`Calibration` fitted to
-  measurements (``python -m lib_vram bench planner``).
+* **workspace** - scratch memory of the backend's kernels - is invisible to the dispatcher. It is
+  modelled per operator by a backend term (:data:`WORKSPACE_TERMS`): for each convolution the
+  counter asks the term how many bytes the kernel allocates next to its output while it runs, and
+  raises the peak by that much (transiently: the scratch is freed when the operator returns).
+  The CPU term is measured (see :func:`cpu_conv_workspace_bytes`); CUDA's cuDNN workspace is a
+  documented, uncalibrated term (0). What is left (allocator rounding, library handles) is the
+  per-backend :class:`Calibration`, checked against measurements (``python -m lib_vram bench planner``).
 
 Models never need real weights for a prediction: build them inside the fake mode (see
 :mod:`lib_vram.reference`), or pass a real module, whose weights :func:`fake_state` replaces by fake
@@ -53,6 +57,85 @@ def dtype_of(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+_CONV_OPS = frozenset(
+    {
+        # what the dispatcher shows: ``convolution`` normally, the composite ``convN d`` entry points
+        # under ``torch.inference_mode`` (the engines run there)
+        "aten::convolution",
+        "aten::_convolution",
+        "aten::mkldnn_convolution",
+        "aten::conv1d",
+        "aten::conv2d",
+        "aten::conv3d",
+        "aten::conv_transpose1d",
+        "aten::conv_transpose2d",
+        "aten::conv_transpose3d",
+    }
+)
+
+
+def _nbytes(shape: tuple[int, ...] | torch.Size, elem: int) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * elem
+
+
+def cpu_conv_workspace_bytes(
+    input_shape: tuple[int, ...],
+    weight_shape: tuple[int, ...],
+    output_shape: tuple[int, ...],
+    elem: int,
+    input_contiguous: bool = True,
+) -> int:
+    """Scratch bytes the CPU convolution allocates besides its output.
+
+    On torch's CPU backend (oneDNN available and enabled, the default: ``torch._C._select_conv_backend``
+    returns ``Mkldnn`` for the 2-D float convolutions of VAEs and upscalers) the kernel computes in
+    oneDNN's blocked layout: it reorders the plain input (or the output it then copies back into the
+    NCHW result) into a buffer of the larger of the two, and reorders the weights. Measured per
+    convolution in a fresh process (glibc mmap threshold 64 KiB, ``VmHWM`` around one call, after a
+    warm-up call of the same shape): peak above the output = ``max(input, output) + weight`` bytes
+    within ~1 MiB for 3->64, 64->64, 64->3 channels at 256²-512² and 128..512 channels at 64²-128²;
+    nothing of it stays allocated after the call (the buffers are freed, not cached).
+
+    A non-contiguous input (a cropped view, as tiled engines pass) is first copied to a contiguous
+    tensor inside the operator, below the dispatcher: ``+ input`` bytes while the call runs.
+    (oneDNN also keeps ~15 MiB of lazily created state from its first sizeable convolution on; that
+    is a one-time cost of the process, paid by any earlier convolution, so it is not a stage term.)
+    """
+    in_bytes = _nbytes(input_shape, elem)
+    copy = 0 if input_contiguous else in_bytes
+    return copy + max(in_bytes, _nbytes(output_shape, elem)) + _nbytes(weight_shape, elem)
+
+
+def cuda_conv_workspace_bytes(
+    input_shape: tuple[int, ...],
+    weight_shape: tuple[int, ...],
+    output_shape: tuple[int, ...],
+    elem: int,
+    input_contiguous: bool = True,
+) -> int:
+    """cuDNN's convolution workspace: not modelled (0) until a GPU measurement calibrates it.
+
+    cuDNN picks an algorithm per shape (``torch.backends.cudnn.benchmark``) and may ask for a
+    workspace of up to its limit; PyTorch allocates it from the caching allocator and frees it after
+    the call. The term is kept separate so that a measured model can replace it.
+    """
+    return 0
+
+
+WorkspaceTerm = Callable[[tuple, tuple, tuple, int, bool], int]
+"""``(input_shape, weight_shape, output_shape, element_size, input_contiguous) -> bytes``."""
+
+WORKSPACE_TERMS: dict[str, WorkspaceTerm] = {
+    "cpu": cpu_conv_workspace_bytes,
+    "cuda": cuda_conv_workspace_bytes,
+    "rocm": cuda_conv_workspace_bytes,
+}
+"""Per-backend convolution scratch terms; backends not listed have none (0)."""
+
+
 class LiveBytesCounter(TorchDispatchMode):
     """Counts the bytes of live tensor storages created by operators, and their peak.
 
@@ -61,11 +144,15 @@ class LiveBytesCounter(TorchDispatchMode):
     on them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, workspace: WorkspaceTerm | None = None) -> None:
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
         self.ops = 0
+        self.workspace = workspace
+        """Scratch term for convolutions (see :data:`WORKSPACE_TERMS`); ``None``: not counted."""
+        self.workspace_peak_bytes = 0
+        """The largest scratch the term added at one convolution."""
         self._sizes: dict[int, int] = {}
 
     def _free(self, key: int) -> None:
@@ -92,6 +179,15 @@ class LiveBytesCounter(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.track(t)
+        if self.workspace is not None and func.name() in _CONV_OPS and isinstance(out, torch.Tensor):
+            inp, weight = args[0], args[1]
+            elem = out.element_size()
+            contiguous = inp.is_contiguous() or inp.is_contiguous(memory_format=torch.channels_last)
+            shapes = (tuple(inp.shape), tuple(weight.shape), tuple(out.shape))
+            scratch = self.workspace(*shapes, elem, contiguous)
+            self.workspace_peak_bytes = max(self.workspace_peak_bytes, scratch)
+            # the scratch lives while the operator runs, next to its output: a transient peak
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes + scratch)
         return out
 
 
@@ -157,10 +253,13 @@ class Calibration:
 
 
 CALIBRATIONS: dict[str, Calibration] = {
-    # Measured on this project's CPU runs (ldm decoder, RRDB, Compact; see docs/benchmarks.md,
-    # "Planner"): the fake count alone lands within a few percent of the process's RSS high-water
-    # mark, so no correction is applied.
-    "cpu": Calibration(1.0, 0, "CPU RSS high-water mark, docs/benchmarks.md (Planner): no correction needed"),
+    # Measured on this project's CPU runs (ldm decoder, RRDB, Compact, the engines; see
+    # docs/benchmarks.md, "Planner"): the fake count plus the oneDNN convolution term
+    # (cpu_conv_workspace_bytes) lands near the process's RSS high-water mark, so no further
+    # correction is applied (no fitted residual).
+    "cpu": Calibration(
+        1.0, 0, "CPU RSS high-water mark, docs/benchmarks.md (Planner): oneDNN conv term, no residual"
+    ),
     # No GPU measurement yet: the fake count is used as is. CUDA's caching allocator rounds
     # allocations to 512 B (negligible here); cuDNN workspaces are not modelled.
     "cuda": Calibration(1.0, 0, "uncalibrated: no GPU measurement yet"),
@@ -214,16 +313,18 @@ def count_peak(
     fn: Callable[..., object],
     *args: object,
     fake_mode: FakeTensorMode | None = None,
+    workspace: WorkspaceTerm | None = None,
     **kwargs: object,
 ) -> tuple[int, int]:
     """Run ``fn(*args, **kwargs)`` under a fake mode; return ``(peak_bytes, ops)`` allocated by it.
 
     ``args`` may be fake tensors of ``fake_mode``, real tensors (converted on use) or anything else.
     The result of ``fn`` is dropped inside the count, so an output that stays alive is part of the
-    peak but not of what remains.
+    peak but not of what remains. ``workspace`` adds each convolution's scratch (see
+    :data:`WORKSPACE_TERMS`).
     """
     mode = fake_mode or new_fake_mode()
-    counter = LiveBytesCounter()
+    counter = LiveBytesCounter(workspace)
     with _quiet_fake(), mode, counter:
         result = fn(*args, **kwargs)
         del result
@@ -245,7 +346,7 @@ def predict_callable(
     with mode:
         inputs = [torch.empty(s, dtype=dt) for s in input_shapes]
     input_bytes = sum(t.numel() * t.element_size() for t in inputs)
-    raw, ops = count_peak(fn, *inputs, fake_mode=mode)
+    raw, ops = count_peak(fn, *inputs, fake_mode=mode, workspace=WORKSPACE_TERMS.get(backend))
     cal = calibration_for(backend)
     logger.debug("fake run of %s: %d ops, peak %.1f MiB", getattr(fn, "__name__", fn), ops, raw / 2**20)
     return PeakPrediction(

@@ -6,7 +6,14 @@ from ldm.modules.diffusionmodules.model import Decoder as LdmDecoder
 from ldm.modules.diffusionmodules.model import Encoder as LdmEncoder
 
 from lib_vram import reference, stageplan
-from lib_vram.predict import LiveBytesCounter, fake_state, new_fake_mode, predict_module_peak
+from lib_vram.predict import (
+    LiveBytesCounter,
+    count_peak,
+    cpu_conv_workspace_bytes,
+    fake_state,
+    new_fake_mode,
+    predict_module_peak,
+)
 
 # The SD ddconfig at a quarter of the width (same code path, cheap).
 DD = dict(
@@ -36,6 +43,57 @@ def test_counter_tracks_allocations_and_frees_on_real_tensors():
     assert c.live_bytes == 4000
     del b, d, e
     assert c.live_bytes == 0
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_cpu_conv_scratch_is_a_transient_peak_at_each_convolution(inference):
+    # 3 -> 8 channels at 32x32, then a 8 -> 2 conv: the first conv's scratch (max(in, out) + weight)
+    # sits on top of its output and is gone afterwards; a backend without a term adds nothing.
+    conv1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+    conv2 = torch.nn.Conv2d(8, 2, 1, bias=False)
+
+    def net(x):
+        with torch.inference_mode(inference):
+            return conv2(conv1(x))
+
+    mode = new_fake_mode()
+    with mode:
+        x = torch.empty(1, 3, 32, 32)
+    out1, out2 = 8 * 32 * 32 * 4, 2 * 32 * 32 * 4
+    plain, _ = count_peak(net, x, fake_mode=mode)
+    assert plain == out1 + out2
+    cpu, _ = count_peak(net, x, fake_mode=mode, workspace=cpu_conv_workspace_bytes)
+    scratch1 = cpu_conv_workspace_bytes((1, 3, 32, 32), (8, 3, 3, 3), (1, 8, 32, 32), 4)
+    scratch2 = cpu_conv_workspace_bytes((1, 8, 32, 32), (2, 8, 1, 1), (1, 2, 32, 32), 4)
+    assert scratch1 == out1 + 8 * 3 * 9 * 4
+    assert cpu == max(out1 + scratch1, out1 + out2 + scratch2) > plain
+    mps = predict_module_peak(conv1, (1, 3, 32, 32), backend="mps")
+    assert predict_module_peak(conv1, (1, 3, 32, 32), backend="cpu").raw_activation_bytes == out1 + scratch1
+    assert mps.raw_activation_bytes == out1
+
+
+def test_cpu_conv_scratch_counts_the_copy_of_a_non_contiguous_input():
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1, bias=False)
+    mode = new_fake_mode()
+    with mode:
+        big = torch.empty(1, 4, 33, 33)
+    crop, weight, n = (1, 4, 32, 32), (4, 4, 3, 3), 4 * 32 * 32 * 4
+
+    def cropped(t):  # a view: not contiguous
+        with torch.no_grad():
+            return conv(t[:, :, :32, :32])
+
+    def copied(t):  # an explicit contiguous copy first
+        with torch.no_grad():
+            return conv(t[:, :, :32, :32].contiguous())
+
+    for fn, contiguous in ((cropped, False), (copied, True)):
+        without, _ = count_peak(fn, big, fake_mode=mode)
+        with_scratch, _ = count_peak(fn, big, fake_mode=mode, workspace=cpu_conv_workspace_bytes)
+        assert with_scratch - without == cpu_conv_workspace_bytes(crop, weight, crop, 4, contiguous)
+    assert cpu_conv_workspace_bytes(crop, weight, crop, 4, False) == n + cpu_conv_workspace_bytes(
+        crop, weight, crop, 4, True
+    )
 
 
 @pytest.mark.parametrize("size", [8, 16])
