@@ -69,6 +69,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
     parser.add_argument("--sizes", default=None, help="comma-separated image sizes to keep (e.g. 512,1024)")
+    parser.add_argument(
+        "--modes", default=None, help="comma-separated modes to keep (untiled,exact,fast,diffusers)"
+    )
     parser.add_argument("--workdir", default=".bench/vae", help="where references and images go")
     parser.add_argument("--diff-image", default=None, help="write the fast-mode |diff| image here (PNG)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per case (0 = default)")
@@ -84,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     if args.sizes:
         keep = {int(s) for s in args.sizes.split(",")}
         cases = [c for c in cases if c[2] in keep]
+    if args.modes:
+        modes = set(args.modes.split(","))
+        cases = [c for c in cases if c[1] in modes]
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     biggest_fast = max((c[2] for c in cases if c[1] == "fast"), default=None)

@@ -27,6 +27,7 @@ wrappers of the host still apply; GroupNorm and SiLU are computed here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -525,10 +526,22 @@ def _mid(run: Run, st: TileState, spec: VAESpec) -> Generator[Request, Affine, N
             yield from _attn(run, st, item)
 
 
-def decoder_global(run: Run, st: TileState, spec: VAESpec) -> Program:
-    """conv_in + mid block on the whole latent."""
+def decoder_global(run: Run, st: TileState, spec: VAESpec, blocks: tuple[Resnet, ...] = ()) -> Program:
+    """conv_in + mid block (+ ``blocks``, the first level's ResNets in fast mode) on the whole latent."""
     st.h = run.seg(st, _seg_conv, st.h, spec.conv_in)
     yield from _mid(run, st, spec)
+    for blk in blocks:
+        yield from _resnet(run, st, blk)
+
+
+def split_first_level(spec: VAESpec) -> tuple[tuple[Resnet, ...], VAESpec]:
+    """Fast mode's split of a decoder: the first level's ResNets (at latent resolution, as cheap
+    and as small as the mid block) join the global part; the returned spec is the tiled rest."""
+    if spec.kind != "decoder" or not spec.levels:
+        return (), spec
+    first = spec.levels[0]
+    rest = dataclasses.replace(spec, levels=(dataclasses.replace(first, blocks=()), *spec.levels[1:]))
+    return first.blocks, rest
 
 
 def decoder_tiles(run: Run, st: TileState, spec: VAESpec, out: torch.Tensor) -> Program:
