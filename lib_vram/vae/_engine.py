@@ -17,9 +17,11 @@ How exact tiling works (see ``docs/design.md``, "Tiled VAE"):
   still needed. The result equals the untiled pass up to float rounding.
 
 Fast mode uses the same programs, but runs every tile to completion on its own with GroupNorm
-statistics recorded once by a lock-step pass over a few full-scale sample crops (or a subsampled
-image, ``fast_estimate="downsample"``): no parked state, and seamless because every tile uses the
-same statistics.
+statistics recorded once by a lock-step pass over a subsampled image (``fast_estimate=
+"downsample"``) or a few full-scale sample crops: no parked state, and seamless because every tile
+uses the same statistics. For the decoder the first level's ResNets join the global part
+(:func:`split_first_level`): exact statistics for them, a smaller halo for the tiles, and the
+subsampled estimate continues from their exact output.
 
 All ops call the VAE's own submodules (``conv(x)``), so hooks, LoRA patches and weight-casting
 wrappers of the host still apply; GroupNorm and SiLU are computed here.
