@@ -78,18 +78,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.case:
-        rec = _worker(json.loads(args.case))
-        print("BENCH_RECORD " + json.dumps(rec), flush=True)
-        return 0
+def select_cases(args: argparse.Namespace) -> list[tuple]:
+    """The case list (quick or full), filtered by ``--sizes`` and ``--modes``."""
     cases = QUICK_CASES if args.quick else FULL_CASES
     if args.sizes:
         keep = {int(s) for s in args.sizes.split(",")}
         cases = [c for c in cases if c[2] in keep]
     if args.modes:
         modes = set(args.modes.split(","))
+        unknown = modes - {c[1] for c in FULL_CASES + QUICK_CASES}
+        if unknown:
+            raise ValueError(f"`--modes` has unknown modes {sorted(unknown)}")
         cases = [c for c in cases if c[1] in modes]
+    return cases
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.case:
+        rec = _worker(json.loads(args.case))
+        print("BENCH_RECORD " + json.dumps(rec), flush=True)
+        return 0
+    cases = select_cases(args)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     biggest_fast = max((c[2] for c in cases if c[1] == "fast"), default=None)
