@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from lib_vram.bench.vae import image_latent, table
+import pytest
+
+from lib_vram.bench.vae import image_latent, select_cases, table
 from lib_vram.cli import build_parser
 
 
@@ -30,3 +32,13 @@ def test_benchmark_latent_is_image_like_not_white_noise():
     a, b = z[..., :, :-1].flatten(), z[..., :, 1:].flatten()
     corr = float(((a - a.mean()) * (b - b.mean())).mean() / (a.std() * b.std()))
     assert corr > 0.3
+
+
+def test_case_filter_by_size_and_mode():
+    args = build_parser().parse_args(["bench", "vae", "--sizes", "512", "--modes", "untiled,fast"])
+    cases = select_cases(args)
+    assert cases and {c[2] for c in cases} == {512}
+    assert {c[1] for c in cases} == {"untiled", "fast"}
+    bad = build_parser().parse_args(["bench", "vae", "--modes", "fastest"])
+    with pytest.raises(ValueError, match="--modes"):
+        select_cases(bad)

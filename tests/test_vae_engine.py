@@ -131,6 +131,31 @@ def test_fast_mode_is_seamless_and_exact_with_full_statistics():
     assert (a - ref).abs().max().item() > EXACT_TOL  # it is an estimate (the test can fail)
 
 
+def test_fast_decoder_runs_first_level_globally_and_estimates_the_rest_from_it():
+    dec = ldm_decoder(ch_mult=(1, 2, 2))
+    z = smooth_latent(1, 4, 16, 16, seed=3)
+    ref = _ref(dec, z)
+    steps: list[tuple[int, int]] = []
+    exact_rep, fast_rep = VAEReport(), VAEReport()
+    tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=8), report=exact_rep)
+    fast = tiled_decode(
+        dec,
+        z,
+        config=TiledVAEConfig(mode="fast", tile=8),
+        report=fast_rep,
+        progress=lambda d, t: steps.append((d, t)),
+    )
+    crops = tiled_decode(dec, z, config=TiledVAEConfig(mode="fast", tile=8, fast_estimate="crops"))
+    # The first level's ResNets left the tiles: a smaller halo (2 convs per ResNet less).
+    assert fast_rep.halo == exact_rep.halo - 2 * len(dec.up[-1].block)
+    # Subsampling the exact first-level output estimates the statistics better than crops.
+    err = ((fast - ref) ** 2).mean().item()
+    assert err < ((crops - ref) ** 2).mean().item()
+    assert err > 0
+    # The progress count covers the extra global ResNets exactly.
+    assert steps[-1][0] == steps[-1][1]
+
+
 # -- precision guard -----------------------------------------------------------------------------
 
 

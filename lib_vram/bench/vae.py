@@ -69,10 +69,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
     parser.add_argument("--sizes", default=None, help="comma-separated image sizes to keep (e.g. 512,1024)")
+    parser.add_argument(
+        "--modes", default=None, help="comma-separated modes to keep (untiled,exact,fast,diffusers)"
+    )
     parser.add_argument("--workdir", default=".bench/vae", help="where references and images go")
     parser.add_argument("--diff-image", default=None, help="write the fast-mode |diff| image here (PNG)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per case (0 = default)")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
+
+
+def select_cases(args: argparse.Namespace) -> list[tuple]:
+    """The case list (quick or full), filtered by ``--sizes`` and ``--modes``."""
+    cases = QUICK_CASES if args.quick else FULL_CASES
+    if args.sizes:
+        keep = {int(s) for s in args.sizes.split(",")}
+        cases = [c for c in cases if c[2] in keep]
+    if args.modes:
+        modes = set(args.modes.split(","))
+        unknown = modes - {c[1] for c in FULL_CASES + QUICK_CASES}
+        if unknown:
+            raise ValueError(f"`--modes` has unknown modes {sorted(unknown)}")
+        cases = [c for c in cases if c[1] in modes]
+    return cases
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,10 +98,7 @@ def run(args: argparse.Namespace) -> int:
         rec = _worker(json.loads(args.case))
         print("BENCH_RECORD " + json.dumps(rec), flush=True)
         return 0
-    cases = QUICK_CASES if args.quick else FULL_CASES
-    if args.sizes:
-        keep = {int(s) for s in args.sizes.split(",")}
-        cases = [c for c in cases if c[2] in keep]
+    cases = select_cases(args)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     biggest_fast = max((c[2] for c in cases if c[1] == "fast"), default=None)

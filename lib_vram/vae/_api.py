@@ -29,6 +29,7 @@ from ._engine import (
     lockstep,
     needs,
     replay,
+    split_first_level,
     sync_count,
 )
 from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec
@@ -117,6 +118,8 @@ class _Pass:
         self.tracker = tracker
         self.budget = _budget(config, self.device)
         self.halo, _ = needs(spec)
+        self.tile_spec = spec
+        self.global_blocks: tuple = ()
         f = spec.factor
         b, _, h, w = x.shape
         self.align = f if spec.kind == "encoder" else 1
@@ -191,8 +194,11 @@ class _Pass:
         run.stage = "global"
         b, c, h, w = data.shape
         st = TileState(0, TT(data, 0, 0, h, w), Box(0, h, 0, w))
-        prog = decoder_global if self.spec.kind == "decoder" else encoder_global
-        lockstep([prog(run, st, self.spec)], ticker)
+        if self.spec.kind == "decoder":
+            prog = decoder_global(run, st, self.spec, self.global_blocks)
+        else:
+            prog = encoder_global(run, st, self.spec)
+        lockstep([prog], ticker)
         assert st.h is not None
         out = st.h.data
         st.h = None
@@ -206,8 +212,8 @@ class _Pass:
         x0, x1 = max(0, box.x0 - self.halo), min(w, box.x1 + self.halo)
         st = TileState(index, TT(src[..., y0:y1, x0:x1], y0, x0, h, w), box)
         if self.spec.kind == "decoder":
-            return decoder_tiles(run, st, self.spec, target)
-        return encoder_tiles(run, st, self.spec, target)
+            return decoder_tiles(run, st, self.tile_spec, target)
+        return encoder_tiles(run, st, self.tile_spec, target)
 
     def target_for(self, src: torch.Tensor) -> torch.Tensor:
         b, _, h, w = src.shape
@@ -237,10 +243,15 @@ class _Pass:
             lockstep(gens, ticker)
             del gens
             return target
-        # fast: GroupNorm statistics once, from sample crops covering ~1/fast_sample^2 of the
-        # image at full scale (exact lock-step among themselves), then every tile on its own.
+        # fast: GroupNorm statistics once, from the image subsampled by fast_sample per axis (for
+        # the decoder: the exact first-level output, strided) or from full-scale sample crops
+        # covering ~1/fast_sample^2 of it, in exact lock-step among themselves; then every tile
+        # on its own with those fixed statistics.
         record: list = []
-        if self.config.fast_estimate == "downsample" and self.config.fast_sample > 1:
+        estimate = self.config.fast_estimate
+        if estimate == "auto":
+            estimate = "downsample" if self.spec.kind == "decoder" else "crops"
+        if estimate == "downsample" and self.config.fast_sample > 1:
             f = self.config.fast_sample
             if self.spec.kind == "decoder":
                 small = src[..., ::f, ::f]
@@ -250,7 +261,7 @@ class _Pass:
             scratch = self.target_for(small)
             sgens = [
                 self.tile_program(run, small, bx, -1 - i, scratch)
-                for i, bx in enumerate(self.tiles(sh, sw, max(tile, math.ceil(max(sh, sw) / self.align))))
+                for i, bx in enumerate(self.tiles(sh, sw, tile))
             ]
         else:
             sgens = [
@@ -265,19 +276,25 @@ class _Pass:
 
     # -- the whole pass --------------------------------------------------------------------------
     def tile_steps(self, n_tiles: int, mode: str) -> int:
-        return n_tiles * ((sync_count(self.spec, "tiles") + 1) if mode == "exact" else 1)
+        return n_tiles * ((sync_count(self.tile_spec, "tiles") + 1) if mode == "exact" else 1)
 
     def global_after(self) -> int:
         return sync_count(self.spec, "global") + 1 if self.spec.kind == "encoder" else 0
 
     def total_steps(self, n_tiles: int, mode: str) -> int:
-        steps = sync_count(self.spec, "tiles") + 1
+        steps = sync_count(self.tile_spec, "tiles") + 1
         tiled = n_tiles * (steps if mode == "exact" else 1)
-        return tiled + sync_count(self.spec, "global") + 1
+        return tiled + sync_count(self.spec, "global") + 2 * len(self.global_blocks) + 1
 
     def tiled(self, mode: str) -> torch.Tensor:
         spec = self.spec
         tile = self.pick_tile(mode)
+        if mode == "fast" and spec.kind == "decoder":
+            # The first level's ResNets run at latent resolution: on the whole latent with the mid
+            # block (exact statistics, no halo to recompute, memory like the mid block's).
+            self.global_blocks, self.tile_spec = split_first_level(spec)
+            self.halo, _ = needs(self.tile_spec)
+            self.report.halo = self.halo
         sample = self.tracker.sample if self.tracker is not None else None
         x = self.x.to(self.dtype)
         b, _, h, w = x.shape

@@ -51,11 +51,13 @@ class TiledVAEConfig:
             computing in float16), else float32.
         state_offload: where tiles waiting at a GroupNorm keep their activations: ``"device"``,
             ``"cpu"`` (pinned memory on accelerators) or ``"auto"`` (device when it fits the budget).
-        fast_sample: fast mode estimates the GroupNorm statistics once, from a few crops at full
-            scale that cover about ``1/fast_sample`` of each axis (``1/fast_sample**2`` of the
-            area); 1 = from the whole image (exact statistics, but two passes).
-        fast_estimate: ``"crops"`` (full-scale crops spread over the image) or ``"downsample"``
-            (the whole image, subsampled by ``fast_sample`` per axis).
+        fast_sample: fast mode estimates the GroupNorm statistics of the tiled part once, from
+            ``1/fast_sample`` of each axis (``1/fast_sample**2`` of the area); 1 = from the whole
+            image (exact statistics, but two passes).
+        fast_estimate: ``"downsample"`` (the whole image subsampled by ``fast_sample`` per axis;
+            for the decoder this continues from the exactly computed first level),
+            ``"crops"`` (full-scale crops spread over the image) or ``"auto"`` (downsample for
+            the decoder, crops for the encoder).
     """
 
     mode: str = "auto"
@@ -66,7 +68,7 @@ class TiledVAEConfig:
     guard_dtype: torch.dtype | None = None
     state_offload: str = "auto"
     fast_sample: int = 2
-    fast_estimate: str = "crops"
+    fast_estimate: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,8 +87,10 @@ class TiledVAEConfig:
             )
         if self.state_offload not in OFFLOAD:
             raise ValueError(f"`state_offload` must be one of {OFFLOAD}, got {self.state_offload!r}")
-        if self.fast_estimate not in ("crops", "downsample"):
-            raise ValueError(f"`fast_estimate` must be 'crops' or 'downsample', got {self.fast_estimate!r}")
+        if self.fast_estimate not in ("auto", "crops", "downsample"):
+            raise ValueError(
+                f"`fast_estimate` must be 'auto', 'crops' or 'downsample', got {self.fast_estimate!r}"
+            )
         if not isinstance(self.fast_sample, int) or self.fast_sample < 1:
             raise ValueError(f"`fast_sample` must be an int >= 1, got {self.fast_sample!r}")
 

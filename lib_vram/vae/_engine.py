@@ -17,9 +17,11 @@ How exact tiling works (see ``docs/design.md``, "Tiled VAE"):
   still needed. The result equals the untiled pass up to float rounding.
 
 Fast mode uses the same programs, but runs every tile to completion on its own with GroupNorm
-statistics recorded once by a lock-step pass over a few full-scale sample crops (or a subsampled
-image, ``fast_estimate="downsample"``): no parked state, and seamless because every tile uses the
-same statistics.
+statistics recorded once by a lock-step pass over a subsampled image (``fast_estimate=
+"downsample"``) or a few full-scale sample crops: no parked state, and seamless because every tile
+uses the same statistics. For the decoder the first level's ResNets join the global part
+(:func:`split_first_level`): exact statistics for them, a smaller halo for the tiles, and the
+subsampled estimate continues from their exact output.
 
 All ops call the VAE's own submodules (``conv(x)``), so hooks, LoRA patches and weight-casting
 wrappers of the host still apply; GroupNorm and SiLU are computed here.
@@ -27,6 +29,7 @@ wrappers of the host still apply; GroupNorm and SiLU are computed here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -525,10 +528,22 @@ def _mid(run: Run, st: TileState, spec: VAESpec) -> Generator[Request, Affine, N
             yield from _attn(run, st, item)
 
 
-def decoder_global(run: Run, st: TileState, spec: VAESpec) -> Program:
-    """conv_in + mid block on the whole latent."""
+def decoder_global(run: Run, st: TileState, spec: VAESpec, blocks: tuple[Resnet, ...] = ()) -> Program:
+    """conv_in + mid block (+ ``blocks``, the first level's ResNets in fast mode) on the whole latent."""
     st.h = run.seg(st, _seg_conv, st.h, spec.conv_in)
     yield from _mid(run, st, spec)
+    for blk in blocks:
+        yield from _resnet(run, st, blk)
+
+
+def split_first_level(spec: VAESpec) -> tuple[tuple[Resnet, ...], VAESpec]:
+    """Fast mode's split of a decoder: the first level's ResNets (at latent resolution, as cheap
+    and as small as the mid block) join the global part; the returned spec is the tiled rest."""
+    if spec.kind != "decoder" or not spec.levels:
+        return (), spec
+    first = spec.levels[0]
+    rest = dataclasses.replace(spec, levels=(dataclasses.replace(first, blocks=()), *spec.levels[1:]))
+    return first.blocks, rest
 
 
 def decoder_tiles(run: Run, st: TileState, spec: VAESpec, out: torch.Tensor) -> Program:
