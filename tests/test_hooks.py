@@ -6,37 +6,9 @@ import threading
 
 import pytest
 import torch
-from ldm.modules.diffusionmodules.model import Decoder, Encoder
+from webui_fakes import tiny_decoder, tiny_encoder
 
 from lib_vram.hooks import ATTR, HookRegistry, hook_names, register_hook, remove_hook
-
-
-def tiny_decoder() -> Decoder:
-    torch.manual_seed(0)
-    return Decoder(
-        ch=32,
-        out_ch=3,
-        ch_mult=(1, 2),
-        num_res_blocks=1,
-        attn_resolutions=[],
-        in_channels=3,
-        resolution=32,
-        z_channels=4,
-    ).eval()
-
-
-def tiny_encoder() -> Encoder:
-    torch.manual_seed(1)
-    return Encoder(
-        ch=32,
-        out_ch=3,
-        ch_mult=(1, 2),
-        num_res_blocks=1,
-        attn_resolutions=[],
-        in_channels=3,
-        resolution=32,
-        z_channels=4,
-    ).eval()
 
 
 @pytest.fixture(scope="module")
