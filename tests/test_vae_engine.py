@@ -374,6 +374,30 @@ def test_cpu_state_offload_setting_is_exact():
     assert (out - _ref(dec, z)).abs().max().item() < EXACT_TOL
 
 
+def test_parked_state_is_accounted_while_tiles_wait():
+    """Parked bytes (what a GPU would hold in CPU memory) are reported and counted while tiles
+    wait at a GroupNorm, and nothing stays counted afterwards; device-resident state parks nothing."""
+    from lib_vram.vae import parked_bytes
+
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 12, 12, seed=16)
+    seen: list[int] = []
+    hook = dec.conv_out.register_forward_hook(lambda *_: seen.append(parked_bytes()))
+    try:
+        rep = VAEReport()
+        tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=4, state_offload="cpu"), report=rep)
+        assert rep.state_offload == "cpu"
+        assert rep.parked_peak_bytes > 0
+        assert max(seen) > 0
+        assert parked_bytes() == 0
+        seen.clear()
+        rep2 = VAEReport()
+        tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=4, state_offload="device"), report=rep2)
+        assert rep2.parked_peak_bytes == 0 and max(seen) == 0
+    finally:
+        hook.remove()
+
+
 def test_runs_under_fake_tensor_mode_without_guard():
     """The planner dry-runs the engine on fake tensors: no data-dependent Python with guard=False."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -18,6 +18,7 @@ This module imports ``ldm``/``diffusers`` only inside the worker function (bench
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -52,6 +53,8 @@ FULL_CASES = [
     ("decode", "exact", 1024, 32),
     ("decode", "fast", 1024, 64),
     ("decode", "diffusers", 1024, 64),
+    ("encode", "untiled", 1024, None),
+    ("encode", "exact", 1024, 64),
 ]
 QUICK_CASES = [
     ("decode", "untiled", 256, None),
@@ -75,6 +78,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=".bench/vae", help="where references and images go")
     parser.add_argument("--diff-image", default=None, help="write the fast-mode |diff| image here (PNG)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per case (0 = default)")
+    parser.add_argument(
+        "--state-offload",
+        default="cpu",
+        choices=("cpu", "device", "auto"),
+        help="where exact-mode tiles park their state (default cpu: on a GPU pinned CPU memory; on the "
+        "CPU nothing moves but the parked bytes are left out of the device peak)",
+    )
+    parser.add_argument("--fast-sample", type=int, default=None, help="fast mode's statistics subsampling")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
 
 
@@ -113,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "workdir": str(workdir),
             "threads": args.threads,
+            "state_offload": args.state_offload,
+            "fast_sample": args.fast_sample,
             "diff_image": args.diff_image if (mode == "fast" and px == biggest_fast) else None,
         }
         cmd = [sys.executable, "-m", "lib_vram", "bench", "vae", "--case", json.dumps(spec)]
@@ -149,19 +162,23 @@ def table(records: list[dict]) -> str:
         (r["method"], r["image_px"]): r for r in records if r.get("mode") == "untiled" and "error" not in r
     }
     lines = [
-        "| method | mode | image | tile | seconds | CPU s | time vs untiled | peak MiB | peak vs untiled "
-        "| PSNR dB | max abs err | seam ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | mode | image | tile | seconds | CPU s | time vs untiled | RSS peak MiB | RSS vs untiled "
+        "| device peak MiB | device vs untiled | PSNR dB | max abs err | seam ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         if "error" in r:
             lines.append(
-                f"| {r['method']} | {r['mode']} | {r['image_px']} | {r['tile']} | error | | | | | | | |"
+                f"| {r['method']} | {r['mode']} | {r['image_px']} | {r['tile']} | error | | | | | | | | | |"
             )
             continue
         b = base.get((r["method"], r["image_px"]))
         tr = f"{r['cpu_seconds'] / b['cpu_seconds']:.2f}x" if b else "-"
         pr = f"{100 * r['peak_bytes'] / b['peak_bytes']:.0f} %" if b and b["peak_bytes"] else "-"
+        dev = r.get("device_peak_bytes")
+        bdev = b.get("device_peak_bytes") if b else None
+        dr = f"{100 * dev / bdev:.1f} %" if dev and bdev else "-"
+        dev_mib = f"{dev / 2**20:.0f}" if dev else "-"
         psnr = (
             "inf"
             if r["psnr_db"] is None and r["mode"] == "untiled"
@@ -175,8 +192,8 @@ def table(records: list[dict]) -> str:
         seam = f"{seam:.2f}" if isinstance(seam, float) else "-"
         lines.append(
             f"| {r['method']} | {r['mode']} | {r['image_px']}² | {r['tile'] or '-'} | {r['seconds']:.1f} "
-            f"| {r['cpu_seconds']:.1f} | {tr} | {r['peak_bytes'] / 2**20:.0f} | {pr} | {psnr} | {err} "
-            f"| {seam} |"
+            f"| {r['cpu_seconds']:.1f} | {tr} | {r['peak_bytes'] / 2**20:.0f} | {pr} | {dev_mib} | {dr} "
+            f"| {psnr} | {err} | {seam} |"
         )
     return "\n".join(lines)
 
@@ -301,12 +318,18 @@ def _worker(spec: dict) -> dict:
     x = x.to(device=device, dtype=dtype)
     tracker = StageTracker(device, owns_peak_counters=True)
     report = VAEReport()
-    cfg = TiledVAEConfig(mode=mode, tile=tile) if mode in ("exact", "fast") else None
+    extra = {"fast_sample": spec["fast_sample"]} if spec.get("fast_sample") else {}
+    cfg = (
+        TiledVAEConfig(mode=mode, tile=tile, state_offload=spec.get("state_offload", "cpu"), **extra)
+        if mode in ("exact", "fast")
+        else None
+    )
     import gc
 
     gc.collect()
+    counter = _device_counter(device)
     c0, t0 = time.process_time(), time.perf_counter()
-    with torch.no_grad(), tracker.stage("case") as rec:
+    with torch.no_grad(), tracker.stage("case") as rec, counter or contextlib.nullcontext():
         if mode == "untiled":
             out = module(x)
         elif mode == "diffusers":
@@ -319,6 +342,10 @@ def _worker(spec: dict) -> dict:
             torch.cuda.synchronize()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     peak = rec.delta_peak_bytes
+    if counter is not None:
+        device_peak, live_peak = counter.device_peak_bytes, counter.peak_bytes
+    else:
+        device_peak = live_peak = peak
     out = out.float().cpu()
     work = Path(spec["workdir"])
     ref_path = work / f"ref_{kind}_{px}_{spec['dtype']}_{spec['device'].split(':')[0]}.pt"
@@ -347,6 +374,11 @@ def _worker(spec: dict) -> dict:
         "cpu_seconds": round(cpu_seconds, 3),
         "peak_bytes": int(peak),
         "peak_measure": rec.measure,
+        "device_peak_bytes": int(device_peak),
+        "live_peak_bytes": int(live_peak),
+        "parked_peak_bytes": report.parked_peak_bytes or None,
+        "state_offload": report.state_offload or None,
+        "fast_sample": spec.get("fast_sample"),
         "peak_estimate_bytes": report.peak_estimate_bytes or None,
         "tiles": report.tiles or None,
         "psnr_db": None if psnr is None else (round(psnr, 2) if math.isfinite(psnr) else None),
@@ -356,6 +388,25 @@ def _worker(spec: dict) -> dict:
         "threads": torch.get_num_threads(),
         "numpy": np.__version__,
     }
+
+
+def _device_counter(device):
+    """On the CPU: a live-tensor counter whose peak leaves out tile state parked "off the device"
+    (what a GPU would hold in device memory; measured on the real run, tensor bytes only). On a
+    GPU: None (``torch.cuda.max_memory_allocated`` is the measurement)."""
+    if device.type != "cpu":
+        return None
+    from lib_vram.predict import LiveBytesCounter
+    from lib_vram.vae import parked_bytes
+
+    class DeviceBytes(LiveBytesCounter):
+        device_peak_bytes = 0
+
+        def track(self, tensor):
+            super().track(tensor)
+            self.device_peak_bytes = max(self.device_peak_bytes, self.live_bytes - parked_bytes())
+
+    return DeviceBytes()
 
 
 def _seam_ratio(diff, px: int, tile_px: int) -> float | None:

@@ -8,6 +8,7 @@ Public API (see ``README.md``, "Tiled VAE"):
 * :func:`estimate_peak_bytes`: analytic peak of a pass, used by ``mode="auto"``.
 * :data:`learned_tiles`: tile sizes that worked after an out-of-memory retry, per shape.
 * :class:`Interrupted`, :class:`VAEOutOfMemory`: the errors it raises besides ``ValueError``.
+* :func:`parked_bytes`: tile state parked off the compute device right now (exact mode).
 * :func:`attention`: the chunked, memory-efficient attention used for the mid block.
 
 The package never imports ``ldm``, ``sgm`` or ``diffusers``: layouts are recognised by attribute
@@ -27,6 +28,7 @@ from ._config import (
     VAEReport,
     learned_tiles,
 )
+from ._engine import parked_bytes
 from ._layout import UnsupportedLayout, decoder_spec, encoder_spec
 from ._plan import choose_tile, estimate_peak_bytes
 
@@ -46,6 +48,7 @@ __all__ = [
     "is_supported_decoder",
     "is_supported_encoder",
     "learned_tiles",
+    "parked_bytes",
     "query_chunk",
     "tiled_decode",
     "tiled_encode",

@@ -124,6 +124,8 @@ class VAEReport:
     """Latent (decode) or image (encode) pixels of context around each tile core."""
     dtype: str = ""
     state_offload: str = ""
+    parked_peak_bytes: int = 0
+    """Most tile-state bytes parked off the compute device at once (exact mode, offload ``cpu``)."""
     oom_retries: list[int] = field(default_factory=list)
     """Tile sizes that ran out of memory, in the order tried (0 = the untiled attempt)."""
     attention_chunk: int | None = None

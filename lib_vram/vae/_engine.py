@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -222,7 +224,7 @@ def combine(gn: nn.GroupNorm, reqs: list[Request]) -> Affine:
 class TileState:
     """One tile's live tensors (kept here, not in generator locals, so that parking moves them)."""
 
-    __slots__ = ("index", "h", "res", "box", "step")
+    __slots__ = ("index", "h", "res", "box", "step", "parked")
 
     def __init__(self, index: int, h: TT, box: Box) -> None:
         self.index = index
@@ -230,6 +232,26 @@ class TileState:
         self.res: TT | None = None
         self.box = box
         self.step = 0
+        self.parked = 0
+
+
+_RUNS: weakref.WeakSet[Run] = weakref.WeakSet()
+_RUNS_LOCK = threading.Lock()
+
+
+def parked_bytes() -> int:
+    """Bytes of tile state parked off the compute device right now, over all running passes.
+
+    With ``state_offload="cpu"`` on a CPU device nothing moves (it is the same memory), but the
+    bytes are still accounted as parked: this is what lets a CPU benchmark report the peak a GPU
+    would hold on the device (live tensor bytes minus parked bytes)."""
+    with _RUNS_LOCK:
+        runs = list(_RUNS)
+    return sum(r.parked_bytes for r in runs)
+
+
+def _tt_bytes(t: TT | None) -> int:
+    return 0 if t is None else t.data.numel() * t.data.element_size()
 
 
 class Run:
@@ -256,6 +278,10 @@ class Run:
         self.stage = "global"
         self._cast: dict[tuple[int, torch.dtype], dict[str, torch.Tensor]] = {}
         self._warned = False
+        self.parked_bytes = 0
+        """Bytes of tile state parked in ``offload`` memory now (see :func:`parked_bytes`)."""
+        with _RUNS_LOCK:
+            _RUNS.add(self)
 
     # module calls ------------------------------------------------------------------------
     def call(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -271,6 +297,9 @@ class Run:
 
     def close(self) -> None:
         self._cast.clear()
+        self.parked_bytes = 0
+        with _RUNS_LOCK:
+            _RUNS.discard(self)
 
     # parking -----------------------------------------------------------------------------
     def _move(self, t: TT | None, device: torch.device, pin: bool) -> TT | None:
@@ -289,11 +318,16 @@ class Run:
         pin = self.offload.type == "cpu" and self.device.type == "cuda"
         st.h = self._move(st.h, self.offload, pin)
         st.res = st.h if same else self._move(st.res, self.offload, pin)
+        st.parked = _tt_bytes(st.h) + (0 if same else _tt_bytes(st.res))
+        self.parked_bytes += st.parked
+        self.report.parked_peak_bytes = max(self.report.parked_peak_bytes, self.parked_bytes)
 
     def unpark(self, st: TileState) -> None:
         if self.offload is None:
             return
         same = st.res is not None and st.h is not None and st.res.data is st.h.data
+        self.parked_bytes -= st.parked
+        st.parked = 0
         st.h = self._move(st.h, self.device, False)
         st.res = st.h if same else self._move(st.res, self.device, False)
 
