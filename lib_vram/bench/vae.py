@@ -86,6 +86,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "CPU nothing moves but the parked bytes are left out of the device peak)",
     )
     parser.add_argument("--fast-sample", type=int, default=None, help="fast mode's statistics subsampling")
+    parser.add_argument(
+        "--predict",
+        default=None,
+        help="comma-separated image sizes: instead of running, count the device peak of untiled, exact and "
+        "fast decodes on fake tensors (same code, no memory; for sizes this machine cannot run)",
+    )
+    parser.add_argument("--tile", type=int, default=64, help="tile for --predict (latent px)")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
 
 
@@ -109,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         rec = _worker(json.loads(args.case))
         print("BENCH_RECORD " + json.dumps(rec), flush=True)
         return 0
+    if args.predict:
+        return _run_predict(args)
     cases = select_cases(args)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -407,6 +416,83 @@ def _device_counter(device):
             self.device_peak_bytes = max(self.device_peak_bytes, self.live_bytes - parked_bytes())
 
     return DeviceBytes()
+
+
+def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> list[dict]:
+    """Device peak of the untiled, exact and fast decodes of a ``px``² image, counted on fake
+    tensors: the same code as :func:`_worker` runs (the same counter, parked state left out), but
+    nothing is allocated or computed. The precision guard is off (it reads values)."""
+    import torch
+
+    from lib_vram.predict import fake_state, new_fake_mode
+    from lib_vram.vae import TiledVAEConfig, tiled_decode
+
+    with torch.device("meta"):
+        dec, _ = _build("decode")
+    dec.mid.attn_1.forward = _sdp_attn_forward(dec.mid.attn_1)
+
+    class Call(torch.nn.Module):
+        def __init__(self, inner, fn):
+            super().__init__()
+            self.inner = inner
+            self.fn = fn
+
+        def forward(self, x):
+            return self.fn(self.inner, x)
+
+    out = []
+    for mode in ("untiled", "exact", "fast"):
+        fmode = new_fake_mode()
+        state = {f"inner.{k}": v for k, v in fake_state(dec, fmode, torch.float32).items()}
+        if mode == "untiled":
+            call = Call(dec, lambda m, x: m(x))
+        else:
+            extra = {"fast_sample": fast_sample} if fast_sample else {}
+            cfg = TiledVAEConfig(
+                mode=mode, tile=tile, guard=False, state_offload="cpu", budget_bytes=2**50, **extra
+            )
+            call = Call(dec, lambda m, x, cfg=cfg: tiled_decode(m, x, config=cfg))
+        counter = _device_counter(torch.device("cpu"))
+        t0 = time.perf_counter()
+        with torch.no_grad(), fmode:
+            x = torch.empty((1, 4, px // 8, px // 8))
+            with counter:
+                y = torch.func.functional_call(call, state, (x,))
+                del y
+        out.append(
+            {
+                "method": "decode",
+                "mode": mode,
+                "image_px": px,
+                "tile": None if mode == "untiled" else tile,
+                "predicted_device_peak_bytes": int(counter.device_peak_bytes),
+                "predicted_live_peak_bytes": int(counter.peak_bytes),
+                "fast_sample": fast_sample if mode == "fast" else None,
+                "predict_seconds": round(time.perf_counter() - t0, 2),
+            }
+        )
+    return out
+
+
+def _run_predict(args: argparse.Namespace) -> int:
+    records = []
+    for px in (int(s) for s in args.predict.split(",")):
+        records += predict_device_peaks(px, args.tile, args.fast_sample)
+    for r in records:
+        if args.json:
+            print(json.dumps(r), flush=True)
+    if not args.json:
+        base = {r["image_px"]: r["predicted_device_peak_bytes"] for r in records if r["mode"] == "untiled"}
+        print("| mode | image | tile | predicted device peak MiB | vs untiled |")
+        print("|---|---|---|---|---|")
+        for r in records:
+            b = base[r["image_px"]]
+            print(
+                f"| {r['mode']} | {r['image_px']}² | {r['tile'] or '-'} "
+                f"| {r['predicted_device_peak_bytes'] / 2**20:.0f} "
+                f"| {100 * r['predicted_device_peak_bytes'] / b:.1f} % |"
+            )
+    return 0
 
 
 def _seam_ratio(diff, px: int, tile_px: int) -> float | None:
