@@ -264,7 +264,9 @@ def _sdp_attn_forward(block):
         h = block.norm(x)
         q, k, v = block.q(h), block.k(h), block.v(h)
         b, c, hh, ww = q.shape
-        q, k, v = (t.flatten(2).transpose(1, 2).unsqueeze(1) for t in (q, k, v))
+        # contiguous, as the WebUI's sdp_attnblock_forward makes them: a transposed view sends the
+        # CPU (and CUDA flash) SDPA to the math path, which holds the N x N matrix
+        q, k, v = (t.flatten(2).transpose(1, 2).contiguous().unsqueeze(1) for t in (q, k, v))
         o = F.scaled_dot_product_attention(q, k, v)
         o = o.squeeze(1).transpose(1, 2).reshape(b, c, hh, ww)
         return x + block.proj_out(o)
