@@ -425,6 +425,7 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
     tensors: the same code as :func:`_worker` runs (the same counter, parked state left out), but
     nothing is allocated or computed. The precision guard is off (it reads values)."""
     import torch
+    from torch.utils.flop_counter import FlopCounterMode
 
     from lib_vram.predict import fake_state, new_fake_mode
     from lib_vram.vae import TiledVAEConfig, tiled_decode
@@ -455,12 +456,15 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
             )
             call = Call(dec, lambda m, x, cfg=cfg: tiled_decode(m, x, config=cfg))
         counter = _device_counter(torch.device("cpu"))
+        flops = FlopCounterMode(display=False)
         t0 = time.perf_counter()
         with torch.no_grad(), fmode:
             x = torch.empty((1, 4, px // 8, px // 8))
-            with counter:
+            with counter, flops:
                 y = torch.func.functional_call(call, state, (x,))
                 del y
+        by_op = flops.get_flop_counts().get("Global", {})
+        conv = sum(n for op, n in by_op.items() if "convolution" in str(op))
         out.append(
             {
                 "method": "decode",
@@ -469,6 +473,8 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
                 "tile": None if mode == "untiled" else tile,
                 "predicted_device_peak_bytes": int(counter.device_peak_bytes),
                 "predicted_live_peak_bytes": int(counter.peak_bytes),
+                "flops": int(flops.get_total_flops()),
+                "conv_flops": int(conv),
                 "fast_sample": fast_sample if mode == "fast" else None,
                 "predict_seconds": round(time.perf_counter() - t0, 2),
             }
@@ -485,14 +491,19 @@ def _run_predict(args: argparse.Namespace) -> int:
             print(json.dumps(r), flush=True)
     if not args.json:
         base = {r["image_px"]: r["predicted_device_peak_bytes"] for r in records if r["mode"] == "untiled"}
-        print("| mode | image | tile | predicted device peak MiB | vs untiled |")
-        print("|---|---|---|---|---|")
+        fl = {r["image_px"]: r for r in records if r["mode"] == "untiled"}
+        print(
+            "| mode | image | tile | device peak MiB | vs untiled | conv FLOPs vs untiled "
+            "| all FLOPs vs untiled |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for r in records:
-            b = base[r["image_px"]]
+            b, u = base[r["image_px"]], fl[r["image_px"]]
             print(
                 f"| {r['mode']} | {r['image_px']}² | {r['tile'] or '-'} "
                 f"| {r['predicted_device_peak_bytes'] / 2**20:.0f} "
-                f"| {100 * r['predicted_device_peak_bytes'] / b:.1f} % |"
+                f"| {100 * r['predicted_device_peak_bytes'] / b:.1f} % "
+                f"| {r['conv_flops'] / u['conv_flops']:.3f}x | {r['flops'] / u['flops']:.3f}x |"
             )
     return 0
 
