@@ -45,7 +45,7 @@ def test_import_only_registers_callbacks(script, tmp_path):
     from modules import script_callbacks, shared
 
     kinds = sorted(kind for kind, _ in script_callbacks.registered)
-    assert kinds == ["app_started", "model_loaded", "script_unloaded", "ui_settings"]
+    assert kinds == ["app_started", "cfg_denoiser", "model_loaded", "script_unloaded", "ui_settings"]
     assert os.listdir(tmp_path) == []  # no files written
     dec = shared.sd_model.first_stage_model.decoder
     assert "forward" not in dec.__dict__ and ATTR not in dec.__dict__  # nothing patched
