@@ -318,6 +318,25 @@ def test_weights_changed_during_the_job_are_kept(allow_cpu):
     assert any("changed during the job" in n for n in job.notes)
 
 
+def test_lora_backup_taken_during_the_job_is_widened_to_the_fp32_original(allow_cpu):
+    """The built-in Lora extension's first merge in this job: it copies the (FP16) weight to the CPU
+    as its backup, then merges in place. After the job its un-merge must give the FP32 original."""
+    unet, model, host, session, jobs = make_env()
+    layer = unet.out[2]
+    original = layer.weight.detach().clone()
+    p = FakeP()
+    jobs.process(p, opts())
+    with torch.no_grad():
+        layer.network_weights_backup = layer.weight.to("cpu", copy=True)  # what Lora stores
+        layer.weight.copy_(layer.weight + 0.125)  # ... and merges
+    jobs.postprocess(p)
+    assert layer.network_weights_backup.dtype == torch.float32
+    assert torch.equal(layer.network_weights_backup.view(torch.int32), original.view(torch.int32))
+    with torch.no_grad():
+        layer.weight.copy_(layer.network_weights_backup)  # Lora's un-merge at the next change
+    assert torch.equal(layer.weight.detach().view(torch.int32), original.view(torch.int32))
+
+
 def test_weight_beyond_fp16_range_aborts_the_cast_and_restores_what_was_cast(allow_cpu):
     unet, model, host, session, jobs = make_env()
     with torch.no_grad():

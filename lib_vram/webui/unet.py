@@ -20,7 +20,8 @@ that FP16 holds exactly (all of them for the usual FP16-distributed checkpoints)
 be restored; for any other, the FP32 original is kept in CPU memory (the tensor itself if it is
 already there). The restore puts every original back bit for bit, keeps the parameter objects, and
 keeps a weight that somebody else changed during the job (a LoRA merged into the weights): that one
-is widened to FP32 instead.
+is widened to FP32 instead; a backup the built-in Lora extension took of an FP16-cast weight during
+the job is replaced by the FP32 original, so its next un-merge is exact too.
 
 When it is restored: at the end of the job (the job's ``ExitStack``: postprocess, the ``p.close``
 safety net after an exception, the next ``process()``, script unload), and just before the WebUI
@@ -143,7 +144,7 @@ class UNetCast:
                         if param is None or id(param) in seen or param.dtype != torch.float32:
                             continue
                         seen.add(id(param))
-                        self._cast_slot(_Slot(param, None, name))
+                        self._cast_slot(_Slot(param, module, name))
                     for name, buf in list(module._buffers.items()):
                         if buf is None or id(buf) in seen or buf.dtype != torch.float32:
                             continue
@@ -197,6 +198,7 @@ class UNetCast:
             if cur.dtype != torch.float32:
                 slot.set(cur.to(torch.float32))  # exact: FP16 held the original
             return 0
+        _widen_lora_backup(slot)
         orig = slot.backup if slot.backup.device == cur.device else slot.backup.to(cur.device)
         if torch.equal(cur.to(torch.float16), orig.to(torch.float16)):
             slot.set(orig)
@@ -235,6 +237,29 @@ class UNetCast:
             else:
                 d["before_load_weights"] = self._guard_prev
         self._guard = None
+
+
+LORA_BACKUPS = {"weight": "network_weights_backup", "bias": "network_bias_backup"}
+"""Where the WebUI's built-in Lora extension keeps a layer's unmerged weight/bias (a CPU copy taken
+the first time a LoRA touches the layer, in the layer's dtype at that moment)."""
+
+
+def _widen_lora_backup(slot: _Slot) -> None:
+    """A backup the Lora extension took *during* the job is a copy of our FP16 cast; it would put
+    FP16-rounded weights into the FP32 model at its next un-merge. Replace it by the FP32 original
+    when it is exactly that copy (anything else is left alone)."""
+    attr = LORA_BACKUPS.get(slot.name)
+    if attr is None or slot.param is None or slot.module is None or slot.backup is None:
+        return
+    taken = slot.module.__dict__.get(attr)
+    if (
+        not isinstance(taken, torch.Tensor)
+        or taken.dtype != torch.float16
+        or taken.shape != slot.backup.shape
+    ):
+        return
+    if torch.equal(taken, slot.backup.to(taken.device, torch.float16)):
+        slot.module.__dict__[attr] = slot.backup.to(taken.device, copy=True)
 
 
 def _retry_after_oom(fn: Callable[[], int], device: torch.device | None) -> int:
