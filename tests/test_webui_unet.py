@@ -151,6 +151,18 @@ def test_an_fp16_unet_is_left_alone(allow_cpu):
     assert all(p.dtype == torch.float16 for p in unet.parameters())
 
 
+def test_an_fp16_unet_the_webui_partly_upcast_is_left_alone(allow_cpu):
+    """--upcast-sampling: the WebUI's hijacks widen GroupNorm32 (and GEGLU on CUDA) to FP32."""
+    unet, model, host, session, jobs = make_env()
+    unet.half()
+    for module in unet.modules():
+        if type(module).__name__ == "GroupNorm32":
+            module.float()
+    host.unet = UNetState(torch.float16, True)
+    job = jobs.process(FakeP(), opts())
+    assert job.plans["unet"] == "already fp16" and job.unet.casts == []
+
+
 # -- cast and restore -----------------------------------------------------------------------------
 @pytest.mark.parametrize("fp16_exact", [False, True], ids=["fp32-weights", "fp16-checkpoint"])
 def test_cast_for_the_job_and_exact_restore_at_postprocess(allow_cpu, fp16_exact):
@@ -287,8 +299,7 @@ def test_a_current_model_that_cannot_be_cast_gets_the_hosts_state_back(allow_cpu
     unet, model, host, session, jobs = make_env()
     p = FakeP()
     job = jobs.process(p, opts())
-    host.model = fake_sd_model(unet=tiny_unet(seed=3).half())  # e.g. FP8/FP16 storage
-    host.model.model.diffusion_model.time_embed[0].float()
+    host.model = fake_sd_model(unet=tiny_unet(seed=3).to(torch.bfloat16))  # storage we do not cast
     session.sampling_step()
     assert host.unet == FP32_STATE  # an uncast UNet must not get FP16 inputs
     assert any("not FP32" in n for n in job.notes)

@@ -355,10 +355,13 @@ class UNetFP16:
         modified = 0
         try:
             for cast in reversed(self.casts):
-                modified += cast.restore()
-        except Exception:
-            logger.exception("VRAM Guard: restoring the FP32 UNet failed")
-            self.job.note("VRAM Guard: restoring the FP32 UNet failed (see the log); restart the WebUI")
+                try:
+                    modified += cast.restore()
+                except Exception:
+                    logger.exception("VRAM Guard: restoring the FP32 UNet failed")
+                    self.job.note(
+                        "VRAM Guard: restoring the FP32 UNet failed (see the log); restart the WebUI"
+                    )
         finally:
             self._set_host_state()
             self.casts = []
@@ -380,13 +383,21 @@ class UNetFP16:
             return "cpu", SKIP_NOTES["cpu"]
         if not capabilities(self.device).fp16:
             return "no fp16", SKIP_NOTES["no fp16"].format(device=self.device)
-        dtypes = {p.dtype for p in handle.diffusion_model.parameters() if p.is_floating_point()}
-        if dtypes == {torch.float16}:
+        counts: dict[torch.dtype, int] = {}
+        for param in handle.diffusion_model.parameters():
+            if param.is_floating_point():
+                counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+        if set(counts) == {torch.float32}:
+            return None
+        if (
+            counts
+            and set(counts) <= {torch.float16, torch.float32}
+            and max(counts, key=counts.get) == torch.float16
+        ):
+            # FP16 (with --upcast-sampling the WebUI itself widens GroupNorm32/GEGLU to FP32)
             return "already fp16", ""
-        if dtypes != {torch.float32}:
-            names = ", ".join(sorted(_short_dtype(d) for d in dtypes)) or "none"
-            return "not fp32", SKIP_NOTES["not fp32"].format(dtypes=names)
-        return None
+        names = ", ".join(sorted(_short_dtype(d) for d in counts)) or "none"
+        return "not fp32", SKIP_NOTES["not fp32"].format(dtypes=names)
 
     def _skip(self, key: str, why: str) -> None:
         self._set_host_state()  # a UNet we did not cast must not get FP16 inputs
