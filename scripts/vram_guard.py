@@ -133,6 +133,10 @@ def _on_model_loaded(sd_model):
     SESSION.model_changed(sd_model)
 
 
+def _on_cfg_denoiser(params):
+    SESSION.sampling_step()
+
+
 def _on_script_unloaded():
     SESSION.close_all()
 
@@ -140,4 +144,5 @@ def _on_script_unloaded():
 script_callbacks.on_ui_settings(_on_ui_settings)
 script_callbacks.on_app_started(_on_app_started)
 script_callbacks.on_model_loaded(_on_model_loaded)
+script_callbacks.on_cfg_denoiser(_on_cfg_denoiser)
 script_callbacks.on_script_unloaded(_on_script_unloaded)

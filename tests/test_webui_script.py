@@ -45,7 +45,7 @@ def test_import_only_registers_callbacks(script, tmp_path):
     from modules import script_callbacks, shared
 
     kinds = sorted(kind for kind, _ in script_callbacks.registered)
-    assert kinds == ["app_started", "model_loaded", "script_unloaded", "ui_settings"]
+    assert kinds == ["app_started", "cfg_denoiser", "model_loaded", "script_unloaded", "ui_settings"]
     assert os.listdir(tmp_path) == []  # no files written
     dec = shared.sd_model.first_stage_model.decoder
     assert "forward" not in dec.__dict__ and ATTR not in dec.__dict__  # nothing patched
@@ -144,3 +144,47 @@ def test_settings_registered_in_one_section_the_settings_page_can_read(script):
     for info in labels.values():
         # The settings page does `elem_id, text = item.section`: exactly two items.
         assert info.section == ("vram_guard", "VRAM Guard") and info.category_id == "system"
+
+
+def test_fp16_unet_through_the_script_and_the_real_host_adapter(script, monkeypatch):
+    """API arg ``unet_fp16`` → ``modules.devices`` state and the UNet cast; the cfg_denoiser
+    callback keeps it; postprocess restores both (host.py's own functions on the fake host state)."""
+    from modules import devices, script_callbacks, shared
+    from webui_fakes import tiny_unet
+
+    from lib_vram.webui import unet as unet_mod
+
+    monkeypatch.setattr(unet_mod, "ALLOW_CPU", True)  # the fake host computes on the CPU
+    unet = tiny_unet()
+    shared.sd_model = fake_sd_model(unet=unet)
+    before = {n: p.detach().clone() for n, p in unet.named_parameters()}
+    s = script.VRAMGuardScript()
+    p = FakeP()
+    args = [{"vae_tiling": "Off", "upscale_tiling": False, "unet_fp16": True}]
+    s.setup(p, *args)
+    s.process(p, *args)
+    assert devices.dtype_unet == torch.float16 and devices.unet_needs_upcast is True
+    assert unet.time_embed[0].weight.dtype == torch.float16 and unet.dtype == torch.float16
+    step = [cb for kind, cb in script_callbacks.registered if kind == "cfg_denoiser"][0]
+    devices.dtype_unet, devices.unet_needs_upcast = torch.float32, False  # a model load reset it
+    step(None)
+    assert devices.dtype_unet == torch.float16 and devices.unet_needs_upcast is True
+    s.postprocess(p, None, *args)
+    assert devices.dtype_unet == torch.float32 and devices.unet_needs_upcast is False
+    for name, param in unet.named_parameters():
+        assert param.dtype == torch.float32 and torch.equal(param.detach(), before[name]), name
+
+
+def test_fp16_unet_on_the_cpu_is_skipped_with_a_comment(script):
+    from modules import devices, shared
+    from webui_fakes import tiny_unet
+
+    unet = tiny_unet()
+    shared.sd_model = fake_sd_model(unet=unet)
+    s = script.VRAMGuardScript()
+    p = FakeP()
+    args = [{"vae_tiling": "Off", "upscale_tiling": False, "unet_fp16": True}]
+    s.process(p, *args)
+    assert devices.dtype_unet == torch.float32 and unet.time_embed[0].weight.dtype == torch.float32
+    assert any("'FP16 UNet' not applied" in c and "CPU" in c for c in p.comments)
+    s.postprocess(p, None, *args)

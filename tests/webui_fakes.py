@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from ldm.modules.diffusionmodules.model import Decoder, Encoder
+from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
 from lib_vram.webui import host as real_host
 
@@ -44,9 +45,40 @@ def tiny_encoder(seed: int = 1) -> Encoder:
     ).eval()
 
 
-def fake_sd_model(decoder: torch.nn.Module | None = None, encoder: torch.nn.Module | None = None) -> Any:
+def tiny_unet(seed: int = 2, *, fp16_exact: bool = False) -> UNetModel:
+    """The WebUI's SD1/SD2 UNet class, tiny (32 channels, one attention level; the cross-attention
+    variant needs omegaconf, which the test environment lacks), with random non-zero weights.
+    ``fp16_exact`` rounds every weight through FP16, like an FP16-distributed checkpoint."""
+    torch.manual_seed(seed)
+    unet = UNetModel(
+        image_size=8,
+        in_channels=4,
+        model_channels=32,
+        out_channels=4,
+        num_res_blocks=1,
+        attention_resolutions=[2],
+        channel_mult=(1, 2),
+        num_head_channels=16,
+    ).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in unet.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+            if fp16_exact:
+                param.copy_(param.half().float())
+    return unet
+
+
+def fake_sd_model(
+    decoder: torch.nn.Module | None = None,
+    encoder: torch.nn.Module | None = None,
+    unet: torch.nn.Module | None = None,
+) -> Any:
     fsm = SimpleNamespace(decoder=decoder or tiny_decoder(), encoder=encoder or tiny_encoder())
-    return SimpleNamespace(first_stage_model=fsm)
+    model = SimpleNamespace(first_stage_model=fsm)
+    if unet is not None:
+        model.model = SimpleNamespace(diffusion_model=unet)
+    return model
 
 
 class FakeHost:
@@ -58,6 +90,8 @@ class FakeHost:
         self.comments: list[str] = []
         self.flags: dict[str, Any] = {}
         self.loaded: list[Any] = []
+        self.unet = real_host.UNetState(torch.float32, False)  # devices.dtype_unet/unet_needs_upcast
+        self.opts: dict[str, Any] = {}
 
     def job_token(self) -> Any:
         return self.token
@@ -79,6 +113,18 @@ class FakeHost:
 
     def vae_of(self, model: Any) -> Any:
         return real_host.vae_of(model)  # pure: reads attributes only
+
+    def unet_of(self, model: Any) -> Any:
+        return real_host.unet_of(model)  # pure: reads attributes only
+
+    def unet_state(self) -> Any:
+        return self.unet
+
+    def set_unet_state(self, state: Any) -> None:
+        self.unet = state
+
+    def upcast_attn(self) -> bool:
+        return bool(self.opts.get("upcast_attn", False))
 
     def upscaler_instances(self) -> list[Any]:
         return list(self.scalers)

@@ -135,6 +135,69 @@ def add_comment(p: Any, text: str) -> None:
         comment(text)
 
 
+# -- UNet (diffusion model) precision ------------------------------------------------------------
+@dataclass(frozen=True)
+class UNetHandle:
+    """Where the current model's diffusion model is."""
+
+    kind: str
+    """``"ldm"`` (A1111: an ldm/sgm ``openaimodel.UNetModel`` at ``sd_model.model.diffusion_model``),
+    ``"other"`` (a diffusion model VRAM Guard does not cast, e.g. SD3's MMDiT) or ``"forge"``
+    (Forge: its memory manager owns the UNet's dtype)."""
+    owner: Any
+    """The checkpoint's model object (``shared.sd_model``)."""
+    diffusion_model: torch.nn.Module | None
+    name: str = ""
+    """Class name of the diffusion model (for notes)."""
+
+
+def unet_of(model: Any) -> UNetHandle | None:
+    """The diffusion model of ``model`` (host-api §3.5, §10.1), or None. Reads attributes only."""
+    if model is None:
+        return None
+    if getattr(model, "forge_objects", None) is not None:
+        return UNetHandle("forge", model, None, "Forge")
+    wrapper = getattr(model, "model", None)
+    dm = getattr(wrapper, "diffusion_model", None) if wrapper is not None else None
+    if not isinstance(dm, torch.nn.Module):
+        return None
+    name = type(dm).__name__
+    return UNetHandle("ldm" if name == "UNetModel" else "other", model, dm, name)
+
+
+@dataclass(frozen=True)
+class UNetState:
+    """The WebUI's global UNet precision state (``modules/devices.py``).
+
+    ``dtype_unet``: what ``apply_model`` (hijacked by ``sd_hijack_unet``) casts the UNet's inputs
+    (latent, timestep, every conditioning tensor) to. ``unet_needs_upcast``: ``--upcast-sampling``'s
+    flag: ``apply_model`` returns ``float()`` outputs, the timestep embedding, GroupNorm32, GEGLU and
+    hypernetworks are computed in FP32 around an FP16 UNet. The WebUI sets both at every checkpoint
+    load (``sd_models.load_model_weights``).
+    """
+
+    dtype_unet: torch.dtype
+    unet_needs_upcast: bool
+
+
+def unet_state() -> UNetState:
+    from modules import devices
+
+    return UNetState(devices.dtype_unet, bool(devices.unet_needs_upcast))
+
+
+def set_unet_state(state: UNetState) -> None:
+    from modules import devices
+
+    devices.dtype_unet = state.dtype_unet
+    devices.unet_needs_upcast = state.unet_needs_upcast
+
+
+def upcast_attn() -> bool:
+    """Settings → "Upcast cross attention layer to float32" (``shared.opts.upcast_attn``)."""
+    return bool(opts_get("upcast_attn", False))
+
+
 # -- upscalers -----------------------------------------------------------------------------------
 def upscaler_instances() -> list[Any]:
     """The distinct ``Upscaler`` objects behind ``shared.sd_upscalers`` (host-api §5.1)."""

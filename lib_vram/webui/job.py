@@ -93,6 +93,8 @@ class Job:
         self._warned: set[str] = set()
         self.dtype_vae_at_start = None
         self.forge_load_vae: Callable[[Any], None] | None = None
+        self.unet: Any = None
+        """The job's :class:`~lib_vram.webui.unet.UNetFP16` when 'FP16 UNet' is on."""
 
     # -- state -------------------------------------------------------------------------------
     @property

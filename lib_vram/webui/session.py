@@ -80,10 +80,21 @@ class Session:
 
     def model_changed(self, sd_model: Any) -> None:
         """``on_model_loaded``: hook the new model's VAE for the jobs that are running now
-        (a hires checkpoint is loaded between the first pass and the hires re-encode)."""
+        (a hires checkpoint is loaded between the first pass and the hires re-encode), and give
+        it the FP16 UNet of the jobs that use it (the WebUI reset its precision state)."""
         for job in self.open_jobs():
             if job.current():
                 job.hook_vae(self.host.vae_of(sd_model))
+                if job.unet is not None:
+                    job.unet.ensure(sd_model)
+
+    def sampling_step(self) -> None:
+        """``on_cfg_denoiser`` (every sampling step, after the Refiner may have switched models and
+        before the UNet runs): keep the FP16 UNet on whatever model is current now (a cached model
+        can be switched in without ``on_model_loaded``). Cheap when nothing changed."""
+        for job in self.open_jobs():
+            if job.unet is not None and job.current():
+                job.unet.ensure(self.host.sd_model())
 
     def note(self, text: str) -> None:
         with self._lock:
@@ -222,12 +233,11 @@ class ScriptJobs:
         )
         self.job = job
         self.session.job_opened(job)
-        if getattr(options, "unet_fp16", False):
-            job.warn_once(
-                "unet",
-                "VRAM Guard: 'FP16 UNet' is not applied inside the WebUI yet; use the WebUI's own "
-                "precision flags (drop --no-half) for that",
-            )
+        if getattr(options, "unet_fp16", False) and self.kind != "extras":
+            from .unet import UNetFP16
+
+            job.unet = UNetFP16(job, self.host, dev)
+            job.stack.callback(job.unet.close)
         self.session.check_dtype_vae(job)
         if p is not None:
             self._safety_net(p, job)
@@ -284,6 +294,7 @@ class ScriptJobs:
             return None
         job.boundary("process")
         self.refresh(p)
+        self._ensure_unet(job)
         from lib_vram.options import INFOTEXT_PLAN_KEY, to_infotext
 
         entries = to_infotext(options)
@@ -313,10 +324,16 @@ class ScriptJobs:
         if not job.hook_vae(handle):
             job.warn_once("no-vae", "VRAM Guard: no VAE found on the current model; the VAE is not tiled")
 
+    def _ensure_unet(self, job: Job) -> None:
+        """'FP16 UNet': cast the model the WebUI uses *now* (idempotent; see :mod:`.unet`)."""
+        if job.unet is not None and not job.closed:
+            job.unet.ensure(self.host.sd_model())
+
     def before_sampling(self, p: Any) -> None:
         job = self.job
         if job is not None and not job.closed:
             self.refresh(p)
+            self._ensure_unet(job)
             job.begin_span("hires_sampling" if getattr(p, "is_hr_pass", False) else "sampling")
 
     def before_hr(self, p: Any) -> None:
@@ -324,6 +341,7 @@ class ScriptJobs:
         if job is not None and not job.closed:
             job.boundary("before_hr")
             self.refresh(p)
+            self._ensure_unet(job)
 
     def post_sample(self, p: Any) -> None:
         job = self.job
