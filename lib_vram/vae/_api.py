@@ -90,11 +90,11 @@ def _stage(tracker: StageTracker | None, name: str) -> Iterator[None]:
 
 
 def _finite(t: torch.Tensor) -> bool:
-    # A NaN or an infinity anywhere makes the sum non-finite (inf - inf is NaN). Summing in a wider
-    # type needs no per-element mask (``isfinite(t).all()`` holds a bool copy of the tensor), and
-    # a finite tensor cannot overflow it: 1e8 fp16 maxima sum to ~7e12.
-    acc = torch.float64 if t.dtype == torch.float32 else torch.float32
-    return bool(torch.isfinite(t.sum(dtype=acc)))
+    # min and max propagate NaN, and an infinity is the min or the max: one fused reduction, no
+    # per-element mask (``isfinite(t).all()`` allocates a bool copy of the tensor and, measured on
+    # a 128 x 600² fp32 tile on this CPU, takes ~15x as long).
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 class _Pass:
