@@ -11,8 +11,8 @@ instance you start yourself:
   route, and compares pixels (identical / PSNR). Prints one line per check and a JSON summary.
 
 usage: webui_acceptance.py baseline|extension [--url URL] [--out DIR] [--upscaler NAME]
-                           [--only txt2img,hires,img2img,extras,sdupscale]
-(``sdupscale`` runs only when named in ``--only``.)
+                           [--only txt2img,hires,img2img,extras,sdupscale,previews,savehires,unet]
+(``sdupscale``, ``previews``, ``savehires`` and ``unet`` run only when named in ``--only``.)
 """
 
 from __future__ import annotations
@@ -211,7 +211,67 @@ def main() -> int:
         stages = [(s["stage"], s["plan"]) for s in st["stages"]]
         record("SD upscale script upscales through the engine", any(n == "img2img_upscale" for n, _ in stages),
                seconds=r["seconds"], stages=stages)  # fmt: skip
-    # 7. Extras: the API passes None for our fields -> Settings defaults; enable them there first.
+    # 7. Live previews decoded on the API thread ("Full" previews every step) while the job decodes
+    # through our tiled hook: previews arrive, and the final image equals the same job unobserved.
+    if only and "previews" in only:
+        import threading
+
+        opts0 = call(a.url, "/sdapi/v1/options")[0]
+        keys = ("live_previews_enable", "show_progress_every_n_steps", "show_progress_type")
+        call(a.url, "/sdapi/v1/options", {"live_previews_enable": True, "show_progress_every_n_steps": 1,
+                                          "show_progress_type": "Full"})  # fmt: skip
+        path, payload = with_args("txt2img", [{"vae_tiling": "Always", "vae_tile": 8}])
+        payload = dict(payload, steps=4)
+        try:
+            quiet = run(a.url, "previews quiet", path, payload)
+            box: dict = {}
+            th = threading.Thread(target=lambda: box.update(r=run(a.url, "previews", path, payload)))
+            th.start()
+            previews = polls = 0
+            while th.is_alive():
+                prog, _ = call(a.url, "/sdapi/v1/progress?skip_current_image=false", timeout=120)
+                polls += 1
+                previews += bool(prog.get("current_image"))
+                time.sleep(0.5)
+            th.join()
+            st, _ = call(a.url, "/vram-guard/v1/status")
+        finally:
+            call(a.url, "/sdapi/v1/options", {k: opts0.get(k) for k in keys})
+        stages = [(s["stage"], s["plan"]) for s in st["stages"]]
+        record("live previews on another thread during a tiled job", previews > 0
+               and np.array_equal(box["r"]["image"], quiet["image"]) and any(n == "preview_decode" for n, _ in stages),
+               polls=polls, previews=previews, identical=bool(np.array_equal(box["r"]["image"], quiet["image"])),
+               stages=stages)  # fmt: skip
+    # 8. "Save a copy of image before applying highres fix": the first-pass decode for the copy goes
+    # through the hook; the hires result is the same as without the copy.
+    if only and "savehires" in only:
+        opts0 = call(a.url, "/sdapi/v1/options")[0]
+        path, payload = with_args("hires", [{"vae_tiling": "Always", "vae_tile": 16, "upscale_tile": 32}])
+        plain = run(a.url, "hires", path, payload)
+        call(a.url, "/sdapi/v1/options", {"save_images_before_highres_fix": True})
+        try:
+            saved = run(a.url, "hires save-before", path, dict(payload, save_images=True))
+            st, _ = call(a.url, "/vram-guard/v1/status")
+        finally:
+            call(
+                a.url,
+                "/sdapi/v1/options",
+                {"save_images_before_highres_fix": opts0.get("save_images_before_highres_fix", False)},
+            )
+        stages = [(s["stage"], s["plan"]) for s in st["stages"]]
+        record("save before hires: same hires image, first pass decoded through the hook",
+               np.array_equal(plain["image"], saved["image"]) and any(n == "hires_decode" for n, _ in stages),
+               seconds=saved["seconds"], stages=stages)  # fmt: skip
+    # 9. FP16 UNet asked for on a CPU WebUI: skipped with a note, the image unchanged.
+    if only and "unet" in only:
+        off = run(a.url, "unet off", *with_args("txt2img", [False]))
+        r = run(a.url, "unet", *with_args("txt2img", [{"unet_fp16": True}]))
+        st, _ = call(a.url, "/vram-guard/v1/status")
+        notes = json.dumps(st)
+        record("FP16 UNet on CPU: skipped with a note, image as without", "not applied" in notes
+               and np.array_equal(r["image"], off["image"]), psnr=psnr(r["image"], off["image"]),
+               plan=[s["plan"] for s in st["stages"]][:3], infotext=r["infotext"].split("\n")[-1])  # fmt: skip
+    # 10. Extras: the API passes None for our fields -> Settings defaults; enable them there first.
     if want("extras"):
         path, payload = reqs["extras"]
         # The Upscale operation caches results by input image and upscaler (not by our settings);
