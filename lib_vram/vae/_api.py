@@ -257,8 +257,9 @@ class _Pass:
         estimate = self.config.fast_estimate
         if estimate == "auto":
             estimate = "downsample" if self.spec.kind == "decoder" else "crops"
-        if estimate == "downsample" and self.config.fast_sample > 1:
-            f = self.config.fast_sample
+        f = fast_sample_for(self.config.fast_sample, self.spec.kind, h, w)
+        self.report.fast_sample = f
+        if estimate == "downsample" and f > 1:
             if self.spec.kind == "decoder":
                 small = src[..., ::f, ::f]
             else:
@@ -272,7 +273,7 @@ class _Pass:
         else:
             sgens = [
                 self.tile_program(run, src, bx, -1 - i, target)
-                for i, bx in enumerate(sample_boxes(h, w, self.config.fast_sample, self.align))
+                for i, bx in enumerate(sample_boxes(h, w, f, self.align))
             ]
         lockstep(sgens, Ticker(1, ticker.should_interrupt, None, ticker.sample), record)
         del sgens
@@ -380,6 +381,23 @@ class _Pass:
             del out
             return None
         return out
+
+
+FAST_SAMPLE_SIDE = 32
+"""Auto ``fast_sample`` for the decoder: subsample the latent until its short side is about this
+many pixels (at least 2x). The estimate pass then costs ~``(32 / side)²`` of a decode (25 % at a
+64-px latent, 6 % at 128 px, 1.6 % at 256 px) and sees as much of the picture as at 512² with 2x,
+where it measured 47 dB (docs/benchmarks.md)."""
+
+
+def fast_sample_for(fast_sample: int | None, kind: str, h: int, w: int) -> int:
+    """The subsampling factor fast mode uses (``fast_sample`` if set; auto: see
+    :data:`FAST_SAMPLE_SIDE` for the decoder, 2 for the encoder's crops)."""
+    if fast_sample is not None:
+        return fast_sample
+    if kind != "decoder":
+        return 2
+    return max(2, min(h, w) // FAST_SAMPLE_SIDE)
 
 
 def _axis_samples(n: int, frac: float, align: int) -> list[tuple[int, int]]:

@@ -53,7 +53,9 @@ class TiledVAEConfig:
             ``"cpu"`` (pinned memory on accelerators) or ``"auto"`` (device when it fits the budget).
         fast_sample: fast mode estimates the GroupNorm statistics of the tiled part once, from
             ``1/fast_sample`` of each axis (``1/fast_sample**2`` of the area); 1 = from the whole
-            image (exact statistics, but two passes).
+            image (exact statistics, but two passes). ``None`` (default): decoder: subsample until
+            the latent's short side is ~32 px, at least 2x (the estimate then costs a few percent
+            of a large decode); encoder: 2.
         fast_estimate: ``"downsample"`` (the whole image subsampled by ``fast_sample`` per axis;
             for the decoder this continues from the exactly computed first level),
             ``"crops"`` (full-scale crops spread over the image) or ``"auto"`` (downsample for
@@ -67,7 +69,7 @@ class TiledVAEConfig:
     guard: bool = True
     guard_dtype: torch.dtype | None = None
     state_offload: str = "auto"
-    fast_sample: int = 2
+    fast_sample: int | None = None
     fast_estimate: str = "auto"
 
     def __post_init__(self) -> None:
@@ -91,7 +93,7 @@ class TiledVAEConfig:
             raise ValueError(
                 f"`fast_estimate` must be 'auto', 'crops' or 'downsample', got {self.fast_estimate!r}"
             )
-        if not isinstance(self.fast_sample, int) or self.fast_sample < 1:
+        if self.fast_sample is not None and (not isinstance(self.fast_sample, int) or self.fast_sample < 1):
             raise ValueError(f"`fast_sample` must be an int >= 1, got {self.fast_sample!r}")
 
 
@@ -124,6 +126,8 @@ class VAEReport:
     """Latent (decode) or image (encode) pixels of context around each tile core."""
     dtype: str = ""
     state_offload: str = ""
+    fast_sample: int | None = None
+    """Fast mode: the statistics estimate's subsampling factor that was used."""
     parked_peak_bytes: int = 0
     """Most tile-state bytes parked off the compute device at once (exact mode, offload ``cpu``)."""
     oom_retries: list[int] = field(default_factory=list)

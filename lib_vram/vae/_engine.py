@@ -429,9 +429,12 @@ def conv_down(run: Run, mod: nn.Conv2d, t: TT) -> TT:
 
 
 def apply_norm(t: TT, aff: Affine, act: nn.Module | None, *, silu: bool = True) -> torch.Tensor:
-    mean, scale, bias = (a.to(t.data.dtype) for a in aff)
-    y = t.data - mean
-    y.mul_(scale).add_(bias)
+    mean, scale, bias = aff
+    # One fused pass, as torch's own GroupNorm kernel applies it: y = x * scale + (bias - mean *
+    # scale), the coefficients folded in float64. addcmul computes in float32 for fp16/bf16 data,
+    # so there is no half-precision intermediate (the guard still sees an overflowing result).
+    dt = t.data.dtype
+    y = torch.addcmul((bias - mean * scale).to(dt), t.data, scale.to(dt))
     if not silu:
         return y
     if act is None or isinstance(act, nn.SiLU):

@@ -220,7 +220,7 @@ def main() -> int:
         keys = ("live_previews_enable", "show_progress_every_n_steps", "show_progress_type")
         call(a.url, "/sdapi/v1/options", {"live_previews_enable": True, "show_progress_every_n_steps": 1,
                                           "show_progress_type": "Full"})  # fmt: skip
-        path, payload = with_args("txt2img", [{"vae_tiling": "Always", "vae_tile": 8}])
+        path, payload = with_args("txt2img", [{"vae_tiling": "Always", "vae_tile": 16}])
         payload = dict(payload, steps=4)
         try:
             quiet = run(a.url, "previews quiet", path, payload)
