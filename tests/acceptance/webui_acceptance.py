@@ -248,6 +248,9 @@ def main() -> int:
         opts0 = call(a.url, "/sdapi/v1/options")[0]
         path, payload = with_args("hires", [{"vae_tiling": "Always", "vae_tile": 16, "upscale_tile": 32}])
         plain = run(a.url, "hires", path, payload)
+        st0, _ = call(a.url, "/vram-guard/v1/status")
+        again = run(a.url, "hires again", path, payload)
+        st1, _ = call(a.url, "/vram-guard/v1/status")
         call(a.url, "/sdapi/v1/options", {"save_images_before_highres_fix": True})
         try:
             saved = run(a.url, "hires save-before", path, dict(payload, save_images=True))
@@ -261,7 +264,10 @@ def main() -> int:
         stages = [(s["stage"], s["plan"]) for s in st["stages"]]
         record("save before hires: same hires image, first pass decoded through the hook",
                np.array_equal(plain["image"], saved["image"]) and any(n == "hires_decode" for n, _ in stages),
-               seconds=saved["seconds"], stages=stages)  # fmt: skip
+               seconds=saved["seconds"], stages=stages, psnr=psnr(plain["image"], saved["image"]),
+               repeat_identical=bool(np.array_equal(plain["image"], again["image"])),
+               repeat_psnr=psnr(plain["image"], again["image"]),
+               plans=[[(s["stage"], s["plan"]) for s in x["stages"]] for x in (st0, st1)])  # fmt: skip
     # 9. FP16 UNet asked for on a CPU WebUI: skipped with a note, the image unchanged.
     if only and "unet" in only:
         off = run(a.url, "unet off", *with_args("txt2img", [False]))
