@@ -11,10 +11,11 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from .. import planner
 from ..device import capabilities, free_bytes, is_oom_error, release
 from ..geometry import grid
 from ..tracker import StageTracker
-from ._config import TiledVAEConfig, VAEOutOfMemory, VAEReport, learned_tiles
+from ._config import TiledVAEConfig, VAEOutOfMemory, VAEReport
 from ._engine import (
     TT,
     Box,
@@ -32,8 +33,8 @@ from ._engine import (
     split_first_level,
     sync_count,
 )
-from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec
-from ._plan import choose_tile, estimate_spec_bytes, smaller
+from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec, signature
+from ._plan import candidates, estimate_spec_bytes, smaller
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +106,10 @@ class _Pass:
         should_interrupt: Callable[[], bool] | None,
         progress: Callable[[int, int], None] | None,
         tracker: StageTracker | None,
+        memory: planner.PlanMemory | None = None,
     ) -> None:
         self.spec = spec
+        self.memory = planner.MEMORY if memory is None else memory
         self.x = x
         self.config = config
         self.report = report
@@ -128,7 +131,6 @@ class _Pass:
             if spec.kind == "decoder"
             else (b, spec.out_channels, math.ceil(h / f), math.ceil(w / f))
         )
-        self.key = learned_tiles.key(spec.kind, spec.layout, spec.in_channels, tuple(x.shape), self.dtype)
         report.kind = spec.kind
         report.layout = spec.layout
         report.dtype = str(self.dtype).replace("torch.", "")
@@ -157,20 +159,54 @@ class _Pass:
             out_dtype=self.out_dtype,
         )
 
+    def key(self, mode: str) -> tuple:
+        """The planner-memory key of this pass in a tiled ``mode`` (auto's untiled try shares the
+        ``"exact"`` key: both are candidates of one choice)."""
+        stage = "vae_decode" if self.spec.kind == "decoder" else "vae_encode"
+        return planner.plan_key(stage, signature(self.spec), self.x.shape, self.dtype, mode)
+
+    def candidate(self, tile: int | None, mode: str) -> planner.Candidate:
+        """``tile`` (None: untiled) as a planner candidate, its peak the raw estimate."""
+        if tile is None:
+            return planner.Candidate("untiled", self.estimate(None, "untiled"))
+        on_dev = self.config.state_offload == "device" or self.device.type == "cpu"
+        return planner.Candidate(f"{mode} t{tile}", self.estimate(tile, mode, on_dev), tile)
+
+    def tile_candidates(self, mode: str) -> list[planner.Candidate]:
+        b, c, h, w = self.x.shape
+        f = self.spec.factor if self.spec.kind == "encoder" else 1
+        return [self.candidate(t, mode) for t in candidates(math.ceil(max(h, w) / f))]
+
+    def choose(self, cands: list[planner.Candidate], mode: str) -> tuple[planner.Candidate, bool]:
+        """The planner's choice among ``cands`` within the budget, after what the memory learned
+        for this key (a plan that ran out of memory, a measured peak above the estimate); and
+        whether it fits."""
+        key = self.key(mode)
+        learned, index = _select(self.memory.adjust(key, cands), self.budget)
+        _, naive_index = _select(cands, self.budget)
+        pick = cands[index]
+        if index != naive_index:
+            ratio = self.memory.ratio(key)
+            why = f"x{ratio:.2f} measured/estimated" if ratio > 1 else "an earlier out-of-memory error"
+            self.report.notes.append(f"{pick.plan} instead of {cands[naive_index].plan}: learned from {why}")
+        if not learned.fits:
+            self.report.notes.append(
+                f"no plan fits the budget ({self.budget} B); "
+                f"using {pick.plan} ({pick.peak_bytes} B estimated)"
+            )
+        return pick, learned.fits
+
     def pick_tile(self, mode: str) -> int:
         if self.config.tile is not None:
             return self.config.tile
-        learned = learned_tiles.get(self.key)
-        if learned is not None:
-            self.report.notes.append(f"tile {learned} learned from an earlier out-of-memory retry")
-            return learned
-        on_dev = self.config.state_offload == "device" or self.device.type == "cpu"
-        tile, est = choose_tile(
-            self.spec, tuple(self.x.shape), self.dtype, self.budget, mode=mode, state_on_device=on_dev
-        )
-        if est > self.budget:
-            self.report.notes.append(f"no tile fits the budget ({self.budget} B); using the smallest, {tile}")
+        tile = self.choose(self.tile_candidates(mode), mode)[0].tile
+        assert tile is not None
         return tile
+
+    def record(self, mode: str, tile: int | None, *, oom: bool, measured: int | None = None) -> None:
+        """Tell the planner memory what a plan did (with its raw estimate: what ``adjust`` scales)."""
+        cand = self.candidate(tile, mode)
+        self.memory.record(self.key(mode), planner.Outcome.of(cand, oom=oom, measured_peak_bytes=measured))
 
     def new_run(self, offload: torch.device | None) -> Run:
         return Run(
@@ -335,6 +371,7 @@ class _Pass:
                 break
             # Out of the except block: the traceback and the tiles' tensors are gone now.
             self.report.oom_retries.append(tile)
+            self.record(mode, tile, oom=True)
             release(self.device)
             nxt = smaller(tile)
             if nxt is None:
@@ -350,8 +387,6 @@ class _Pass:
                 out = self.run_global(grun, out, ticker)
             finally:
                 grun.close()
-        if self.report.oom_retries:
-            learned_tiles.put(self.key, tile)
         return out.to(self.out_dtype)
 
     def untiled_host(self, original_forward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
@@ -367,6 +402,7 @@ class _Pass:
             failed = True
         if failed:
             self.report.oom_retries.append(0)
+            self.record("exact", None, oom=True)
             release(self.device)
             return None
         if self.config.guard and not _finite(out):
@@ -374,6 +410,19 @@ class _Pass:
             del out
             return None
         return out
+
+
+def _select(cands: list[planner.Candidate], budget: int) -> tuple[planner.Choice, int]:
+    """The planner's choice within ``budget`` and its index; when nothing fits, the smallest tile
+    learning allows instead of the smallest estimate (a tiny tile's estimate is dominated by its
+    halo, yet the smallest tile is the engine's best chance)."""
+    choice = planner.choose(cands, budget, 0)
+    index = cands.index(choice.candidate)
+    if not choice.fits:
+        allowed = [i for i, c in enumerate(cands) if c.tile is not None and c.peak_bytes < planner.EXCLUDED]
+        if allowed:
+            index = min(allowed, key=lambda i: cands[i].tile or 0)
+    return choice, index
 
 
 def _axis_samples(n: int, frac: float, align: int) -> list[tuple[int, int]]:
@@ -416,17 +465,24 @@ def _run_pass(
     tracker: StageTracker | None,
     report: VAEReport | None,
     stage: str,
+    memory: planner.PlanMemory | None,
 ) -> torch.Tensor:
     if not isinstance(config, TiledVAEConfig):
         raise ValueError(f"`config` must be a TiledVAEConfig, got {type(config).__name__}")
     rep = report if report is not None else VAEReport()
     t0 = time.perf_counter()
     with _stage(tracker, stage), torch.no_grad():
-        p = _Pass(spec, x, config, rep, should_interrupt, progress, tracker)
+        p = _Pass(spec, x, config, rep, should_interrupt, progress, tracker, memory)
         out = None
         if config.mode == "auto":
-            untiled_est = p.estimate(None, "untiled")
-            if config.tile is None and learned_tiles.get(p.key) is None and untiled_est <= p.budget:
+            untiled = False
+            if config.tile is None:
+                cands = [p.candidate(None, "exact"), *p.tile_candidates("exact")]
+                pick, fits = p.choose(cands, "exact")
+                # untiled only when it fits: when nothing does, tiles (at least the output and the
+                # upper levels' activations shrink with them)
+                untiled = fits and pick.tile is None
+            if untiled:
                 if original_forward is not None:
                     out = p.untiled_host(original_forward)
                 else:
@@ -440,9 +496,12 @@ def _run_pass(
                         should_interrupt,
                         progress,
                         tracker,
+                        memory,
                     )
                     out = p2.tiled("exact")
-                    if not rep.oom_retries:
+                    if rep.oom_retries:
+                        p.record("exact", None, oom=True)  # the untiled attempt (tile = everything)
+                    else:
                         rep.mode = "untiled"
             if out is None:
                 out = p.tiled("exact")
@@ -456,6 +515,11 @@ def _run_pass(
                 recomputed=len(rep.recomputed),
                 oom_retries=list(rep.oom_retries),
             )
+    measured = None
+    if tracker is not None:
+        measured = planner.learnable_peak(tracker.last(stage), x.numel() * p.dtype.itemsize)
+    ran_mode = "exact" if rep.mode == "untiled" else rep.mode
+    p.record(ran_mode, None if rep.mode == "untiled" else rep.tile, oom=False, measured=measured)
     return out
 
 
@@ -475,6 +539,7 @@ def tiled_decode(
     progress: Callable[[int, int], None] | None = None,
     tracker: StageTracker | None = None,
     report: VAEReport | None = None,
+    memory: planner.PlanMemory | None = None,
 ) -> torch.Tensor:
     """Decode latents ``z`` with ``decoder`` in bounded memory; same result as ``decoder(z)``.
 
@@ -491,6 +556,12 @@ def tiled_decode(
         progress: ``progress(done, total)`` after each tile step.
         tracker: records the stage ``"vae_decode"`` and is sampled between tiles.
         report: filled with what ran (mode, tile, retries, recomputed segments, ...).
+        memory: where the automatic tile choice learns (default :data:`lib_vram.planner.MEMORY`):
+            every out-of-memory retry and every finished pass (with its measured peak when the
+            tracker has an exact accelerator one) is recorded under the key (stage, VAE
+            architecture signature, input shape, dtype, mode), and the next automatic choice for
+            that key starts below a plan that failed and scales its estimates by a measured/estimated
+            ratio above 1.
 
     Returns:
         the decoded image ``(B, out_ch, 8H, 8W)`` in ``z``'s dtype, on ``z``'s device.
@@ -506,7 +577,7 @@ def tiled_decode(
         raise ValueError(f"`decoder` is not a supported VAE decoder: {exc}") from exc
     _check_input(z, spec, "z")
     return _run_pass(
-        spec, z, config, original_forward, should_interrupt, progress, tracker, report, "vae_decode"
+        spec, z, config, original_forward, should_interrupt, progress, tracker, report, "vae_decode", memory
     )
 
 
@@ -520,6 +591,7 @@ def tiled_encode(
     progress: Callable[[int, int], None] | None = None,
     tracker: StageTracker | None = None,
     report: VAEReport | None = None,
+    memory: planner.PlanMemory | None = None,
 ) -> torch.Tensor:
     """Encode images ``x`` with ``encoder`` in bounded memory; same result as ``encoder(x)``.
 
@@ -533,5 +605,5 @@ def tiled_encode(
         raise ValueError(f"`encoder` is not a supported VAE encoder: {exc}") from exc
     _check_input(x, spec, "x")
     return _run_pass(
-        spec, x, config, original_forward, should_interrupt, progress, tracker, report, "vae_encode"
+        spec, x, config, original_forward, should_interrupt, progress, tracker, report, "vae_encode", memory
     )
