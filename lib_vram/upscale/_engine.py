@@ -267,7 +267,10 @@ class _Run:
         resident = budget - tile_budget
 
         def area_of(t: int, o: int) -> int:
-            return min(hp, t + 2 * o) * min(wp, t + 2 * o)
+            if t >= max_dim:
+                return hp * wp
+            wins = _make_tiles(spec, 0, (0, hp, 0, wp), t, o, hp, wp)
+            return max(w.shape[0] * w.shape[1] for w in wins)
 
         def auto_batch(t: int, o: int) -> int:
             n = bsz * math.ceil(hp / t) * math.ceil(wp / t)
