@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .. import planner
-from ..device import capabilities, free_bytes, is_oom_error, release
+from ..device import backend_of, capabilities, free_bytes, is_oom_error, release
 from ..geometry import grid
 from ..tracker import StageTracker
 from ._config import TiledVAEConfig, VAEOutOfMemory, VAEReport
@@ -114,6 +114,7 @@ class _Pass:
         self.config = config
         self.report = report
         self.device = x.device
+        self.backend = backend_of(self.device).value
         self.dtype = config.dtype or _module_dtype(spec)
         self.out_dtype = x.dtype
         self.should_interrupt = should_interrupt
@@ -143,7 +144,7 @@ class _Pass:
         if self.device.type == "cpu" or mode != "exact":
             choice = "device" if choice == "auto" else choice
         if choice == "auto":
-            on_dev = estimate_spec_bytes(self.spec, tuple(self.x.shape), self.dtype, tile=tile, mode="exact")
+            on_dev = self.estimate(tile, "exact")
             choice = "device" if on_dev <= self.budget else "cpu"
         self.report.state_offload = choice
         return None if choice == "device" or self.device.type == "cpu" else torch.device("cpu")
@@ -157,6 +158,8 @@ class _Pass:
             mode=mode,
             state_on_device=on_device,
             out_dtype=self.out_dtype,
+            backend=self.backend,
+            fast_sample=self.config.fast_sample,
         )
 
     def key(self, mode: str) -> tuple:
