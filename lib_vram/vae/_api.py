@@ -34,7 +34,7 @@ from ._engine import (
     sync_count,
 )
 from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec, signature
-from ._plan import candidates, estimate_spec_bytes, smaller
+from ._plan import candidates, estimate_spec_bytes, sample_boxes, smaller
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +305,9 @@ class _Pass:
         else:
             sgens = [
                 self.tile_program(run, src, bx, -1 - i, target)
-                for i, bx in enumerate(sample_boxes(h, w, self.config.fast_sample, self.align))
+                for i, bx in enumerate(
+                    Box(*c) for c in sample_boxes(h, w, self.config.fast_sample, self.align)
+                )
             ]
         lockstep(sgens, Ticker(1, ticker.should_interrupt, None, ticker.sample), record)
         del sgens
@@ -429,29 +431,6 @@ def _select(cands: list[planner.Candidate], budget: int) -> tuple[planner.Choice
         if allowed:
             index = min(allowed, key=lambda i: cands[i].tile or 0)
     return choice, index
-
-
-def _axis_samples(n: int, frac: float, align: int) -> list[tuple[int, int]]:
-    want = max(1, math.ceil(n * frac))
-    k = 1 if want < 16 else 2 if want < 64 else 4
-    size = max(align, math.ceil(want / k / align) * align)
-    out = []
-    for i in range(k):
-        centre = (i + 0.5) * n / k
-        a = max(0, min(n - size, int(centre - size / 2)))
-        a = (a // align) * align
-        out.append((a, min(n, a + size)))
-    return sorted(set(out))
-
-
-def sample_boxes(h: int, w: int, sample: int, align: int) -> list[Box]:
-    """Cores of the fast-mode statistics pass: a few crops spread over the image, covering about
-    ``1/sample`` of each axis (the whole image when ``sample`` is 1)."""
-    if sample <= 1:
-        return [Box(0, h, 0, w)]
-    ys = _axis_samples(h, 1 / sample, align)
-    xs = _axis_samples(w, 1 / sample, align)
-    return [Box(y0, y1, x0, x1) for y0, y1 in ys for x0, x1 in xs]
 
 
 def _check_input(x: torch.Tensor, spec: VAESpec, name: str) -> None:

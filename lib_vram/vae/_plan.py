@@ -58,6 +58,29 @@ def _levels(spec: VAESpec, h: int, w: int) -> list[tuple[int, int]]:
     return sizes
 
 
+def _axis_samples(n: int, frac: float, align: int) -> list[tuple[int, int]]:
+    want = max(1, math.ceil(n * frac))
+    k = 1 if want < 16 else 2 if want < 64 else 4
+    size = max(align, math.ceil(want / k / align) * align)
+    out = []
+    for i in range(k):
+        centre = (i + 0.5) * n / k
+        a = max(0, min(n - size, int(centre - size / 2)))
+        a = (a // align) * align
+        out.append((a, min(n, a + size)))
+    return sorted(set(out))
+
+
+def sample_boxes(h: int, w: int, sample: int, align: int) -> list[tuple[int, int, int, int]]:
+    """Cores of the fast-mode statistics pass: a few crops spread over the image, covering about
+    ``1/sample`` of each axis (the whole image when ``sample`` is 1)."""
+    if sample <= 1:
+        return [(0, h, 0, w)]
+    ys = _axis_samples(h, 1 / sample, align)
+    xs = _axis_samples(w, 1 / sample, align)
+    return [(y0, y1, x0, x1) for y0, y1 in ys for x0, x1 in xs]
+
+
 def _level_needs(spec: VAESpec) -> list[int]:
     """Halo at the start of each level (tiled part), at that level's resolution."""
     start, after = needs(spec)
@@ -157,8 +180,10 @@ def estimate_components(
     core = None if (tile is None or mode == "untiled") else int(tile) * (f if spec.kind == "encoder" else 1)
     lock_step = mode == "exact" and state_on_device and core is not None
 
-    def walk(th: int, tw: int, parks: bool) -> tuple[Step, ...]:
-        """The steps of the tiled path on a ``th`` x ``tw`` input (``parks``: lock-step tiles)."""
+    def walk(th: int, tw: int, parks: bool, share: float | None = None) -> tuple[Step, ...]:
+        """The steps of the tiled path on a ``th`` x ``tw`` input (``parks``: lock-step tiles;
+        ``share``: the tiles' windows cover this share of the input, instead of the tile grid's
+        overhead)."""
         sizes = _levels(spec, th, tw)
         lneeds = _level_needs(spec)
         steps = []
@@ -170,7 +195,7 @@ def estimate_components(
             else:
                 c = max(1, int(round(core * lh / th)))
                 wh, ww = min(lh, c + 2 * lneeds[i]), min(lw, c + 2 * lneeds[i])
-                ov = overhead(grid(lh, lw, c, c, lneeds[i]), lh, lw)
+                ov = overhead(grid(lh, lw, c, c, lneeds[i]), lh, lw) if share is None else share
             px = wh * ww
             work = parked = wsp = 0
             if i == 0 and spec.kind == "encoder":
@@ -215,8 +240,15 @@ def estimate_components(
             stats = walk(-(-h // k), -(-w // k), True)
             held += out_bytes // (k * k)
         else:
-            # sample crops covering ~1/k of each axis, in lock-step among themselves
-            stats = tuple(Step(st.work, st.parked // (k * k), st.workspace) for st in walk(h, w, True))
+            # sample crops in lock-step among themselves: their windows (core + halo) cover this
+            # share of the image
+            halo = needs(spec)[0]
+            crops = sample_boxes(h, w, k, f)
+            area = sum(
+                (min(h, y1 + halo) - max(0, y0 - halo)) * (min(w, x1 + halo) - max(0, x0 - halo))
+                for y0, y1, x0, x1 in crops
+            )
+            stats = walk(h, w, True, share=area / float(h * w))
     return Components(
         global_peak=(in_bytes if spec.kind == "decoder" else held_mid + out_bytes) + global_peak + ws_global,
         held=held,
