@@ -286,7 +286,8 @@ class _Run:
         self.key = planner.plan_key("upscale", signature(spec), x.shape, dtype)
         learned_batch = None
         mem = self.memory
-        if auto_size and spec.tiling != "internal" and (mem.limit(self.key) or mem.ratio(self.key) > 1.0):
+        learned = mem.limit(self.key) is not None or mem.ratio(self.key) > 1.0
+        if auto_size and spec.tiling != "internal" and learned:
             # This process learned something for this model and shape (an out-of-memory error, a
             # peak measured above the prediction): choose among the plans the OOM path would try.
             if halo == 0 and (cfg.tile is None or cfg.tile < max_dim):
