@@ -16,6 +16,7 @@ TARGETS: dict[str, str] = {
     "vae": "lib_vram.bench.vae",
     "upscale": "lib_vram.bench.upscale",
     "planner": "lib_vram.bench.planner",
+    "vae-estimate": "lib_vram.bench.vae_estimate",
 }
 
 

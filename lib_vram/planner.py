@@ -17,10 +17,13 @@ plan (and never a smaller tile): ``tests/test_planner.py`` checks it with hypoth
 
 Learning within the process
 ---------------------------
-An OOM can still happen (fragmentation, other processes, a calibration that is off). The engines'
-retry path reports it to :class:`PlanMemory`, keyed by stage, model and shape: a plan whose
-predicted peak was at least the one that failed is not chosen again for that key, and a measured
-peak above the prediction raises later predictions for that key by the observed ratio.
+An OOM can still happen (fragmentation, other processes, a calibration that is off). Both engines
+(:mod:`lib_vram.vae`, :mod:`lib_vram.upscale`) report every out-of-memory retry and every finished
+plan to one :class:`PlanMemory` (:data:`MEMORY` unless they are given another), keyed by
+:func:`plan_key` (stage, model architecture signature, input shape, dtype), and their automatic
+choice goes through :meth:`PlanMemory.adjust`: a plan at least as large as one that failed is not
+chosen again for that key, the next call starts at the plan that worked, and a measured peak above
+the prediction raises later predictions for that key by the observed ratio.
 """
 
 from __future__ import annotations
@@ -142,25 +145,87 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
+def plan_key(stage: str, model: Hashable, shape: Iterable[int], dtype: object, *extra: Hashable) -> tuple:
+    """The key under which :class:`PlanMemory` learns: what runs (``stage``: e.g. ``"vae_decode"``,
+    ``"upscale"``), with which model (an architecture signature: layout, channels, ...), on which
+    input ``shape``, in which ``dtype`` (and ``extra``: e.g. the tiled mode)."""
+    return (str(stage), model, tuple(int(s) for s in shape), str(dtype).replace("torch.", ""), *extra)
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What happened when a plan ran (reported by an engine or the integration)."""
 
     plan: str
     predicted_peak_bytes: int
+    """The plan's prediction *before* learned corrections (what :meth:`PlanMemory.adjust` scales)."""
     measured_peak_bytes: int | None = None
     oom: bool = False
+    candidate: Candidate | None = None
+    """The plan's size (tile, batch), when known: an out-of-memory error then also rules out every
+    plan at least as large in both (whatever its prediction says)."""
+
+    @classmethod
+    def of(
+        cls, candidate: Candidate, *, oom: bool = False, measured_peak_bytes: int | None = None
+    ) -> Outcome:
+        return cls(candidate.plan, candidate.peak_bytes, measured_peak_bytes, oom, candidate)
+
+
+EXCLUDED = 2**62
+"""Added to the peak of a plan that learning rules out: chosen only when nothing else is left (and
+then the smallest of them)."""
+
+
+def _dominates(failed: Candidate, c: Candidate) -> bool:
+    """True if ``c`` is at least as large as ``failed`` in tile (untiled = largest) and batch."""
+    if c.batch < failed.batch:
+        return False
+    if c.tile is None:
+        return True
+    return failed.tile is not None and c.tile >= failed.tile
+
+
+def learnable_peak(record: object, input_bytes: int = 0) -> int | None:
+    """The measured peak of a finished stage, comparable with a plan's prediction, or None.
+
+    ``record`` is a :class:`lib_vram.tracker.StageRecord`: used only when it succeeded, its peak is
+    exact and it counts allocated accelerator memory. Its working set (peak above the memory in use
+    when the stage began) plus ``input_bytes`` (the stage's input, resident before it began and
+    counted by the predictions) is returned. A CPU record (``measure == "rss"``) is not used: the
+    resident set also holds the C allocator's retained heap and libraries' one-time state, which
+    depend on the process's history, not on the plan (see docs/benchmarks.md, "Planner").
+    """
+    if record is None or not getattr(record, "ok", False) or not getattr(record, "exact", False):
+        return None
+    if getattr(record, "measure", None) != "allocated":
+        return None
+    return max(0, int(record.peak_bytes) - int(record.start_bytes)) + int(input_bytes)
 
 
 class PlanMemory:
-    """What this process learned about plans, per key (stage, model, shape, dtype).
+    """What this process learned about plans, per key (:func:`plan_key`: stage, model, shape, dtype).
 
-    Thread-safe; lives as long as the process (:data:`MEMORY` is the shared instance).
+    Thread-safe; lives as long as the process (:data:`MEMORY` is the shared instance, the one both
+    engines report to).
+
+    * An out-of-memory error caps the key: plans predicted at or above the failed plan's prediction,
+      and (when its size is known) plans at least as large in tile and batch, are ruled out.
+    * Once a key has such a cap, a plan that completed marks the safe side: plans no larger than it
+      (tile and batch) stay allowed whatever their prediction, and other plans predicted above the
+      largest completed one below the cap are ruled out, so the next call starts at the plan that
+      worked instead of probing the band between it and the failure again (predictions need not
+      be monotonic in the tile: a halo's overhead can make a smaller tile's estimate larger).
+    * A measured peak above the prediction scales later predictions for the key by the largest
+      measured/predicted ratio seen (never down).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._oom_cap: dict[Hashable, int] = {}
+        self._failed: dict[Hashable, list[Candidate]] = {}
+        self._ok: dict[Hashable, list[int]] = {}
+        self._ok_sizes: dict[Hashable, list[Candidate]] = {}
         self._ratio: dict[Hashable, float] = {}
         self._history: dict[Hashable, list[Outcome]] = {}
 
@@ -169,40 +234,83 @@ class PlanMemory:
         with self._lock:
             self._history.setdefault(key, []).append(outcome)
             del self._history[key][:-32]
+            p = outcome.predicted_peak_bytes
             if outcome.oom:
                 cap = self._oom_cap.get(key)
-                p = outcome.predicted_peak_bytes
                 self._oom_cap[key] = p if cap is None else min(cap, p)
+                if outcome.candidate is not None:
+                    self._failed.setdefault(key, []).append(outcome.candidate)
+                    del self._failed[key][:-32]
                 logger.info(
                     "plan %s ran out of memory for %s: plans predicted >= %s avoided", outcome.plan, key, p
                 )
-            elif outcome.measured_peak_bytes is not None and outcome.predicted_peak_bytes > 0:
-                ratio = outcome.measured_peak_bytes / outcome.predicted_peak_bytes
+                return
+            oks = self._ok.setdefault(key, [])
+            oks.append(p)
+            del oks[:-32]
+            if outcome.candidate is not None:
+                sizes = self._ok_sizes.setdefault(key, [])
+                sizes.append(outcome.candidate)
+                del sizes[:-32]
+            if outcome.measured_peak_bytes is not None and p > 0:
+                ratio = outcome.measured_peak_bytes / p
                 if ratio > self._ratio.get(key, 1.0):
                     self._ratio[key] = ratio
+                    logger.info("plan %s for %s measured %.2fx its prediction", outcome.plan, key, ratio)
 
     def history(self, key: Hashable) -> list[Outcome]:
         with self._lock:
             return list(self._history.get(key, []))
 
+    def learned_keys(self) -> list[Hashable]:
+        """Every key something was recorded for."""
+        with self._lock:
+            return list(self._history)
+
+    def ratio(self, key: Hashable) -> float:
+        """The measured/predicted factor applied to ``key``'s predictions (1.0: none learned)."""
+        with self._lock:
+            return self._ratio.get(key, 1.0)
+
+    def limit(self, key: Hashable) -> int | None:
+        """Predictions above this are ruled out for ``key`` (None: no out-of-memory error seen)."""
+        with self._lock:
+            return self._limit(key)
+
+    def _limit(self, key: Hashable) -> int | None:
+        cap = self._oom_cap.get(key)
+        if cap is None:
+            return None
+        below = [p for p in self._ok.get(key, ()) if p < cap]
+        return max(below) if below else cap - 1
+
     def adjust(self, key: Hashable, candidates: Sequence[Candidate]) -> list[Candidate]:
         """``candidates`` with learned corrections: peaks scaled by the worst measured/predicted
-        ratio seen for ``key``; plans predicted at or above a peak that ran out of memory are given
-        an infinite-like peak so they are only chosen when nothing else is left."""
+        ratio seen for ``key``; plans ruled out by an out-of-memory error (see the class docstring)
+        get a huge peak so they are only chosen when nothing else is left."""
         with self._lock:
             ratio = self._ratio.get(key, 1.0)
-            cap = self._oom_cap.get(key)
+            limit = self._limit(key)
+            failed = list(self._failed.get(key, ()))
+            worked = list(self._ok_sizes.get(key, ()))
         out = []
         for c in candidates:
             peak = int(c.peak_bytes * ratio)
-            if cap is not None and c.peak_bytes >= cap:
-                peak = max(peak, 2**62)
+            too_big = any(_dominates(f, c) for f in failed)
+            unproven = (
+                limit is not None and c.peak_bytes > limit and not any(_dominates(c, w) for w in worked)
+            )
+            if too_big or unproven:
+                peak += EXCLUDED
             out.append(replace(c, peak_bytes=peak))
         return out
 
     def clear(self) -> None:
         with self._lock:
             self._oom_cap.clear()
+            self._failed.clear()
+            self._ok.clear()
+            self._ok_sizes.clear()
             self._ratio.clear()
             self._history.clear()
 

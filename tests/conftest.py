@@ -31,6 +31,16 @@ def save_and_load(net: torch.nn.Module, path: Path):
     return spandrel.ModelLoader().load_from_file(str(path))
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plan_memory():
+    """Every test starts with an empty process-wide planner memory (the engines learn into it)."""
+    from lib_vram import planner
+
+    planner.MEMORY.clear()
+    yield
+    planner.MEMORY.clear()
+
+
 @pytest.fixture
 def tiny_compact(tmp_path):
     """A real spandrel Compact x2 (8 features, 2 convs), random weights, loaded from a file."""

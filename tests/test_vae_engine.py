@@ -6,6 +6,7 @@ import pytest
 import torch
 from vae_models import diffusers_vae, ldm_decoder, ldm_encoder, smooth_latent
 
+from lib_vram import planner
 from lib_vram.tracker import StageTracker
 from lib_vram.vae import (
     Interrupted,
@@ -16,7 +17,6 @@ from lib_vram.vae import (
     estimate_peak_bytes,
     is_supported_decoder,
     is_supported_encoder,
-    learned_tiles,
     tiled_decode,
     tiled_encode,
 )
@@ -27,13 +27,6 @@ EXACT_TOL = 1e-4
 def _ref(module, x):
     with torch.no_grad():
         return module(x)
-
-
-@pytest.fixture(autouse=True)
-def _clear_learned():
-    learned_tiles.clear()
-    yield
-    learned_tiles.clear()
 
 
 # -- exactness ------------------------------------------------------------------------------------
@@ -237,8 +230,10 @@ def test_auto_mode_retries_smaller_after_oom_and_remembers():
         assert hook.raised >= 1
         assert rep.oom_retries and rep.mode == "exact" and rep.tile is not None and rep.tile < 16
         assert (out - ref).abs().max().item() < EXACT_TOL
-        learned = learned_tiles.items()
-        assert learned and learned[0][1] == rep.tile
+        learned = [o for k in planner.MEMORY.learned_keys() for o in planner.MEMORY.history(k)]
+        # the untiled try (the engine at tile = the whole latent: 16) failed, then the retries
+        assert [o.candidate.tile for o in learned if o.oom] == [*rep.oom_retries, None]
+        assert [o.candidate.tile for o in learned if not o.oom] == [rep.tile]
         # With the host forward as the untiled path: it OOMs, the engine tiles, using what it learned.
         rep2 = VAEReport()
         out2 = tiled_decode(

@@ -43,12 +43,15 @@ class Case:
     tile: int | None = None
     batch: int = 1
     quick: bool = False
+    mode: str = "exact"
+    """Tiled VAE engine mode (``vae-engine`` cases): ``"exact"`` or ``"fast"``."""
 
     @property
     def plan(self) -> str:
         if self.tile is None:
             return "untiled"
-        return f"tile {self.tile}" + (f" x{self.batch}" if self.batch > 1 else "")
+        fast = " fast" if self.mode == "fast" else ""
+        return f"tile {self.tile}" + (f" x{self.batch}" if self.batch > 1 else "") + fast
 
 
 CASES: tuple[Case, ...] = (
@@ -58,6 +61,10 @@ CASES: tuple[Case, ...] = (
     Case("enc-512-ch32", "vae", "encode", 512, 32, quick=True),
     Case("dec-1024-ch32-t32", "vae", "decode", 1024, 32, tile=32),
     Case("eng-dec-256-t16", "vae-engine", "decode", 256, 128, tile=16),
+    Case("eng-dec-256-t16-fast", "vae-engine", "decode", 256, 128, tile=16, mode="fast"),
+    Case("eng-dec-512-t32", "vae-engine", "decode", 512, 128, tile=32),
+    Case("eng-dec-512-t32-fast", "vae-engine", "decode", 512, 128, tile=32, mode="fast"),
+    Case("eng-enc-512-t32", "vae-engine", "encode", 512, 128, tile=32),
     Case("rrdb-256", "upscale", "rrdb", 256, quick=True),
     Case("rrdb-1024-t128x2", "upscale", "rrdb", 1024, tile=128, batch=2),
     Case("eng-rrdb-1024-t128x2", "upscale-engine", "rrdb", 1024, tile=128, batch=2),
@@ -131,7 +138,7 @@ def _runner(case: Case, model, *, dedupe: bool):
         from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
 
         cfg = TiledVAEConfig(
-            mode="exact",
+            mode=case.mode,
             tile=case.tile,
             budget_bytes=2**50,
             dtype=torch.float32,
@@ -174,7 +181,7 @@ def predict(case: Case) -> dict:
     if case.engine in ("vae-engine", "upscale-engine"):
         t0 = time.perf_counter()
         if case.engine == "vae-engine":
-            pred = stageplan.predict_engine_vae(model, case.kind, shape, "fp32", case.tile, "exact")
+            pred = stageplan.predict_engine_vae(model, case.kind, shape, "fp32", case.tile, case.mode)
         else:
             pred = stageplan.predict_engine_upscale(model, shape, "fp32", case.tile, case.batch, SCALE)
         return {"prediction": pred.to_dict(), "predict_seconds": time.perf_counter() - t0}

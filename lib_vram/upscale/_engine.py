@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .. import planner
 from ..device import free_bytes, is_oom_error, release, resolve_device
 from ..geometry import split_axis
 from ._adapter import ModelSpec, as_spec, choose_dtype
@@ -159,6 +160,13 @@ def _axis_weights(
     return lo, hi, w
 
 
+def signature(spec: ModelSpec) -> tuple:
+    """What an upscaler's memory depends on besides the input: architecture name, scale, input
+    channels and parameter count (which tells widths apart); the planner memory's model key."""
+    n_params = sum(p.numel() for p in spec.module.parameters()) if spec.module is not None else 0
+    return (spec.name, spec.scale, spec.input_channels, n_params)
+
+
 class _Run:
     def __init__(
         self,
@@ -170,10 +178,31 @@ class _Run:
         tracker: object | None,
         should_interrupt: Callable[[], bool] | None,
         progress: Callable[[int, int], None] | None,
+        memory: planner.PlanMemory,
     ) -> None:
         self.spec, self.cfg, self.device, self.dtype = spec, cfg, device, dtype
         self.rep, self.tracker = rep, tracker
         self.should_interrupt, self.progress = should_interrupt, progress
+        self.memory = memory
+        self.key: tuple = ()
+        self.ran: planner.Candidate | None = None
+        """The plan that finished (after any out-of-memory retries)."""
+        self.predict: Callable[[int, int], planner.Candidate] | None = None
+        """(tile, batch) -> the plan as a planner candidate with its predicted peak."""
+
+    def learn_oom(self, tile: int, batch: int) -> None:
+        if self.predict is not None:
+            self.memory.record(self.key, planner.Outcome.of(self.predict(tile, batch), oom=True))
+
+    def halo(self) -> int:
+        if self.cfg.overlap is not None:
+            return self.cfg.overlap
+        return context(self.spec, self.device, self.dtype, measure=self.cfg.calibrate)
+
+    def auto_tile(self, tile_budget: int, per_px: float, halo: int) -> int:
+        side = math.isqrt(max(0, int(tile_budget / per_px)))
+        tile = max(MIN_TILE, (side - 2 * halo) // 8 * 8)
+        return tile if self.spec.tiling == "discouraged" else min(tile, AUTO_TILE_MAX)
 
     # -- model call with the precision guard ----------------------------------------------
     def forward(self, inp: Tensor) -> Tensor:
@@ -229,21 +258,61 @@ class _Run:
         whole = spec.tiling == "internal" or (cfg.tile is None and hp * wp * per_px <= tile_budget)
         halo = 0
         if not whole and (cfg.tile is None or cfg.tile < max_dim):
-            halo = cfg.overlap
-            if halo is None:
-                halo = context(spec, device, dtype, measure=cfg.calibrate)
+            halo = self.halo()
         if whole:
             tile = max_dim
         elif cfg.tile is not None:
             tile = cfg.tile
         else:
-            side = math.isqrt(max(0, int(tile_budget / per_px)))
-            tile = max(MIN_TILE, (side - 2 * halo) // 8 * 8)
-            if spec.tiling != "discouraged":
-                tile = min(tile, AUTO_TILE_MAX)
+            tile = self.auto_tile(tile_budget, per_px, halo)
         tile = min(tile, max_dim)
+        resident = budget - tile_budget
+
+        def area_of(t: int, o: int) -> int:
+            if t >= max_dim:
+                return hp * wp
+            wins = _make_tiles(spec, 0, (0, hp, 0, wp), t, o, hp, wp)
+            return max(w.shape[0] * w.shape[1] for w in wins)
+
+        def auto_batch(t: int, o: int) -> int:
+            n = bsz * math.ceil(hp / t) * math.ceil(wp / t)
+            return int(max(1, min(MAX_AUTO_BATCH, n, tile_budget // max(1.0, area_of(t, o) * per_px))))
+
+        def candidate(t: int, b: int, o: int) -> planner.Candidate:
+            # peak = accumulator and input where they sit on the device + b windows at per_px
+            peak = resident + int(b * area_of(t, o) * per_px)
+            if t >= max_dim:
+                return planner.Candidate(f"whole b{b}", peak, None, b)
+            return planner.Candidate(f"tiled t{t} o{o} b{b}", peak, t, b)
+
+        self.key = planner.plan_key("upscale", signature(spec), x.shape, dtype)
+        learned_batch = None
+        mem = self.memory
+        learned = mem.limit(self.key) is not None or mem.ratio(self.key) > 1.0
+        if auto_size and spec.tiling != "internal" and learned:
+            # This process learned something for this model and shape (an out-of-memory error, a
+            # peak measured above the prediction): choose among the plans the OOM path would try.
+            if halo == 0 and (cfg.tile is None or cfg.tile < max_dim):
+                halo = self.halo()
+            cands = []
+            if cfg.tile is None:
+                cands += [candidate(max_dim, b, 0) for b in _halvings(cfg.batch or bsz)]
+            t = tile if (cfg.tile is not None or not whole) else self.auto_tile(tile_budget, per_px, halo)
+            t = min(t, max_dim)
+            while True:
+                cands += [candidate(t, b, halo) for b in _halvings(cfg.batch or auto_batch(t, halo))]
+                if cfg.tile is not None or t // 2 < max(MIN_TILE, 2 * (halo // 2)):
+                    break
+                t //= 2
+            pick = planner.choose_learned(self.key, cands, budget, 0, mem).candidate
+            whole = pick.tile is None
+            tile, halo = (max_dim, 0) if whole else (pick.tile, halo)
+            learned_batch = pick.batch
+            rep.events.append(f"learned for this model and shape: {pick.plan}")
         feather = min(halo // 2, tile // 2)
         min_tile = max(MIN_TILE, 2 * feather)
+        plan_halo = halo
+        self.predict = lambda t, b: candidate(t, b, plan_halo)
 
         if spec.square:
             need = _legal_len(spec, min(tile + 2 * halo, max_dim))
@@ -252,6 +321,8 @@ class _Run:
         area = tiles[0].shape[0] * tiles[0].shape[1]
         if cfg.batch is not None:
             batch = cfg.batch
+        elif learned_batch is not None:
+            batch = learned_batch
         else:
             batch = int(max(1, min(MAX_AUTO_BATCH, len(tiles), tile_budget // max(1.0, area * per_px))))
 
@@ -270,6 +341,7 @@ class _Run:
 
         xp = _pad(x.to(device=in_dev, dtype=dtype), hp - h, wp - w)
         out = self.loop(xp, tiles, tile, halo, feather, batch, min_tile, acc_dev)
+        self.ran = self.predict(rep.tile, rep.batch)
         res = out[:, :, : h * s, : w * s]
         return res.contiguous() if (hp, wp) != (h, w) else res
 
@@ -316,6 +388,7 @@ class _Run:
                 inp = out = None
                 rep.ooms += 1
                 release(device)
+                self.learn_oom(tile, min(batch, len(group)))
                 if batch > 1:
                     batch = max(1, min(batch, len(group)) // 2)
                     rep.events.append(f"out of memory: batch -> {batch}")
@@ -380,6 +453,7 @@ def upscale_tensor(
     progress: Callable[[int, int], None] | None = None,
     tracker: object | None = None,
     report: UpscaleReport | None = None,
+    memory: planner.PlanMemory | None = None,
 ) -> Tensor:
     """Upscale ``x`` (``[B, C, H, W]``, float in [0, 1]) with ``model``, tiled as memory requires.
 
@@ -392,6 +466,11 @@ def upscale_tensor(
         progress: called as ``progress(tiles_done, tiles_total)`` after each batch (the total grows
             when an out-of-memory error makes the remaining tiles smaller).
         tracker: a :class:`lib_vram.tracker.StageTracker`; the run is its stage ``"upscale"``.
+        memory: where automatic sizing learns (default :data:`lib_vram.planner.MEMORY`): every
+            out-of-memory retry and the finished plan (with the tracker's measured peak when it is
+            an exact accelerator one) are recorded under (``"upscale"``, model signature, input
+            shape, dtype); automatic tile/batch sizing for that key then starts below a plan that
+            failed and scales its predictions by a measured/predicted ratio above 1.
         report: an :class:`UpscaleReport` to fill in (readable also after an exception).
 
     Returns:
@@ -411,8 +490,23 @@ def upscale_tensor(
     dtype = choose_dtype(cfg.precision, spec, device)
     t0 = time.perf_counter()
     stage = tracker.stage("upscale") if tracker is not None else contextlib.nullcontext()  # type: ignore[attr-defined]
+    mem = planner.MEMORY if memory is None else memory
+    run = _Run(spec, cfg, device, dtype, rep, tracker, should_interrupt, progress, mem)
     try:
         with stage, spec.placed(device, dtype), torch.inference_mode():
-            return _Run(spec, cfg, device, dtype, rep, tracker, should_interrupt, progress).run(x)
+            out = run.run(x)
     finally:
         rep.seconds = time.perf_counter() - t0
+    if run.ran is not None:
+        last = getattr(tracker, "last", None)
+        in_bytes = x.numel() * x.element_size() if x.device == device else 0
+        measured = planner.learnable_peak(last("upscale") if last is not None else None, in_bytes)
+        mem.record(run.key, planner.Outcome.of(run.ran, measured_peak_bytes=measured))
+    return out
+
+
+def _halvings(n: int) -> list[int]:
+    out = [n]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out

@@ -6,7 +6,8 @@ Public API (see ``README.md``, "Tiled VAE"):
   into a :class:`VAEReport`.
 * :func:`is_supported_decoder`, :func:`is_supported_encoder`: layout checks (ldm/sgm, diffusers).
 * :func:`estimate_peak_bytes`: analytic peak of a pass, used by ``mode="auto"``.
-* :data:`learned_tiles`: tile sizes that worked after an out-of-memory retry, per shape.
+* Learning: out-of-memory retries and finished passes are recorded in :data:`lib_vram.planner.MEMORY`
+  (or the ``memory`` passed in); ``mode="auto"`` and the automatic tile consult it.
 * :class:`Interrupted`, :class:`VAEOutOfMemory`: the errors it raises besides ``ValueError``.
 * :func:`parked_bytes`: tile state parked off the compute device right now (exact mode).
 * :func:`attention`: the chunked, memory-efficient attention used for the mid block.
@@ -21,12 +22,10 @@ from ._api import is_supported_decoder, is_supported_encoder, tiled_decode, tile
 from ._attention import attention, query_chunk
 from ._config import (
     Interrupted,
-    LearnedTiles,
     Recompute,
     TiledVAEConfig,
     VAEOutOfMemory,
     VAEReport,
-    learned_tiles,
 )
 from ._engine import parked_bytes
 from ._layout import UnsupportedLayout, decoder_spec, encoder_spec
@@ -34,7 +33,6 @@ from ._plan import choose_tile, estimate_peak_bytes
 
 __all__ = [
     "Interrupted",
-    "LearnedTiles",
     "Recompute",
     "TiledVAEConfig",
     "UnsupportedLayout",
@@ -47,7 +45,6 @@ __all__ = [
     "estimate_peak_bytes",
     "is_supported_decoder",
     "is_supported_encoder",
-    "learned_tiles",
     "parked_bytes",
     "query_chunk",
     "tiled_decode",

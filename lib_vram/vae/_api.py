@@ -11,10 +11,11 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ..device import capabilities, free_bytes, is_oom_error, release
+from .. import planner
+from ..device import backend_of, capabilities, free_bytes, is_oom_error, release
 from ..geometry import grid
 from ..tracker import StageTracker
-from ._config import TiledVAEConfig, VAEOutOfMemory, VAEReport, learned_tiles
+from ._config import TiledVAEConfig, VAEOutOfMemory, VAEReport
 from ._engine import (
     TT,
     Box,
@@ -32,8 +33,8 @@ from ._engine import (
     split_first_level,
     sync_count,
 )
-from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec
-from ._plan import choose_tile, estimate_spec_bytes, smaller
+from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec, signature
+from ._plan import candidates, estimate_spec_bytes, sample_boxes, smaller
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +110,15 @@ class _Pass:
         should_interrupt: Callable[[], bool] | None,
         progress: Callable[[int, int], None] | None,
         tracker: StageTracker | None,
+        memory: planner.PlanMemory | None = None,
     ) -> None:
         self.spec = spec
+        self.memory = planner.MEMORY if memory is None else memory
         self.x = x
         self.config = config
         self.report = report
         self.device = x.device
+        self.backend = backend_of(self.device).value
         self.dtype = config.dtype or _module_dtype(spec)
         self.out_dtype = x.dtype
         self.should_interrupt = should_interrupt
@@ -132,7 +136,6 @@ class _Pass:
             if spec.kind == "decoder"
             else (b, spec.out_channels, math.ceil(h / f), math.ceil(w / f))
         )
-        self.key = learned_tiles.key(spec.kind, spec.layout, spec.in_channels, tuple(x.shape), self.dtype)
         report.kind = spec.kind
         report.layout = spec.layout
         report.dtype = str(self.dtype).replace("torch.", "")
@@ -145,7 +148,7 @@ class _Pass:
         if self.device.type == "cpu" or mode != "exact":
             choice = "device" if choice == "auto" else choice
         if choice == "auto":
-            on_dev = estimate_spec_bytes(self.spec, tuple(self.x.shape), self.dtype, tile=tile, mode="exact")
+            on_dev = self.estimate(tile, "exact")
             choice = "device" if on_dev <= self.budget else "cpu"
         self.report.state_offload = choice
         # On a CPU device "cpu" moves nothing, but the parked bytes are still accounted (reports,
@@ -161,22 +164,60 @@ class _Pass:
             mode=mode,
             state_on_device=on_device,
             out_dtype=self.out_dtype,
+            backend=self.backend,
+            fast_sample=fast_sample_for(
+                self.config.fast_sample, self.spec.kind, self.x.shape[-2], self.x.shape[-1]
+            ),
         )
+
+    def key(self, mode: str) -> tuple:
+        """The planner-memory key of this pass in a tiled ``mode`` (auto's untiled try shares the
+        ``"exact"`` key: both are candidates of one choice)."""
+        stage = "vae_decode" if self.spec.kind == "decoder" else "vae_encode"
+        return planner.plan_key(stage, signature(self.spec), self.x.shape, self.dtype, mode)
+
+    def candidate(self, tile: int | None, mode: str) -> planner.Candidate:
+        """``tile`` (None: untiled) as a planner candidate, its peak the raw estimate."""
+        if tile is None:
+            return planner.Candidate("untiled", self.estimate(None, "untiled"))
+        on_dev = self.config.state_offload == "device" or self.device.type == "cpu"
+        return planner.Candidate(f"{mode} t{tile}", self.estimate(tile, mode, on_dev), tile)
+
+    def tile_candidates(self, mode: str) -> list[planner.Candidate]:
+        b, c, h, w = self.x.shape
+        f = self.spec.factor if self.spec.kind == "encoder" else 1
+        return [self.candidate(t, mode) for t in candidates(math.ceil(max(h, w) / f))]
+
+    def choose(self, cands: list[planner.Candidate], mode: str) -> tuple[planner.Candidate, bool]:
+        """The planner's choice among ``cands`` within the budget, after what the memory learned
+        for this key (a plan that ran out of memory, a measured peak above the estimate); and
+        whether it fits."""
+        key = self.key(mode)
+        learned, index = _select(self.memory.adjust(key, cands), self.budget)
+        _, naive_index = _select(cands, self.budget)
+        pick = cands[index]
+        if index != naive_index:
+            ratio = self.memory.ratio(key)
+            why = f"x{ratio:.2f} measured/estimated" if ratio > 1 else "an earlier out-of-memory error"
+            self.report.notes.append(f"{pick.plan} instead of {cands[naive_index].plan}: learned from {why}")
+        if not learned.fits:
+            self.report.notes.append(
+                f"no plan fits the budget ({self.budget} B); "
+                f"using {pick.plan} ({pick.peak_bytes} B estimated)"
+            )
+        return pick, learned.fits
 
     def pick_tile(self, mode: str) -> int:
         if self.config.tile is not None:
             return self.config.tile
-        learned = learned_tiles.get(self.key)
-        if learned is not None:
-            self.report.notes.append(f"tile {learned} learned from an earlier out-of-memory retry")
-            return learned
-        on_dev = self.config.state_offload == "device" or self.device.type == "cpu"
-        tile, est = choose_tile(
-            self.spec, tuple(self.x.shape), self.dtype, self.budget, mode=mode, state_on_device=on_dev
-        )
-        if est > self.budget:
-            self.report.notes.append(f"no tile fits the budget ({self.budget} B); using the smallest, {tile}")
+        tile = self.choose(self.tile_candidates(mode), mode)[0].tile
+        assert tile is not None
         return tile
+
+    def record(self, mode: str, tile: int | None, *, oom: bool, measured: int | None = None) -> None:
+        """Tell the planner memory what a plan did (with its raw estimate: what ``adjust`` scales)."""
+        cand = self.candidate(tile, mode)
+        self.memory.record(self.key(mode), planner.Outcome.of(cand, oom=oom, measured_peak_bytes=measured))
 
     def new_run(self, offload: torch.device | None) -> Run:
         return Run(
@@ -273,7 +314,7 @@ class _Pass:
         else:
             sgens = [
                 self.tile_program(run, src, bx, -1 - i, target)
-                for i, bx in enumerate(sample_boxes(h, w, f, self.align))
+                for i, bx in enumerate(Box(*c) for c in sample_boxes(h, w, f, self.align))
             ]
         lockstep(sgens, Ticker(1, ticker.should_interrupt, None, ticker.sample), record)
         del sgens
@@ -322,7 +363,9 @@ class _Pass:
             offload = self.offload_for(tile, mode)
             self.report.mode = mode
             self.report.tile = tile
-            self.report.peak_estimate_bytes = self.estimate(tile, mode, offload is None)
+            # the estimate as learned for this key (a measured/estimated ratio above 1 raises it)
+            raw = self.estimate(tile, mode, offload is None)
+            self.report.peak_estimate_bytes = int(raw * self.memory.ratio(self.key(mode)))
             n_tiles = len(self.tiles(src.shape[-2], src.shape[-1], tile))
             ticker.total = max(
                 ticker.total, ticker.done + self.tile_steps(n_tiles, mode) + self.global_after()
@@ -342,6 +385,7 @@ class _Pass:
                 break
             # Out of the except block: the traceback and the tiles' tensors are gone now.
             self.report.oom_retries.append(tile)
+            self.record(mode, tile, oom=True)
             release(self.device)
             nxt = smaller(tile)
             if nxt is None:
@@ -357,14 +401,13 @@ class _Pass:
                 out = self.run_global(grun, out, ticker)
             finally:
                 grun.close()
-        if self.report.oom_retries:
-            learned_tiles.put(self.key, tile)
         return out.to(self.out_dtype)
 
     def untiled_host(self, original_forward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
         """Try the host's own forward; None on OOM (after release) or on non-finite output."""
         self.report.mode = "untiled"
-        self.report.peak_estimate_bytes = self.estimate(None, "untiled")
+        raw = self.estimate(None, "untiled")
+        self.report.peak_estimate_bytes = int(raw * self.memory.ratio(self.key("exact")))
         failed = False
         try:
             out = original_forward(self.x)
@@ -374,6 +417,7 @@ class _Pass:
             failed = True
         if failed:
             self.report.oom_retries.append(0)
+            self.record("exact", None, oom=True)
             release(self.device)
             return None
         if self.config.guard and not _finite(out):
@@ -400,27 +444,17 @@ def fast_sample_for(fast_sample: int | None, kind: str, h: int, w: int) -> int:
     return max(2, min(h, w) // FAST_SAMPLE_SIDE)
 
 
-def _axis_samples(n: int, frac: float, align: int) -> list[tuple[int, int]]:
-    want = max(1, math.ceil(n * frac))
-    k = 1 if want < 16 else 2 if want < 64 else 4
-    size = max(align, math.ceil(want / k / align) * align)
-    out = []
-    for i in range(k):
-        centre = (i + 0.5) * n / k
-        a = max(0, min(n - size, int(centre - size / 2)))
-        a = (a // align) * align
-        out.append((a, min(n, a + size)))
-    return sorted(set(out))
-
-
-def sample_boxes(h: int, w: int, sample: int, align: int) -> list[Box]:
-    """Cores of the fast-mode statistics pass: a few crops spread over the image, covering about
-    ``1/sample`` of each axis (the whole image when ``sample`` is 1)."""
-    if sample <= 1:
-        return [Box(0, h, 0, w)]
-    ys = _axis_samples(h, 1 / sample, align)
-    xs = _axis_samples(w, 1 / sample, align)
-    return [Box(y0, y1, x0, x1) for y0, y1 in ys for x0, x1 in xs]
+def _select(cands: list[planner.Candidate], budget: int) -> tuple[planner.Choice, int]:
+    """The planner's choice within ``budget`` and its index; when nothing fits, the smallest tile
+    learning allows instead of the smallest estimate (a tiny tile's estimate is dominated by its
+    halo, yet the smallest tile is the engine's best chance)."""
+    choice = planner.choose(cands, budget, 0)
+    index = cands.index(choice.candidate)
+    if not choice.fits:
+        allowed = [i for i, c in enumerate(cands) if c.tile is not None and c.peak_bytes < planner.EXCLUDED]
+        if allowed:
+            index = min(allowed, key=lambda i: cands[i].tile or 0)
+    return choice, index
 
 
 def _check_input(x: torch.Tensor, spec: VAESpec, name: str) -> None:
@@ -440,17 +474,24 @@ def _run_pass(
     tracker: StageTracker | None,
     report: VAEReport | None,
     stage: str,
+    memory: planner.PlanMemory | None,
 ) -> torch.Tensor:
     if not isinstance(config, TiledVAEConfig):
         raise ValueError(f"`config` must be a TiledVAEConfig, got {type(config).__name__}")
     rep = report if report is not None else VAEReport()
     t0 = time.perf_counter()
     with _stage(tracker, stage), torch.no_grad():
-        p = _Pass(spec, x, config, rep, should_interrupt, progress, tracker)
+        p = _Pass(spec, x, config, rep, should_interrupt, progress, tracker, memory)
         out = None
         if config.mode == "auto":
-            untiled_est = p.estimate(None, "untiled")
-            if config.tile is None and learned_tiles.get(p.key) is None and untiled_est <= p.budget:
+            untiled = False
+            if config.tile is None:
+                cands = [p.candidate(None, "exact"), *p.tile_candidates("exact")]
+                pick, fits = p.choose(cands, "exact")
+                # untiled only when it fits: when nothing does, tiles (at least the output and the
+                # upper levels' activations shrink with them)
+                untiled = fits and pick.tile is None
+            if untiled:
                 if original_forward is not None:
                     out = p.untiled_host(original_forward)
                 else:
@@ -464,9 +505,12 @@ def _run_pass(
                         should_interrupt,
                         progress,
                         tracker,
+                        memory,
                     )
                     out = p2.tiled("exact")
-                    if not rep.oom_retries:
+                    if rep.oom_retries:
+                        p.record("exact", None, oom=True)  # the untiled attempt (tile = everything)
+                    else:
                         rep.mode = "untiled"
             if out is None:
                 out = p.tiled("exact")
@@ -480,6 +524,11 @@ def _run_pass(
                 recomputed=len(rep.recomputed),
                 oom_retries=list(rep.oom_retries),
             )
+    measured = None
+    if tracker is not None:
+        measured = planner.learnable_peak(tracker.last(stage), x.numel() * p.dtype.itemsize)
+    ran_mode = "exact" if rep.mode == "untiled" else rep.mode
+    p.record(ran_mode, None if rep.mode == "untiled" else rep.tile, oom=False, measured=measured)
     return out
 
 
@@ -499,6 +548,7 @@ def tiled_decode(
     progress: Callable[[int, int], None] | None = None,
     tracker: StageTracker | None = None,
     report: VAEReport | None = None,
+    memory: planner.PlanMemory | None = None,
 ) -> torch.Tensor:
     """Decode latents ``z`` with ``decoder`` in bounded memory; same result as ``decoder(z)``.
 
@@ -515,6 +565,12 @@ def tiled_decode(
         progress: ``progress(done, total)`` after each tile step.
         tracker: records the stage ``"vae_decode"`` and is sampled between tiles.
         report: filled with what ran (mode, tile, retries, recomputed segments, ...).
+        memory: where the automatic tile choice learns (default :data:`lib_vram.planner.MEMORY`):
+            every out-of-memory retry and every finished pass (with its measured peak when the
+            tracker has an exact accelerator one) is recorded under the key (stage, VAE
+            architecture signature, input shape, dtype, mode), and the next automatic choice for
+            that key starts below a plan that failed and scales its estimates by a measured/estimated
+            ratio above 1.
 
     Returns:
         the decoded image ``(B, out_ch, 8H, 8W)`` in ``z``'s dtype, on ``z``'s device.
@@ -530,7 +586,7 @@ def tiled_decode(
         raise ValueError(f"`decoder` is not a supported VAE decoder: {exc}") from exc
     _check_input(z, spec, "z")
     return _run_pass(
-        spec, z, config, original_forward, should_interrupt, progress, tracker, report, "vae_decode"
+        spec, z, config, original_forward, should_interrupt, progress, tracker, report, "vae_decode", memory
     )
 
 
@@ -544,6 +600,7 @@ def tiled_encode(
     progress: Callable[[int, int], None] | None = None,
     tracker: StageTracker | None = None,
     report: VAEReport | None = None,
+    memory: planner.PlanMemory | None = None,
 ) -> torch.Tensor:
     """Encode images ``x`` with ``encoder`` in bounded memory; same result as ``encoder(x)``.
 
@@ -557,5 +614,5 @@ def tiled_encode(
         raise ValueError(f"`encoder` is not a supported VAE encoder: {exc}") from exc
     _check_input(x, spec, "x")
     return _run_pass(
-        spec, x, config, original_forward, should_interrupt, progress, tracker, report, "vae_encode"
+        spec, x, config, original_forward, should_interrupt, progress, tracker, report, "vae_encode", memory
     )

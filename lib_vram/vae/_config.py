@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -150,43 +149,3 @@ class VAEReport:
         d = asdict(self)
         d["plan"] = self.plan
         return d
-
-
-class LearnedTiles:
-    """Process-wide memory of tile sizes that worked after an out-of-memory retry.
-
-    Keyed by ``(kind, layout, channels, latent shape, dtype)``. The engine consults it when
-    ``TiledVAEConfig.tile`` is None; the planner may read it. Thread-safe.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._data: dict[tuple, int] = {}
-
-    @staticmethod
-    def key(kind: str, layout: str, channels: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple:
-        return (kind, layout, int(channels), tuple(int(s) for s in shape), str(dtype))
-
-    def get(self, key: tuple) -> int | None:
-        with self._lock:
-            return self._data.get(key)
-
-    def put(self, key: tuple, tile: int) -> None:
-        with self._lock:
-            self._data[key] = int(tile)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-
-    def items(self) -> list[tuple[tuple, int]]:
-        with self._lock:
-            return list(self._data.items())
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._data)
-
-
-learned_tiles = LearnedTiles()
-"""The engine's process-level memory of tile sizes learned after OOM retries."""

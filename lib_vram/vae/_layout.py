@@ -350,3 +350,14 @@ def encoder_spec(module: nn.Module) -> VAESpec:
         out_channels=conv_out.out_channels,
         mid_channels=norm_out.num_channels,
     )
+
+
+def signature(spec: VAESpec) -> tuple:
+    """What the memory of a pass depends on, besides the input: layout, kind, channels per block
+    and resampling per level, mid-block composition. Two VAEs of one architecture (SD 1.x and
+    SDXL's, or two finetunes) share it; that is what :mod:`lib_vram.planner` learns under."""
+    levels = tuple(
+        (tuple((b.in_channels, b.out_channels) for b in lv.blocks), lv.resample_kind) for lv in spec.levels
+    )
+    mid = tuple(type(m).__name__ for m in spec.mid)
+    return (spec.kind, spec.layout, spec.in_channels, spec.out_channels, spec.mid_channels, levels, mid)

@@ -1,0 +1,145 @@
+"""``python -m lib_vram bench vae-estimate``: the tiled VAE engine's quick analytic estimate
+against the fake-tensor prediction of the engine itself (:func:`lib_vram.stageplan.predict_engine_vae`).
+
+The analytic estimate (:func:`lib_vram.vae.estimate_peak_bytes`) is what ``mode="auto"`` and the
+automatic tile use at run time: milliseconds, no model run. The fake-tensor prediction runs the
+engine's own code on fake tensors (seconds): it counts every tensor the engine allocates, in
+order, plus the backend's convolution scratch, and is within 5 % of measured peaks (``bench
+planner``). So the prediction is the reference the estimate is checked, and its per-term factors
+fitted, against:
+
+* ``--fit``: grid search of the factors of the tiled terms (one tile's working set, the parked
+  states of the waiting tiles; :data:`lib_vram.vae._plan.FACTORS`) per VAE kind, minimising the
+  largest relative error against the tensors-only prediction (backend ``cuda``: no convolution
+  scratch, which the estimate adds separately from the same per-backend term as the predictor) on
+  the ``fit`` cases; the ``check`` cases (other sizes, tiles, widths) are not used by the fit.
+* the table: the estimate against the prediction for every case, tensors only (what a GPU run
+  uses: cuDNN's workspace is not modelled by either) and with the CPU backend's convolution term.
+
+Models: the real ldm ``Decoder``/``Encoder`` with the SD ``ddconfig`` (``ch`` 128, or 64), built on
+the meta device (no weights, no memory). ``ldm`` is imported only here (benchmark, not core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import time
+
+HELP = "Tiled VAE: analytic estimate vs the engine's fake-tensor prediction (and the factor fit)."
+
+# (kind, image px, tile latent px, mode, ch, role)
+CASES: tuple[tuple[str, int, int | None, str, int, str], ...] = (
+    ("decode", 256, 16, "exact", 128, "fit"),
+    ("decode", 256, 16, "fast", 128, "fit"),
+    ("decode", 512, 32, "exact", 128, "fit"),
+    ("decode", 512, 32, "fast", 128, "fit"),
+    ("decode", 512, 16, "exact", 128, "fit"),
+    ("decode", 1024, 64, "exact", 128, "fit"),
+    ("decode", 1024, 32, "fast", 128, "fit"),
+    ("encode", 256, 16, "exact", 128, "fit"),
+    ("encode", 512, 32, "exact", 128, "fit"),
+    ("decode", 256, None, "untiled", 128, "check"),
+    ("decode", 384, 16, "exact", 128, "check"),
+    ("decode", 768, 24, "exact", 128, "check"),
+    ("decode", 768, 48, "fast", 128, "check"),
+    ("decode", 1024, 32, "exact", 64, "check"),
+    ("encode", 384, 16, "exact", 128, "check"),
+    ("encode", 768, 48, "exact", 128, "check"),
+    ("encode", 512, 32, "fast", 128, "check"),
+    ("encode", 512, None, "untiled", 128, "check"),
+)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fit", action="store_true", help="also grid-search the tiled terms' factors")
+    parser.add_argument("--json", action="store_true", help="print JSON records instead of the table")
+
+
+def _models(ch: int):
+    import torch
+
+    from lib_vram.bench.planner import _ldm_config
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        from ldm.modules.diffusionmodules.model import Decoder, Encoder
+
+        with torch.device("meta"):
+            return Decoder(**_ldm_config(ch)).eval(), Encoder(**_ldm_config(ch)).eval()
+
+
+def _records() -> list[dict]:
+    import torch
+
+    from lib_vram.stageplan import predict_engine_vae
+    from lib_vram.vae import decoder_spec, encoder_spec
+    from lib_vram.vae._plan import combine, estimate_components
+
+    models = {ch: _models(ch) for ch in sorted({c[4] for c in CASES})}
+    out = []
+    for kind, px, tile, mode, ch, role in CASES:
+        dec, enc = models[ch]
+        module, spec = (dec, decoder_spec(dec)) if kind == "decode" else (enc, encoder_spec(enc))
+        shape = (1, 4, px // 8, px // 8) if kind == "decode" else (1, 3, px, px)
+        rec = {"kind": kind, "px": px, "tile": tile, "mode": mode, "ch": ch, "role": role}
+        for backend in ("cpu", "cuda"):
+            t0 = time.perf_counter()
+            pm = "exact" if mode == "untiled" else mode
+            p = predict_engine_vae(module, kind, shape, torch.float32, tile=tile, mode=pm, backend=backend)
+            rec[f"predicted_{backend}"] = p.input_bytes + p.activation_bytes
+            rec["predict_seconds"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            comps = estimate_components(spec, shape, torch.float32, tile=tile, mode=mode, backend=backend)
+            rec[f"estimate_{backend}"] = combine(comps)
+            rec["estimate_ms"] = 1000 * (time.perf_counter() - t0)
+            rec[f"components_{backend}"] = comps
+        out.append(rec)
+    return out
+
+
+def fit(records: list[dict]) -> dict[str, dict[str, float]]:
+    """Per kind, the factors (0.05 steps) minimising the largest relative error of the tensors-only
+    estimate against the tensors-only prediction on the ``fit`` cases."""
+    from lib_vram.vae._plan import combine
+
+    grid = [x / 20 for x in range(4, 25)]
+    best: dict[str, dict[str, float]] = {}
+    for kind in ("decode", "encode"):
+        rows = [r for r in records if r["kind"] == kind and r["role"] == "fit"]
+        score = None
+        for kw, kp in itertools.product(grid, grid):
+            k = {"work": kw, "parked": kp}
+            err = max(abs(combine(r["components_cuda"], k) / r["predicted_cuda"] - 1) for r in rows)
+            if score is None or err < score:
+                score, best[kind] = err, k
+    return best
+
+
+def run(args: argparse.Namespace) -> int:
+    records = _records()
+    if args.fit:
+        fitted = fit(records)
+        print(f"fitted factors (tensors only, fit cases): {json.dumps(fitted)}")
+    rows = [{k: v for k, v in r.items() if not k.startswith("components")} for r in records]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    mib = 2**20
+    print(
+        "| case | role | estimate, tensors | prediction, tensors | error | estimate, CPU | "
+        "prediction, CPU | error | estimate ms | prediction s |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        tile = "untiled" if r["tile"] is None else f"{r['mode']} t{r['tile']}"
+        name = f"{r['kind']} {r['px']}² {tile}" + ("" if r["ch"] == 128 else f" ch{r['ch']}")
+        cells = [name, r["role"]]
+        for be in ("cuda", "cpu"):
+            est, pred = r[f"estimate_{be}"], r[f"predicted_{be}"]
+            cells += [f"{est / mib:.1f}", f"{pred / mib:.1f}", f"{100 * (est / pred - 1):+.1f} %"]
+        cells += [f"{r['estimate_ms']:.1f}", f"{r['predict_seconds']:.1f}"]
+        print("| " + " | ".join(cells) + " |")
+    return 0
