@@ -389,7 +389,7 @@ def _worker(spec: dict) -> dict:
         "live_peak_bytes": int(live_peak),
         "parked_peak_bytes": report.parked_peak_bytes or None,
         "state_offload": report.state_offload or None,
-        "fast_sample": spec.get("fast_sample"),
+        "fast_sample": report.fast_sample,
         "peak_estimate_bytes": report.peak_estimate_bytes or None,
         "tiles": report.tiles or None,
         "psnr_db": None if psnr is None else (round(psnr, 2) if math.isfinite(psnr) else None),
