@@ -110,17 +110,16 @@ class Job:
         except (ImportError, AttributeError):
             return False
 
-    def note(self, text: str) -> None:
+    def note(self, text: str, level: int = logging.INFO) -> None:
         if text not in self.notes:
             self.notes.append(text)
-            logger.info("%s", text)
+            logger.log(level, "%s", text)
 
     def warn_once(self, key: str, text: str) -> None:
         if key in self._warned:
             return
         self._warned.add(key)
-        logger.warning("%s", text)
-        self.note(text)
+        self.note(text, logging.WARNING)
 
     # -- stages ------------------------------------------------------------------------------
     def begin_span(self, name: str) -> None:
