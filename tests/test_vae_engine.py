@@ -182,6 +182,25 @@ def test_fp16_overflow_is_recomputed_in_the_wider_dtype():
     assert all(r.from_dtype == "float16" and r.to_dtype == "float32" for r in rep.recomputed)
 
 
+def test_fp32_non_finite_output_is_reported_once_not_recomputed():
+    """fp32 has nothing wider: no per-segment checks, one check of the output, a note."""
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 10, 10, seed=10)
+    conv = dec.up[0].block[0].conv1
+    handle = conv.register_forward_hook(lambda m, i, out: out.index_fill(1, torch.tensor([0]), float("nan")))
+    try:
+        rep = VAEReport()
+        out = tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=5), report=rep)
+    finally:
+        handle.remove()
+    assert not torch.isfinite(out).all()
+    assert not rep.recomputed
+    assert any("non-finite values in the output" in n for n in rep.notes)
+    clean = VAEReport()
+    tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=5), report=clean)
+    assert not any("non-finite" in n for n in clean.notes)
+
+
 def test_bf16_guard_default_and_bf16_compute():
     dec = ldm_decoder()
     z = smooth_latent(1, 4, 10, 10, seed=9)

@@ -401,6 +401,13 @@ class _Pass:
                 out = self.run_global(grun, out, ticker)
             finally:
                 grun.close()
+        if self.config.guard and self.dtype in (torch.float32, torch.float64) and not _finite(out):
+            logger.warning(
+                "%s: non-finite values in the %s output: nothing wider to recompute in", spec.kind, self.dtype
+            )
+            self.report.notes.append(
+                f"non-finite values in the output ({self.dtype}): nothing wider to recompute in"
+            )
         return out.to(self.out_dtype)
 
     def untiled_host(self, original_forward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
