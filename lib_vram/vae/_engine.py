@@ -338,7 +338,7 @@ class Run:
         narrow = out.data.dtype
         # fp32/fp64 have nothing wider to recompute in: no per-segment check (the pass checks its
         # output once and says so, see ``_Pass.tiled``)
-        if not self.guard or narrow in (torch.float32, torch.float64) or _finite(out.data):
+        if not self.guard or narrow in (torch.float32, torch.float64) or finite(out.data):
             return out
         wide = self.wide if narrow == torch.float16 else torch.float32
         del out
@@ -346,7 +346,7 @@ class Run:
         out = fn(self, *wargs)
         del wargs
         back = out.data.to(narrow)
-        kept = not _finite(back)
+        kept = not finite(back)
         if not kept:
             out = out.with_data(back)
         del back
@@ -369,14 +369,15 @@ class Run:
             wide,
             " (continues in the wider dtype)" if kept else "",
         )
-        if kept and not _finite(out.data):
+        if kept and not finite(out.data):
             self.report.notes.append(
                 f"non-finite even in {wide}: {self.stage} tile {st.index} step {st.step}"
             )
         return out
 
 
-def _finite(t: torch.Tensor) -> bool:
+def finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf in ``t`` (the precision guard's check; also used by the pass driver)."""
     # min and max propagate NaN, and an infinity is the min or the max: one fused reduction, no
     # per-element mask (``isfinite(t).all()`` allocates a bool copy of the tensor and, measured on
     # a 128 x 600² fp32 tile on this CPU, takes ~15x as long).
