@@ -428,12 +428,108 @@ def test_runs_under_fake_tensor_mode_without_guard():
 # -- attention ----------------------------------------------------------------------------------
 
 
-def test_attention_matches_reference_when_chunked():
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+    def kernels(self) -> int:
+        """Attention kernel calls: a fused kernel, or the math kernel's softmax."""
+        return sum(
+            ("flash_attention" in n or "efficient_attention" in n or "_softmax" in n) for n in self.names
+        )
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_attention_matches_reference_when_chunked(transposed):
     g = torch.Generator().manual_seed(16)
     q, k, v = (torch.randn(2, 1, 300, 8, generator=g) for _ in range(3))
     ref = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, -1) @ v
-    out = attention(q, k, v, max_bytes=2 * 300 * 4 * 7)  # forces chunks of 7 queries
+    if transposed:  # what the VAE's (B, C, N) projections give: channel dimension not contiguous
+        q, k, v = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k, v))
+    with _OpLog() as log:
+        out = attention(q, k, v, max_bytes=2 * 300 * 4 * 7, fused=False)  # chunks of 7 queries
     assert (out - ref).abs().max().item() < 1e-5
+    assert log.kernels() == -(-300 // 7)
+
+
+def test_attention_runs_the_cpu_flash_kernel_in_one_call_where_torch_has_it():
+    from lib_vram.vae._attention import cpu_flash_available
+
+    g = torch.Generator().manual_seed(18)
+    # a transposed (B, 1, N, C) view, as the VAE's 1x1-conv projections give it
+    q, k, v = (torch.randn(1, 8, 2000, generator=g).transpose(1, 2).unsqueeze(1) for _ in range(3))
+    ref = attention(q, k, v, fused=False)
+    with _OpLog() as log:
+        out = attention(q, k, v, max_bytes=2000 * 4 * 16)  # the math kernel would take 125 chunks
+    assert (out - ref).abs().max().item() < 1e-5
+    flash = [n for n in log.names if "flash_attention_for_cpu" in n]
+    if not cpu_flash_available(q):
+        pytest.skip(f"torch {torch.__version__} has no CPU flash attention kernel")
+    assert len(flash) == 1 and log.kernels() == 1, log.names
+    # switched off by the user: no flash, chunks again (and never an N x N matrix)
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        assert not cpu_flash_available(q)
+        with _OpLog() as log:
+            attention(q, k, v, max_bytes=2000 * 4 * 16)
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+    assert not any("flash_attention_for_cpu" in n for n in log.names)
+    assert log.kernels() == 125
+
+
+def test_channel_stats_match_float64_on_crops_batches_and_constant_channels():
+    from lib_vram.vae._engine import channel_stats
+
+    g = torch.Generator().manual_seed(19)
+    big = torch.randn(2, 24, 40, 50, generator=g) * 0.7 + 3.0
+    big[1, 5] = 2.5  # a constant channel: variance 0, not NaN
+    views = [
+        big[..., 3:31, 7:44],  # a tile's core inside its window: not contiguous
+        big.contiguous(memory_format=torch.channels_last)[..., 2:20, :],
+        big[:, ::2, ::3, ::2],
+        big[..., 3:31, 7:44].half(),  # the var_mean path, in float32
+    ]
+    for x in views:
+        mean, var = channel_stats(x)
+        rv, rm = torch.var_mean(x.double(), dim=(2, 3), correction=0)
+        assert mean.dtype == var.dtype == torch.float64 and mean.shape == var.shape == x.shape[:2]
+        assert (mean - rm).abs().max().item() < 1e-5
+        assert (var - rv).abs().max().item() < 1e-5 * rv.max().item()
+    assert channel_stats(views[0])[1][1, 5].item() == 0.0
+
+
+def test_fast_mode_tiles_compute_no_statistics_of_their_own(monkeypatch):
+    from lib_vram.vae import _api, _engine
+
+    calls = {"replay": 0, "outside": 0}
+    replaying = [False]
+    real_stats, real_replay = _engine.core_stats, _api.replay
+
+    def stats(t, box):
+        calls["replay" if replaying[0] else "outside"] += 1
+        return real_stats(t, box)
+
+    def replay(*args):
+        replaying[0] = True
+        try:
+            return real_replay(*args)
+        finally:
+            replaying[0] = False
+
+    monkeypatch.setattr(_engine, "core_stats", stats)
+    monkeypatch.setattr(_api, "replay", replay)
+    dec = ldm_decoder()
+    z = smooth_latent(1, 4, 16, 16, seed=20)
+    rep = VAEReport()
+    tiled_decode(dec, z, config=TiledVAEConfig(mode="fast", tile=4), report=rep)
+    assert rep.tiles == 16 and calls["outside"] > 0  # the statistics pass and the global part
+    assert calls["replay"] == 0
 
 
 def test_attention_at_256_squared_latent_stays_far_below_n_squared():

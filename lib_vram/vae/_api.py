@@ -312,6 +312,7 @@ class _Pass:
         lockstep(sgens, Ticker(1, ticker.should_interrupt, None, ticker.sample), record)
         del sgens
         gens = (self.tile_program(run, src, bx, i, target) for i, bx in enumerate(boxes))
+        run.stats = False
         replay(gens, record, ticker)
         return target
 

@@ -179,9 +179,9 @@ class Request:
 
     gn: nn.GroupNorm
     count: int
-    mean: torch.Tensor
-    """(B, C) float64."""
-    var: torch.Tensor
+    mean: torch.Tensor | None
+    """(B, C) float64 (None when the run replays given statistics)."""
+    var: torch.Tensor | None
     """(B, C) float64, biased."""
 
 
@@ -189,12 +189,36 @@ Affine = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """(mean, scale, bias), each (B, C, 1, 1) float64: ``y = (x - mean) * scale + bias``."""
 
 
-def core_stats(t: TT, box: Box) -> tuple[int, torch.Tensor, torch.Tensor]:
-    c = crop(t, box).data
+_BN_STATS = getattr(torch.ops.aten, "batch_norm_update_stats", None)
+
+
+def channel_stats(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(sample, channel) mean and biased variance of ``c`` ``(B, C, h, w)``, float64 ``(B, C)``.
+
+    On the CPU in float32/float64 this is torch's batch-norm statistics kernel on a ``(1, B*C, h,
+    w)`` view (two vectorised passes, mean then squared deviations; no copy, no output written):
+    measured on a 128 x 512² crop of a larger map, 31 ms against 115 ms for ``torch.var_mean``,
+    whose per-element Welford update made the statistics the tiled decode's largest cost after
+    the convolutions. Elsewhere (CUDA, half precision) ``var_mean``, in float32 at least."""
+    b, ch = c.shape[:2]
+    if (
+        _BN_STATS is not None
+        and c.device.type == "cpu"
+        and c.dtype in (torch.float32, torch.float64)
+        and c.shape[-2] * c.shape[-1] > 0
+    ):
+        mean, var = _BN_STATS(c.reshape(1, b * ch, *c.shape[-2:]), None, None, 0.0)
+        return mean.double().view(b, ch), var.double().view(b, ch)
     if c.dtype not in (torch.float32, torch.float64):
         c = c.float()
     var, mean = torch.var_mean(c, dim=(2, 3), correction=0)
-    return c.shape[-2] * c.shape[-1], mean.double(), var.double()
+    return mean.double(), var.double()
+
+
+def core_stats(t: TT, box: Box) -> tuple[int, torch.Tensor, torch.Tensor]:
+    c = crop(t, box).data
+    mean, var = channel_stats(c)
+    return c.shape[-2] * c.shape[-1], mean, var
 
 
 def combine(gn: nn.GroupNorm, reqs: list[Request]) -> Affine:
@@ -279,6 +303,9 @@ class Run:
         self._cast: dict[tuple[int, torch.dtype], dict[str, torch.Tensor]] = {}
         self.parked_bytes = 0
         """Bytes of tile state parked in ``offload`` memory now (see :func:`parked_bytes`)."""
+        self.stats = True
+        """Whether programs compute their cores' GroupNorm statistics (not when replaying
+        recorded ones)."""
         with _RUNS_LOCK:
             _RUNS.add(self)
 
@@ -497,9 +524,12 @@ def _seg_attn(run: Run, t: TT, aff: Affine, at: Attention) -> TT:
         d = q.shape[-1] // at.heads
         q, k, v = (z.view(b, h * w, at.heads, d).transpose(1, 2) for z in (q, k, v))
     else:
-        q, k, v = (run.call(m, y) for m in (at.q, at.k, at.v))
+        # (B, 1, N, C), made contiguous one at a time (each 1x1 conv output is dropped after its
+        # copy): the attention kernels want the channel dimension contiguous
+        q, k, v = (
+            run.call(m, y).flatten(2).transpose(1, 2).contiguous().unsqueeze(1) for m in (at.q, at.k, at.v)
+        )
         del y
-        q, k, v = (z.flatten(2).transpose(1, 2).unsqueeze(1) for z in (q, k, v))  # (B, 1, N, C)
     run.report.attention_chunk = min(
         q.shape[2], max(1, run.score_bytes // max(1, b * q.shape[1] * k.shape[2] * 4))
     )
@@ -525,7 +555,10 @@ Program = Generator[Request, Affine, None]
 
 def _sync(run: Run, st: TileState, gn: nn.GroupNorm) -> Generator[Request, Affine, Affine]:
     assert st.h is not None
-    n, mean, var = core_stats(st.h, st.box)
+    if run.stats:
+        n, mean, var = core_stats(st.h, st.box)
+    else:  # fast mode's tiles: the statistics are given, the core's would be thrown away
+        n, mean, var = 0, None, None
     run.park(st)
     aff = yield Request(gn, n, mean, var)
     run.unpark(st)
