@@ -18,8 +18,8 @@ from torch import nn
 
 from ..geometry import grid, overhead
 from ..predict import WORKSPACE_TERMS
-from ._attention import DEFAULT_SCORE_BYTES
-from ._engine import needs
+from ._attention import DEFAULT_SCORE_BYTES, cpu_flash_kernel
+from ._engine import needs, split_first_level
 from ._layout import Resnet, VAESpec, decoder_spec, encoder_spec
 
 TILE_CANDIDATES = (256, 192, 160, 128, 112, 96, 80, 64, 56, 48, 40, 32, 24, 16, 8)
@@ -81,6 +81,14 @@ def sample_boxes(h: int, w: int, sample: int, align: int) -> list[tuple[int, int
     return [(y0, y1, x0, x1) for y0, y1 in ys for x0, x1 in xs]
 
 
+def _window(n: int, core: int, need: int) -> int:
+    """The largest tile window along an axis of ``n`` pixels cut into cores of ``core``: the halo
+    is on both sides only for an inner tile (three tiles or more), on one side with two tiles, and
+    there is none with one."""
+    tiles = -(-n // max(1, core))
+    return min(n, core + need * min(2, tiles - 1))
+
+
 def _level_needs(spec: VAESpec) -> list[int]:
     """Halo at the start of each level (tiled part), at that level's resolution."""
     start, after = needs(spec)
@@ -130,6 +138,9 @@ class Components:
     """Fast mode: the statistics pass (lock-step tiles of the subsampled image or sample crops)."""
     kind: str = "decoder"
     tiled: bool = True
+    fast: bool = False
+    """Fast mode: the tiles of the main pass run one after another (nothing parked), their working
+    set is weighted by the ``work_fast`` factor."""
 
 
 def estimate_components(
@@ -171,30 +182,35 @@ def estimate_components(
     lat_px = lat_h * lat_w
     mid_c = spec.mid_channels
     # one query chunk's scores and their softmax (the math kernel holds both), at most
-    # DEFAULT_SCORE_BYTES each (the engine's attention chunks the queries)
-    scores = 2 * min(DEFAULT_SCORE_BYTES, b * lat_px * lat_px * 4)
+    # DEFAULT_SCORE_BYTES each (the engine's attention chunks the queries); none where the CPU's
+    # blocked flash kernel runs the attention in one call
+    flash = backend == "cpu" and cpu_flash_kernel(dtype)
+    scores = 0 if flash else 2 * min(DEFAULT_SCORE_BYTES, b * lat_px * lat_px * 4)
     global_peak = b * lat_px * s * max(_mid_units(spec), 2 * mid_c + spec.in_channels) + scores
     held_mid = b * mid_c * lat_px * s  # decoder: mid output; encoder: assembled features
     ws_global = ws(mid_c, mid_c, 3, lat_px, lat_px)
 
     core = None if (tile is None or mode == "untiled") else int(tile) * (f if spec.kind == "encoder" else 1)
     lock_step = mode == "exact" and state_on_device and core is not None
+    # fast decode tiles only what follows the first level's ResNets (they run on the whole latent
+    # with the mid block): a shorter path and a smaller halo
+    tspec = split_first_level(spec)[1] if mode == "fast" and core is not None else spec
 
     def walk(th: int, tw: int, parks: bool, share: float | None = None) -> tuple[Step, ...]:
         """The steps of the tiled path on a ``th`` x ``tw`` input (``parks``: lock-step tiles;
         ``share``: the tiles' windows cover this share of the input, instead of the tile grid's
         overhead)."""
-        sizes = _levels(spec, th, tw)
-        lneeds = _level_needs(spec)
+        sizes = _levels(tspec, th, tw)
+        lneeds = _level_needs(tspec)
         steps = []
         c_prev = mid_c if spec.kind == "decoder" else spec.in_channels
-        for i, lv in enumerate(spec.levels):
+        for i, lv in enumerate(tspec.levels):
             lh, lw = sizes[i]
             if core is None:
                 wh, ww, ov = lh, lw, 1.0
             else:
                 c = max(1, int(round(core * lh / th)))
-                wh, ww = min(lh, c + 2 * lneeds[i]), min(lw, c + 2 * lneeds[i])
+                wh, ww = _window(lh, c, lneeds[i]), _window(lw, c, lneeds[i])
                 ov = overhead(grid(lh, lw, c, c, lneeds[i]), lh, lw) if share is None else share
             px = wh * ww
             work = parked = wsp = 0
@@ -223,7 +239,7 @@ def estimate_components(
                 px = lh * lw
             else:
                 cc = core * lh // th
-                px = min(lh, cc + 2 * lneeds[-1]) * min(lw, cc + 2 * lneeds[-1])
+                px = _window(lh, cc, lneeds[-1]) * _window(lw, cc, lneeds[-1])
             steps.append(
                 Step(b * px * s * (2 * c + spec.out_channels), 0, ws(c, spec.out_channels, 3, px, px))
             )
@@ -256,14 +272,15 @@ def estimate_components(
         stats_steps=stats,
         kind=spec.kind,
         tiled=core is not None,
+        fast=mode == "fast" and core is not None,
     )
 
 
 UNIT = {"work": 1.0, "parked": 1.0}
 
 FACTORS: dict[str, dict[str, float]] = {
-    "decoder": {"work": 0.7, "parked": 0.95},
-    "encoder": {"work": 0.25, "parked": 1.05},
+    "decoder": {"work": 0.6, "parked": 1.0, "work_fast": 1.0},
+    "encoder": {"work": 0.2, "parked": 1.15},
 }
 """Factors of the tiled terms per VAE kind, fitted against the fake-tensor prediction of the engine
 (``python -m lib_vram bench vae-estimate --fit``; docs/benchmarks.md, "Planner"). The untiled pass
@@ -280,10 +297,11 @@ def combine(c: Components, factors: dict[str, float] | None = None) -> int:
     largest."""
     k = factors_for(c.kind, c) if factors is None else factors
 
-    def peak(steps: tuple[Step, ...]) -> float:
-        return max((k["work"] * st.work + k["parked"] * st.parked + st.workspace for st in steps), default=0)
+    def peak(steps: tuple[Step, ...], work: float) -> float:
+        return max((work * st.work + k["parked"] * st.parked + st.workspace for st in steps), default=0)
 
-    tiled = c.held + max(peak(c.steps), peak(c.stats_steps))
+    main = peak(c.steps, k.get("work_fast", k["work"]) if c.fast else k["work"])
+    tiled = c.held + max(main, peak(c.stats_steps, k["work"]))
     return int(max(c.global_peak, tiled))
 
 
