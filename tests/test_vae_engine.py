@@ -279,6 +279,38 @@ def test_oom_at_every_size_raises_a_named_error():
         handle.remove()
 
 
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_oom_in_the_whole_latent_stage_is_named_and_released(kind, monkeypatch):
+    from lib_vram.vae import _api, encoder_spec
+
+    released = []
+    monkeypatch.setattr(_api, "release", lambda device: released.append(device))
+    module = ldm_decoder() if kind == "decode" else ldm_encoder()
+    # the mid block's first conv runs on the whole latent in every mode and at every tile size
+    hook = _OOMAbove(limit_px=8 * 8)
+    handle = module.mid.block_1.conv1.register_forward_pre_hook(hook)
+    run = tiled_decode if kind == "decode" else tiled_encode
+    f = 1 if kind == "decode" else encoder_spec(module).factor  # image px per latent px
+    big = (
+        smooth_latent(1, 4, 12, 12, seed=21) if kind == "decode" else torch.rand(1, 3, 12 * f, 12 * f) * 2 - 1
+    )
+    small = smooth_latent(1, 4, 8, 8, seed=22) if kind == "decode" else torch.rand(1, 3, 8 * f, 8 * f) * 2 - 1
+    try:
+        for mode in ("exact", "fast", "auto"):
+            rep = VAEReport()
+            with pytest.raises(VAEOutOfMemory, match="whole-latent stage") as info:
+                run(module, big, config=TiledVAEConfig(mode=mode, tile=4, budget_bytes=2**40), report=rep)
+            assert "on a 1x12x12 latent" in str(info.value), info.value
+            assert rep.oom_retries == [] and any("whole-latent" in n for n in rep.notes)
+        assert hook.raised >= 3 and len(released) >= 3
+        # nothing left behind: a latent whose mid block fits runs, exactly
+        ref = _ref(module, small)
+        out = run(module, small, config=TiledVAEConfig(mode="exact", tile=4))
+        assert (out - ref).abs().max().item() < EXACT_TOL
+    finally:
+        handle.remove()
+
+
 def test_auto_mode_untiled_when_it_fits_and_tiles_when_not():
     dec = ldm_decoder()
     z = smooth_latent(1, 4, 16, 16, seed=12)

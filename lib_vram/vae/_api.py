@@ -35,7 +35,7 @@ from ._engine import (
     sync_count,
 )
 from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec, signature
-from ._plan import candidates, estimate_spec_bytes, sample_boxes, smaller
+from ._plan import candidates, estimate_components, estimate_spec_bytes, sample_boxes, smaller
 
 logger = logging.getLogger(__name__)
 
@@ -344,12 +344,9 @@ class _Pass:
         ticker = Ticker(self.total_steps(n_tiles, mode), self.should_interrupt, self.progress, sample)
         ticker.check()
         if spec.kind == "decoder":
-            # conv_in + mid block on the whole latent, once (an OOM here propagates: no tile to shrink).
-            grun = self.new_run(None)
-            try:
-                src = self.run_global(grun, x, ticker)
-            finally:
-                grun.close()
+            # conv_in + mid block on the whole latent, once (no tile to shrink: an OOM here is
+            # reported as such, see ``whole_latent``)
+            src = self.whole_latent(x, ticker)
             del x
         else:
             src = x
@@ -390,11 +387,7 @@ class _Pass:
             tile = nxt
         del src
         if spec.kind == "encoder":
-            grun = self.new_run(None)
-            try:
-                out = self.run_global(grun, out, ticker)
-            finally:
-                grun.close()
+            out = self.whole_latent(out, ticker)
         if self.config.guard and self.dtype in (torch.float32, torch.float64) and not finite(out):
             logger.warning(
                 "%s: non-finite values in the %s output: nothing wider to recompute in", spec.kind, self.dtype
@@ -403,6 +396,39 @@ class _Pass:
                 f"non-finite values in the output ({self.dtype}): nothing wider to recompute in"
             )
         return out.to(self.out_dtype)
+
+    def whole_latent(self, data: torch.Tensor, ticker: Ticker) -> torch.Tensor:
+        """The global stage (decoder: ``conv_in`` + mid block; encoder: mid block + output) on the
+        whole latent. Its size is set by the latent, not by a tile: an out-of-memory error here is
+        released and raised as :class:`VAEOutOfMemory` naming the stage, the latent and the estimate."""
+        grun = self.new_run(None)
+        failed = False
+        try:
+            return self.run_global(grun, data, ticker)
+        except Exception as exc:
+            if not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
+                raise
+            failed = True
+        finally:
+            grun.close()
+        # out of the except block: the traceback and the stage's tensors are gone now
+        assert failed
+        release(self.device)
+        b, _, h, w = self.lat_shape
+        part = "conv_in and mid block" if self.spec.kind == "decoder" else "mid block and output layers"
+        self.report.notes.append(f"out of memory in the whole-latent stage ({part})")
+        raise VAEOutOfMemory(
+            f"{self.spec.kind}: out of memory in the whole-latent stage ({part} on a {b}x{h}x{w} "
+            f"latent, about {self.global_bytes() / 2**20:.0f} MiB estimated at any tile size): no "
+            "tile size makes this stage smaller. Free memory (unload other models) or make the "
+            "image smaller."
+        )
+
+    def global_bytes(self) -> int:
+        """The global stage's own peak estimate (the part no tile size changes)."""
+        return estimate_components(
+            self.spec, tuple(self.x.shape), self.dtype, tile=1, mode="exact", backend=self.backend
+        ).global_peak
 
     def untiled_host(self, original_forward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
         """Try the host's own forward; None on OOM (after release) or on non-finite output."""
