@@ -536,6 +536,22 @@ def test_channel_stats_match_float64_on_crops_batches_and_constant_channels():
     assert channel_stats(views[0])[1][1, 5].item() == 0.0
 
 
+def test_channel_stats_fall_back_to_var_mean_without_the_cpu_kernel(monkeypatch):
+    from lib_vram.vae import _engine
+
+    def missing(*args):
+        raise NotImplementedError(
+            "Could not run 'aten::batch_norm_update_stats' with arguments from the 'CPU' backend"
+        )
+
+    monkeypatch.setattr(_engine, "_BN_STATS", missing)
+    x = torch.randn(2, 8, 9, 11, generator=torch.Generator().manual_seed(23))[..., 1:8, 2:10]
+    mean, var = _engine.channel_stats(x)
+    rv, rm = torch.var_mean(x.double(), dim=(2, 3), correction=0)
+    assert (mean - rm).abs().max().item() < 1e-6 and (var - rv).abs().max().item() < 1e-6
+    assert _engine._BN_STATS is None  # asked once, not at every GroupNorm
+
+
 def test_fast_mode_tiles_compute_no_statistics_of_their_own(monkeypatch):
     from lib_vram.vae import _api, _engine
 

@@ -200,6 +200,7 @@ def channel_stats(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     measured on a 128 x 512² crop of a larger map, 31 ms against 115 ms for ``torch.var_mean``,
     whose per-element Welford update made the statistics the tiled decode's largest cost after
     the convolutions. Elsewhere (CUDA, half precision) ``var_mean``, in float32 at least."""
+    global _BN_STATS
     b, ch = c.shape[:2]
     if (
         _BN_STATS is not None
@@ -207,8 +208,13 @@ def channel_stats(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         and c.dtype in (torch.float32, torch.float64)
         and c.shape[-2] * c.shape[-1] > 0
     ):
-        mean, var = _BN_STATS(c.reshape(1, b * ch, *c.shape[-2:]), None, None, 0.0)
-        return mean.double().view(b, ch), var.double().view(b, ch)
+        try:
+            mean, var = _BN_STATS(c.reshape(1, b * ch, *c.shape[-2:]), None, None, 0.0)
+        except NotImplementedError:  # a torch build without the CPU kernel: var_mean from now on
+            logger.debug("batch_norm_update_stats has no CPU kernel here; using var_mean")
+            _BN_STATS = None
+        else:
+            return mean.double().view(b, ch), var.double().view(b, ch)
     if c.dtype not in (torch.float32, torch.float64):
         c = c.float()
     var, mean = torch.var_mean(c, dim=(2, 3), correction=0)
