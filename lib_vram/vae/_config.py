@@ -132,6 +132,7 @@ class VAEReport:
     oom_retries: list[int] = field(default_factory=list)
     """Tile sizes that ran out of memory, in the order tried (0 = the untiled attempt)."""
     attention_chunk: int | None = None
+    """Queries per attention call in the mid block (all of them where one fused call runs it)."""
     recomputed: list[Recompute] = field(default_factory=list)
     peak_estimate_bytes: int = 0
     budget_bytes: int = 0

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._attention import DEFAULT_SCORE_BYTES, attention
+from ._attention import DEFAULT_SCORE_BYTES, attention, cpu_flash_available, query_chunk
 from ._config import Interrupted, Recompute, VAEReport
 from ._layout import Attention, Resnet, VAESpec
 
@@ -536,10 +536,11 @@ def _seg_attn(run: Run, t: TT, aff: Affine, at: Attention) -> TT:
             run.call(m, y).flatten(2).transpose(1, 2).contiguous().unsqueeze(1) for m in (at.q, at.k, at.v)
         )
         del y
-    run.report.attention_chunk = min(
-        q.shape[2], max(1, run.score_bytes // max(1, b * q.shape[1] * k.shape[2] * 4))
+    fused = cpu_flash_available(q)
+    run.report.attention_chunk = (
+        q.shape[2] if fused else min(q.shape[2], query_chunk(b, q.shape[1], k.shape[2], run.score_bytes))
     )
-    o = attention(q, k, v, scale=at.scale, max_bytes=run.score_bytes)
+    o = attention(q, k, v, scale=at.scale, max_bytes=run.score_bytes, fused=fused)
     del q, k, v
     if at.linear:
         o = o.transpose(1, 2).reshape(b, h * w, -1)
