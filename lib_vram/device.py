@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 import psutil
 import torch
 
+from . import emulate
+
 logger = logging.getLogger(__name__)
 
 GiB = 1024**3
@@ -94,6 +96,8 @@ class MemoryInfo:
     process_rss: int
     system_total: int
     system_available: int
+    emulated: str | None = None
+    """The emulated card's label when ``total``/``free`` describe one (:mod:`lib_vram.emulate`)."""
 
     @property
     def used(self) -> int:
@@ -144,9 +148,17 @@ def memory_info(device: torch.device | str | None = None) -> MemoryInfo:
         if recommended is not None:
             total = int(recommended())
         free = max(0, min(int(vm.available), total - reserved))
+    card = emulate.current(dev)
+    if card is not None:
+        # an emulated card (``--emulate-vram``): its size and use stand for the device's
+        total, free = card.capacity, card.free_bytes
+        if backend is Backend.CPU:
+            allocated = reserved = card.used_bytes
+            peak_alloc = peak_res = card.peak_bytes
     return MemoryInfo(
         device=str(dev),
         backend=backend.value,
+        emulated=None if card is None else card.label,
         total=total,
         free=free,
         allocated=allocated,
@@ -166,6 +178,8 @@ def free_bytes(device: torch.device | str | None = None) -> int:
     (the cache can be handed out again without asking the driver).
     """
     info = memory_info(device)
+    if info.emulated is not None:
+        return info.free
     if info.reserved is not None and info.allocated is not None and info.backend in ("cuda", "rocm", "xpu"):
         return info.free + max(0, info.reserved - info.allocated)
     return info.free

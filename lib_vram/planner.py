@@ -198,7 +198,7 @@ def learnable_peak(record: object, input_bytes: int = 0) -> int | None:
     """
     if record is None or not getattr(record, "ok", False) or not getattr(record, "exact", False):
         return None
-    if getattr(record, "measure", None) != "allocated":
+    if getattr(record, "measure", None) not in ("allocated", "emulated"):
         return None
     return max(0, int(record.peak_bytes) - int(record.start_bytes)) + int(input_bytes)
 

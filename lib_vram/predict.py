@@ -4,12 +4,12 @@ How it works
 ------------
 PyTorch's fake-tensor mode (``torch._subclasses.fake_tensor.FakeTensorMode``) runs the real model
 code - the same Python, the same aten operators, the same shapes and dtypes - without allocating or
-computing anything. :class:`LiveBytesCounter` is a ``TorchDispatchMode`` pushed inside it: every
-operator's outputs are registered by their storage, and a ``weakref.finalize`` on each storage
-subtracts its bytes when Python frees it. The high-water mark of that running total is the peak of
-the bytes the stage's operators allocate, in the order the real code allocates and frees them
-(in-place ops and views share a storage and are not counted twice). A 1024² SD VAE decode is counted
-in ~0.2 s.
+computing anything. :class:`LiveBytesCounter` (:mod:`lib_vram.livebytes`) is a ``TorchDispatchMode``
+pushed inside it: every operator's outputs are registered by their storage, and a
+``weakref.finalize`` on each storage subtracts its bytes when Python frees it. The high-water mark
+of that running total is the peak of the bytes the stage's operators allocate, in the order the
+real code allocates and frees them (in-place ops and views share a storage and are not counted
+twice). A 1024² SD VAE decode is counted in ~0.2 s.
 
 What the count covers and what it does not:
 
@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from .livebytes import LiveBytesCounter, WorkspaceTerm
+
+__all__ = ["LiveBytesCounter", "WorkspaceTerm"]  # re-exported: callers import them from here
 
 logger = logging.getLogger(__name__)
 
@@ -55,23 +56,6 @@ def dtype_of(name: str | torch.dtype) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"`dtype` must be one of {tuple(DTYPES)}, got {name!r}")
     return DTYPES[name]
-
-
-_CONV_OPS = frozenset(
-    {
-        # what the dispatcher shows: ``convolution`` normally, the composite ``convN d`` entry points
-        # under ``torch.inference_mode`` (the engines run there)
-        "aten::convolution",
-        "aten::_convolution",
-        "aten::mkldnn_convolution",
-        "aten::conv1d",
-        "aten::conv2d",
-        "aten::conv3d",
-        "aten::conv_transpose1d",
-        "aten::conv_transpose2d",
-        "aten::conv_transpose3d",
-    }
-)
 
 
 def _nbytes(shape: tuple[int, ...] | torch.Size, elem: int) -> int:
@@ -125,70 +109,12 @@ def cuda_conv_workspace_bytes(
     return 0
 
 
-WorkspaceTerm = Callable[[tuple, tuple, tuple, int, bool], int]
-"""``(input_shape, weight_shape, output_shape, element_size, input_contiguous) -> bytes``."""
-
 WORKSPACE_TERMS: dict[str, WorkspaceTerm] = {
     "cpu": cpu_conv_workspace_bytes,
     "cuda": cuda_conv_workspace_bytes,
     "rocm": cuda_conv_workspace_bytes,
 }
 """Per-backend convolution scratch terms; backends not listed have none (0)."""
-
-
-class LiveBytesCounter(TorchDispatchMode):
-    """Counts the bytes of live tensor storages created by operators, and their peak.
-
-    Use it inside a ``FakeTensorMode`` (it works with real tensors too). Storages that existed
-    before the counter was entered (weights, inputs) are not counted unless :meth:`track` is called
-    on them.
-    """
-
-    def __init__(self, workspace: WorkspaceTerm | None = None) -> None:
-        super().__init__()
-        self.live_bytes = 0
-        self.peak_bytes = 0
-        self.ops = 0
-        self.workspace = workspace
-        """Scratch term for convolutions (see :data:`WORKSPACE_TERMS`); ``None``: not counted."""
-        self.workspace_peak_bytes = 0
-        """The largest scratch the term added at one convolution."""
-        self._sizes: dict[int, int] = {}
-
-    def _free(self, key: int) -> None:
-        self.live_bytes -= self._sizes.pop(key, 0)
-
-    def track(self, tensor: torch.Tensor) -> None:
-        """Count ``tensor``'s storage (once) until it is freed."""
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        if key in self._sizes:
-            return
-        nbytes = int(storage.nbytes())
-        self._sizes[key] = nbytes
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(storage, self._free, key)
-
-    def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops += 1
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.track(t)
-        if self.workspace is not None and func.name() in _CONV_OPS and isinstance(out, torch.Tensor):
-            inp, weight = args[0], args[1]
-            elem = out.element_size()
-            contiguous = inp.is_contiguous() or inp.is_contiguous(memory_format=torch.channels_last)
-            shapes = (tuple(inp.shape), tuple(weight.shape), tuple(out.shape))
-            scratch = self.workspace(*shapes, elem, contiguous)
-            self.workspace_peak_bytes = max(self.workspace_peak_bytes, scratch)
-            # the scratch lives while the operator runs, next to its output: a transient peak
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes + scratch)
-        return out
 
 
 def new_fake_mode() -> FakeTensorMode:

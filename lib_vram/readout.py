@@ -24,6 +24,8 @@ key                 meaning
                     the last job: ``stage`` (id), ``label``, ``peak_bytes``, ``plan`` (or
                     ``null``), ``seconds`` (summed), ``count`` (times it ran), ``ok``, ``exact``
                     (``false``: the peak is a sampled lower bound), ``error`` (or ``null``)
+``emulated``        the emulated card's label (``--emulate-vram``, :mod:`lib_vram.emulate`) when
+                    ``memory`` describes one, else ``null``
 ``notes``           list of strings (warnings, the CPU-only notice, what a release freed)
 ``html``            the readout's inner HTML (what the JS puts into the page)
 =================== ==========================================================================
@@ -79,6 +81,9 @@ STAGE_ALIASES: dict[str, str] = {
 """Tracker stage names that mean one of :data:`STAGES`."""
 
 CPU_ONLY_NOTE = "CPU only: no GPU is in use, so VRAM Guard shows system RAM."
+EMULATED_NOTE = (
+    "Emulated card: {label} (--emulate-vram); memory is counted and capped in software, not a real GPU."
+)
 
 _LABELS = dict(KNOWN_STAGES)
 _ORDER = {sid: i for i, (sid, _label) in enumerate(KNOWN_STAGES)}
@@ -150,8 +155,13 @@ def status_payload(
     ``to_dict()``); a stage that ran several times is merged (highest peak, summed time).
     """
     cpu_only = memory.backend == "cpu"
+    emulated = getattr(memory, "emulated", None)
     note_list = [str(n) for n in notes]
-    if cpu_only and CPU_ONLY_NOTE not in note_list:
+    if emulated:
+        note = EMULATED_NOTE.format(label=emulated)
+        if note not in note_list:
+            note_list.insert(0, note)
+    elif cpu_only and CPU_ONLY_NOTE not in note_list:
         note_list.insert(0, CPU_ONLY_NOTE)
     payload: dict[str, Any] = {
         "schema": SCHEMA,
@@ -160,7 +170,7 @@ def status_payload(
         "backend": memory.backend,
         "cpu_only": cpu_only,
         "memory": {
-            "basis": "system RAM" if cpu_only else "device memory",
+            "basis": "emulated device memory" if emulated else "system RAM" if cpu_only else "device memory",
             "total_bytes": memory.total,
             "used_bytes": memory.used,
             "free_bytes": memory.free,
@@ -170,6 +180,7 @@ def status_payload(
             "system_total_bytes": memory.system_total,
             "system_available_bytes": memory.system_available,
         },
+        "emulated": emulated,
         "job_running": bool(job_running),
         "stages": _stages(records),
         "notes": note_list,
@@ -215,7 +226,12 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
         "</div>",
         f'<div class="vram-guard-bar"><span style="width:{pct:.1f}%"></span></div>',
     ]
-    if payload.get("cpu_only"):
+    if payload.get("emulated"):
+        parts.append(
+            f'<div class="vram-guard-emulated">{_e(payload["emulated"])}: emulated device memory, '
+            "not a real GPU — out-of-memory errors are raised at its capacity.</div>"
+        )
+    elif payload.get("cpu_only"):
         rss = format_bytes(mem.get("process_rss_bytes"))
         parts.append(f'<div class="vram-guard-cpu">CPU only — this process uses {_e(rss)} of RAM.</div>')
     stages = payload.get("stages") or []

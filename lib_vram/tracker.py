@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from . import emulate
 from .device import Backend, backend_of, process_rss, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ class StageRecord:
     exact: bool = True
     """False when the peak came from sampling (a lower bound), see the module docstring."""
     measure: str = "allocated"
-    """``"allocated"`` (accelerator allocator) or ``"rss"`` (CPU process memory)."""
+    """``"allocated"`` (accelerator allocator), ``"rss"`` (CPU process memory) or ``"emulated"``
+    (an emulated card's use, :mod:`lib_vram.emulate`)."""
     plan: str | None = None
     """The plan the stage used (e.g. ``"exact t64"``), set by the engine through :meth:`StageTracker.note`."""
     notes: dict = field(default_factory=dict)
@@ -101,25 +103,41 @@ class StageRecord:
 
 
 class _Counter:
-    """Backend counters behind one small interface: current, peak, reset."""
+    """Backend counters behind one small interface: current, peak, reset.
+
+    While an emulated card (:mod:`lib_vram.emulate`) stands for the device, its use and peak are
+    the counters (measure ``"emulated"``): that is the memory the card enforces."""
 
     def __init__(self, device: torch.device, owns_peak_counters: bool) -> None:
         self.device = device
         self.backend = backend_of(device)
         self.owns = owns_peak_counters
         self.accel = self.backend in (Backend.CUDA, Backend.ROCM, Backend.XPU)
-        self.measure = "allocated" if self.accel or self.backend is Backend.MPS else "rss"
+        self._measure = "allocated" if self.accel or self.backend is Backend.MPS else "rss"
         self.hwm_ok = False
-        if self.measure == "rss":
+        if self._measure == "rss":
             self.hwm_ok = _read_vm_hwm() is not None and _reset_vm_hwm()
+
+    def _card(self) -> emulate.EmulatedCard | None:
+        card = emulate.current(self.device)
+        return card if card is not None and card.device.type == "cpu" else None
+
+    @property
+    def measure(self) -> str:
+        return "emulated" if self._card() is not None else self._measure
 
     @property
     def resettable(self) -> bool:
-        if self.measure == "rss":
+        if self._card() is not None:
+            return self.owns
+        if self._measure == "rss":
             return self.hwm_ok
         return self.accel and self.owns
 
     def current(self) -> int:
+        card = self._card()
+        if card is not None:
+            return card.used_bytes
         if self.backend in (Backend.CUDA, Backend.ROCM):
             return int(torch.cuda.memory_allocated(self.device))
         if self.backend is Backend.XPU:
@@ -130,11 +148,14 @@ class _Counter:
 
     def peak(self) -> int | None:
         """The backend's high-water mark, or ``None`` where there is none."""
+        card = self._card()
+        if card is not None:
+            return card.peak_bytes
         if self.backend in (Backend.CUDA, Backend.ROCM):
             return int(torch.cuda.max_memory_allocated(self.device))
         if self.backend is Backend.XPU:
             return int(torch.xpu.max_memory_allocated(self.device))
-        if self.measure == "rss" and self.hwm_ok:
+        if self._measure == "rss" and self.hwm_ok:
             return _read_vm_hwm()
         return None
 
@@ -146,7 +167,10 @@ class _Counter:
     def reset(self) -> None:
         if not self.resettable:
             return
-        if self.measure == "rss":
+        card = self._card()
+        if card is not None:
+            card.reset_peak()
+        elif self._measure == "rss":
             _reset_vm_hwm()
         elif self.backend in (Backend.CUDA, Backend.ROCM):
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -71,6 +71,7 @@ def test_payload_keys_are_stable():
         "backend",
         "cpu_only",
         "memory",
+        "emulated",
         "job_running",
         "stages",
         "notes",

@@ -204,9 +204,9 @@ def run_case(case: dict) -> dict:
     import torch
 
     from ..device import resolve_device
+    from ..livebytes import LiveBytesCounter
     from ..tracker import _read_vm_hwm, _reset_vm_hwm
     from ..upscale import UpscaleConfig, UpscaleReport, as_spec, context, load_model, upscale_tensor
-    from ..upscale._calibrate import LiveBytes
 
     workdir = Path(case["workdir"])
     device = resolve_device(case.get("device"))
@@ -221,10 +221,10 @@ def run_case(case: dict) -> dict:
 
     # Working-set meter: allocator peak on CUDA, live bytes inside forward passes elsewhere.
     meter = {"peak": 0}
-    modes: list[LiveBytes] = []
+    modes: list[LiveBytesCounter] = []
 
     def pre(module, args):  # noqa: ANN001
-        m = LiveBytes()
+        m = LiveBytesCounter()
         m.__enter__()
         modes.append(m)
         meter["in"] = args[0].numel() * args[0].element_size()
@@ -232,7 +232,7 @@ def run_case(case: dict) -> dict:
     def post(module, args, out):  # noqa: ANN001
         m = modes.pop()
         m.__exit__(None, None, None)
-        meter["peak"] = max(meter["peak"], m.peak + meter.get("in", 0))
+        meter["peak"] = max(meter["peak"], m.peak_bytes + meter.get("in", 0))
 
     if not cuda:
         model.model.register_forward_pre_hook(pre)

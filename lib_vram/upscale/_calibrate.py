@@ -4,9 +4,10 @@ Both are measured once per (model, dtype, device type) with a few small forward 
 an in-process cache (weakly keyed by the model object, so a dropped model drops its entry).
 
 * **Bytes per pixel** is the peak of live tensor bytes created inside one forward pass on a probe
-  tile, divided by its pixels. It is counted with a ``TorchDispatchMode`` (every op's output
-  storage is added when created and subtracted when freed), so it works the same on every backend
-  and needs no global peak counters (the WebUI's memory line relies on those).
+  tile, divided by its pixels. It is counted with :class:`lib_vram.livebytes.LiveBytesCounter`
+  (every op's output storage is added when created and subtracted when freed), so it works the
+  same on every backend and needs no global peak counters (the WebUI's memory line relies on
+  those).
 * **Effective context** is how many input pixels of context a tile needs so that its core matches
   the untiled output to within ``CONTEXT_TOL``: a random image-like probe is upscaled whole, then
   its centre is re-run as crops with growing margins and compared. Theoretical receptive fields are
@@ -20,10 +21,9 @@ import weakref
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..device import is_oom_error, release
+from ..livebytes import LiveBytesCounter
 from ._adapter import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -42,38 +42,8 @@ PROBE_CORE = 8
 PROBE_PX = 64
 
 
-class LiveBytes(TorchDispatchMode):
-    """Counts the peak of live bytes of tensors created by torch ops inside the mode."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._ptrs: set[int] = set()
-
-    def _free(self, ptr: int, nbytes: int) -> None:
-        if ptr in self._ptrs:
-            self._ptrs.discard(ptr)
-            self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, Tensor):
-                continue
-            try:
-                storage = t.untyped_storage()
-                ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            except (RuntimeError, NotImplementedError):
-                continue
-            if ptr == 0 or ptr in self._ptrs:
-                continue
-            self._ptrs.add(ptr)
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._free, ptr, nbytes)
-        return out
-
+LiveBytes = LiveBytesCounter
+"""The name this package exported before the counters were merged (:mod:`lib_vram.livebytes`)."""
 
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -108,11 +78,11 @@ def measure_bytes_per_px(spec: ModelSpec, device: torch.device, dtype: torch.dty
         p += 1
     channels = spec.input_channels or 3
     x = _probe_image(p, channels, device, dtype)
-    counter = LiveBytes()
+    counter = LiveBytesCounter()
     with torch.inference_mode(), counter:
         y = spec.forward(x)
     del y
-    return counter.peak / float(p * p)
+    return counter.peak_bytes / float(p * p)
 
 
 def measure_context(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> int:

@@ -1,0 +1,394 @@
+"""A small GPU in software: an emulated device memory of N bytes on any machine.
+
+``with EmulatedCard(4 * GiB):`` puts the code inside on a 4 GiB card:
+
+* **on the CPU** every tensor storage that an operator creates in that thread counts against the
+  card's capacity (live bytes, :class:`lib_vram.livebytes.LiveBytesCounter` with a capped ledger),
+  and the allocation that would cross it raises ``torch.OutOfMemoryError`` with a CUDA-like message
+  - the exception CUDA raises, so :func:`lib_vram.device.is_oom_error`, the engines' retries and the
+  WebUI's own error handling see the real thing. Convolutions also count the backend's transient
+  scratch (``predict.WORKSPACE_TERMS``), as the planner predicts them.
+* **on CUDA** the same switch caps the process with ``torch.cuda.set_per_process_memory_fraction``
+  (the caching allocator then raises the real error) and puts the previous fraction back on exit.
+
+Bytes that are already "on the card" when it starts (model weights) are passed as ``resident``
+(bytes or modules) and count as used. The memory probes (:func:`lib_vram.device.memory_info`,
+``free_bytes``, the readout, the status route, the Auto preset) report the emulated card's total and
+free memory while a card is active in the calling thread or installed process-wide
+(:func:`install`, what the ``--emulate-vram`` CLI flag and the WebUI's
+``--vram-guard-emulate-vram`` flag do), so Auto plans for the emulated card.
+
+Tensors that an engine keeps in *host* memory (parked tile state, a CPU-side accumulator) are
+device memory too when the device is the CPU; engines call :func:`to_host` / :func:`to_device` on
+them so that the card counts what a GPU would hold. :func:`separate_host` tells an engine whether
+host and device memory are distinct for a device (always on an accelerator; on the CPU only under
+an emulated card).
+
+Dispatch modes are per thread: a card entered in one thread does not see another thread's
+operators. Enter it in each thread that should run on it (the WebUI adapter does this per job).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from .livebytes import Ledger, LiveBytesCounter
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024**3
+MiB = 1024**2
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int, option: str = "--emulate-vram") -> int:
+    """``"6GB"``/``"6G"``/``"6GiB"`` -> 6 GiB, ``"4096MB"`` -> 4 GiB (card sizes are binary: a "6 GB"
+    card has 6 GiB). Integers are bytes. One clear error naming ``option`` otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m:
+            raise ValueError(f"`{option}` must look like 6GB, 5.5GiB or 4096MB, got {text!r}")
+        mult = GiB if (m.group(2) or "gb").lower().startswith("g") else MiB
+        value = int(float(m.group(1)) * mult)
+    if value <= 0:
+        raise ValueError(f"`{option}` must be > 0, got {text!r}")
+    return value
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.2f} MiB"
+
+
+def module_bytes(modules: Iterable[torch.nn.Module]) -> int:
+    """Bytes of the distinct parameter/buffer storages of ``modules`` (weights "on the card")."""
+    seen: set[int] = set()
+    total = 0
+    for m in modules:
+        for t in list(m.parameters()) + list(m.buffers()):
+            if t.device.type == "meta":
+                continue
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            total += int(st.nbytes())
+    return total
+
+
+class _CardLedger(Ledger):
+    """A ledger that refuses to cross the card's capacity."""
+
+    def __init__(self, card: EmulatedCard) -> None:
+        super().__init__()
+        self._card = weakref.ref(card)
+
+    def admit(self, nbytes: int, transient: bool = False) -> None:
+        card = self._card()
+        if card is not None:
+            card._admit(self.live_bytes, nbytes, transient)
+
+
+class EmulatedCard:
+    """An emulated device memory of ``capacity`` bytes (see the module docstring).
+
+    Args:
+        capacity: the card's size in bytes (or a string such as ``"4GB"``).
+        device: the device it stands for: ``"cpu"`` (counted by a dispatch mode) or ``"cuda"``
+            (capped with ``set_per_process_memory_fraction``).
+        resident: bytes already on the card when it starts, or modules whose weights are.
+        workspace: count the backend's convolution scratch as a transient allocation (default True;
+            the planner's predictions count it too).
+        label: how the readout and the log name it (default ``"emulated 4.00 GiB card"``).
+    """
+
+    def __init__(
+        self,
+        capacity: int | str,
+        *,
+        device: torch.device | str = "cpu",
+        resident: int | Iterable[torch.nn.Module] = 0,
+        workspace: bool = True,
+        label: str | None = None,
+    ) -> None:
+        self.capacity = parse_size(capacity)
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"an emulated card stands for the CPU or a CUDA device, not {self.device.type!r}"
+            )
+        self.resident_bytes = resident if isinstance(resident, int) else module_bytes(resident)
+        self.label = label or f"emulated {_gib(self.capacity)} card"
+        self.ledger = _CardLedger(self)
+        self.ooms = 0
+        """How many allocations this card refused."""
+        self.last_oom: str | None = None
+        self._workspace = workspace
+        self._local = threading.local()
+        self._lock = threading.RLock()
+        self._cuda_depth = 0
+        self._cuda_saved: float | None = None
+        self.peak_used_bytes = self.resident_bytes
+
+    # -- accounting --------------------------------------------------------------------------
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of tensors allocated on the card since it started, alive now."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return self.ledger.live_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_reserved(self.device))
+        return self.resident_bytes + self.ledger.live_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity - self.used_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest use (resident + live) since the card started or :meth:`reset_peak`."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(self.peak_used_bytes, self.resident_bytes + self.ledger.peak_bytes)
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self.ledger.reset_peak()
+        self.peak_used_bytes = self.used_bytes
+
+    def set_resident(self, resident: int | Iterable[torch.nn.Module]) -> None:
+        """Replace the resident bytes (e.g. a new checkpoint was loaded between jobs)."""
+        self.resident_bytes = resident if isinstance(resident, int) else module_bytes(resident)
+
+    def _admit(self, live: int, nbytes: int, transient: bool) -> None:
+        used = self.resident_bytes + live
+        if used + nbytes <= self.capacity:
+            return
+        self.ooms += 1
+        what = "scratch" if transient else "tensor"
+        msg = (
+            f"CUDA out of memory. Tried to allocate {_gib(nbytes)} ({what}). {self.label} has a total "
+            f"capacity of {_gib(self.capacity)} of which {_gib(max(0, self.capacity - used))} is free. "
+            f"Of the allocated memory {_gib(live)} is allocated by tensors and {_gib(self.resident_bytes)} "
+            "was resident when the card started (VRAM Guard's emulated device memory, not a real GPU)."
+        )
+        self.last_oom = msg
+        logger.debug("%s refused %d bytes: %s", self.label, nbytes, msg)
+        raise torch.OutOfMemoryError(msg)
+
+    # -- host/device roles ------------------------------------------------------------------
+    def _mode(self) -> LiveBytesCounter | None:
+        stack = getattr(self._local, "stack", None)
+        return stack[-1] if stack else None
+
+    def to_host(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is held in host memory from now on: stop counting it against the card."""
+        if self.device.type == "cpu":
+            try:
+                self.ledger.remove(tensor.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                pass
+
+    def to_device(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is back on the device: count it again (may raise the card's OOM)."""
+        if self.device.type == "cpu":
+            try:
+                self.ledger.add(tensor.untyped_storage())
+            except (RuntimeError, NotImplementedError) as exc:
+                if isinstance(exc, torch.OutOfMemoryError):
+                    raise
+
+    # -- entering ---------------------------------------------------------------------------
+    def __enter__(self) -> EmulatedCard:
+        if self.device.type == "cuda":
+            self._enter_cuda()
+        else:
+            from .predict import WORKSPACE_TERMS
+
+            mode = LiveBytesCounter(
+                WORKSPACE_TERMS.get("cpu") if self._workspace else None, ledger=self.ledger, real_only=True
+            )
+            mode.__enter__()
+            stack = getattr(self._local, "stack", None)
+            if stack is None:
+                stack = self._local.stack = []
+            stack.append(mode)
+        _push(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _pop(self)
+        if self.device.type == "cuda":
+            self._exit_cuda()
+            return
+        stack = self._local.stack
+        mode = stack.pop()
+        mode.__exit__(None, None, None)
+        self.peak_used_bytes = max(self.peak_used_bytes, self.resident_bytes + self.ledger.peak_bytes)
+
+    @property
+    def active_here(self) -> bool:
+        """Whether this thread runs on the card now."""
+        return bool(getattr(self._local, "stack", None)) or (
+            self.device.type == "cuda" and self._cuda_depth > 0
+        )
+
+    def _enter_cuda(self) -> None:
+        with self._lock:
+            self._cuda_depth += 1
+            if self._cuda_depth > 1:
+                return
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            fraction = min(1.0, self.capacity / total)
+            getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+            self._cuda_saved = float(getter(self.device)) if getter is not None else 1.0
+            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+            logger.info("%s: CUDA capped at %.4f of %s", self.label, fraction, _gib(total))
+
+    def _exit_cuda(self) -> None:
+        with self._lock:
+            self._cuda_depth -= 1
+            if self._cuda_depth > 0:
+                return
+            torch.cuda.set_per_process_memory_fraction(
+                self._cuda_saved if self._cuda_saved is not None else 1.0, self.device
+            )
+
+    def describe(self) -> dict:
+        """What the readout and the status route show about the card."""
+        return {
+            "label": self.label,
+            "capacity_bytes": self.capacity,
+            "resident_bytes": self.resident_bytes,
+            "used_bytes": self.used_bytes,
+            "peak_bytes": self.peak_bytes,
+            "ooms": self.ooms,
+        }
+
+    def __repr__(self) -> str:
+        return f"<EmulatedCard {self.label} on {self.device}, used {_gib(self.used_bytes)}>"
+
+
+# -- which card is active ------------------------------------------------------------------
+
+_tls = threading.local()
+_ACTIVE: list[weakref.ref[EmulatedCard]] = []
+_ACTIVE_LOCK = threading.Lock()
+_INSTALLED: EmulatedCard | None = None
+
+
+def _push(card: EmulatedCard) -> None:
+    stack = getattr(_tls, "stack", None)
+    if stack is None:
+        stack = _tls.stack = []
+    stack.append(card)
+    with _ACTIVE_LOCK:
+        _ACTIVE.append(weakref.ref(card))
+
+
+def _pop(card: EmulatedCard) -> None:
+    stack = getattr(_tls, "stack", [])
+    if stack and stack[-1] is card:
+        stack.pop()
+    with _ACTIVE_LOCK:
+        for i in range(len(_ACTIVE) - 1, -1, -1):
+            if _ACTIVE[i]() is card:
+                del _ACTIVE[i]
+                break
+
+
+def install(card: EmulatedCard | None) -> EmulatedCard | None:
+    """Make ``card`` the process-wide emulated card (memory probes report it even where no thread
+    has entered it); ``None`` removes it. Returns the previous one."""
+    global _INSTALLED
+    previous, _INSTALLED = _INSTALLED, card
+    if card is not None:
+        logger.warning("VRAM Guard: running on an %s (emulated device memory, not a real GPU)", card.label)
+    return previous
+
+
+def installed() -> EmulatedCard | None:
+    return _INSTALLED
+
+
+def current(device: torch.device | str | None = None) -> EmulatedCard | None:
+    """The emulated card that stands for ``device`` (``None``: any): the one entered by this thread,
+    else one entered by another thread, else the installed one; ``None`` when there is none."""
+    dtype = None if device is None else torch.device(device).type
+
+    def ok(card: EmulatedCard | None) -> bool:
+        return card is not None and (dtype is None or card.device.type == dtype)
+
+    for card in reversed(getattr(_tls, "stack", [])):
+        if ok(card):
+            return card
+    with _ACTIVE_LOCK:
+        others = [r() for r in reversed(_ACTIVE)]
+    for card in others:
+        if ok(card):
+            return card
+    return _INSTALLED if ok(_INSTALLED) else None
+
+
+def running_here(device: torch.device | str | None = None) -> EmulatedCard | None:
+    """The card this thread's operators are counted on now (entered in this thread), or ``None``."""
+    dtype = None if device is None else torch.device(device).type
+    for card in reversed(getattr(_tls, "stack", [])):
+        if dtype is None or card.device.type == dtype:
+            return card
+    return None
+
+
+def separate_host(device: torch.device | str) -> bool:
+    """Whether host memory is distinct from ``device``'s memory: always on an accelerator; on the
+    CPU only while this thread runs on an emulated card (then host memory is what the card does not
+    count)."""
+    dev = torch.device(device)
+    return dev.type != "cpu" or running_here(dev) is not None
+
+
+def to_host(tensor: torch.Tensor | None) -> None:
+    """Tell the card this thread runs on (if any) that ``tensor`` now lives in host memory."""
+    if tensor is None:
+        return
+    card = running_here(tensor.device)
+    if card is not None:
+        card.to_host(tensor)
+
+
+def to_device(tensor: torch.Tensor | None) -> None:
+    """Tell the card this thread runs on (if any) that ``tensor`` is device memory again."""
+    if tensor is None:
+        return
+    card = running_here(tensor.device)
+    if card is not None:
+        card.to_device(tensor)
+
+
+@contextlib.contextmanager
+def running_on(card: EmulatedCard | None) -> Iterator[EmulatedCard | None]:
+    """``with running_on(card):`` enters ``card`` in this thread unless it already runs here
+    (re-entrant use from nested stages); ``None`` does nothing."""
+    if card is None or card.active_here:
+        yield card
+        return
+    with card:
+        yield card
