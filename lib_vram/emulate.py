@@ -112,6 +112,10 @@ class EmulatedCard:
         workspace: count the backend's convolution scratch as a transient allocation (default True;
             the planner's predictions count it too).
         label: how the readout and the log name it (default ``"emulated 4.00 GiB card"``).
+        inject_oom_at: make the n-th allocation after the card started (1 = the first) fail once
+            with the card's out-of-memory error, whatever the capacity says, as when another process
+            takes the memory for a moment: how tests make the error fire at the first, a middle and
+            the last allocation of a stage. :attr:`allocations` counts them (a dry run tells n).
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class EmulatedCard:
         resident: int | Iterable[torch.nn.Module] = 0,
         workspace: bool = True,
         label: str | None = None,
+        inject_oom_at: int | None = None,
     ) -> None:
         self.capacity = parse_size(capacity)
         self.device = torch.device(device)
@@ -141,6 +146,11 @@ class EmulatedCard:
         self._cuda_depth = 0
         self._cuda_saved: float | None = None
         self.peak_used_bytes = self.resident_bytes
+        self.allocations = 0
+        """Allocations counted so far (tensors and convolution scratch)."""
+        self.inject_oom_at = inject_oom_at
+        self.injected = False
+        """Whether the injected error (``inject_oom_at``) has fired."""
 
     # -- accounting --------------------------------------------------------------------------
     @property
@@ -180,10 +190,13 @@ class EmulatedCard:
 
     def _admit(self, live: int, nbytes: int, transient: bool) -> None:
         used = self.resident_bytes + live
-        if used + nbytes <= self.capacity:
+        self.allocations += 1
+        inject = not self.injected and self.inject_oom_at == self.allocations
+        if used + nbytes <= self.capacity and not inject:
             return
+        self.injected = self.injected or inject
         self.ooms += 1
-        what = "scratch" if transient else "tensor"
+        what = ("scratch" if transient else "tensor") + (", injected" if inject else "")
         msg = (
             f"CUDA out of memory. Tried to allocate {_gib(nbytes)} ({what}). {self.label} has a total "
             f"capacity of {_gib(self.capacity)} of which {_gib(max(0, self.capacity - used))} is free. "

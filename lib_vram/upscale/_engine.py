@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import planner
+from .. import emulate, planner
 from ..device import free_bytes, is_oom_error, release, resolve_device
 from ..geometry import split_axis
 from ._adapter import ModelSpec, as_spec, choose_dtype
@@ -189,6 +189,9 @@ class _Run:
         """The plan that finished (after any out-of-memory retries)."""
         self.predict: Callable[[int, int], planner.Candidate] | None = None
         """(tile, batch) -> the plan as a planner candidate with its predicted peak."""
+        self.host_roles = (False, False)
+        """Whether the accumulator and the padded input sit in host memory apart from the device's
+        (tells an emulated card not to count them, :func:`lib_vram.emulate.to_host`)."""
 
     def learn_oom(self, tile: int, batch: int) -> None:
         if self.predict is not None:
@@ -246,13 +249,17 @@ class _Run:
         rep.budget_bytes = budget
         acc_bytes = bsz * ch * hp * s * wp * s * 4
         in_bytes = bsz * ch * hp * wp * itemsize
+        # host memory is distinct from the device's on an accelerator and on an emulated card
+        host_apart = emulate.separate_host(device)
         if cfg.accumulate_on == "auto":
-            fits = device.type == "cpu" or acc_bytes + in_bytes <= budget // 2
-            acc_dev = device if fits else torch.device("cpu")
+            acc_host = host_apart and acc_bytes + in_bytes > budget // 2
         else:
-            acc_dev = device if cfg.accumulate_on == "device" else torch.device("cpu")
-        in_dev = device if acc_dev == device or in_bytes <= budget * INPUT_ON_DEVICE_FRACTION else acc_dev
-        tile_budget = budget - (acc_bytes if acc_dev == device else 0) - (in_bytes if in_dev == device else 0)
+            acc_host = cfg.accumulate_on != "device"
+        acc_dev = torch.device("cpu") if acc_host else device
+        in_host = acc_host and in_bytes > budget * INPUT_ON_DEVICE_FRACTION
+        in_dev = acc_dev if in_host else device
+        self.host_roles = (acc_host and host_apart, in_host and host_apart)
+        tile_budget = budget - (0 if acc_host else acc_bytes) - (0 if in_host else in_bytes)
 
         max_dim = max(hp, wp)
         whole = spec.tiling == "internal" or (cfg.tile is None and hp * wp * per_px <= tile_budget)
@@ -340,6 +347,8 @@ class _Run:
         logger.debug("upscale plan: %s, %d tiles, budget %.0f MiB", rep.plan, len(tiles), budget / 2**20)
 
         xp = _pad(x.to(device=in_dev, dtype=dtype), hp - h, wp - w)
+        if self.host_roles[1]:
+            emulate.to_host(xp)
         out = self.loop(xp, tiles, tile, halo, feather, batch, min_tile, acc_dev)
         self.ran = self.predict(rep.tile, rep.batch)
         res = out[:, :, : h * s, : w * s]
@@ -418,6 +427,8 @@ class _Run:
                 )
             if acc is None:
                 acc = torch.zeros(bsz, out.shape[1], h_out, w_out, dtype=torch.float32, device=acc_dev)
+                if self.host_roles[0]:
+                    emulate.to_host(acc)
             if out.device != acc.device:
                 out = out.to(acc.device)
             for i, t in enumerate(group):

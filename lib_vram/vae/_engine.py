@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import emulate
 from ._attention import DEFAULT_SCORE_BYTES, attention, cpu_flash_available, query_chunk
 from ._config import Interrupted, Recompute, VAEReport
 from ._layout import Attention, Resnet, VAESpec
@@ -350,6 +351,9 @@ class Run:
         pin = self.offload.type == "cpu" and self.device.type == "cuda"
         st.h = self._move(st.h, self.offload, pin)
         st.res = st.h if same else self._move(st.res, self.offload, pin)
+        for t in (st.h, None if same else st.res):
+            if t is not None:
+                emulate.to_host(t.data)  # an emulated card stops counting it (host memory)
         st.parked = _tt_bytes(st.h) + (0 if same else _tt_bytes(st.res))
         self.parked_bytes += st.parked
         self.report.parked_peak_bytes = max(self.report.parked_peak_bytes, self.parked_bytes)
@@ -362,6 +366,9 @@ class Run:
         st.parked = 0
         st.h = self._move(st.h, self.device, False)
         st.res = st.h if same else self._move(st.res, self.device, False)
+        for t in (st.h, None if same else st.res):
+            if t is not None:
+                emulate.to_device(t.data)  # back on the (emulated) device: may raise its OOM
 
     # guarded segments --------------------------------------------------------------------
     def seg(self, st: TileState, fn: Callable[..., TT], *args: Any) -> TT:
