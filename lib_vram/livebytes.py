@@ -50,6 +50,16 @@ def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``, without allocating anything (a bookkeeping tensor would
+    count against an emulated card)."""
+    size = getattr(dtype, "itemsize", None)  # torch >= 2.1
+    if size is not None:
+        return int(size)
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    return info.bits // 8
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or isinstance(t, FakeTensor)
 

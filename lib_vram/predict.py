@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .livebytes import LiveBytesCounter, WorkspaceTerm
+from .livebytes import LiveBytesCounter, WorkspaceTerm, itemsize
 
 __all__ = ["LiveBytesCounter", "WorkspaceTerm"]  # re-exported: callers import them from here
 
@@ -156,7 +156,7 @@ def weights_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None) -> 
         seen.add(id(t))
         size = t.element_size()
         if dtype is not None and t.is_floating_point():
-            size = torch.empty((), dtype=dtype, device="meta").element_size()
+            size = itemsize(dtype)
         total += t.numel() * size
     return total
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..device import is_oom_error, release
-from ..livebytes import LiveBytesCounter
+from ..livebytes import LiveBytesCounter, itemsize
 from ._adapter import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def _cached(spec: ModelSpec, key: tuple, compute, fallback):  # noqa: ANN001
 def bytes_per_px(spec: ModelSpec, device: torch.device, dtype: torch.dtype, *, measure: bool = True) -> float:
     """Working-set bytes per input pixel: measured once per (model, dtype, device type), else
     predicted from ``DEFAULT_BYTES_PER_PX_FP32``."""
-    predicted = DEFAULT_BYTES_PER_PX_FP32 * torch.empty((), dtype=dtype).element_size() / 4.0
+    predicted = DEFAULT_BYTES_PER_PX_FP32 * itemsize(dtype) / 4.0
     if not measure:
         return predicted
     key = ("bpp", dtype, device.type)

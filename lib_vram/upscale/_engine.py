@@ -34,6 +34,7 @@ from torch import Tensor
 from .. import emulate, planner
 from ..device import free_bytes, is_oom_error, release, resolve_device
 from ..geometry import split_axis
+from ..livebytes import itemsize as elem_size
 from ._adapter import ModelSpec, as_spec, choose_dtype
 from ._calibrate import bytes_per_px, context
 from ._types import Interrupted, UpscaleConfig, UpscaleError, UpscaleReport
@@ -238,7 +239,7 @@ class _Run:
         spec, cfg, rep, device, dtype = self.spec, self.cfg, self.rep, self.device, self.dtype
         bsz, ch, h, w = x.shape
         s = spec.scale
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = elem_size(dtype)
         auto_size = cfg.tile is None or cfg.batch is None
         per_px = bytes_per_px(spec, device, dtype, measure=cfg.calibrate and auto_size) + ch * itemsize
         rep.bytes_per_px = per_px

@@ -383,6 +383,10 @@ class _Pass:
             self.record(mode, tile, oom=True)
             release(self.device)
             nxt = smaller(tile)
+            if nxt is None and self.report.oom_retries.count(tile) == 1:
+                # the smallest tile, first failure: once more after the release (the error may
+                # have been a moment of pressure, not this tile's own size)
+                nxt = tile
             if nxt is None:
                 raise VAEOutOfMemory(
                     f"{spec.kind}: out of memory even with the smallest tile ({tile}); "
@@ -521,40 +525,25 @@ def _run_pass(
     t0 = time.perf_counter()
     with _stage(tracker, stage), torch.no_grad():
         p = _Pass(spec, x, config, rep, should_interrupt, progress, tracker, memory)
-        out = None
-        if config.mode == "auto":
-            untiled = False
-            if config.tile is None:
-                cands = [p.candidate(None, "exact"), *p.tile_candidates("exact")]
-                pick, fits = p.choose(cands, "exact")
-                # untiled only when it fits: when nothing does, tiles (at least the output and the
-                # upper levels' activations shrink with them)
-                untiled = fits and pick.tile is None
-            if untiled:
-                if original_forward is not None:
-                    out = p.untiled_host(original_forward)
-                else:
-                    b, _, h, w = x.shape
-                    full = math.ceil(max(h, w) / (spec.factor if spec.kind == "encoder" else 1))
-                    p2 = _Pass(
-                        spec,
-                        x,
-                        TiledVAEConfig(**{**_fields(config), "tile": full, "mode": "exact"}),
-                        rep,
-                        should_interrupt,
-                        progress,
-                        tracker,
-                        memory,
-                    )
-                    out = p2.tiled("exact")
-                    if rep.oom_retries:
-                        p.record("exact", None, oom=True)  # the untiled attempt (tile = everything)
-                    else:
-                        rep.mode = "untiled"
-            if out is None:
-                out = p.tiled("exact")
-        else:
-            out = p.tiled(config.mode)
+        for attempt in range(2):
+            failed = False
+            try:
+                out = _attempt(
+                    p, spec, x, config, original_forward, rep, should_interrupt, progress, tracker, memory
+                )
+            except Exception as exc:
+                if attempt or not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
+                    raise
+                failed = True
+            if not failed:
+                break
+            # an allocation outside the tile loop (the input's cast, the output's dtype, the final
+            # check) failed: out of the except block, release and run the pass once more
+            release(p.device)
+            rep.notes.append("out of memory outside the tile loop: released and ran the pass again")
+            logger.info(
+                "%s: out of memory outside the tile loop; released, running the pass again", spec.kind
+            )
         rep.seconds = time.perf_counter() - t0
         if tracker is not None:
             tracker.note(
@@ -568,6 +557,57 @@ def _run_pass(
         measured = planner.learnable_peak(tracker.last(stage), x.numel() * p.dtype.itemsize)
     ran_mode = "exact" if rep.mode == "untiled" else rep.mode
     p.record(ran_mode, None if rep.mode == "untiled" else rep.tile, oom=False, measured=measured)
+    return out
+
+
+def _attempt(
+    p: _Pass,
+    spec: VAESpec,
+    x: torch.Tensor,
+    config: TiledVAEConfig,
+    original_forward: Callable[[torch.Tensor], torch.Tensor] | None,
+    rep: VAEReport,
+    should_interrupt: Callable[[], bool] | None,
+    progress: Callable[[int, int], None] | None,
+    tracker: StageTracker | None,
+    memory: planner.PlanMemory | None,
+) -> torch.Tensor:
+    """One try of a pass: auto's choice (untiled through the host's forward, or tiled) or the
+    configured mode."""
+    out = None
+    if config.mode == "auto":
+        untiled = False
+        if config.tile is None:
+            cands = [p.candidate(None, "exact"), *p.tile_candidates("exact")]
+            pick, fits = p.choose(cands, "exact")
+            # untiled only when it fits: when nothing does, tiles (at least the output and the
+            # upper levels' activations shrink with them)
+            untiled = fits and pick.tile is None
+        if untiled:
+            if original_forward is not None:
+                out = p.untiled_host(original_forward)
+            else:
+                b, _, h, w = x.shape
+                full = math.ceil(max(h, w) / (spec.factor if spec.kind == "encoder" else 1))
+                p2 = _Pass(
+                    spec,
+                    x,
+                    TiledVAEConfig(**{**_fields(config), "tile": full, "mode": "exact"}),
+                    rep,
+                    should_interrupt,
+                    progress,
+                    tracker,
+                    memory,
+                )
+                out = p2.tiled("exact")
+                if rep.oom_retries:
+                    p.record("exact", None, oom=True)  # the untiled attempt (tile = everything)
+                else:
+                    rep.mode = "untiled"
+        if out is None:
+            out = p.tiled("exact")
+    else:
+        out = p.tiled(config.mode)
     return out
 
 

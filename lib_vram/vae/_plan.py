@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..geometry import grid, overhead
+from ..livebytes import itemsize
 from ..predict import WORKSPACE_TERMS
 from ._attention import DEFAULT_SCORE_BYTES, cpu_flash_kernel
 from ._engine import needs, split_first_level
@@ -27,7 +28,7 @@ TILE_CANDIDATES = (256, 192, 160, 128, 112, 96, 80, 64, 56, 48, 40, 32, 24, 16, 
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return itemsize(dtype)
 
 
 def _resnet_units(blk: Resnet) -> tuple[int, int]:
@@ -192,6 +193,7 @@ def estimate_components(
 
     core = None if (tile is None or mode == "untiled") else int(tile) * (f if spec.kind == "encoder" else 1)
     lock_step = mode == "exact" and state_on_device and core is not None
+    offloaded = mode == "exact" and not state_on_device and core is not None
     # fast decode tiles only what follows the first level's ResNets (they run on the whole latent
     # with the mid block): a shorter path and a smaller halo
     tspec = split_first_level(spec)[1] if mode == "fast" and core is not None else spec
@@ -221,6 +223,9 @@ def estimate_components(
                 work = max(work, b * px * s * wu)
                 if parks:
                     parked = max(parked, int(b * lh * lw * ov * s * pu))
+                elif offloaded:
+                    # state parked off the device: the tile being worked on still holds its own
+                    parked = max(parked, int(b * px * s * pu))
                 wsp = max(wsp, ws(blk.in_channels, blk.out_channels, 3, px, px))
                 c_prev = blk.out_channels
             c_last = lv.blocks[-1].out_channels if lv.blocks else c_prev
