@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from .cli import add_emulate_argument
+
 NAME = "bench"
 HELP = "Run a benchmark (each case in a fresh process) and print a side-by-side table."
 
@@ -17,6 +19,7 @@ TARGETS: dict[str, str] = {
     "upscale": "lib_vram.bench.upscale",
     "planner": "lib_vram.bench.planner",
     "vae-estimate": "lib_vram.bench.vae_estimate",
+    "emulate": "lib_vram.bench.emulate",
 }
 
 
@@ -26,6 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for name, module_name in TARGETS.items():
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        add_emulate_argument(p)
         module.configure(p)
         p.set_defaults(_bench_run=module.run)
 

@@ -10,6 +10,9 @@ from pathlib import Path
 NAME = "upscale"
 HELP = "Upscale an image (or every image in a folder) with an ESRGAN-family model file, tiled to fit memory."
 
+RUNS_MODELS = True
+"""Gets the ``--emulate-vram`` switch (lib_vram.cli)."""
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 MAX_PASSES = 3
 

@@ -34,9 +34,48 @@ def build_parser() -> argparse.ArgumentParser:
     for module_name in COMMANDS:
         module = importlib.import_module(module_name)
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        if getattr(module, "RUNS_MODELS", False):
+            add_emulate_argument(p)
         module.configure(p)
         p.set_defaults(_run=module.run)
     return parser
+
+
+EMULATE_ENV = "VRAM_GUARD_EMULATE_VRAM"
+"""Set by ``--emulate-vram`` for the benchmarks' child processes (each case runs in a fresh one)."""
+
+
+def add_emulate_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--emulate-vram",
+        metavar="SIZE",
+        default=None,
+        help="run on an emulated card of this size (e.g. 4GB): device memory is counted in software "
+        "and an allocation past SIZE raises CUDA's out-of-memory error; on CUDA, caps this process "
+        "at SIZE (torch.cuda.set_per_process_memory_fraction). For seeing what a small card does on "
+        "any machine.",
+    )
+
+
+def emulated_card(args: argparse.Namespace):  # noqa: ANN201
+    """The card ``--emulate-vram`` (or the environment a parent process set) asks for, or None.
+    Raises ValueError naming the option for a bad size or device."""
+    import os
+
+    size = getattr(args, "emulate_vram", None) or os.environ.get(EMULATE_ENV)
+    if not size:
+        return None
+    import torch
+
+    from .emulate import EmulatedCard, parse_size
+
+    capacity = parse_size(size, "--emulate-vram")
+    device = getattr(args, "device", None)
+    kind = torch.device(device).type if device else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"`--emulate-vram` emulates a card on the CPU or CUDA, not on {kind!r}")
+    os.environ[EMULATE_ENV] = size  # the benchmarks' child processes run on the same card
+    return EmulatedCard(capacity, device=kind)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        return int(args._run(args) or 0)
+        card = emulated_card(args)
+        if card is None:
+            return int(args._run(args) or 0)
+        from . import emulate
+
+        previous = emulate.install(card)
+        try:
+            with card:
+                return int(args._run(args) or 0)
+        finally:
+            emulate.install(previous)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
