@@ -20,6 +20,7 @@ TARGETS: dict[str, str] = {
     "planner": "lib_vram.bench.planner",
     "vae-estimate": "lib_vram.bench.vae_estimate",
     "emulate": "lib_vram.bench.emulate",
+    "gpu": "lib_vram.bench.gpu",
 }
 
 

@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         from . import emulate
 
         previous = emulate.install(card)
+        logging.getLogger("lib_vram").warning(
+            "running on an %s (--emulate-vram): memory is counted in software, not a real GPU", card.label
+        )
         try:
             with card:
                 return int(args._run(args) or 0)

@@ -334,7 +334,7 @@ def install(card: EmulatedCard | None) -> EmulatedCard | None:
     global _INSTALLED
     previous, _INSTALLED = _INSTALLED, card
     if card is not None:
-        logger.warning("VRAM Guard: running on an %s (emulated device memory, not a real GPU)", card.label)
+        logger.info("VRAM Guard: running on an %s (emulated device memory, not a real GPU)", card.label)
     return previous
 
 

@@ -1,0 +1,331 @@
+"""``python -m lib_vram bench gpu``: everything a GPU should measure, in one prepared call.
+
+For the rare minutes a GPU is at hand: one command, under ~8 minutes on one GPU, one JSON file.
+
+1. ``env``: the device, torch/CUDA versions, capabilities.
+2. ``matrix``: each stage (full-size SD VAE decode/encode in FP16, a full-size RRDB x4 upscale)
+   plain vs VRAM Guard on 4/6/8 GB cards made with ``torch.cuda.set_per_process_memory_fraction``
+   (:class:`lib_vram.emulate.EmulatedCard` on CUDA), with an SD1.5 checkpoint's 2.1 GB of weights
+   resident as a real allocation: OK/OOM, plan, ``max_memory_allocated``/cap, fidelity against the
+   uncapped plain output, time.
+3. ``decode_2048``: the FP16 2048² decode untiled vs exact t64 vs fast t64 (``max_memory_allocated``,
+   time, PSNR against the untiled FP32 decode).
+4. ``upscale_batch``: the tiled upscaler batched (auto) vs one tile at a time, same tile size.
+5. ``cudnn_workspace``: per convolution shape of the VAE and the upscaler, the peak above input,
+   output and weights (``max_memory_allocated`` around one call after a warm-up): the data that
+   calibrates ``predict.cuda_conv_workspace_bytes``, with a fitted ``bytes = a * max(in, out)``.
+
+Without CUDA it runs the parts that make sense on the CPU at small sizes (the matrix on the
+emulated CPU card, the batched-vs-single upscale) and lists what it skipped and why, so the
+command is tested here and the first GPU yields the numbers in one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from .emulate import GB, RESIDENT_REAL, VAE_FULL, VAE_NARROW, _fidelity, _image, _latent, _ldm, _rrdb, _timed
+
+HELP = "One prepared GPU run (< 8 min): capped 4/6/8 GB matrix, fp16 2048² decode, upscale batching, cuDNN."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out", type=Path, default=Path("vram_guard_gpu.json"), help="the JSON file to write"
+    )
+    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new parts after this")
+    parser.add_argument("--cards", default="4,6,8", help="card sizes in GB (default 4,6,8)")
+
+
+class _Clock:
+    def __init__(self, budget: float) -> None:
+        self.t0 = time.perf_counter()
+        self.budget = budget
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.t0)
+
+
+def _env(device) -> dict:  # noqa: ANN001
+    import torch
+
+    from lib_vram.device import capabilities, memory_info
+
+    cudnn = torch.backends.cudnn.version() if device.type == "cuda" else None
+    return {"capabilities": capabilities(device).__dict__, "memory": memory_info(device).to_dict(),
+            "torch": torch.__version__, "cudnn": cudnn}  # fmt: skip
+
+
+def _reset(device) -> None:  # noqa: ANN001
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device, card=None) -> int | None:  # noqa: ANN001
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None if card is None else card.peak_bytes
+
+
+def _stage(stage: str, px: int, device, dtype):  # noqa: ANN001
+    """(module, plain(), guarded(reports), data range)."""
+    import torch
+
+    from lib_vram import planner
+    from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
+    from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
+
+    if stage.startswith("vae"):
+        kind = "decoder" if stage == "vae_decode" else "encoder"
+        mod = _ldm(kind, VAE_FULL if device.type == "cuda" else VAE_NARROW).to(device, dtype)
+        x = (_latent(px) if kind == "decoder" else _image(px) * 2 - 1).to(device, dtype)
+        fn = tiled_decode if kind == "decoder" else tiled_encode
+
+        def plain():
+            with torch.no_grad():
+                return mod(x)
+
+        def guarded(reports):
+            reports.append(VAEReport())
+            return fn(mod, x, config=TiledVAEConfig(mode="auto"), report=reports[-1],
+                      original_forward=mod.forward, memory=planner.PlanMemory())  # fmt: skip
+
+        return mod, plain, guarded, 2.0
+    import tempfile
+
+    tmp = tempfile.mkdtemp()
+    desc = _rrdb(tmp, full=device.type == "cuda")
+    desc.to(device)
+    if dtype != torch.float32:
+        desc.to(dtype)
+    x = _image(px).to(device, dtype)
+
+    def plain_up():
+        with torch.inference_mode():
+            return desc(x)
+
+    def guarded_up(reports):
+        reports.append(UpscaleReport())
+        prec = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+        return upscale_tensor(desc, x.float(), config=UpscaleConfig(precision=prec), report=reports[-1],
+                              memory=planner.PlanMemory())  # fmt: skip
+
+    return desc.model, plain_up, guarded_up, 1.0
+
+
+def matrix(device, cards: list[int], clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
+    import torch
+
+    from lib_vram.device import is_oom_error
+    from lib_vram.emulate import EmulatedCard, install
+
+    cuda = device.type == "cuda"
+    dtype = torch.float16 if cuda else torch.float32
+    scale = 1.0 if cuda else 0.5  # the CPU run stands for FP16 at full width (see bench emulate)
+    sizes = {"vae_decode": (1024, 2048), "vae_encode": (2048,), "upscale": (512,)} if cuda else {
+        "vae_decode": (512,), "vae_encode": (512,), "upscale": (128,)}  # fmt: skip
+    out = []
+    for stage, pxs in sizes.items():
+        for px in pxs:
+            if clock.left() < 60:
+                skipped.append(f"matrix {stage} {px}²: out of time")
+                continue
+            _reset(device)
+            module, plain, guarded, rng = _stage(stage, px, device, dtype)
+            ref, _, ref_cpu = _timed(plain)
+            ref = ref.float().cpu()
+            for gb in cards:
+                cap = int(gb * GB * scale)
+                rec = {
+                    "stage": stage,
+                    "image_px": px,
+                    "card_gb": gb,
+                    "card_bytes": cap,
+                    "device": str(device),
+                }
+                for which in ("plain", "guarded"):
+                    _reset(device)
+                    card = EmulatedCard(
+                        cap, device=device.type, resident=0 if cuda else int(RESIDENT_REAL * scale)
+                    )
+                    previous = install(card)
+                    reports: list = []
+                    try:
+                        with card:
+                            # the checkpoint's weights on the card, for real (CUDA)
+                            held = (
+                                torch.empty(RESIDENT_REAL, dtype=torch.uint8, device=device) if cuda else None
+                            )
+                            t0 = time.perf_counter()
+                            res = plain() if which == "plain" else guarded(reports)
+                            if cuda:
+                                torch.cuda.synchronize(device)
+                            rec[f"{which}_seconds"] = round(time.perf_counter() - t0, 3)
+                            rec[f"{which}_ok"] = True
+                            if which == "guarded":
+                                rec.update(_fidelity(res.float().cpu(), ref, rng))
+                                rec["plan"] = getattr(reports[-1], "plan", None)
+                            del res, held
+                    except Exception as exc:
+                        if not is_oom_error(exc):
+                            raise
+                        rec[f"{which}_ok"] = False
+                        rec[f"{which}_error"] = str(exc)[:160]
+                    finally:
+                        install(previous)
+                    rec[f"{which}_peak_bytes"] = _peak(device, card)
+                rec["peak_over_cap"] = round((rec["guarded_peak_bytes"] or 0) / cap, 3)
+                rec["ref_cpu_s"] = round(ref_cpu, 3)
+                out.append(rec)
+            del module, plain, guarded, ref
+    return out
+
+
+def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
+    import torch
+
+    from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode
+
+    if device.type != "cuda":
+        skipped.append("decode_2048: needs CUDA (FP16 at 2048² with a full-size VAE)")
+        return []
+    dec = _ldm("decoder", VAE_FULL).to(device)
+    z = _latent(2048).to(device)
+    _reset(device)
+    with torch.no_grad():
+        ref = dec(z).float().cpu()
+    dec.half()
+    out = []
+    half = torch.float16
+    cases = (("untiled", None), ("exact t64", TiledVAEConfig(mode="exact", tile=64, dtype=half)),
+             ("fast t64", TiledVAEConfig(mode="fast", tile=64, dtype=half)))  # fmt: skip
+    for name, cfg in cases:
+        if clock.left() < 30:
+            skipped.append(f"decode_2048 {name}: out of time")
+            continue
+        _reset(device)
+        rep = VAEReport()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            y = dec(z.half()) if cfg is None else tiled_decode(dec, z.half(), config=cfg, report=rep)
+        torch.cuda.synchronize(device)
+        secs = round(time.perf_counter() - t0, 3)
+        rec = {"case": name, "seconds": secs, "max_memory_allocated": _peak(device),
+               "recomputed": len(rep.recomputed)}  # fmt: skip
+        rec.update(_fidelity(y.float().cpu(), ref, 2.0))
+        out.append(rec)
+        del y
+    return out
+
+
+def upscale_batch(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
+    import tempfile
+
+    import torch
+
+    from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
+
+    cuda = device.type == "cuda"
+    desc = _rrdb(tempfile.mkdtemp(), full=cuda)
+    desc.to(device)
+    x = _image(512 if cuda else 96).to(device)
+    out = []
+    for name, batch in (("batched (auto)", None), ("one tile at a time", 1)):
+        if clock.left() < 20:
+            skipped.append(f"upscale_batch {name}: out of time")
+            continue
+        _reset(device)
+        rep = UpscaleReport()
+        cfg = UpscaleConfig(tile=128 if cuda else 32, batch=batch, precision="fp16" if cuda else "fp32")
+        t0 = time.perf_counter()
+        upscale_tensor(desc, x, config=cfg, report=rep)
+        if cuda:
+            torch.cuda.synchronize(device)
+        out.append({"case": name, "plan": rep.plan, "seconds": round(time.perf_counter() - t0, 3),
+                    "max_memory_allocated": _peak(device)})  # fmt: skip
+    return out
+
+
+def cudnn_workspace(device, clock: _Clock, skipped: list[str]) -> dict:  # noqa: ANN001
+    import torch
+
+    if device.type != "cuda":
+        skipped.append("cudnn_workspace: needs CUDA")
+        return {}
+    shapes = [(512, 512, 64), (512, 512, 128), (256, 256, 256), (128, 128, 512), (128, 3, 512), (64, 64, 256),
+              (3, 64, 256), (64, 64, 512)]  # (in_ch, out_ch, px)  # fmt: skip
+    rows = []
+    for dt in (torch.float16, torch.float32):
+        for cin, cout, px in shapes:
+            if clock.left() < 10:
+                skipped.append("cudnn_workspace: out of time")
+                break
+            conv = torch.nn.Conv2d(cin, cout, 3, padding=1).to(device, dt)
+            x = torch.randn(1, cin, px, px, device=device, dtype=dt)
+            with torch.no_grad():
+                conv(x)  # warm-up: cuDNN picks its algorithm
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                y = conv(x)
+                torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - base
+            out_b = y.numel() * y.element_size()
+            in_b = x.numel() * x.element_size()
+            rows.append({"dtype": str(dt), "in_ch": cin, "out_ch": cout, "px": px, "input_bytes": in_b,
+                         "output_bytes": out_b, "workspace_bytes": max(0, peak - out_b)})  # fmt: skip
+            del conv, x, y
+    fit = None
+    pairs = [(max(r["input_bytes"], r["output_bytes"]), r["workspace_bytes"]) for r in rows]
+    den = sum(a * a for a, _ in pairs)
+    if den:
+        fit = sum(a * w for a, w in pairs) / den
+    return {"rows": rows, "fit_bytes_per_max_in_out": fit,
+            "benchmark_flag": bool(torch.backends.cudnn.benchmark)}  # fmt: skip
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from lib_vram.device import resolve_device
+
+    cuda = torch.cuda.is_available()
+    device = resolve_device("cuda" if cuda else "cpu")
+    clock = _Clock(args.budget_s)
+    skipped: list[str] = []
+    if not cuda:
+        skipped.append("no CUDA device: the matrix ran on the emulated CPU card at small sizes (x0.5 scale)")
+    cards = [int(c) for c in args.cards.split(",")]
+    result: dict = {"schema": 1, "device": str(device), "env": _env(device)}
+    for name, part in (("matrix", lambda: matrix(device, cards, clock, skipped)),
+                       ("decode_2048", lambda: decode_2048(device, clock, skipped)),
+                       ("upscale_batch", lambda: upscale_batch(device, clock, skipped)),
+                       ("cudnn_workspace", lambda: cudnn_workspace(device, clock, skipped))):  # fmt: skip
+        t0 = time.perf_counter()
+        result[name] = part()
+        result.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 2)
+        _write(args.out, {**result, "skipped": skipped})  # what is done survives a later failure
+    result["skipped"] = skipped
+    _write(args.out, result)
+    print(f"wrote {args.out} ({sum(result['seconds'].values()):.0f} s)")
+    for line in skipped:
+        print(f"skipped: {line}")
+    return 0
