@@ -347,9 +347,12 @@ def test_upscale_plain_fails_where_the_engine_fits(tiny_rrdb):
     with probe, torch.inference_mode():
         ref = tiny_rrdb(x)
     cap = probe.resident_bytes + (probe.peak_bytes - probe.resident_bytes) // 3
-    with EmulatedCard(cap, resident=[tiny_rrdb.model]), torch.inference_mode():
-        with pytest.raises(torch.OutOfMemoryError):
-            tiny_rrdb(x)
+    with (
+        EmulatedCard(cap, resident=[tiny_rrdb.model]),
+        torch.inference_mode(),
+        pytest.raises(torch.OutOfMemoryError),
+    ):
+        tiny_rrdb(x)
     card = EmulatedCard(cap, resident=[tiny_rrdb.model])
     rep = UpscaleReport()
     with card:

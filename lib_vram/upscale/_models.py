@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..device import release, resolve_device
+from ..device import is_oom_error, release, resolve_device
 from ._types import UpscaleError
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,10 @@ def _load_uncached(path: Path, device: torch.device, dtype: torch.dtype | None) 
     except Exception as exc:  # torch.load/safetensors raise many types for a damaged file
         if isinstance(exc, (KeyboardInterrupt, MemoryError)):
             raise
+        if is_oom_error(exc):  # the device (or an emulated card) is full: not the file's fault
+            raise UpscaleError(
+                f"{path.name}: out of memory loading the model ({str(exc).split('.')[0]})"
+            ) from exc
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         msg = f"{path.name}: corrupt or unreadable model file ({type(exc).__name__}: {reason})"
         raise UpscaleError(msg) from exc
