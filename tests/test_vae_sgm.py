@@ -447,3 +447,49 @@ def test_sgm_and_ldm_layouts_plan_alike(sgm_model):
     assert estimate_peak_bytes(senc, img, torch.float32, tile=16, mode="exact") == estimate_peak_bytes(
         lenc, img, torch.float32, tile=16, mode="exact"
     )
+
+
+def test_the_planner_dry_run_runs_the_engine_on_sgm_modules(sgm_model):
+    """``predict_engine_vae`` runs the engine on fake tensors with the module's weights (what the
+    planner does with the WebUI's SDXL VAE): it runs on sgm and predicts what it predicts for ldm."""
+    from vae_models import ldm_decoder, ldm_encoder
+
+    from lib_vram.stageplan import predict_engine_vae
+
+    pairs = (
+        ("decode", sgm_decoder(sgm_model, ch_mult=(1, 2, 2)), ldm_decoder(ch_mult=(1, 2, 2)), (1, 4, 24, 20)),
+        ("encode", sgm_encoder(sgm_model, ch_mult=(1, 2, 2)), ldm_encoder(ch_mult=(1, 2, 2)), (1, 3, 96, 80)),
+    )
+    for kind, sgm_mod, ldm_mod, shape in pairs:
+        for tile in (None, 8):
+            s = predict_engine_vae(sgm_mod, kind, shape, torch.float16, tile=tile)
+            lp = predict_engine_vae(ldm_mod, kind, shape, torch.float16, tile=tile)
+            assert s.raw_activation_bytes > 0, (kind, tile)
+            assert s.raw_activation_bytes == lp.raw_activation_bytes, (kind, tile)
+            assert s.weights_bytes == lp.weights_bytes
+
+
+def test_mid_block_attention_chunked_and_fused_match_sgms_sdp_attention(sgm_model):
+    """sgm's ``AttnBlock`` computes the mid-block attention with ``scaled_dot_product_attention``
+    (ldm's with bmm + softmax). A 64x48 latent has 3072 tokens: its float32 score matrix (36 MiB) is
+    above the engine's 32 MiB score limit, so without a fused kernel the engine chunks the queries;
+    with the CPU flash kernel it makes one fused call. Both equal the sgm module's own output."""
+    from lib_vram.vae._attention import cpu_flash_kernel
+
+    dec = sgm_decoder(sgm_model, seed=13)
+    z = smooth_latent(1, 4, 64, 48, seed=13)
+    ref = _ref(dec, z)
+    n = 64 * 48
+    seen = {}
+    for flash in (False, True):
+        torch.backends.cuda.enable_flash_sdp(flash)
+        try:
+            rep = VAEReport()
+            out = tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=32), report=rep)
+        finally:
+            torch.backends.cuda.enable_flash_sdp(True)
+        seen[flash] = rep.attention_chunk
+        assert _err(out, ref) <= EXACT_TOL, flash
+    assert seen[False] is not None and seen[False] < n  # chunked: the N x N matrix never existed
+    if cpu_flash_kernel(torch.float32):
+        assert seen[True] == n  # one fused call
