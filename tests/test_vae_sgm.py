@@ -71,15 +71,11 @@ if _skip_reason() is not None:
     pytest.skip(_skip_reason() or "", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def sgm_model():
-    """``sgm.modules.diffusionmodules.model``, imported without ``sgm/__init__``."""
-    root = _sgm_root()
-    assert root is not None
+def import_sgm_model(root: Path):
+    """Register ``sgm``, ``sgm.modules``, ``sgm.modules.diffusionmodules`` as empty packages whose
+    ``__path__`` points into the checkout at ``root`` and import
+    ``sgm.modules.diffusionmodules.model`` (undo with :func:`forget_sgm`)."""
     pkg = root / "sgm"
-    before = {k for k in sys.modules if k == "sgm" or k.startswith("sgm.")}
-    if before:
-        pytest.skip(f"sgm not importable here: another sgm is already imported ({sorted(before)[0]})")
     paths = {
         "sgm": pkg,
         "sgm.modules": pkg / "modules",
@@ -92,17 +88,32 @@ def sgm_model():
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # "no module 'xformers'. Processing without..."
             import sgm.modules.diffusionmodules.model as model
-    except ImportError as exc:
-        _forget_sgm()
-        pytest.skip(f"sgm not importable: {exc}")
+    except ImportError:
+        forget_sgm()
+        raise
     assert Path(model.__file__).resolve() == (paths["sgm.modules.diffusionmodules"] / "model.py").resolve()
-    yield model
-    _forget_sgm()
+    return model
 
 
-def _forget_sgm() -> None:
+def forget_sgm() -> None:
     for k in [k for k in sys.modules if k == "sgm" or k.startswith("sgm.")]:
         del sys.modules[k]
+
+
+@pytest.fixture(scope="module")
+def sgm_model():
+    """``sgm.modules.diffusionmodules.model``, imported without ``sgm/__init__``."""
+    root = _sgm_root()
+    assert root is not None
+    before = sorted(k for k in sys.modules if k == "sgm" or k.startswith("sgm."))
+    if before:
+        pytest.skip(f"sgm not importable here: another sgm is already imported ({before[0]})")
+    try:
+        model = import_sgm_model(root)
+    except ImportError as exc:
+        pytest.skip(f"sgm not importable: {exc}")
+    yield model
+    forget_sgm()
 
 
 def _quiet():
@@ -493,3 +504,43 @@ def test_mid_block_attention_chunked_and_fused_match_sgms_sdp_attention(sgm_mode
     assert seen[False] is not None and seen[False] < n  # chunked: the N x N matrix never existed
     if cpu_flash_kernel(torch.float32):
         assert seen[True] == n  # one fused call
+
+
+def test_decoders_built_through_sgms_factory_hooks(sgm_model):
+    """sgm's ``Decoder`` builds its blocks through ``_make_resblock``/``_make_conv``/``_make_attn``
+    (later sgm overrides them for a video decoder whose ResNets carry a ``time_stack``). A subclass
+    whose blocks compute more than their plain parts is refused, naming the part; one that returns
+    the plain classes through the hooks is tiled exactly."""
+
+    class TimeStackResBlock(sgm_model.ResnetBlock):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.time_stack = torch.nn.Conv2d(self.out_channels, self.out_channels, 1)
+
+        def forward(self, x, temb, **kwargs):
+            h = super().forward(x, temb)
+            return h + self.time_stack(h)
+
+    class TimeDecoder(sgm_model.Decoder):
+        def _make_resblock(self):
+            return TimeStackResBlock
+
+    class PlainHooksDecoder(sgm_model.Decoder):
+        def _make_resblock(self):
+            return sgm_model.ResnetBlock
+
+        def _make_conv(self):
+            return torch.nn.Conv2d
+
+    kw = dict(ch=32, out_ch=3, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=[], in_channels=3)
+    with _quiet():
+        torch.manual_seed(14)
+        timed = TimeDecoder(resolution=64, z_channels=4, **kw).eval()
+        torch.manual_seed(14)
+        plain = PlainHooksDecoder(resolution=64, z_channels=4, **kw).eval()
+    z = smooth_latent(1, 4, 10, 12, seed=14)
+    assert not is_supported_decoder(timed)
+    with pytest.raises(ValueError, match="mid.block_1: TimeStackResBlock has parts .*: time_stack"):
+        tiled_decode(timed, z, config=TiledVAEConfig(mode="exact", tile=4))
+    out = tiled_decode(plain, z, config=TiledVAEConfig(mode="exact", tile=4))
+    assert _err(out, _ref(plain, z)) <= EXACT_TOL
