@@ -62,6 +62,20 @@ def test_ldm_decoder_flags_give_pre_end_and_tanh_out():
         assert (out - ref).abs().max().item() < EXACT_TOL, kw
 
 
+def test_ldm_vanilla_xformers_block_is_tiled_without_xformers():
+    """ldm's ``attn_type="vanilla-xformers"`` builds a ``MemoryEfficientAttnBlock`` (what the WebUI
+    gets where xformers is installed): the same weights as ``vanilla``; the engine computes the
+    attention itself, so its output equals the vanilla twin's forward."""
+    xdec = ldm_decoder(attn_type="vanilla-xformers", seed=3)
+    assert type(xdec.mid.attn_1).__name__ == "MemoryEfficientAttnBlock"
+    vdec = ldm_decoder(attn_type="vanilla", seed=4)
+    assert type(vdec.mid.attn_1).__name__ == "AttnBlock"
+    vdec.load_state_dict(xdec.state_dict())
+    z = smooth_latent(1, 4, 12, 10, seed=24)
+    out = tiled_decode(xdec, z, config=TiledVAEConfig(mode="exact", tile=4))
+    assert (out - _ref(vdec, z)).abs().max().item() < EXACT_TOL
+
+
 @pytest.mark.parametrize("latent_channels", [4, 16])
 def test_diffusers_decode_exact(latent_channels):
     vae = diffusers_vae(latent_channels)
@@ -411,6 +425,34 @@ def test_supported_layouts_and_clear_errors():
     ):
         with pytest.raises(ValueError, match="`" + next(iter(bad)) + "`"):
             TiledVAEConfig(**bad)
+
+
+def test_blocks_with_parts_the_engine_does_not_compute_are_refused_by_name():
+    """A block that does more than its plain parts (later sgm's video decoder: a ResNet with a
+    ``time_stack``, a ``conv_out`` with a Conv3d inside, an attention block with a ``time_mix_block``)
+    would be run wrongly from those parts: refused, naming the part; the plain module still runs."""
+    cases = (
+        ("up.0.block.0", "time_stack", lambda d: d.up[0].block[0]),
+        ("conv_out", "time_mix_conv", lambda d: d.conv_out),
+        ("mid.attn_1", "time_mix_block", lambda d: d.mid.attn_1),
+    )
+    for where, part, pick in cases:
+        dec = ldm_decoder()
+        setattr(pick(dec), part, torch.nn.Conv2d(4, 4, 1))
+        assert not is_supported_decoder(dec), where
+        with pytest.raises(ValueError, match=f"{where}: .* parts the engine does not compute: {part}"):
+            tiled_decode(dec, smooth_latent(1, 4, 8, 8), config=TiledVAEConfig(mode="exact", tile=4))
+    enc = ldm_encoder()
+    enc.down[0].block[0].time_stack = torch.nn.Conv2d(4, 4, 1)
+    assert not is_supported_encoder(enc)
+    # hooks and instance attributes that are not modules change nothing
+    dec = ldm_decoder()
+    handle = dec.up[0].block[0].conv1.register_forward_pre_hook(lambda m, i: None)
+    dec.mid.attn_1.attention_op = None
+    try:
+        assert is_supported_decoder(dec)
+    finally:
+        handle.remove()
 
 
 def test_cpu_state_offload_setting_is_exact():

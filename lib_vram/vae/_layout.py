@@ -93,6 +93,24 @@ class VAESpec:
         return 2 ** sum(1 for lv in self.levels if lv.resample_kind is not None)
 
 
+_RESNET_PARTS = frozenset(
+    ("norm1", "conv1", "norm2", "conv2", "dropout", "nin_shortcut", "conv_shortcut", "temb_proj")
+    + ("time_emb_proj", "nonlinearity")
+)
+"""Submodules a ResNet block may have (ldm/sgm and diffusers). The engine computes the block from
+these parts; a block with more (e.g. later sgm's ``VideoResBlock`` and its ``time_stack``) does
+more than the engine would, so it is refused instead of run wrongly."""
+_LDM_ATTN_PARTS = frozenset(("norm", "q", "k", "v", "proj_out"))
+
+
+def _no_extra_parts(mod: nn.Module, known: frozenset[str], what: str) -> None:
+    extra = sorted(n for n, _ in mod.named_children() if n not in known)
+    if extra:
+        raise UnsupportedLayout(
+            f"{what}: {type(mod).__name__} has parts the engine does not compute: {', '.join(extra)}"
+        )
+
+
 def _need(obj: object, name: str, what: str) -> object:
     if not hasattr(obj, name) or getattr(obj, name) is None:
         raise UnsupportedLayout(f"{what}: no `{name}`")
@@ -113,6 +131,7 @@ def _conv(mod: object, what: str, *, kernel: tuple[int, ...] = (1, 3), stride: i
         raise UnsupportedLayout(f"{what}: unsupported conv geometry k={k} s={mod.stride}")
     if mod.groups != 1:
         raise UnsupportedLayout(f"{what}: grouped conv")
+    _no_extra_parts(mod, frozenset(), what)  # e.g. later sgm's AE3DConv: a Conv2d with a Conv3d inside
     if stride == 1 and mod.padding != (k[0] // 2, k[0] // 2):
         raise UnsupportedLayout(f"{what}: conv padding {mod.padding} is not 'same'")
     if stride == 2 and mod.padding != (0, 0):
@@ -123,6 +142,7 @@ def _conv(mod: object, what: str, *, kernel: tuple[int, ...] = (1, 3), stride: i
 def _resnet(blk: nn.Module, what: str) -> Resnet:
     if getattr(blk, "upsample", None) is not None or getattr(blk, "downsample", None) is not None:
         raise UnsupportedLayout(f"{what}: resampling inside a ResNet block")
+    _no_extra_parts(blk, _RESNET_PARTS, what)
     ten = getattr(blk, "time_embedding_norm", "default")
     if ten not in ("default", "group", None):
         raise UnsupportedLayout(f"{what}: time_embedding_norm={ten!r}")
@@ -150,6 +170,7 @@ def _attention(mod: nn.Module | None, what: str) -> Attention | None:
     if mod is None or isinstance(mod, nn.Identity):
         return None
     if all(hasattr(mod, n) for n in ("q", "k", "v", "proj_out", "norm")):
+        _no_extra_parts(mod, _LDM_ATTN_PARTS, what)
         norm = _gn(mod.norm, what + ".norm")
         q = _conv(mod.q, what + ".q", kernel=(1,))
         return Attention(
