@@ -164,3 +164,16 @@ def test_a_load_waits_for_the_hosts_meta_construction_to_end(tmp_path):
     t.join()
     x = image_like(12, 10)
     torch.testing.assert_close(model(x), ref(x))
+
+
+def test_the_webuis_permanent_lora_patches_do_not_make_a_load_wait(tmp_path, monkeypatch):
+    """The built-in Lora extension replaces ``Linear``/``Conv2d._load_from_state_dict`` for good:
+    those are not a construction in progress."""
+    path = tmp_path / "m.safetensors"
+    save_and_load(build("compact-x2"), path)
+    orig = torch.nn.Module._load_from_state_dict
+    monkeypatch.setattr(torch.nn.Conv2d, "_load_from_state_dict", lambda self, *a, **k: orig(self, *a, **k))
+    assert patched_construction() == []
+    t0 = time.monotonic()
+    ModelCache(construction_wait_s=30).get(path, torch.device("cpu"))
+    assert time.monotonic() - t0 < 10

@@ -29,11 +29,12 @@ _CONSTRUCTION_HOOKS = (
     ("Module", "load_state_dict"),
     ("Module", "_load_from_state_dict"),
     ("Linear", "__init__"),
-    ("Linear", "_load_from_state_dict"),
     ("Conv2d", "__init__"),
-    ("Conv2d", "_load_from_state_dict"),
     ("MultiheadAttention", "__init__"),
 )
+"""What the WebUI's ``InitializeOnMeta``/``LoadStateDictOnMeta`` replace for the duration of a
+checkpoint load. Not the per-layer ``_load_from_state_dict`` of ``Linear``/``Conv2d``: the WebUI's
+built-in Lora extension replaces those for good (and they load our weights correctly)."""
 
 
 def patched_construction() -> list[str]:
