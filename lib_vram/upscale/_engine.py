@@ -258,6 +258,8 @@ class _Run:
         """Fill the report's plan fields from the plan in use (called again after OOM retries, so
         the report shows the plan that finished)."""
         rep = self.rep
+        if self.inexact is None and tiled:
+            self.inexact = self.spec.global_stats  # also when the overlap was given
         rep.tiled = tiled
         rep.overlap, rep.feather = (self.halo_px, self.feather) if tiled else (0, 0)
         rep.exact = not (tiled and self.inexact is not None)

@@ -6,8 +6,8 @@ job of the server)::
     python tests/acceptance/webui_upscale_routes.py --url http://127.0.0.1:7860
 
 Each upscale is requested twice, with VRAM Guard's tiled upscaling on (Settings
-``vram_guard_enabled``, tile 32 so the engine really tiles) and off (the WebUI's own code), on the
-same input, and compared: max difference in 8-bit levels, PSNR. Order: Extras first; hires fix;
+``vram_guard_enabled``, tile 32 so the engine really tiles) and off (the WebUI's own code, untiled:
+``ESRGAN_tile`` etc. 0), on the same input, and compared: max difference in 8-bit levels, PSNR. Order: Extras first; hires fix;
 Extras after hires; hires after Extras; a model switch (SwinIR) and back. The hires-fix upscale
 stage is the first pass image through the same ``Upscaler.upscale`` Extras calls (``scale`` 2):
 compared on that image, plus the final hires images. Prints one line per check and a JSON summary;
@@ -31,6 +31,10 @@ from PIL import Image
 PROMPT = {"prompt": "a red apple on a wooden table", "negative_prompt": "", "cfg_scale": 7,
           "sampler_name": "Euler a", "seed": 1234, "batch_size": 1, "n_iter": 1, "steps": 2}  # fmt: skip
 KEYS = ("vram_guard_enabled", "vram_guard_upscale_tiling", "vram_guard_upscale_tile", "vram_guard_vae_tiling")
+UNTILED = {"ESRGAN_tile": 0, "DAT_tile": 0, "SWIN_tile": 0, "SCUNET_tile": 0}
+"""The WebUI's own upscalers untiled: its reference. (With the default ``ESRGAN_tile`` 192, an image
+smaller than the tile is cut from a 192-px canvas that ``images.split_grid`` pads with black at the
+top/left, so the WebUI's own default output is not the model's output near those edges.)"""
 
 
 def call(url: str, path: str, payload: dict | None = None, timeout: float = 1800) -> dict:
@@ -88,7 +92,8 @@ def main() -> int:
         print(f"{'PASS' if ok else 'FAIL'} {check} {json.dumps(data)}", flush=True)
 
     before = call(a.url, "/sdapi/v1/options")
-    saved = {k: before[k] for k in KEYS if k in before}
+    saved = {k: before[k] for k in (*KEYS, *UNTILED) if k in before}
+    call(a.url, "/sdapi/v1/options", UNTILED)
 
     def vg(on: bool) -> None:
         call(a.url, "/sdapi/v1/options", {"vram_guard_enabled": on, "vram_guard_upscale_tiling": True,
