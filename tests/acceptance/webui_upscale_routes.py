@@ -31,10 +31,14 @@ from PIL import Image
 PROMPT = {"prompt": "a red apple on a wooden table", "negative_prompt": "", "cfg_scale": 7,
           "sampler_name": "Euler a", "seed": 1234, "batch_size": 1, "n_iter": 1, "steps": 2}  # fmt: skip
 KEYS = ("vram_guard_enabled", "vram_guard_upscale_tiling", "vram_guard_upscale_tile", "vram_guard_vae_tiling")
-UNTILED = {"ESRGAN_tile": 0, "DAT_tile": 0, "SWIN_tile": 0, "SCUNET_tile": 0}
-"""The WebUI's own upscalers untiled: its reference. (With the default ``ESRGAN_tile`` 192, an image
+UNTILED = {"ESRGAN_tile": 0, "DAT_tile": 0, "SWIN_tile": 192, "SCUNET_tile": 256}
+"""The WebUI's own upscalers untiled: its reference. With the default ``ESRGAN_tile`` 192, an image
 smaller than the tile is cut from a 192-px canvas that ``images.split_grid`` pads with black at the
-top/left, so the WebUI's own default output is not the model's output near those edges.)"""
+top/left, so the WebUI's own default output is not the model's output near those edges: 0 turns
+tiling off. SwinIR/ScuNET (``upscale_2``) cannot run untiled on a CPU in FP32 in v1.10.1 (tile 0
+returns spandrel's inference-mode output, which ``torch_bgr_to_pil_image`` then clamps in place:
+"Inplace update to inference tensor outside InferenceMode"); a tile at least the image size is one
+tile covering the whole image, i.e. the untiled model."""
 
 
 def call(url: str, path: str, payload: dict | None = None, timeout: float = 1800) -> dict:
