@@ -231,3 +231,15 @@ def test_untiled_plan_that_runs_out_of_memory_retries_with_overlap(models, name,
     y2 = upscale_tensor(model, x, config=UpscaleConfig(budget_bytes=2**34), report=rep2, memory=memory)
     assert rep2.ooms == 0 and rep2.tiled and rep2.overlap == rep.overlap
     assert psnr_8bit(y2, ref)[1] <= 1
+
+
+def test_bench_archs_table(tmp_path):
+    """``bench upscale --archs`` (the docs' per-architecture table) on one cheap architecture."""
+    from lib_vram.bench.upscale import ARCH_TILES, arch_rows, arch_table
+
+    rows = arch_rows(["compact-x2"], tmp_path)
+    assert [r["tile"] for r in rows] == ["auto", *ARCH_TILES]
+    assert rows[0]["plan"].startswith("whole") and all(r["plan"].startswith("tiled") for r in rows[1:])
+    assert all(r["max_err_lsb"] <= 1 and r["exact"] and r["kind"] == "local" for r in rows)
+    table = arch_table(rows)
+    assert table.splitlines()[0].startswith("| arch | spandrel | kind | grid |") and "| compact-x2 |" in table
