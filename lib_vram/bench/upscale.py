@@ -73,6 +73,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="ARCH:PX",
         help="run only one architecture and size, e.g. rrdb:256 (with --large for the large ones)",
     )
+    parser.add_argument(
+        "--archs",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="A,B,...",
+        help="instead: the per-architecture fidelity table (tiled vs untiled for every spandrel "
+        "architecture of lib_vram.bench._archs, or the named ones)",
+    )
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
 
 
@@ -353,7 +362,81 @@ def ratios(records: list[dict]) -> list[str]:
     return out
 
 
+ARCH_IMAGE = (110, 150)
+"""Height, width of the per-architecture table's image (neither a multiple of 8 nor of 16)."""
+ARCH_TILES = (64, 96)
+
+
+def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[dict]:
+    """Per architecture: automatic plan, then each tile of ``ARCH_TILES`` with the calibrated
+    overlap, against spandrel's untiled call (8-bit max error and PSNR)."""
+    import torch
+
+    from ..upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
+    from ._archs import build, save_and_load
+    from ._synthetic import image_like
+
+    rows = []
+    h, w = ARCH_IMAGE
+    x = image_like(h, w, seed=11)
+    for name in names:
+        t0 = time.perf_counter()
+        model = save_and_load(build(name), workdir / f"arch-{name}.safetensors")
+        spec = as_spec(model)
+        with torch.inference_mode():
+            ref = model(x)
+        kind = "global" if spec.global_stats else ("windowed" if spec.grid > 1 else "local")
+        for tile in (None, *ARCH_TILES):
+            rep = UpscaleReport()
+            y = upscale_tensor(model, x, config=UpscaleConfig(tile=tile, device=device), report=rep)
+            a8, b8 = (y.float().cpu() * 255).round(), (ref.float() * 255).round()
+            mse = float(((a8 - b8) ** 2).mean())
+            rows.append(
+                {
+                    "arch": name,
+                    "spandrel": spec.name,
+                    "kind": kind,
+                    "grid": spec.grid,
+                    "tile": "auto" if tile is None else tile,
+                    "plan": rep.plan.split(" float")[0].split(" bfloat")[0],
+                    "max_err_lsb": int((a8 - b8).abs().max()),
+                    "psnr_db": math.inf if mse == 0 else round(10 * math.log10(255.0**2 / mse), 1),
+                    "exact": rep.exact,
+                    "note": (spec.global_stats or "") if not rep.exact else "",
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            )
+            t0 = time.perf_counter()
+        print(f"    {name}: {[(r['tile'], r['max_err_lsb']) for r in rows if r['arch'] == name]}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return rows
+
+
+def arch_table(rows: list[dict]) -> str:
+    cols = ["arch", "spandrel", "kind", "grid", "tile", "plan", "max_err_lsb", "psnr_db", "exact", "note"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        out.append(
+            "| "
+            + " | ".join(_fmt(r[c]) if c != "exact" else ("yes" if r[c] else "**no**") for c in cols)
+            + " |"
+        )
+    return "\n".join(out)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.archs:
+        from ._archs import BUILDERS
+
+        names = list(BUILDERS) if args.archs == "all" else args.archs.split(",")
+        unknown = [n for n in names if n not in BUILDERS]
+        if unknown:
+            raise ValueError(f"`--archs`: unknown {unknown}; known: {', '.join(BUILDERS)}")
+        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vram-guard-bench-archs-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        rows = arch_rows(names, workdir, args.device)
+        print(json.dumps(rows, indent=2) if args.json else arch_table(rows))
+        return 0
     if args.case:
         print(json.dumps(run_case(json.loads(args.case))))
         return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -42,6 +43,16 @@ class ModelSpec:
     supports_bfloat16: bool = False
     input_channels: int | None = None
     name: str = "model"
+    grid: int = 1
+    """Alignment of every tile window (start and length) in input px: the model's internal window
+    grid (window attention, fixed downsampling) and ``multiple_of``; windows on it see the same
+    window partition as the whole image."""
+    pre_pad: Callable[[Tensor], Tensor] | None = None
+    """The model's own padding of its input to ``grid`` (its ``check_image_size``), applied once to
+    the whole image so that edge tiles see exactly the padding the whole image gets."""
+    global_stats: str | None = None
+    """Why tiles cannot equal the whole image (image-wide statistics: global pooling, grid
+    attention), or None when the model is local."""
 
     def pad_to(self, h: int, w: int) -> tuple[int, int]:
         """The smallest ``(h, w)`` at least as large that a forward accepts (``square`` ignored)."""
@@ -75,6 +86,63 @@ class ModelSpec:
             self.module.to(dtype=dtype)
 
 
+GRID_ATTRS = ("window_size", "split_size")
+"""Module attributes that name a window grid (window attention, split windows)."""
+FIXED_GRID = {"SCUNet": 64}
+"""Architectures whose grid is not an attribute: SCUNet's 8-px windows sit after three 2x
+downsamplings (its own ``check_image_size`` pads to 64)."""
+GLOBAL_ARCHS = {
+    "RealCUGAN": "squeeze-excitation blocks average over the whole image",
+    "OmniSR": "grid attention mixes pixels spread over the whole image",
+}
+GLOBAL_MODULES = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)
+
+
+def _ints(v: object) -> list[int]:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return [v]
+    if isinstance(v, (tuple, list)) and all(isinstance(i, int) for i in v):
+        return list(v)
+    return []
+
+
+def model_grid(net: nn.Module, arch: str, multiple_of: int) -> int:
+    """The alignment tile windows need: lcm of ``multiple_of`` and every window/split size of the
+    model's modules (or the architecture's fixed grid)."""
+    g = max(1, multiple_of)
+    g = math.lcm(g, FIXED_GRID.get(arch, 1))
+    for m in net.modules():
+        for attr in GRID_ATTRS:
+            for v in _ints(getattr(m, attr, None)):
+                if 1 < v <= 64:
+                    g = math.lcm(g, v)
+    return g
+
+
+def global_reason(net: nn.Module, arch: str) -> str | None:
+    """Why the model's output depends on the whole image (None when every pixel is local)."""
+    if arch in GLOBAL_ARCHS:
+        return GLOBAL_ARCHS[arch]
+    for m in net.modules():
+        if isinstance(m, GLOBAL_MODULES):
+            size = m.output_size
+            if all(s == 1 for s in ((size,) if isinstance(size, int) else size)):
+                return f"{type(m).__name__} (channel attention) averages over the whole image"
+    return None
+
+
+def _pre_pad(net: nn.Module) -> Callable[[Tensor], Tensor] | None:
+    fn = getattr(net, "check_image_size", None)
+    if not callable(fn):
+        return None
+
+    def pad(x: Tensor) -> Tensor:
+        out = fn(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    return pad
+
+
 def _is_descriptor(model: object) -> bool:
     return all(hasattr(model, a) for a in ("model", "scale", "size_requirements", "tiling"))
 
@@ -106,6 +174,7 @@ def as_spec(model: object, scale: int | None = None) -> ModelSpec:
         req = model.size_requirements  # type: ignore[attr-defined]
         tiling = getattr(model.tiling, "name", str(model.tiling)).lower()  # type: ignore[attr-defined]
         arch = getattr(getattr(model, "architecture", None), "name", None) or type(net).__name__
+        arch_id = getattr(getattr(model, "architecture", None), "id", None) or str(arch)
         return ModelSpec(
             forward=forward,
             module=net,
@@ -119,6 +188,9 @@ def as_spec(model: object, scale: int | None = None) -> ModelSpec:
             supports_bfloat16=bool(getattr(model, "supports_bfloat16", False)),
             input_channels=int(model.input_channels),  # type: ignore[attr-defined]
             name=str(arch),
+            grid=model_grid(net, arch_id, int(req.multiple_of)),
+            pre_pad=_pre_pad(net),
+            global_stats=global_reason(net, arch_id),
         )
     if not callable(model):
         raise ValueError(f"`model` must be a spandrel ImageModelDescriptor or a callable, got {type(model)}")

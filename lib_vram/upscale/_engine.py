@@ -36,7 +36,7 @@ from ..device import free_bytes, is_oom_error, release, resolve_device
 from ..geometry import split_axis
 from ..livebytes import itemsize as elem_size
 from ._adapter import ModelSpec, as_spec, choose_dtype
-from ._calibrate import bytes_per_px, context
+from ._calibrate import bytes_per_px, context_info
 from ._types import Interrupted, UpscaleConfig, UpscaleError, UpscaleReport
 
 logger = logging.getLogger(__name__)
@@ -70,9 +70,13 @@ class _Tile:
         return (self.wy1 - self.wy0, self.wx1 - self.wx0)
 
 
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
 def _legal_len(spec: ModelSpec, n: int) -> int:
     n = max(n, spec.minimum, 1)
-    return -(-n // spec.multiple_of) * spec.multiple_of
+    return _round_up(n, math.lcm(spec.multiple_of, spec.grid))
 
 
 def _grow(start: int, end: int, need: int, limit: int) -> tuple[int, int]:
@@ -90,13 +94,15 @@ def _axis_windows(
 ) -> list[tuple[int, int, int, int]]:
     """Cores of ``[c0, c1)`` (at most ``tile``) with their windows ``(core0, core1, win0, win1)``.
 
-    Windows are the core plus ``halo`` clipped to ``[0, n)``, made legal for the model, and then
-    equalised within their class (touching one image border, both, or none) so that tiles of a
-    class can share a batch: balanced cores differ by a pixel, and such a pixel would otherwise
-    split every batch.
+    Windows are the core plus ``halo`` clipped to ``[0, n)``, widened to the model's grid (start
+    and end on multiples of ``spec.grid``, so a window-attention model partitions each tile as it
+    partitions the whole image), made legal for the model, and then equalised within their class
+    (touching one image border, both, or none) so that tiles of a class can share a batch: balanced
+    cores differ by a pixel, and such a pixel would otherwise split every batch.
     """
+    g = max(1, spec.grid)
     cores = [(c0 + sp.core_start, c0 + sp.core_end) for sp in split_axis(c1 - c0, tile)]
-    wins = [(max(0, a - halo), min(n, b + halo)) for a, b in cores]
+    wins = [(max(0, (a - halo) // g * g), min(n, _round_up(b + halo, g))) for a, b in cores]
     lens = [_legal_len(spec, e - s) for s, e in wins]
 
     def cls(i: int) -> int:
@@ -108,6 +114,8 @@ def _axis_windows(
     out = []
     for i, (a, b) in enumerate(cores):
         s0, e0 = _grow(wins[i][0], wins[i][1], min(n, target[cls(i)]), n)
+        if s0 % g:  # growth toward the start left the grid (n is not on it): back onto it
+            s0 = s0 // g * g
         out.append((a, b, s0, e0))
     return out
 
@@ -127,6 +135,31 @@ def _make_tiles(
                 wx0, wx1 = _grow(wx0, wx1, side, w)
             tiles.append(_Tile(b, cy0, cy1, cx0, cx1, wy0, wy1, wx0, wx1))
     return tiles
+
+
+def _padded_size(spec: ModelSpec, h: int, w: int) -> tuple[int, int]:
+    """The size the model computes on for an ``h x w`` input: spandrel's size requirements, then
+    the model's own padding (``spec.pre_pad``, evaluated on a shape-only tensor)."""
+    hp, wp = spec.pad_to(h, w)
+    if spec.pre_pad is None:
+        return hp, wp
+    with torch.inference_mode():
+        probe = spec.pre_pad(torch.empty(1, 1, hp, wp, device="meta"))
+    return int(probe.shape[-2]), int(probe.shape[-1])
+
+
+def _pad_like_model(spec: ModelSpec, x: Tensor, hp: int, wp: int) -> Tensor:
+    """``x`` padded as an untiled call pads it: spandrel's padding for its size requirements, then
+    the model's own (e.g. reflect to a window multiple), once for the whole image - so edge tiles
+    see exactly the padding the whole image gets, and the model pads no tile again."""
+    h1, w1 = spec.pad_to(*x.shape[-2:])
+    x = _pad(x, h1 - x.shape[-2], w1 - x.shape[-1])
+    if spec.pre_pad is not None and (h1, w1) != (hp, wp):
+        with torch.inference_mode():
+            x = spec.pre_pad(x)
+    if tuple(x.shape[-2:]) != (hp, wp):  # square models: the engine's own growth
+        x = _pad(x, hp - x.shape[-2], wp - x.shape[-1])
+    return x
 
 
 def _pad(x: Tensor, pad_h: int, pad_w: int) -> Tensor:
@@ -189,7 +222,13 @@ class _Run:
         self.ran: planner.Candidate | None = None
         """The plan that finished (after any out-of-memory retries)."""
         self.predict: Callable[[int, int], planner.Candidate] | None = None
-        """(tile, batch) -> the plan as a planner candidate with its predicted peak."""
+        """(tile, batch) -> the plan as a planner candidate with its predicted peak (at the overlap
+        in use, :attr:`halo_px`)."""
+        self.halo_px = 0
+        self.feather = 0
+        self.min_tile = MIN_TILE
+        self.inexact: str | None = None
+        """Why the tiled result may differ from the untiled model (None: exact by construction)."""
         self.host_roles = (False, False)
         """Whether the accumulator and the padded input sit in host memory apart from the device's
         (tells an emulated card not to count them, :func:`lib_vram.emulate.to_host`)."""
@@ -199,14 +238,55 @@ class _Run:
             self.memory.record(self.key, planner.Outcome.of(self.predict(tile, batch), oom=True))
 
     def halo(self) -> int:
+        """The overlap tiles of this model need: the configured one, else calibrated. A model whose
+        tiles cannot match the whole image (image-wide statistics, a context beyond the largest
+        probe) is noted in :attr:`inexact`."""
+        reason = self.spec.global_stats
         if self.cfg.overlap is not None:
-            return self.cfg.overlap
-        return context(self.spec, self.device, self.dtype, measure=self.cfg.calibrate)
+            halo = self.cfg.overlap
+        else:
+            ctx = context_info(self.spec, self.device, self.dtype, measure=self.cfg.calibrate)
+            halo = ctx.halo
+            if not ctx.sufficient and reason is None:
+                reason = f"its effective context exceeds {ctx.measured} px"
+        if reason is not None:
+            self.inexact = reason
+        return halo
+
+    def set_halo(self, halo: int, tile: int) -> None:
+        self.halo_px = halo
+        self.feather = min(halo // 2, tile // 2)
+        self.min_tile = max(MIN_TILE, 2 * self.feather)
+
+    def describe(self, tiled: bool, acc_dev: torch.device) -> None:
+        """Fill the report's plan fields from the plan in use (called again after OOM retries, so
+        the report shows the plan that finished)."""
+        rep = self.rep
+        if self.inexact is None and tiled:
+            self.inexact = self.spec.global_stats  # also when the overlap was given
+        rep.tiled = tiled
+        rep.overlap, rep.feather = (self.halo_px, self.feather) if tiled else (0, 0)
+        rep.exact = not (tiled and self.inexact is not None)
+        tiles = f"tiled t{rep.tile} o{rep.overlap} f{rep.feather}"
+        shape = f"{tiles} b{rep.batch}" if tiled else f"whole b{rep.batch}"
+        rep.plan = f"{shape} {rep.dtype} acc={acc_dev.type}"
+        if not rep.exact:
+            rep.plan += " inexact"
+            note = (
+                f"{self.spec.name}: tiled output can differ from the untiled model ({self.inexact}); "
+                "it did not fit untiled "
+                + ("in the budget" if self.cfg.tile is None else "at the set tile size")
+            )
+            if note not in rep.notes:
+                rep.notes.append(note)
+                logger.warning("upscale: %s", note)
 
     def auto_tile(self, tile_budget: int, per_px: float, halo: int) -> int:
         side = math.isqrt(max(0, int(tile_budget / per_px)))
         tile = max(MIN_TILE, (side - 2 * halo) // 8 * 8)
-        return tile if self.spec.tiling == "discouraged" else min(tile, AUTO_TILE_MAX)
+        # An inexact model gets the largest tile that fits (fewest boundaries), like DISCOURAGED.
+        largest = self.spec.tiling == "discouraged" or self.inexact is not None
+        return tile if largest else min(tile, AUTO_TILE_MAX)
 
     # -- model call with the precision guard ----------------------------------------------
     def forward(self, inp: Tensor) -> Tensor:
@@ -243,7 +323,7 @@ class _Run:
         auto_size = cfg.tile is None or cfg.batch is None
         per_px = bytes_per_px(spec, device, dtype, measure=cfg.calibrate and auto_size) + ch * itemsize
         rep.bytes_per_px = per_px
-        hp, wp = spec.pad_to(h, w)
+        hp, wp = _padded_size(spec, h, w)
         budget = cfg.budget_bytes
         if budget is None:
             budget = int(free_bytes(device) * BUDGET_FRACTION)
@@ -317,10 +397,9 @@ class _Run:
             tile, halo = (max_dim, 0) if whole else (pick.tile, halo)
             learned_batch = pick.batch
             rep.events.append(f"learned for this model and shape: {pick.plan}")
-        feather = min(halo // 2, tile // 2)
-        min_tile = max(MIN_TILE, 2 * feather)
-        plan_halo = halo
-        self.predict = lambda t, b: candidate(t, b, plan_halo)
+        self.set_halo(halo, tile)
+        self.predict = lambda t, b: candidate(t, b, self.halo_px)
+        self.candidate = candidate
 
         if spec.square:
             need = _legal_len(spec, min(tile + 2 * halo, max_dim))
@@ -334,24 +413,23 @@ class _Run:
         else:
             batch = int(max(1, min(MAX_AUTO_BATCH, len(tiles), tile_budget // max(1.0, area * per_px))))
 
-        rep.tiled = len(tiles) > bsz
-        rep.overlap, rep.feather = (halo, feather) if rep.tiled else (0, 0)
         rep.tile, rep.batch = tile, batch
         rep.dtype, rep.device, rep.accumulate_on = str(dtype).replace("torch.", ""), str(device), str(acc_dev)
         rep.tiles_total = len(tiles)
-        rep.plan = (
-            f"tiled t{tile} o{halo} f{feather} b{batch}" if rep.tiled else f"whole b{batch}"
-        ) + f" {rep.dtype} acc={acc_dev.type}"
+        self.max_dim, self.acc_dev = max_dim, acc_dev
+        self.describe(len(tiles) > bsz, acc_dev)
         note = getattr(self.tracker, "note", None)
         if note is not None:
             note(plan=rep.plan, tiles=len(tiles), bytes_per_px=round(per_px))
         logger.debug("upscale plan: %s, %d tiles, budget %.0f MiB", rep.plan, len(tiles), budget / 2**20)
 
-        xp = _pad(x.to(device=in_dev, dtype=dtype), hp - h, wp - w)
+        xp = _pad_like_model(spec, x.to(device=in_dev, dtype=dtype), hp, wp)
         if self.host_roles[1]:
             emulate.to_host(xp)
-        out = self.loop(xp, tiles, tile, halo, feather, batch, min_tile, acc_dev)
+        out = self.loop(xp, tiles, tile, batch, acc_dev)
         self.ran = self.predict(rep.tile, rep.batch)
+        if note is not None:
+            note(plan=rep.plan)
         res = out[:, :, : h * s, : w * s]
         return res.contiguous() if (hp, wp) != (h, w) else res
 
@@ -361,10 +439,7 @@ class _Run:
         xp: Tensor,
         tiles: list[_Tile],
         tile: int,
-        halo: int,
-        feather: int,
         batch: int,
-        min_tile: int,
         acc_dev: torch.device,
     ) -> Tensor:
         spec, rep, device = self.spec, self.rep, self.device
@@ -402,9 +477,14 @@ class _Run:
                 if batch > 1:
                     batch = max(1, min(batch, len(group)) // 2)
                     rep.events.append(f"out of memory: batch -> {batch}")
-                elif tile // 2 >= min_tile:
+                elif tile // 2 >= self.min_tile:
                     tile //= 2
+                    if self.halo_px == 0 and self.cfg.overlap != 0:
+                        # The plan was untiled: from now on tiles need the model's overlap and
+                        # cross-fade (tiles finished so far were whole images, exact either way).
+                        self.set_halo(self.halo(), tile)
                     rep.events.append(f"out of memory: tile -> {tile}")
+                    halo = self.halo_px
                     pending = deque(
                         sub
                         for t in pending
@@ -413,10 +493,11 @@ class _Run:
                     rep.tiles_total = rep.tiles_done + len(pending)
                 else:
                     raise UpscaleError(
-                        f"out of memory even with one {tile}px tile (overlap {halo}) on {device}; "
+                        f"out of memory even with one {tile}px tile (overlap {self.halo_px}) on {device}; "
                         "free memory or lower `budget_bytes`"
                     )
                 rep.tile, rep.batch = tile, batch
+                self.describe(rep.tiled or tile < self.max_dim, self.acc_dev)
                 logger.info("upscale: %s", rep.events[-1])
                 continue
             assert out is not None
@@ -432,6 +513,7 @@ class _Run:
                     emulate.to_host(acc)
             if out.device != acc.device:
                 out = out.to(acc.device)
+            feather = self.feather
             for i, t in enumerate(group):
                 ly0, ly1, wy = _axis_weights(t.y0, t.y1, hp, s, feather, acc.device)
                 lx0, lx1, wx = _axis_weights(t.x0, t.x1, wp, s, feather, acc.device)

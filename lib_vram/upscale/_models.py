@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -20,6 +21,59 @@ from ._types import UpscaleError
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SUFFIXES = (".pth", ".pt", ".ckpt", ".safetensors")
+CONSTRUCTION_WAIT_S = 300.0
+"""How long a load waits for another thread's temporary torch patches to go away (see
+:func:`patched_construction`)."""
+_CONSTRUCTION_HOOKS = (
+    ("Module", "to"),
+    ("Module", "load_state_dict"),
+    ("Module", "_load_from_state_dict"),
+    ("Linear", "__init__"),
+    ("Conv2d", "__init__"),
+    ("MultiheadAttention", "__init__"),
+)
+"""What the WebUI's ``InitializeOnMeta``/``LoadStateDictOnMeta`` replace for the duration of a
+checkpoint load. Not the per-layer ``_load_from_state_dict`` of ``Linear``/``Conv2d``: the WebUI's
+built-in Lora extension replaces those for good (and they load our weights correctly)."""
+
+
+def patched_construction() -> list[str]:
+    """The ``torch.nn`` construction/loading methods currently replaced by code outside torch.
+
+    A host can replace them for a while, process-wide, to build its own model cheaply: the WebUI
+    v1.10.1 builds its checkpoint under ``InitializeOnMeta`` (``Linear``/``Conv2d`` created on the
+    meta device, ``Module.to`` a no-op) and loads it under ``LoadStateDictOnMeta``. It does so in a
+    background thread at startup, so a model built at the same time in another thread (the first
+    Extras request) would come out without data."""
+    out = []
+    for cls_name, attr in _CONSTRUCTION_HOOKS:
+        fn = getattr(torch.nn, cls_name).__dict__.get(attr)
+        if fn is None:
+            continue
+        if not (getattr(fn, "__module__", None) or "").startswith("torch"):
+            out.append(f"{cls_name}.{attr}")
+    return out
+
+
+def _wait_for_construction(name: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    patched = patched_construction()
+    if patched:
+        logger.info("%s: waiting for another model load to finish (torch.nn %s replaced)", name, patched)
+    while patched and time.monotonic() < deadline:
+        time.sleep(0.05)
+        patched = patched_construction()
+
+
+def _check_materialised(path: Path, descriptor: object) -> None:
+    net = descriptor.model  # type: ignore[attr-defined]
+    meta = [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
+    if meta:
+        raise UpscaleError(
+            f"{path.name}: the model was built without data ({len(meta)} tensors on the meta device, "
+            f"e.g. {meta[0]}): another thread was building a model under a meta-device patch "
+            f"({', '.join(patched_construction()) or 'now gone'}); try again"
+        )
 
 
 def _load_uncached(path: Path, device: torch.device, dtype: torch.dtype | None) -> object:
@@ -46,6 +100,7 @@ def _load_uncached(path: Path, device: torch.device, dtype: torch.dtype | None) 
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         msg = f"{path.name}: corrupt or unreadable model file ({type(exc).__name__}: {reason})"
         raise UpscaleError(msg) from exc
+    _check_materialised(path, descriptor)
     if not isinstance(descriptor, spandrel.ImageModelDescriptor):
         raise UpscaleError(
             f"{path.name}: a {type(descriptor).__name__} ({descriptor.architecture.name}) is not an "
@@ -65,13 +120,17 @@ class ModelCache:
     """A bounded LRU of loaded models keyed by ``(path, mtime, size, device, dtype)``.
 
     A file changed on disk gets a new key (and is reloaded); the oldest entry is dropped when more
-    than ``max_models`` are held. :meth:`clear` drops all and releases device memory.
+    than ``max_models`` are held. :meth:`clear` drops all and releases device memory. A load waits
+    (up to ``construction_wait_s``) while another thread has torch.nn's constructors patched (see
+    :func:`patched_construction`), and a model that still came out on the meta device is refused,
+    never cached.
     """
 
-    def __init__(self, max_models: int = 2) -> None:
+    def __init__(self, max_models: int = 2, construction_wait_s: float = CONSTRUCTION_WAIT_S) -> None:
         if not isinstance(max_models, int) or max_models < 1:
             raise ValueError(f"`max_models` must be an int >= 1, got {max_models!r}")
         self.max_models = max_models
+        self.construction_wait_s = construction_wait_s
         self._items: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()
         self.loads = 0
@@ -94,6 +153,9 @@ class ModelCache:
             if key in self._items:
                 self._items.move_to_end(key)
                 return self._items[key]
+        # Never build while another thread has torch.nn's constructors patched (a model built then
+        # has no data, and a cached one would fail every later call); a broken result is refused.
+        _wait_for_construction(p.name, self.construction_wait_s)
         model = _load_uncached(p, device, dtype)
         with self._lock:
             self.loads += 1

@@ -103,6 +103,12 @@ class UpscaleReport:
     budget_bytes: int = 0
     seconds: float = 0.0
     plan: str = ""
+    """The plan that finished (after any out-of-memory retries); ends in ``inexact`` when the tiled
+    result may differ from the untiled model (see ``notes``)."""
+    exact: bool = True
+    """False when the run was tiled although the model's output depends on the whole image (global
+    pooling, grid attention, a context beyond the largest probe): then ``notes`` says why."""
+    notes: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     partial: torch.Tensor | None = None
     """After :class:`Interrupted`: the accumulator ``[B, C, H*s, W*s]`` (finished tiles only)."""

@@ -211,6 +211,24 @@ def upscaler_instances() -> list[Any]:
     return list(seen.values())
 
 
+def clear_upscale_cache() -> int:
+    """Empty the Extras Upscale operation's result cache (``scripts/postprocessing_upscale.py``,
+    keyed by image and upscaler only): an image upscaled by another route (VRAM Guard on/off, other
+    tiling settings) would otherwise come back unchanged. Through the operation's own
+    ``image_changed()``, which clears it. Returns how many scripts were cleared."""
+    from modules import scripts
+
+    n = 0
+    runner = getattr(scripts, "scripts_postproc", None)
+    for script in getattr(runner, "scripts", None) or []:
+        if type(script).__name__ == "ScriptPostprocessingUpscale" or (
+            getattr(script, "name", None) == "Upscale" and hasattr(script, "image_changed")
+        ):
+            script.image_changed()
+            n += 1
+    return n
+
+
 # -- settings ------------------------------------------------------------------------------------
 def add_options(section: tuple[str, str, str], options: list[tuple[str, dict]]) -> None:
     """Register settings: ``options`` = ``[(key, {default, label, kind, component_args, info})]``."""

@@ -368,10 +368,16 @@ class ScriptJobs:
         end of this image's run), at the next Extras run, or by the job token check."""
         if not options.enabled:
             self.close()
+            self._extras_route(None)
             return None
         job = self._open(None, options)
         if job is None:
+            self._extras_route(None)
             return None
+        s = job.settings
+        self._extras_route(
+            (s.upscale_tile, s.upscale_batch, s.upscale_precision) if s.upscale_tiling else None
+        )
         weakref.finalize(pp, _close_if_open, weakref.ref(job))
         info = getattr(pp, "info", None)
         if isinstance(info, dict):
@@ -379,6 +385,16 @@ class ScriptJobs:
 
             info.update(to_infotext(options))
         return job
+
+    def _extras_route(self, route: tuple | None) -> None:
+        """The WebUI caches Extras upscales by image and upscaler only: when the route changes
+        (VRAM Guard's tiling on/off, its tile/batch/precision), empty that cache, so the picture is
+        computed by the route in force and not handed back from the other one."""
+        if route != getattr(self.session, "extras_route", "unset"):
+            clear = getattr(self.host, "clear_upscale_cache", None)
+            if clear is not None:
+                clear()
+            self.session.extras_route = route
 
 
 def _close_if_open(job_ref: weakref.ref) -> None:

@@ -24,12 +24,15 @@ from .patching import patch_attr
 
 logger = logging.getLogger(__name__)
 
-PATH_ARG = ("UpscalerESRGAN", "UpscalerHAT")
-"""Classes whose ``do_upscale`` gets the model file path itself."""
+PATH_ARG = ("UpscalerESRGAN", "UpscalerHAT", "UpscalerSwinIR", "UpscalerScuNET")
+"""Classes whose ``do_upscale`` gets the model file path itself (SwinIR and ScuNET: or the URL of a
+built-in model, whose downloaded file is used once it exists)."""
 INFO_ARG = ("UpscalerRealESRGAN", "UpscalerDAT")
 """Classes whose ``do_upscale`` gets a path/URL that their ``load_model`` resolves to an
 ``UpscalerData`` with ``local_data_path`` (downloading it if needed)."""
 FAMILY = PATH_ARG + INFO_ARG
+"""Every spandrel upscaler of WebUI v1.10.1 (``modules/*_model.py`` and the built-in SwinIR and
+ScuNET extensions); LDSR is not a spandrel model and keeps its own path."""
 
 
 def model_path(scaler: Any, selected: Any) -> str | None:
@@ -38,12 +41,38 @@ def model_path(scaler: Any, selected: Any) -> str | None:
     if not isinstance(selected, str):
         return None
     if cls in PATH_ARG:
+        if selected.startswith("http"):
+            return _downloaded(scaler, cls)
         return selected if os.path.isfile(selected) else None
     if cls in INFO_ARG:
         info = type(scaler).load_model(scaler, selected)  # the class's own resolver (may download)
         path = getattr(info, "local_data_path", None)
         return path if isinstance(path, str) and os.path.isfile(path) else None
     return None
+
+
+def _downloaded(scaler: Any, cls: str) -> str | None:
+    """Where the WebUI's ``load_model`` stores a built-in SwinIR/ScuNET model it downloads (the
+    file name it passes to ``load_file_from_url``), if that file exists."""
+    folder = getattr(scaler, "model_download_path", None)
+    if cls == "UpscalerSwinIR":
+        name = f"{str(getattr(scaler, 'model_name', '')).replace(' ', '_')}.pth"
+    elif cls == "UpscalerScuNET":
+        name = f"{getattr(scaler, 'name', '')}.pth"
+    else:
+        return None
+    if not isinstance(folder, str):
+        return None
+    path = os.path.join(folder, name)
+    return path if os.path.isfile(path) else None
+
+
+def _swap_rb(img: Any) -> Any:
+    """RGB <-> BGR of a PIL RGB image (the WebUI feeds its spandrel upscalers BGR)."""
+    from PIL import Image
+
+    r, g, b = img.split()
+    return Image.merge("RGB", (b, g, r))
 
 
 def patch_upscalers(job: Any, scalers: list[Any], *, device: Any, cache: Callable[[], Any]) -> int:
@@ -101,11 +130,14 @@ def upscale(
         tile=s.upscale_tile, batch=s.upscale_batch, precision=s.upscale_precision, device=device
     )
     report = engine.UpscaleReport()
+    # The WebUI's own path (modules/upscaler_utils.py, v1.10.1): the image as RGB, channels flipped
+    # to BGR for the model and back after it. Same here, so the picture is the WebUI's.
+    bgr = _swap_rb(img.convert("RGB"))
     with job.stage(job.upscale_stage_name()):
         try:
             out = engine.upscale_image(
                 model,
-                img,
+                bgr,
                 config=config,
                 should_interrupt=job.host.interrupted,
                 tracker=job.tracker,
@@ -117,4 +149,6 @@ def upscale(
             return img
         plan = getattr(report, "plan", None)
         job.tracker.note(plan=plan if isinstance(plan, str) else None)
-    return out
+        for note in getattr(report, "notes", None) or []:
+            job.warn_once(f"upscale-inexact-{path}", f"VRAM Guard: {note}")
+    return _swap_rb(out)

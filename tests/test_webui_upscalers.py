@@ -1,0 +1,179 @@
+"""The WebUI upscaler route: the WebUI's channel order, every spandrel upscaler class, the Extras
+result cache, and models built while the host has torch.nn's constructors patched."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import image_like
+from PIL import Image
+from webui_fakes import FakeHost, FakeP, fake_sd_model
+
+from lib_vram.bench._archs import build, save_and_load
+from lib_vram.options import VRAMGuardOptions
+from lib_vram.upscale import ModelCache, UpscaleError
+from lib_vram.upscale._models import patched_construction
+from lib_vram.webui import ScriptJobs, Session
+from lib_vram.webui.upscalers import FAMILY
+
+
+def _webui_reference(model, img: Image.Image) -> np.ndarray:
+    """What v1.10.1's ``upscale_pil_patch`` computes (modules/upscaler_utils.py): RGB, flipped to
+    BGR, the model, clamped, x255 rounded, flipped back."""
+    arr = np.array(img.convert("RGB"))[:, :, ::-1]
+    t = torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)) / 255).float()[None]
+    with torch.inference_mode():
+        out = model(t)[0].clamp(0, 1).numpy()
+    return (255.0 * np.moveaxis(out, 0, 2)).round().astype(np.uint8)[:, :, ::-1]
+
+
+class UpscalerESRGAN:
+    """Host-state fake of the WebUI's ESRGAN upscaler object (``do_upscale(img, path)``)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def do_upscale(self, img, selected_model):
+        self.calls += 1
+        return img
+
+
+class UpscalerSwinIR(UpscalerESRGAN):
+    pass
+
+
+def _image(h: int = 72, w: int = 60) -> Image.Image:
+    x = image_like(h, w, seed=4)
+    x[:, 0] *= 0.3  # unequal channels: RGB and BGR give different pictures
+    return Image.fromarray((x[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8), "RGB")
+
+
+@pytest.mark.parametrize(("cls", "arch"), [(UpscalerESRGAN, "rrdb-x2"), (UpscalerSwinIR, "swinir")])
+def test_routed_upscale_is_the_webuis_picture_in_bgr(tmp_path, cls, arch):
+    path = tmp_path / f"{arch}.safetensors"
+    model = save_and_load(build(arch), path)
+    host = FakeHost(fake_sd_model())
+    scaler = cls()
+    host.scalers = [scaler]
+    jobs = ScriptJobs(Session(host=host), kind="txt2img")
+    p = FakeP()
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tile=32))
+    img = _image()
+    out = scaler.do_upscale(img, str(path))
+    jobs.postprocess(p)
+    assert scaler.calls == 0 and out.mode == "RGB"
+    ref = _webui_reference(model, img)
+    got = np.asarray(out).astype(int)
+    assert np.abs(got - ref).max() <= 1
+    # The fidelity check can fail: the same model on RGB gives another picture.
+    rgb = _webui_reference(model, Image.merge("RGB", img.split()[::-1]))[:, :, ::-1]
+    assert np.abs(rgb.astype(int) - ref).max() > 8
+
+
+def test_every_spandrel_upscaler_of_the_webui_is_routed():
+    assert set(FAMILY) == {
+        "UpscalerESRGAN",
+        "UpscalerRealESRGAN",
+        "UpscalerHAT",
+        "UpscalerDAT",
+        "UpscalerSwinIR",
+        "UpscalerScuNET",
+    }
+
+
+def test_extras_route_change_empties_the_webuis_upscale_cache():
+    host = FakeHost(fake_sd_model())
+    cleared: list[int] = []
+    host.clear_upscale_cache = lambda: cleared.append(1)
+    jobs = ScriptJobs(Session(host=host), kind="extras")
+    on = VRAMGuardOptions(enabled=True, vae_tiling="Off")
+    off = VRAMGuardOptions(enabled=False)
+    pp = FakeP()
+    jobs.extras(pp, off)
+    assert len(cleared) == 1  # first Extras run: whatever the cache holds came from elsewhere
+    jobs.extras(pp, off)
+    assert len(cleared) == 1
+    jobs.extras(pp, on)
+    assert len(cleared) == 2  # off -> on
+    jobs.extras(FakeP(), on)
+    assert len(cleared) == 2
+    jobs.extras(pp, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tile=64))
+    assert len(cleared) == 3  # another tile size
+
+
+# -- models built while the host builds its own on the meta device -------------------------------
+
+
+class _OnMeta:
+    """What WebUI v1.10.1's ``InitializeOnMeta`` does process-wide while it builds a checkpoint:
+    ``Linear``/``Conv2d`` created on the meta device, ``Module.to`` a no-op."""
+
+    def __enter__(self):
+        self.saved = [(c, a, c.__dict__[a]) for c, a in _HOOKED]
+        conv_init, lin_init = torch.nn.Conv2d.__init__, torch.nn.Linear.__init__
+        torch.nn.Conv2d.__init__ = lambda *a, **k: conv_init(*a, **{**k, "device": "meta"})
+        torch.nn.Linear.__init__ = lambda *a, **k: lin_init(*a, **{**k, "device": "meta"})
+        torch.nn.Module.to = lambda *a, **k: None
+        return self
+
+    def __exit__(self, *exc):
+        for c, a, f in self.saved:
+            setattr(c, a, f)
+
+
+_HOOKED = [(torch.nn.Conv2d, "__init__"), (torch.nn.Linear, "__init__"), (torch.nn.Module, "to")]
+
+
+@pytest.mark.filterwarnings("ignore:for .* copying from a non-meta parameter")
+def test_a_model_built_on_the_meta_device_is_refused_and_not_cached(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_and_load(build("compact-x2"), path)
+    cache = ModelCache(construction_wait_s=0)
+    with _OnMeta():
+        assert patched_construction() == ["Module.to", "Linear.__init__", "Conv2d.__init__"]
+        with pytest.raises(UpscaleError, match="meta device"):
+            cache.get(path, torch.device("cpu"))
+    assert len(cache) == 0 and patched_construction() == []
+    model = cache.get(path, torch.device("cpu"))
+    assert not any(t.is_meta for t in model.model.parameters())
+
+
+def test_a_load_waits_for_the_hosts_meta_construction_to_end(tmp_path):
+    """The first Extras request of a fresh WebUI arrives while its startup thread builds the
+    checkpoint under ``InitializeOnMeta``: the load waits for it, then builds a real model."""
+    path = tmp_path / "m.safetensors"
+    ref = save_and_load(build("compact-x2"), path)
+    cache = ModelCache(construction_wait_s=30)
+    entered, done = threading.Event(), threading.Event()
+
+    def host_loads_its_checkpoint():
+        with _OnMeta():
+            entered.set()
+            time.sleep(0.5)
+        done.set()
+
+    t = threading.Thread(target=host_loads_its_checkpoint)
+    t.start()
+    entered.wait()
+    model = cache.get(path, torch.device("cpu"))
+    assert done.is_set()
+    t.join()
+    x = image_like(12, 10)
+    torch.testing.assert_close(model(x), ref(x))
+
+
+def test_the_webuis_permanent_lora_patches_do_not_make_a_load_wait(tmp_path, monkeypatch):
+    """The built-in Lora extension replaces ``Linear``/``Conv2d._load_from_state_dict`` for good:
+    those are not a construction in progress."""
+    path = tmp_path / "m.safetensors"
+    save_and_load(build("compact-x2"), path)
+    orig = torch.nn.Module._load_from_state_dict
+    monkeypatch.setattr(torch.nn.Conv2d, "_load_from_state_dict", lambda self, *a, **k: orig(self, *a, **k))
+    assert patched_construction() == []
+    t0 = time.monotonic()
+    ModelCache(construction_wait_s=30).get(path, torch.device("cpu"))
+    assert time.monotonic() - t0 < 10
