@@ -423,17 +423,72 @@ class _Run:
             note(plan=rep.plan, tiles=len(tiles), bytes_per_px=round(per_px))
         logger.debug("upscale plan: %s, %d tiles, budget %.0f MiB", rep.plan, len(tiles), budget / 2**20)
 
-        xp = _pad_like_model(spec, x.to(device=in_dev, dtype=dtype), hp, wp)
+        xp = _once_more(lambda: _pad_like_model(spec, x.to(device=in_dev, dtype=dtype), hp, wp), rep,
+                        device, "the input")  # fmt: skip
         if self.host_roles[1]:
             emulate.to_host(xp)
         out = self.loop(xp, tiles, tile, batch, acc_dev)
+        del xp
         self.ran = self.predict(rep.tile, rep.batch)
         if note is not None:
             note(plan=rep.plan)
         res = out[:, :, : h * s, : w * s]
-        return res.contiguous() if (hp, wp) != (h, w) else res
+        if (hp, wp) == (h, w):
+            return res
+        try:
+            return res.contiguous()
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+        # a view of the padded accumulator is a valid result too (it only keeps the padding alive)
+        rep.ooms += 1
+        rep.events.append("out of memory copying the cropped output: returned as a view")
+        return res
 
     # -- the tile loop ----------------------------------------------------------------------
+    def check_shape(self, out: Tensor, inp: Tensor, n: int, shape: tuple[int, int]) -> None:
+        s = self.spec.scale
+        if out.shape[0] != n or tuple(out.shape[-2:]) != (shape[0] * s, shape[1] * s):
+            raise UpscaleError(
+                f"{self.spec.name} returned {tuple(out.shape)} for input {tuple(inp.shape)}; "
+                f"expected scale {s} (is `scale` right?)"
+            )
+
+    def new_accumulator(self, b: int, c: int, h: int, w: int, acc_dev: torch.device) -> Tensor:
+        """The output accumulator (float32 zeros); where the device has no room for it, in host
+        memory (an accelerator's, or an emulated card's host)."""
+        try:
+            acc = torch.zeros(b, c, h, w, dtype=torch.float32, device=acc_dev)
+        except Exception as exc:
+            if not is_oom_error(exc) or not emulate.separate_host(self.device) or self.host_roles[0]:
+                raise
+            acc = None
+        if acc is None:  # out of the except block: release, then keep the output in host memory
+            release(self.device)
+            self.rep.ooms += 1
+            self.rep.events.append("out of memory for the output: accumulating in host memory")
+            self.rep.accumulate_on = "cpu"
+            self.host_roles = (True, self.host_roles[1])
+            acc = torch.zeros(b, c, h, w, dtype=torch.float32, device="cpu")
+        if self.host_roles[0]:
+            emulate.to_host(acc)
+        return acc
+
+    def weighted(self, out: Tensor, group: list, hp: int, wp: int) -> list:
+        """Each tile's core (with its cross-fade weights applied) and where it goes."""
+        s, feather = self.spec.scale, self.feather
+        pieces = []
+        for i, t in enumerate(group):
+            ly0, ly1, wy = _axis_weights(t.y0, t.y1, hp, s, feather, out.device)
+            lx0, lx1, wx = _axis_weights(t.x0, t.x1, wp, s, feather, out.device)
+            piece = out[i, :, ly0 - t.wy0 * s : ly1 - t.wy0 * s, lx0 - t.wx0 * s : lx1 - t.wx0 * s]
+            if wy is not None:
+                piece = piece * wy[:, None]
+            if wx is not None:
+                piece = piece * wx[None, :]
+            pieces.append((t, (ly0, ly1, lx0, lx1), piece))
+        return pieces
+
     def loop(
         self,
         xp: Tensor,
@@ -445,7 +500,6 @@ class _Run:
         spec, rep, device = self.spec, self.rep, self.device
         bsz, _, hp, wp = xp.shape
         h_out, w_out = hp * spec.scale, wp * spec.scale
-        s = spec.scale
         acc: Tensor | None = None
         pending: deque[_Tile] = deque(tiles)
         processed_px = 0
@@ -459,11 +513,19 @@ class _Run:
             rest: deque[_Tile] = deque()
             for t in pending:
                 (group if len(group) < batch and t.shape == shape else rest).append(t)
-            inp = torch.stack([xp[t.b, :, t.wy0 : t.wy1, t.wx0 : t.wx1] for t in group]).to(device)
             out: Tensor | None = None
+            inp: Tensor | None = None
+            pieces: list = []
             oom = False
             try:
+                # everything of this batch that allocates, before the accumulator changes: an
+                # out-of-memory error anywhere here leaves the finished tiles as they are
+                inp = torch.stack([xp[t.b, :, t.wy0 : t.wy1, t.wx0 : t.wx1] for t in group]).to(device)
                 out = self.forward(inp)
+                self.check_shape(out, inp, len(group), shape)
+                if acc is None:
+                    acc = self.new_accumulator(bsz, out.shape[1], h_out, w_out, acc_dev)
+                pieces = self.weighted(out.to(acc.device), group, hp, wp)
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
@@ -471,6 +533,7 @@ class _Run:
                 logger.debug("OOM at tile %d batch %d: %s", tile, len(group), exc)
             if oom:
                 inp = out = None
+                pieces = []
                 rep.ooms += 1
                 release(device)
                 self.learn_oom(tile, min(batch, len(group)))
@@ -500,30 +563,12 @@ class _Run:
                 self.describe(rep.tiled or tile < self.max_dim, self.acc_dev)
                 logger.info("upscale: %s", rep.events[-1])
                 continue
-            assert out is not None
+            assert out is not None and acc is not None
             lh, lw = shape
-            if out.shape[0] != len(group) or tuple(out.shape[-2:]) != (lh * s, lw * s):
-                raise UpscaleError(
-                    f"{spec.name} returned {tuple(out.shape)} for input {tuple(inp.shape)}; "
-                    f"expected scale {s} (is `scale` right?)"
-                )
-            if acc is None:
-                acc = torch.zeros(bsz, out.shape[1], h_out, w_out, dtype=torch.float32, device=acc_dev)
-                if self.host_roles[0]:
-                    emulate.to_host(acc)
-            if out.device != acc.device:
-                out = out.to(acc.device)
-            feather = self.feather
-            for i, t in enumerate(group):
-                ly0, ly1, wy = _axis_weights(t.y0, t.y1, hp, s, feather, acc.device)
-                lx0, lx1, wx = _axis_weights(t.x0, t.x1, wp, s, feather, acc.device)
-                piece = out[i, :, ly0 - t.wy0 * s : ly1 - t.wy0 * s, lx0 - t.wx0 * s : lx1 - t.wx0 * s]
-                if wy is not None:
-                    piece = piece * wy[:, None]
-                if wx is not None:
-                    piece = piece * wx[None, :]
-                acc[t.b, :, ly0:ly1, lx0:lx1] += piece
+            for t, (ly0, ly1, lx0, lx1), piece in pieces:
+                acc[t.b, :, ly0:ly1, lx0:lx1] += piece  # in place: allocates nothing
                 processed_px += lh * lw
+            del pieces
             pending = rest
             del inp, out
             rep.tiles_done += len(group)
@@ -597,6 +642,20 @@ def upscale_tensor(
         measured = planner.learnable_peak(last("upscale") if last is not None else None, in_bytes)
         mem.record(run.key, planner.Outcome.of(run.ran, measured_peak_bytes=measured))
     return out
+
+
+def _once_more(fn: Callable[[], Tensor], rep: UpscaleReport, device: torch.device, what: str) -> Tensor:
+    """``fn()``; after an out-of-memory error, release and try once more (the error may have been a
+    moment of pressure); a second one propagates."""
+    try:
+        return fn()
+    except Exception as exc:
+        if not is_oom_error(exc):
+            raise
+    release(device)
+    rep.ooms += 1
+    rep.events.append(f"out of memory placing {what}: released, tried again")
+    return fn()
 
 
 def _halvings(n: int) -> list[int]:
