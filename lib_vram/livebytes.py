@@ -39,6 +39,9 @@ CONV_OPS = frozenset(
     }
 )
 
+_CONV_CACHE: dict = {}
+"""operator overload -> whether it is a convolution (``func.name()`` costs a call per operator)."""
+
 WorkspaceTerm = Callable[[tuple, tuple, tuple, int, bool], int]
 """``(input_shape, weight_shape, output_shape, element_size, input_contiguous) -> bytes``."""
 
@@ -170,12 +173,21 @@ class LiveBytesCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        # the common case (one tensor out) without the pytree walk: this runs for every operator
+        if isinstance(out, torch.Tensor):
+            outs = [out]
+        else:
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if self.real_only:
             outs = [t for t in outs if not _is_fake(t)]
         for t in outs:
             self.track(t)
-        if self.workspace is not None and func.name() in CONV_OPS and isinstance(out, torch.Tensor) and outs:
+        if self.workspace is None or not outs or not isinstance(out, torch.Tensor):
+            return out
+        is_conv = _CONV_CACHE.get(func)
+        if is_conv is None:
+            is_conv = _CONV_CACHE[func] = func.name() in CONV_OPS
+        if is_conv:
             inp, weight = args[0], args[1]
             contiguous = inp.is_contiguous() or inp.is_contiguous(memory_format=torch.channels_last)
             scratch = self.workspace(
