@@ -92,3 +92,32 @@ def test_doctor_recommends_a_preset(capsys):
 def test_bench_planner_is_registered_and_rejects_unknown_cases(capsys):
     assert main(["bench", "planner", "--case", "no-such-case"]) == 2
     assert "`--case`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--safety-margin=-1GB"], "`--safety-margin` must be >= 0"),
+        (["--safety-margin", "lots"], "`--safety-margin` must look like"),
+        (["--vram", "0GB"], "`--vram` must be > 0"),
+        (["--hires", "inf"], "`--hires`"),
+        (["--hires", "nan"], "`--hires`"),
+        (["--batch", "0"], "`--batch`"),
+    ],
+)
+def test_bad_options_name_themselves(capsys, args, words):
+    assert main(["plan", "--arch", "sd15", "--width", "512", "--height", "512", *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
+
+
+def test_bad_size_is_refused(capsys):
+    assert main(["plan", "--arch", "sd15", "--width", "500", "--height", "512"]) == 2
+    assert "`--width` must be a multiple of 8" in capsys.readouterr().err
+
+
+def test_zero_safety_margin_is_allowed(capsys):
+    rc, rep = _plan(
+        capsys, "--arch", "sd15", "--width", "512", "--height", "512", "--vram", "8GB", "--safety-margin", "0"
+    )
+    assert rc == 0 and rep["stages"][0]["safety_margin_bytes"] == 0
