@@ -189,6 +189,49 @@ def mount_routes(app: Any, session: Any, host: Any = None) -> None:
         logger.info("VRAM Guard routes require the WebUI API's credentials (--api-auth)")
 
 
+SCRIPT_TITLE = "VRAM Guard"
+_API_DEFAULT_LISTS = {"txt2img": "default_script_arg_txt2img", "img2img": "default_script_arg_img2img"}
+
+
+def api_defaults_follow_settings(app: Any, session: Any, host: Any = None) -> int:
+    """Make an API request that gives no VRAM Guard arguments use the Settings page's values *at
+    the time of the request*.
+
+    v1.10.1's ``Api`` reads every script's UI default values once, at startup
+    (``init_default_script_args``), and fills them into each request: VRAM Guard's slots would keep
+    the Settings of that moment forever. Our slots in those lists become ``None``, which
+    :func:`lib_vram.options.from_args` reads as "the current Settings value". Undone by
+    ``Session.restore_api_defaults`` (script unload). Returns the number of slots changed.
+    """
+    api = None
+    for route in getattr(app, "routes", []):
+        if getattr(route, "path", None) == API_PROBE_ROUTE:
+            api = getattr(getattr(route, "endpoint", None), "__self__", None)
+    if api is None:
+        return 0  # no --api: only the UI sends arguments, always explicit
+    host = host if host is not None else getattr(session, "host", None) or _default_host()
+    changed = 0
+    for tab, runner in host.script_runners().items():
+        values = getattr(api, _API_DEFAULT_LISTS[tab], None)
+        if not isinstance(values, list) or runner is None:
+            continue
+        for script in getattr(runner, "scripts", []):
+            try:
+                ours = script.title().lower() == SCRIPT_TITLE.lower() and script.alwayson
+            except Exception:  # another extension's title() can raise; not ours then
+                ours = False
+            if not ours:
+                continue
+            lo, hi = script.args_from, script.args_to
+            if lo is None or hi is None or hi > len(values):
+                continue
+            session.remember_api_defaults(values, lo, values[lo:hi])
+            values[lo:hi] = [None] * (hi - lo)
+            changed += hi - lo
+    logger.debug("API requests without VRAM Guard arguments follow the Settings (%d slots)", changed)
+    return changed
+
+
 def configure_logging(host: Any = None) -> None:
     from lib_vram import log
 
