@@ -203,3 +203,64 @@ def test_upscaler_patch_is_skipped_when_upscale_tiling_is_off():
     jobs.process(FakeP(), VRAMGuardOptions(enabled=True, upscale_tiling=False, vae_tiling="Off"))
     assert "do_upscale" not in scaler.__dict__
     jobs.close()
+
+
+def _decode(host):
+    with torch.no_grad():
+        host.model.first_stage_model.decoder(torch.randn(1, 4, 8, 8))
+
+
+def test_interrupted_hires_job_labels_its_final_decode_decode():
+    """Interrupted during the first pass, v1.10.1's ``sample_hr_pass`` returns at once and the final
+    decode happens after ``post_sample`` with ``is_hr_pass`` False: that is the final decode, not a
+    second "Hires first decode"."""
+    host = FakeHost(fake_sd_model())
+    session = Session(host=host)
+    jobs = ScriptJobs(session, kind="txt2img")
+    p = FakeP(enable_hr=True)
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tiling=False))
+    jobs.before_sampling(p)
+    _decode(host)  # first-pass decode for the (ESRGAN) hires upscale
+    jobs.post_sample(p)  # sample_hr_pass returned early: interrupted
+    _decode(host)  # the final decode in process_images_inner
+    jobs.postprocess(p)
+    stages = {s["stage"]: s for s in session.status()["stages"]}
+    assert stages["hires_decode"]["count"] == 1 and stages["decode"]["count"] == 1
+    # The normal hires job: first decode, hires pass, final decode inside the hires pass.
+    p = FakeP(enable_hr=True)
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tiling=False))
+    jobs.before_sampling(p)
+    _decode(host)
+    p.is_hr_pass = True
+    jobs.before_hr(p)
+    jobs.before_sampling(p)
+    _decode(host)
+    p.is_hr_pass = False
+    jobs.post_sample(p)
+    jobs.postprocess(p)
+    stages = {s["stage"]: s for s in session.status()["stages"]}
+    assert stages["hires_decode"]["count"] == 1 and stages["decode"]["count"] == 1
+    assert "hires_sampling" in stages
+
+
+def test_job_failed_outside_our_stages_is_not_shown_as_all_ok():
+    host = FakeHost(fake_sd_model())
+    session = Session(host=host)
+    jobs = ScriptJobs(session, kind="txt2img")
+    p = FakeP()
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tiling=False))
+    jobs.before_sampling(p)
+    # The sampler raises: postprocess never runs; the next job (or unload) closes this one as failed.
+    session.close_all(failed=True)
+    status = session.status()
+    sampling = next(s for s in status["stages"] if s["stage"] == "sampling")
+    assert sampling["ok"] is False and "outside VRAM Guard" in sampling["error"]
+    # Failed between stages (no span open): a note says so.
+    p = FakeP()
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tiling=False))
+    _decode(host)
+    jobs.post_sample(p)
+    session.close_all(failed=True)
+    status = session.status()
+    assert all(s["ok"] for s in status["stages"])
+    assert any("failed outside VRAM Guard" in n for n in status["notes"])

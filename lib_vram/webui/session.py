@@ -371,6 +371,7 @@ class ScriptJobs:
         if job is not None and not job.closed:
             self.refresh(p)
             self._ensure_unet(job)
+            job.sampled = False
             job.begin_span("hires_sampling" if getattr(p, "is_hr_pass", False) else "sampling")
 
     def before_hr(self, p: Any) -> None:
@@ -384,6 +385,7 @@ class ScriptJobs:
         job = self.job
         if job is not None and not job.closed:
             job.boundary("post_sample")
+            job.sampled = True
             self.refresh(p)
 
     def postprocess_batch(self, p: Any) -> None:
