@@ -176,17 +176,67 @@ def check_options(args: argparse.Namespace) -> None:
             raise UsageError(f"`--{name}` must be a multiple of 8 and >= 8, got {v}")
     if args.batch < 1:
         raise UsageError(f"`--batch` must be >= 1, got {args.batch}")
-    if args.hires is not None and (not math.isfinite(args.hires) or args.hires < 1):
-        raise UsageError(f"`--hires` must be a finite scale >= 1, got {args.hires}")
+    if args.hires is not None and (not math.isfinite(args.hires) or not 1 < args.hires <= 8):
+        raise UsageError(f"`--hires` must be a scale in (1, 8], got {args.hires}")
     if args.vram is not None:
         parse_size(args.vram, "--vram")
     if args.safety_margin is not None:
         parse_size(args.safety_margin, "--safety-margin", allow_zero=True)
 
 
+PROGRESS_AFTER_S = 2.0
+"""A plan that takes longer than this shows that it is working (large sizes take a while)."""
+
+
+class _Progress:
+    """Elapsed-time progress on stderr while planning, from ``PROGRESS_AFTER_S`` on: a line that
+    updates every second on a terminal; one line (no ``\\r``) into pipes and logs."""
+
+    def __init__(self, label: str) -> None:
+        import threading
+
+        self.label = label
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="vram-guard-plan-progress", daemon=True)
+        self.wrote = False
+
+    def _run(self) -> None:
+        import sys
+        import time
+
+        t0 = time.perf_counter()
+        if self.stop.wait(PROGRESS_AFTER_S):
+            return
+        tty = getattr(sys.stderr, "isatty", lambda: False)()
+        if not tty:
+            sys.stderr.write(f"planning {self.label} (large sizes take a while)...\n")
+            sys.stderr.flush()
+            return
+        while True:
+            sys.stderr.write(f"\rplanning {self.label}: {time.perf_counter() - t0:.0f} s")
+            sys.stderr.flush()
+            self.wrote = True
+            if self.stop.wait(1.0):
+                return
+
+    def __enter__(self) -> _Progress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import sys
+
+        self.stop.set()
+        self.thread.join()
+        if self.wrote:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
 def run(args: argparse.Namespace) -> int:
     check_options(args)
-    report = collect(args)
+    with _Progress(f"{args.arch} {args.width}x{args.height}"):
+        report = collect(args)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
