@@ -190,7 +190,7 @@ def test_fp16_unet_on_the_cpu_is_skipped_with_a_comment(script):
     s.postprocess(p, None, *args)
 
 
-def test_bad_api_option_is_reported_once_where_an_api_client_sees_it(script, caplog):
+def test_bad_api_option_is_reported_once_where_an_api_client_sees_it(script):
     """``{"vae_tile": 17}`` in ``alwayson_scripts``: the job runs without VRAM Guard (the WebUI
     cannot fail the request from a script hook), and says so once: ``info`` and the infotext
     (``extra_generation_params``), a comment under the result, one ERROR log line."""
@@ -198,15 +198,27 @@ def test_bad_api_option_is_reported_once_where_an_api_client_sees_it(script, cap
 
     from modules import shared
 
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.ERROR)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
     s = script.VRAMGuardScript()
+    logger = logging.getLogger("lib_vram")  # its own handler (other tests may stop propagation)
     for bad, word in (({"vae_tile": 17}, "vae_tile"), ({"no_such_key": 1}, "no_such_key")):
         p = FakeP()
-        with caplog.at_level(logging.ERROR, logger="lib_vram"):
-            caplog.clear()
+        keep = Keep()
+        logger.addHandler(keep)
+        try:
             s.setup(p, bad)
             s.process(p, bad)
             s.postprocess(p, None, bad)
-        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        finally:
+            logger.removeHandler(keep)
+        errors = keep.records
         assert len(errors) == 1 and word in errors[0].getMessage()
         assert word in p.extra_generation_params["VRAM Guard error"]
         assert len(p.comments) == 1 and "VRAM Guard is off for this job" in p.comments[0]
