@@ -171,3 +171,10 @@ def test_a_quick_plan_prints_no_progress(capsys, monkeypatch):
     monkeypatch.setattr(_cli_plan, "PROGRESS_AFTER_S", 600.0)  # "quick", whatever the machine's load
     assert main(["plan", "--arch", "sd15", "--width", "512", "--height", "512", "--vram", "8GB"]) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("target", ["upscale", "vae"])
+def test_bench_checks_the_device_first(capsys, target):
+    assert main(["bench", target, "--device", "banana"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: `--device banana`: not a device name") and err.count("\n") == 1
