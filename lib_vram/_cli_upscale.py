@@ -447,9 +447,10 @@ def run(args: argparse.Namespace) -> int:
             print(line)
             tally.done += 1
     except KeyboardInterrupt:
-        if folder:
-            print(f"interrupted: {tally.line()}; no partial file was left", file=sys.stderr)
-        raise
+        if not folder:
+            raise
+        print(f"interrupted: {tally.line()}; no partial file was left", file=sys.stderr)
+        return 130
     if folder:
         print(tally.line())
     return 1 if tally.failed else 0

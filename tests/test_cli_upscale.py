@@ -262,7 +262,8 @@ def test_ctrl_c_during_a_write_leaves_no_partial_file(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(_cli_upscale.os, "fsync", fsync)
     assert _up(folder, out, "--model", model, "--quiet") == 130
-    assert "interrupted: 1 done" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == "interrupted: 1 done, 0 skipped, 0 failed; no partial file was left\n"
     assert [p.name for p in out.iterdir()] == ["a.png"] and _no_partials(out)
     Image.open(out / "a.png").load()  # complete
     monkeypatch.setattr(_cli_upscale.os, "fsync", real_fsync)
@@ -547,3 +548,17 @@ def test_library_entry_points_name_bad_arguments():
         UpscaleConfig(device="banana")
     with pytest.raises(UpscaleError, match="`device`"):
         load_model("x.pth", device="banana")
+
+
+def test_ctrl_c_while_writing_a_single_file(tmp_path, monkeypatch, capsys):
+    model = _model(tmp_path)
+    src = _png(tmp_path / "in.png")
+    dst = tmp_path / "out.png"
+
+    def fsync(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_cli_upscale.os, "fsync", fsync)
+    assert _up(src, dst, "--model", model, "--quiet") == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    assert not dst.exists() and _no_partials(tmp_path)
