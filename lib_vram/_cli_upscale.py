@@ -358,6 +358,7 @@ def _upscale_one(model, job: _Job, args, config, fmt: str, notes: list[str]) -> 
     from .upscale import UpscaleReport, upscale_image
 
     img = _open(job.src, notes)
+    icc = img.info.get("icc_profile")  # the colour profile travels with the pixels
     w0, h0 = img.size
     target = args.scale if args.scale is not None else float(model.scale)
     passes, reached = 0, 1.0
@@ -375,8 +376,7 @@ def _upscale_one(model, job: _Job, args, config, fmt: str, notes: list[str]) -> 
     img = _for_format(img, fmt, notes)
     job.dst.parent.mkdir(parents=True, exist_ok=True)
     params = {}
-    icc = img.info.get("icc_profile")
-    if icc:
+    if icc and fmt in ("PNG", "JPEG", "WEBP", "TIFF"):
         params["icc_profile"] = icc
     save_atomic(img, job.dst, fmt, overwrite=args.overwrite, **params)
     secs = time.perf_counter() - t0

@@ -562,3 +562,14 @@ def test_ctrl_c_while_writing_a_single_file(tmp_path, monkeypatch, capsys):
     assert _up(src, dst, "--model", model, "--quiet") == 130
     assert capsys.readouterr().err == "interrupted\n"
     assert not dst.exists() and _no_partials(tmp_path)
+
+
+def test_colour_profile_is_kept(tmp_path):
+    from PIL import ImageCms
+
+    model = _model(tmp_path)
+    icc = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    src = tmp_path / "in.png"
+    Image.open(_png(tmp_path / "plain.png")).save(src, icc_profile=icc)
+    assert _up(src, tmp_path / "o.png", "--model", model, "--quiet") == 0
+    assert Image.open(tmp_path / "o.png").info.get("icc_profile") == icc
