@@ -573,3 +573,13 @@ def test_colour_profile_is_kept(tmp_path):
     Image.open(_png(tmp_path / "plain.png")).save(src, icc_profile=icc)
     assert _up(src, tmp_path / "o.png", "--model", model, "--quiet") == 0
     assert Image.open(tmp_path / "o.png").info.get("icc_profile") == icc
+
+
+def test_bad_device_with_emulated_card_is_one_line(tmp_path, capsys):
+    src = _png(tmp_path / "in.png")
+    rc = _up(
+        src, tmp_path / "o.png", "--model", tmp_path / "m.pth", "--device", "banana", "--emulate-vram", "4GB"
+    )
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: `--device banana`: not a device name") and err.count("\n") == 1
