@@ -1,13 +1,13 @@
 // VRAM Guard: live memory readout and tooltips for the "VRAM Guard" accordion.
 //
-// Polls ./vram-guard/v1/status (JSON, see lib_vram/readout.py) about once a second while a job
+// Polls ./internal/vram-guard/status (JSON, see lib_vram/readout.py) about once a second while a job
 // runs - detected from the WebUI's Interrupt buttons or the payload's job_running flag - and once
 // after it ends, then swaps the payload's html into every readout (#vram_guard_readout_<tab>).
 // When idle it refreshes an open readout every 10 s. Every global name starts with "vramGuard";
 // nothing here throws if the elements are missing (pages without the accordion, other tabs).
 
 var vramGuardConfig = {
-    url: "./vram-guard/v1/status",
+    url: "./internal/vram-guard/status",
     tabs: ["txt2img", "img2img", "extras"],
     busyMs: 1000,
     idleMs: 10000,

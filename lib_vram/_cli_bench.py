@@ -36,4 +36,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ._cli_common import check_device
+
+    check_device(getattr(args, "device", None))  # one clear line before any benchmark starts
     return int(args._bench_run(args) or 0)

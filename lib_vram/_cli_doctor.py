@@ -6,6 +6,7 @@ import argparse
 import json
 
 from . import __version__
+from ._cli_common import check_device
 from .device import capabilities, memory_info, resolve_device
 from .presets import tier_preset_name
 from .tiers import tier_for_total, tier_label
@@ -115,6 +116,7 @@ def format_table(report: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_device(args.device)
     report = collect(args.device)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))

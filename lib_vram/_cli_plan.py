@@ -18,18 +18,20 @@ SCHEMA_VERSION = 1
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, option: str = "--vram", *, allow_zero: bool = False) -> int:
     """``"6GB"``/``"6G"``/``"6GiB"`` -> 6 GiB, ``"4096MB"`` -> 4 GiB. Card sizes are binary: a "6 GB"
-    card has 6 GiB, so GB and GiB mean the same here."""
+    card has 6 GiB, so GB and GiB mean the same here. Errors name ``option``."""
     m = _SIZE.match(text)
+    if not m and text.strip().startswith("-"):
+        raise ValueError(f"`{option}` must be {'>= 0' if allow_zero else '> 0'}, got {text!r}")
     if not m:
-        raise ValueError(f"`--vram` must look like 6GB, 5.5GiB or 4096MB, got {text!r}")
+        raise ValueError(f"`{option}` must look like 6GB, 5.5GiB or 4096MB, got {text!r}")
     value = float(m.group(1))
     unit = (m.group(2) or "gb").lower()
     mult = 2**30 if unit.startswith("g") else 2**20
     out = int(value * mult)
-    if out <= 0:
-        raise ValueError(f"`--vram` must be > 0, got {text!r}")
+    if out < 0 or (out == 0 and not allow_zero):
+        raise ValueError(f"`{option}` must be {'>= 0' if allow_zero else '> 0'}, got {text!r}")
     return out
 
 
@@ -85,7 +87,11 @@ def collect(args: argparse.Namespace) -> dict:
         emulated = False
         caps_used = caps
     preset = resolve_preset(args.preset, total, caps_used)
-    margin = None if args.safety_margin is None else parse_size(args.safety_margin)
+    margin = (
+        None
+        if args.safety_margin is None
+        else parse_size(args.safety_margin, "--safety-margin", allow_zero=True)
+    )
     plans = plan_job(
         args.arch,
         args.width,
@@ -157,8 +163,80 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse bad options before any work, one line naming the option."""
+    import math
+
+    from ._cli_common import UsageError, check_device
+
+    check_device(args.device)
+    for name in ("width", "height"):
+        v = getattr(args, name)
+        if v < 8 or v % 8:
+            raise UsageError(f"`--{name}` must be a multiple of 8 and >= 8, got {v}")
+    if args.batch < 1:
+        raise UsageError(f"`--batch` must be >= 1, got {args.batch}")
+    if args.hires is not None and (not math.isfinite(args.hires) or not 1 < args.hires <= 8):
+        raise UsageError(f"`--hires` must be a scale in (1, 8], got {args.hires}")
+    if args.vram is not None:
+        parse_size(args.vram, "--vram")
+    if args.safety_margin is not None:
+        parse_size(args.safety_margin, "--safety-margin", allow_zero=True)
+
+
+PROGRESS_AFTER_S = 2.0
+"""A plan that takes longer than this shows that it is working (large sizes take a while)."""
+
+
+class _Progress:
+    """Elapsed-time progress on stderr while planning, from ``PROGRESS_AFTER_S`` on: a line that
+    updates every second on a terminal; one line (no ``\\r``) into pipes and logs."""
+
+    def __init__(self, label: str) -> None:
+        import threading
+
+        self.label = label
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="vram-guard-plan-progress", daemon=True)
+        self.wrote = False
+
+    def _run(self) -> None:
+        import sys
+        import time
+
+        t0 = time.perf_counter()
+        if self.stop.wait(PROGRESS_AFTER_S):
+            return
+        tty = getattr(sys.stderr, "isatty", lambda: False)()
+        if not tty:
+            sys.stderr.write(f"planning {self.label} (large sizes take a while)...\n")
+            sys.stderr.flush()
+            return
+        while True:
+            sys.stderr.write(f"\rplanning {self.label}: {time.perf_counter() - t0:.0f} s")
+            sys.stderr.flush()
+            self.wrote = True
+            if self.stop.wait(1.0):
+                return
+
+    def __enter__(self) -> _Progress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import sys
+
+        self.stop.set()
+        self.thread.join()
+        if self.wrote:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
 def run(args: argparse.Namespace) -> int:
-    report = collect(args)
+    check_options(args)
+    with _Progress(f"{args.arch} {args.width}x{args.height}"):
+        report = collect(args)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:

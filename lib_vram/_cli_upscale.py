@@ -1,11 +1,35 @@
-"""``python -m lib_vram upscale INPUT OUTPUT --model FILE``: tiled upscaling of your own images."""
+"""``python -m lib_vram upscale INPUT OUTPUT --model FILE``: tiled upscaling of your own images.
+
+File handling (README, "Upscaling your own images"):
+
+* An input is never overwritten: an output that is (or links to) an input is refused, also with
+  ``--overwrite``; a folder run refuses an output folder that is the input folder.
+* An existing output is left alone: a single-file run stops with an error, a folder run skips that
+  file with a note (so a rerun after Ctrl-C continues where it stopped). ``--overwrite`` replaces
+  them (a symlink at the output name is replaced, never written through).
+* Outputs are written to a temporary file in the destination folder and renamed into place: an
+  interrupted or failed write leaves no partial file.
+* In a folder, ``x.png`` and ``x.jpg`` would both become ``x.png``: such names become ``x_png.png`` and
+  ``x_jpg.png`` instead, and the run says so.
+* Every problem is one line naming the file and the reason; a folder run goes on with the next file,
+  ends with ``N done, M skipped, K failed`` and exits 1 if anything failed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from ._cli_common import UsageError, check_device, positive_finite
+
+logger = logging.getLogger(__name__)
 
 NAME = "upscale"
 HELP = "Upscale an image (or every image in a folder) with an ESRGAN-family model file, tiled to fit memory."
@@ -13,7 +37,17 @@ HELP = "Upscale an image (or every image in a folder) with an ESRGAN-family mode
 RUNS_MODELS = True
 """Gets the ``--emulate-vram`` switch (lib_vram.cli)."""
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
+OUTPUT_FORMATS = {
+    ".png": "PNG",
+    ".jpg": "JPEG",
+    ".jpeg": "JPEG",
+    ".webp": "WEBP",
+    ".bmp": "BMP",
+    ".tif": "TIFF",
+    ".tiff": "TIFF",
+}
+"""Output name ending -> format. A folder run always writes PNG."""
 MAX_PASSES = 3
 
 
@@ -29,7 +63,12 @@ def _auto_int(value: str) -> int | None:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", type=Path, help="an image file, or a folder of images")
-    parser.add_argument("output", type=Path, help="the output file (or folder, for a folder input)")
+    parser.add_argument(
+        "output",
+        type=Path,
+        help="the output file (its ending picks the format: .png .jpg .webp .bmp .tif), or a folder; "
+        "for a folder input, a folder (PNG files named after the inputs)",
+    )
     parser.add_argument("--model", type=Path, required=True, help="model file (.pth, .pt, .safetensors)")
     parser.add_argument(
         "--tile", type=_auto_int, default=None, metavar="auto|N", help="tile core size (input px)"
@@ -43,7 +82,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=("auto", "fp16", "bf16", "fp32"), default="auto")
     parser.add_argument(
         "--scale",
-        type=float,
+        type=positive_finite("--scale"),
         default=None,
         help="output scale (default: the model's); reached by repeated "
         f"passes (at most {MAX_PASSES}) and a final Lanczos resize",
@@ -51,18 +90,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="device (default: the best available)")
     parser.add_argument("--alpha", choices=("model", "resize"), default="model", help="how to upscale alpha")
     parser.add_argument("--budget-mb", type=int, default=None, help="memory budget for the upscale, MiB")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace existing output files (default: a folder run skips them, a single file is an "
+        "error); an input is never replaced",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 class _Bar:
-    """A one-line progress bar on stderr."""
+    """A one-line progress bar on stderr, drawn only on a terminal (never into pipes or logs)."""
 
     def __init__(self, label: str, enabled: bool) -> None:
-        self.label, self.enabled, self.t0 = (
-            label,
-            enabled and sys.stderr.isatty() or enabled,
-            time.perf_counter(),
-        )
+        self.label = label
+        self.enabled = bool(enabled) and _isatty(sys.stderr)
+        self.t0 = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
@@ -78,24 +121,274 @@ class _Bar:
         sys.stderr.flush()
 
 
-def _jobs(src: Path, dst: Path) -> list[tuple[Path, Path]]:
+def _isatty(stream: object) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (OSError, ValueError):
+        return False
+
+
+@dataclass
+class _Job:
+    src: Path
+    dst: Path
+    skip: str | None = None
+    """Why this file is not processed (a note), or None."""
+    error: str | None = None
+    """Why this file cannot be processed (counts as failed), or None."""
+
+
+@dataclass
+class _Tally:
+    done: int = 0
+    skipped: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        text = f"{self.done} done, {len(self.skipped)} skipped, {len(self.failed)} failed"
+        if self.failed:
+            text += ": " + ", ".join(self.failed)
+        return text
+
+
+def _ident(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _is_input(dst: Path, inputs: set[tuple[int, int]]) -> bool:
+    """True when writing ``dst`` would touch an input: same file (also via a link), or same path."""
+    ident = _ident(dst)
+    return ident is not None and ident in inputs
+
+
+def _output_format(dst: Path) -> str:
+    fmt = OUTPUT_FORMATS.get(dst.suffix.lower())
+    if fmt is None:
+        known = " ".join(sorted(set(OUTPUT_FORMATS)))
+        shown = dst.suffix or "no ending"
+        raise UsageError(f"`output` {dst}: unknown image type ({shown}); end the name in one of {known}")
+    return fmt
+
+
+def _folder_jobs(src: Path, dst: Path, overwrite: bool, notes: list[str]) -> list[_Job]:
+    if dst.exists() and not dst.is_dir():
+        raise UsageError(f"`output` must be a folder when `input` is a folder: {dst} is a file")
+    if dst.exists() and os.path.samefile(src, dst) or os.path.realpath(src) == os.path.realpath(dst):
+        raise UsageError(
+            f"`output` folder {dst} is the `input` folder: outputs would replace or mix with the "
+            "inputs (and a second run would upscale them again); choose another folder"
+        )
+    entries = sorted(src.iterdir())
+    files = [p for p in entries if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
+    ignored = [p.name for p in entries if p.is_file() and p not in files]
+    if not files:
+        raise UsageError(f"`input` folder {src} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+    if ignored:
+        shown = ", ".join(ignored[:5]) + (", ..." if len(ignored) > 5 else "")
+        notes.append(f"{len(ignored)} file(s) in {src} ignored, not images by their ending: {shown}")
+    by_stem: dict[str, list[Path]] = {}
+    for p in files:
+        by_stem.setdefault(p.stem.casefold(), []).append(p)
+    jobs: list[_Job] = []
+    for p in files:
+        if len(by_stem[p.stem.casefold()]) > 1:
+            name = f"{p.stem}_{p.suffix[1:].lower()}.png"
+        else:
+            name = p.stem + ".png"
+        jobs.append(_Job(p, dst / name))
+    renamed = [j for j in jobs if j.dst.stem != j.src.stem]
+    if renamed:
+        notes.append(
+            "same name, different type: " + ", ".join(f"{j.src.name} -> {j.dst.name}" for j in renamed)
+        )
+    seen: dict[str, _Job] = {}
+    for j in jobs:
+        key = j.dst.name.casefold()
+        if key in seen:
+            j.error = f"its output name {j.dst.name} is already taken by {seen[key].src.name}"
+        else:
+            seen[key] = j
+    return jobs
+
+
+def _plan(args: argparse.Namespace, notes: list[str]) -> tuple[list[_Job], bool]:
+    """The jobs, and whether this is a folder run. Raises :class:`UsageError` before any work."""
+    src, dst = args.input, args.output
     if src.is_dir():
-        files = sorted(p for p in src.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-        if not files:
-            raise ValueError(f"`input` folder {src} holds no images ({', '.join(IMAGE_SUFFIXES)})")
-        if dst.exists() and not dst.is_dir():
-            raise ValueError(f"`output` must be a folder when `input` is a folder: {dst}")
-        return [(p, dst / (p.stem + ".png")) for p in files]
-    if not src.is_file():
-        raise FileNotFoundError(f"`input` not found: {src}")
-    return [(src, dst)]
+        jobs, folder = _folder_jobs(src, dst, args.overwrite, notes), True
+    else:
+        if not src.exists():
+            raise UsageError(f"`input` not found: {src}")
+        if not src.is_file():
+            raise UsageError(f"`input` {src} is neither an image file nor a folder")
+        if dst.is_dir():
+            dst = dst / (src.stem + ".png")
+        _output_format(dst)
+        jobs, folder = [_Job(src, dst)], False
+    inputs = {i for i in (_ident(j.src) for j in jobs) if i is not None}
+    for j in jobs:
+        if j.error:
+            continue
+        if _is_input(j.dst, inputs) or os.path.realpath(j.dst) == os.path.realpath(j.src):
+            j.error = f"output {j.dst} is an input file; it is never overwritten (choose another output)"
+        elif os.path.lexists(j.dst) and not args.overwrite:
+            j.skip = f"{j.dst} exists (--overwrite replaces it)"
+    if not folder:
+        job = jobs[0]
+        if job.error:
+            raise UsageError(f"`output`: {job.error}")
+        if job.skip:
+            raise UsageError(f"`output` {job.dst} exists; pass --overwrite to replace it")
+    return jobs, folder
+
+
+def _open(src: Path, notes: list[str]):
+    """Read ``src`` as one upright still image; notes say what was done to it."""
+    from PIL import Image, ImageOps
+
+    with Image.open(src) as im:
+        frames = getattr(im, "n_frames", 1)
+        if frames > 1:
+            notes.append(f"animated ({frames} frames): only the first frame is upscaled")
+            im.seek(0)
+        wide = any(";16" in str(t[3]) for t in (im.tile or ()))
+        if wide and im.mode in ("RGB", "RGBA"):
+            notes.append("16-bit colour is read as 8 bits per channel (Pillow holds RGB at 8 bits)")
+        orientation = im.getexif().get(0x0112, 1)
+        upright = ImageOps.exif_transpose(im)
+        if orientation not in (1, None):
+            notes.append(f"EXIF orientation {orientation} applied (the output is stored upright)")
+        img = upright if upright is not im else im.copy()
+        img.load()
+    return img
+
+
+def _for_format(img, fmt: str, notes: list[str]):
+    """Convert modes the output format cannot store (JPEG: no alpha, 8 bits)."""
+    if fmt == "JPEG" and img.mode not in ("RGB", "L"):
+        grey = img.mode in ("L", "LA", "I;16", "I", "F")
+        if "A" in img.mode:
+            notes.append("alpha dropped (JPEG has none)")
+        if img.mode in ("I;16", "I", "F"):
+            notes.append("16-bit/float grey stored as 8 bits (JPEG)")
+            import numpy as np
+            from PIL import Image
+
+            scale = 1 / 257 if img.mode != "F" else 255
+            arr = np.clip(np.asarray(img, dtype=np.float64) * scale, 0, 255).round().astype(np.uint8)
+            return Image.fromarray(arr, "L")
+        return img.convert("L" if grey else "RGB")
+    return img
+
+
+_UMASK: int | None = None
+
+
+def _umask() -> int:
+    global _UMASK
+    if _UMASK is None:
+        _UMASK = os.umask(0o022)
+        os.umask(_UMASK)
+    return _UMASK
+
+
+def save_atomic(img, dst: Path, fmt: str, *, overwrite: bool, **params) -> None:
+    """Write ``img`` to a temporary file beside ``dst``, then rename it into place.
+
+    Without ``overwrite`` an output that appeared meanwhile is not replaced (``FileExistsError``).
+    Whatever goes wrong (also Ctrl-C), the temporary file is removed and ``dst`` is untouched.
+    """
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".part", dir=dst.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            img.save(f, format=fmt, **params)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        if overwrite:
+            os.replace(tmp, dst)
+            return
+        try:
+            os.link(tmp, dst)  # fails if dst exists: no race with another writer
+        except FileExistsError:
+            raise FileExistsError(f"{dst} appeared while upscaling; left as it is") from None
+        except OSError:  # no hard links on this file system
+            if os.path.lexists(dst):
+                raise FileExistsError(f"{dst} appeared while upscaling; left as it is") from None
+            os.replace(tmp, dst)
+            return
+        tmp.unlink()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _reason(exc: BaseException) -> str:
+    from PIL import Image, UnidentifiedImageError
+
+    from .upscale import UpscaleError
+
+    if isinstance(exc, Image.DecompressionBombError):
+        return f"too large to open safely ({exc})"
+    if isinstance(exc, UnidentifiedImageError):
+        return "cannot read image (not an image file, or damaged)"
+    if isinstance(exc, UpscaleError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        where = f" ({exc.filename})" if exc.filename else ""
+        if exc.strerror:
+            return f"{exc.strerror}{where}"
+        return f"cannot read or write image ({exc})"
+    if isinstance(exc, MemoryError):
+        return "out of memory (try a smaller --tile or --budget-mb)"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _upscale_one(model, job: _Job, args, config, fmt: str, notes: list[str]) -> str:
+    from PIL import Image
+
+    from .upscale import UpscaleReport, upscale_image
+
+    img = _open(job.src, notes)
+    icc = img.info.get("icc_profile")  # the colour profile travels with the pixels
+    w0, h0 = img.size
+    target = args.scale if args.scale is not None else float(model.scale)
+    passes, reached = 0, 1.0
+    t0 = time.perf_counter()
+    rep = UpscaleReport()
+    while passes == 0 or (reached < target and passes < MAX_PASSES):
+        rep = UpscaleReport()
+        bar = _Bar(f"{job.src.name} pass {passes + 1}", not args.quiet)
+        img = upscale_image(model, img, config=config, alpha=args.alpha, progress=bar, report=rep)
+        passes += 1
+        reached *= model.scale
+    size = (max(1, round(w0 * target)), max(1, round(h0 * target)))
+    if img.size != size:
+        img = img.resize(size, Image.LANCZOS)
+    img = _for_format(img, fmt, notes)
+    job.dst.parent.mkdir(parents=True, exist_ok=True)
+    params = {}
+    if icc and fmt in ("PNG", "JPEG", "WEBP", "TIFF"):
+        params["icc_profile"] = icc
+    save_atomic(img, job.dst, fmt, overwrite=args.overwrite, **params)
+    secs = time.perf_counter() - t0
+    return f"{job.src.name} -> {job.dst} ({w0}x{h0} -> {size[0]}x{size[1]}, {rep.plan}, {secs:.1f}s)"
 
 
 def run(args: argparse.Namespace) -> int:
-    from PIL import Image, UnidentifiedImageError
+    from .upscale import UpscaleConfig, load_model
 
-    from .upscale import UpscaleConfig, UpscaleError, UpscaleReport, load_model, upscale_image
-
+    check_device(args.device)
+    if args.budget_mb is not None and args.budget_mb < 1:
+        raise UsageError(f"`--budget-mb` must be >= 1, got {args.budget_mb}")
     try:
         config = UpscaleConfig(
             tile=args.tile,
@@ -106,48 +399,58 @@ def run(args: argparse.Namespace) -> int:
             budget_bytes=None if args.budget_mb is None else args.budget_mb * 2**20,
         )
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.scale is not None and args.scale <= 0:
-        print(f"error: `--scale` must be > 0, got {args.scale}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{exc}".replace("`", "`--", 1)) from None
+    notes: list[str] = []
+    jobs, folder = _plan(args, notes)
+    if folder:
+        try:
+            args.output.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"`output` folder {args.output}: cannot create it ({_reason(exc)})") from None
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    from .upscale import UpscaleError
+
     try:
         model = load_model(args.model, device=args.device)
     except UpscaleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    jobs = _jobs(args.input, args.output)
-    if len(jobs) > 1:
-        args.output.mkdir(parents=True, exist_ok=True)
-    failed = 0
-    for src, dst in jobs:
-        try:
-            with Image.open(src) as opened:
-                img = opened.copy()
-        except (UnidentifiedImageError, OSError) as exc:
-            print(f"error: {src.name}: cannot read image ({exc})", file=sys.stderr)
-            failed += 1
-            continue
-        w0, h0 = img.size
-        target = args.scale if args.scale is not None else float(model.scale)
-        passes, reached = 0, 1.0
-        t0 = time.perf_counter()
-        try:
-            while passes == 0 or (reached < target and passes < MAX_PASSES):
-                rep = UpscaleReport()
-                bar = _Bar(f"{src.name} pass {passes + 1}", not args.quiet)
-                img = upscale_image(model, img, config=config, alpha=args.alpha, progress=bar, report=rep)
-                passes += 1
-                reached *= model.scale
-        except UpscaleError as exc:
-            print(f"error: {src.name}: {exc}", file=sys.stderr)
-            failed += 1
-            continue
-        size = (max(1, round(w0 * target)), max(1, round(h0 * target)))
-        if img.size != size:
-            img = img.resize(size, Image.LANCZOS)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        img.save(dst)
-        secs = time.perf_counter() - t0
-        print(f"{src.name} -> {dst} ({w0}x{h0} -> {size[0]}x{size[1]}, {rep.plan}, {secs:.1f}s)")
-    return 1 if failed else 0
+        raise UsageError(f"`--model` {exc}") from None
+    tally = _Tally()
+    debug = getattr(args, "debug", False)
+    try:
+        for job in jobs:
+            if job.error:
+                print(f"error: {job.src.name}: {job.error}", file=sys.stderr)
+                tally.failed.append(job.src.name)
+                continue
+            if job.skip:
+                print(f"skipped {job.src.name}: {job.skip}", file=sys.stderr)
+                tally.skipped.append(job.src.name)
+                continue
+            file_notes: list[str] = []
+            fmt = "PNG" if folder else _output_format(job.dst)
+            try:
+                line = _upscale_one(model, job, args, config, fmt, file_notes)
+            except Exception as exc:  # one line per file; the run goes on with the next file
+                logger.debug("%s failed", job.src, exc_info=True)
+                if debug:
+                    import traceback
+
+                    traceback.print_exc()
+                for note in file_notes:
+                    print(f"note: {job.src.name}: {note}", file=sys.stderr)
+                print(f"error: {job.src.name}: {_reason(exc)}", file=sys.stderr)
+                tally.failed.append(job.src.name)
+                continue
+            for note in file_notes:
+                print(f"note: {job.src.name}: {note}", file=sys.stderr)
+            print(line)
+            tally.done += 1
+    except KeyboardInterrupt:
+        if not folder:
+            raise
+        print(f"interrupted: {tally.line()}; no partial file was left", file=sys.stderr)
+        return 130
+    if folder:
+        print(tally.line())
+    return 1 if tally.failed else 0

@@ -2,6 +2,9 @@
 
 Each sub-command lives in its own ``lib_vram/_cli_<name>.py`` module with ``NAME``, ``HELP``,
 ``configure(parser)`` and ``run(args) -> int``; register it in ``COMMANDS``.
+
+Errors: a bad option or file is one line on stderr (``error: ...``) and exit code 2; anything else
+that goes wrong is one line and exit code 1. ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
 
 from . import __version__
 from .log import configure as configure_logging
@@ -22,13 +26,27 @@ COMMANDS: tuple[str, ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``prog: error: ...``) and exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _add_debug(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--debug", action="store_true", default=default, help="show the full traceback of an error"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m lib_vram",
         description="VRAM Guard: memory-bounded VAE, upscaling and memory planning for Stable Diffusion.",
     )
     parser.add_argument("--version", action="version", version=f"VRAM Guard {__version__}")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
+    _add_debug(parser, False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module_name in COMMANDS:
@@ -37,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         if getattr(module, "RUNS_MODELS", False):
             add_emulate_argument(p)
         module.configure(p)
+        # Also accepted after the command name; SUPPRESS keeps a --debug given before it.
+        _add_debug(p, argparse.SUPPRESS)
         p.set_defaults(_run=module.run)
     return parser
 
@@ -78,6 +98,11 @@ def emulated_card(args: argparse.Namespace):  # noqa: ANN201
     return EmulatedCard(capacity, device=kind)
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -85,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_level)
     except ValueError as exc:
         parser.error(str(exc))
+    debug = bool(getattr(args, "debug", False))
+    log = logging.getLogger("lib_vram")
     try:
+        from ._cli_common import check_device
+
+        check_device(getattr(args, "device", None))  # before anything uses it (also --emulate-vram)
         card = emulated_card(args)
         if card is None:
             return int(args._run(args) or 0)
@@ -101,9 +131,24 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             emulate.install(previous)
     except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
         print("interrupted", file=sys.stderr)
         return 130
     except (ValueError, FileNotFoundError) as exc:
-        logging.getLogger("lib_vram").debug("command failed", exc_info=True)
-        print(f"error: {exc}", file=sys.stderr)
+        log.debug("command failed", exc_info=True)
+        if debug:
+            traceback.print_exc()
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:  # anything else: one line, not a traceback (unless --debug)
+        log.debug("command failed", exc_info=True)
+        if debug:
+            traceback.print_exc()
+        where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
+        print(
+            f"error: {type(exc).__name__}: {reason}{where} (run with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1

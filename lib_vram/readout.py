@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 SCHEMA = 1
 STATUS_ROUTE = "/vram-guard/v1/status"
+UI_STATUS_ROUTE = "/internal/vram-guard/status"
+"""The same payload for the page's readout: it follows the WebUI's UI access control (its Gradio
+login, like the WebUI's own ``/internal/*`` routes), where ``STATUS_ROUTE`` follows the API's
+(``--api-auth``)."""
 
 STAGES: tuple[tuple[str, str], ...] = (
     ("sampling", "Sampling"),

@@ -51,14 +51,23 @@ class VRAMGuardScript(scripts.Script):
             jobs = self.__dict__["_vram_guard_jobs"] = vg.ScriptJobs(SESSION, kind=kind)
         return jobs
 
-    def _options(self, args):
-        return from_args(list(args), defaults=vg.defaults())
+    def _options(self, p, args):
+        """The job's options; None (reported once, job runs without us) when they are bad."""
+        try:
+            return from_args(list(args), defaults=vg.defaults())
+        except ValueError as exc:
+            self.jobs.options_error(p, exc)
+            return None
 
     def setup(self, p, *args):
-        self.jobs.setup(p, self._options(args))
+        options = self._options(p, args)
+        if options is not None:
+            self.jobs.setup(p, options)
 
     def process(self, p, *args):
-        options = self._options(args)
+        options = self._options(p, args)
+        if options is None:
+            return
         if not options.enabled:
             if self.jobs.job is not None:
                 self.jobs.close()  # a crashed run's leftovers; nothing else when disabled
@@ -127,6 +136,7 @@ def _on_app_started(demo, app):
     vg.configure_logging()
     vg.mount_routes(app, SESSION)
     vg.check_conflicts(SESSION)
+    vg.api_defaults_follow_settings(app, SESSION)
 
 
 def _on_model_loaded(sd_model):
@@ -139,6 +149,7 @@ def _on_cfg_denoiser(params):
 
 def _on_script_unloaded():
     SESSION.close_all()
+    SESSION.restore_api_defaults()
 
 
 script_callbacks.on_ui_settings(_on_ui_settings)

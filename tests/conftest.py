@@ -55,3 +55,17 @@ def tiny_rrdb(tmp_path):
     torch.manual_seed(0)
     net = make_imagelike_rrdb(rrdb_class()(in_nc=3, out_nc=3, num_filters=8, num_blocks=1, scale=4))
     return save_and_load(net, tmp_path / "tiny_rrdb.safetensors")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_emulated_card():
+    """``--emulate-vram`` exports VRAM_GUARD_EMULATE_VRAM for the benchmarks' child processes; a test
+    that ran ``main`` with it must not leave the next test on an emulated card."""
+    import os
+
+    saved = os.environ.get("VRAM_GUARD_EMULATE_VRAM")
+    yield
+    if saved is None:
+        os.environ.pop("VRAM_GUARD_EMULATE_VRAM", None)
+    else:
+        os.environ["VRAM_GUARD_EMULATE_VRAM"] = saved

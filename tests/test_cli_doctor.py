@@ -91,8 +91,36 @@ def test_doctor_as_module_subprocess():
 
 
 def test_bad_log_level_is_an_error(capsys):
-    try:
+    with pytest.raises(SystemExit) as exc:
         main(["--log-level", "LOUD", "doctor"])
-    except SystemExit as exc:
-        assert exc.code == 2
-    assert "LOUD" in capsys.readouterr().err
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "LOUD" in err and err.count("\n") == 1  # one line, no usage block
+
+
+@pytest.mark.parametrize(
+    "command", [["doctor"], ["plan", "--arch", "sd15", "--width", "512", "--height", "512"]]
+)
+@pytest.mark.parametrize(("device", "words"), [("banana", "not a device name"), ("cuda", "no CUDA GPU")])
+def test_bad_device_is_one_line(capsys, command, device, words):
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main([*command, "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: `--device {device}`") and words in err and err.count("\n") == 1
+
+
+def test_unexpected_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
+    def boom(device=None):
+        raise RuntimeError("probe failed\nsecond line")
+
+    monkeypatch.setattr(_cli_doctor, "collect", boom)
+    assert main(["doctor"]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: RuntimeError: probe failed (run with --debug for the traceback)\n"
+    assert main(["doctor", "--debug"]) == 1
+    assert "Traceback" in capsys.readouterr().err
+    assert main(["--debug", "doctor"]) == 1
+    assert "Traceback" in capsys.readouterr().err

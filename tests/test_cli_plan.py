@@ -92,3 +92,89 @@ def test_doctor_recommends_a_preset(capsys):
 def test_bench_planner_is_registered_and_rejects_unknown_cases(capsys):
     assert main(["bench", "planner", "--case", "no-such-case"]) == 2
     assert "`--case`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--safety-margin=-1GB"], "`--safety-margin` must be >= 0"),
+        (["--safety-margin", "lots"], "`--safety-margin` must look like"),
+        (["--vram", "0GB"], "`--vram` must be > 0"),
+        (["--hires", "inf"], "`--hires`"),
+        (["--hires", "nan"], "`--hires`"),
+        (["--hires", "1"], "`--hires` must be a scale in (1, 8]"),
+        (["--batch", "0"], "`--batch`"),
+    ],
+)
+def test_bad_options_name_themselves(capsys, args, words):
+    assert main(["plan", "--arch", "sd15", "--width", "512", "--height", "512", *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
+
+
+def test_bad_size_is_refused(capsys):
+    assert main(["plan", "--arch", "sd15", "--width", "500", "--height", "512"]) == 2
+    assert "`--width` must be a multiple of 8" in capsys.readouterr().err
+
+
+def test_zero_safety_margin_is_allowed(capsys):
+    rc, rep = _plan(
+        capsys, "--arch", "sd15", "--width", "512", "--height", "512", "--vram", "8GB", "--safety-margin", "0"
+    )
+    assert rc == 0 and rep["stages"][0]["safety_margin_bytes"] == 0
+
+
+class _Terminal:
+    def __init__(self):
+        self.parts = []
+
+    def write(self, text):
+        self.parts.append(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_a_slow_plan_shows_progress(capsys, monkeypatch, tty):
+    """Planning large sizes takes a while: after PROGRESS_AFTER_S the command says it is working
+    (an updating line on a terminal, a single line into pipes)."""
+    import time
+
+    from lib_vram import stageplan
+
+    real = stageplan.plan_job
+
+    def slow(*a, **k):
+        time.sleep(1.3)
+        return real(*a, **k)
+
+    monkeypatch.setattr(stageplan, "plan_job", slow)
+    monkeypatch.setattr(_cli_plan, "PROGRESS_AFTER_S", 0.05)
+    term = _Terminal()
+    if tty:
+        monkeypatch.setattr("sys.stderr", term)
+    rc = main(["plan", "--arch", "sd15", "--width", "512", "--height", "512", "--vram", "8GB", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0 and json.loads(out.out)["stages"]
+    if tty:
+        text = "".join(term.parts)
+        assert text.count("\rplanning sd15 512x512:") >= 2 and text.endswith("\n")
+    else:
+        assert out.err == "planning sd15 512x512 (large sizes take a while)...\n"
+
+
+def test_a_quick_plan_prints_no_progress(capsys, monkeypatch):
+    monkeypatch.setattr(_cli_plan, "PROGRESS_AFTER_S", 600.0)  # "quick", whatever the machine's load
+    assert main(["plan", "--arch", "sd15", "--width", "512", "--height", "512", "--vram", "8GB"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("target", ["upscale", "vae"])
+def test_bench_checks_the_device_first(capsys, target):
+    assert main(["bench", target, "--device", "banana"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: `--device banana`: not a device name") and err.count("\n") == 1

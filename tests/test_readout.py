@@ -176,7 +176,7 @@ def test_js_globals_are_prefixed():
     top = re.findall(r"^(?:function|var|let|const|class)\s+(\w+)", source, flags=re.M)
     assert top, "no top-level names found: the check would be vacuous"
     assert all(name.startswith("vramGuard") for name in top), top
-    assert "./vram-guard/v1/status" in source and R.STATUS_ROUTE == "/vram-guard/v1/status"
+    assert "./internal/vram-guard/status" in source and R.UI_STATUS_ROUTE == "/internal/vram-guard/status"
 
 
 def test_js_parses():

@@ -271,8 +271,30 @@ def test_extras_section_and_none_args():
         O.extras_options({"vae_tile": 64}, VRAMGuardOptions())
 
 
-def test_ui_called_three_times_is_side_effect_free():
-    """The WebUI calls ui() again inside throw-away Blocks when the API is on."""
-    for _ in range(3):
-        _demo, w = build()
-    assert len(w.inputs) == 12
+def test_ui_called_three_times_is_side_effect_free(tmp_path, monkeypatch):
+    """The WebUI calls ui() again inside throw-away Blocks when the API is on: every build gives the
+    same inputs (values, ids), wires events only into its own Blocks, and changes no module state,
+    logger or file."""
+    import logging
+
+    monkeypatch.chdir(tmp_path)
+
+    def module_state():
+        return {m.__name__: {k: id(v) for k, v in vars(m).items()} for m in (ui, O)}
+
+    logger = logging.getLogger("lib_vram")
+    before_state, before_handlers = module_state(), list(logger.handlers)
+    builds = [build() for _ in range(3)]
+    assert module_state() == before_state and logger.handlers == before_handlers
+    assert os.listdir(tmp_path) == []
+    shapes = [
+        ([c.value for c in w.inputs], [c.elem_id for c in w.inputs], len(demo.dependencies))
+        for demo, w in builds
+    ]
+    assert len(builds[0][1].inputs) == 12 and shapes[0][0] == NON_DEFAULT.args()
+    assert shapes[1] == shapes[0] and shapes[2] == shapes[0]
+    # Each build's events point at its own components only (nothing leaks between Blocks).
+    for demo, _w in builds:
+        own = {block_id for block_id in demo.blocks}
+        for dep in demo.dependencies:
+            assert set(dep["targets"]) <= own and set(dep["inputs"]) <= own and set(dep["outputs"]) <= own

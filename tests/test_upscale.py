@@ -154,14 +154,21 @@ def test_internal_tiling_means_one_pass(tiny_compact):
     assert not rep.tiled and rep.forward_calls == 1
 
 
-def test_discouraged_tiling_uses_largest_tile_that_fits(tiny_compact):
-    x = image_like(64, 64)
+def test_discouraged_tiling_uses_largest_tile_that_fits(tiny_compact, monkeypatch):
+    """Automatic tiles are capped at ``AUTO_TILE_MAX`` except for ``DISCOURAGED`` models. The cap is
+    lowered to 32 so that a small image shows it: both runs must tile (a whole-image run would make
+    the comparison vacuous), the supported one at the cap, the discouraged one above it."""
+    from lib_vram.upscale import _engine
+
+    monkeypatch.setattr(_engine, "AUTO_TILE_MAX", 32)
+    x = image_like(192, 192)
     rep_s, rep_d = UpscaleReport(), UpscaleReport()
-    budget = 20 * 2**20
+    budget = 4 * 2**20  # a 192² whole-image pass does not fit; a ~120 px tile does
     upscale_tensor(tiny_compact, x, config=UpscaleConfig(budget_bytes=budget, overlap=4), report=rep_s)
     tiny_compact.tiling = ModelTiling.DISCOURAGED
     upscale_tensor(tiny_compact, x, config=UpscaleConfig(budget_bytes=budget, overlap=4), report=rep_d)
-    assert rep_d.tile >= rep_s.tile
+    assert rep_s.tiled and rep_d.tiled, (rep_s.plan, rep_d.plan)
+    assert rep_s.tile == 32 and rep_d.tile > 32, (rep_s.plan, rep_d.plan)
 
 
 # -- memory planning --------------------------------------------------------------------------------

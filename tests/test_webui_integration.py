@@ -50,6 +50,60 @@ def test_status_and_free_routes_on_the_apps_own_fastapi():
     assert "collected_objects" in freed and freed["memory"]["total_bytes"] > 0
 
 
+def _webui_like_app(api_auth: str | None) -> FastAPI:
+    """A FastAPI app with a ``/sdapi/v1/txt2img`` route protected the way v1.10.1's ``Api``
+    protects it under ``--api-auth`` (``Api.add_api_route`` adds ``Depends(self.auth)``)."""
+    from lib_vram.webui.integration import basic_auth_dependency
+
+    app = FastAPI()
+    deps = [basic_auth_dependency(api_auth)] if api_auth else []
+    app.add_api_route("/sdapi/v1/txt2img", lambda: {"ok": True}, methods=["POST"], dependencies=deps)
+    return app
+
+
+@pytest.mark.parametrize("with_api", [True, False])
+def test_routes_require_the_api_credentials_under_api_auth(with_api):
+    from lib_vram.readout import UI_STATUS_ROUTE
+
+    host = FakeHost()
+    host.flags["api_auth"] = "user:pass,other:word"
+    app = _webui_like_app("user:pass,other:word") if with_api else FastAPI()
+    mount_routes(app, Session(host=host))
+    client = TestClient(app)
+    for method, route in (("get", STATUS_ROUTE), ("post", FREE_ROUTE)):
+        call = getattr(client, method)
+        assert call(route).status_code == 401
+        assert call(route, auth=("user", "wrong")).status_code == 401
+        assert call(route, auth=("nobody", "pass")).status_code == 401
+        assert call(route, auth=("user", "pass")).status_code == 200
+        assert call(route, auth=("other", "word")).status_code == 200
+    if with_api:
+        assert client.post("/sdapi/v1/txt2img").status_code == 401  # the host's behaviour we copy
+    # The page's readout route has no API credentials to send: it follows the page (no login here).
+    assert client.get(UI_STATUS_ROUTE).status_code == 200
+
+
+def test_routes_are_open_without_api_auth():
+    host = FakeHost()
+    app = _webui_like_app(None)
+    mount_routes(app, Session(host=host))
+    client = TestClient(app)
+    assert client.get(STATUS_ROUTE).status_code == 200 and client.post(FREE_ROUTE).status_code == 200
+
+
+def test_readout_route_follows_the_pages_gradio_login():
+    from lib_vram.readout import UI_STATUS_ROUTE
+
+    app = FastAPI()
+    app.auth = {"user": "pass"}  # what gradio's App holds with --gradio-auth
+    app.tokens = {"tok123": "user"}
+    mount_routes(app, Session(host=FakeHost()))
+    client = TestClient(app)
+    assert client.get(UI_STATUS_ROUTE).status_code == 401
+    assert client.get(UI_STATUS_ROUTE, cookies={"access-token": "nope"}).status_code == 401
+    assert client.get(UI_STATUS_ROUTE, cookies={"access-token": "tok123"}).status_code == 200
+
+
 def test_status_reports_the_last_jobs_stages():
     host = FakeHost(fake_sd_model())
     session = Session(host=host)
@@ -149,3 +203,64 @@ def test_upscaler_patch_is_skipped_when_upscale_tiling_is_off():
     jobs.process(FakeP(), VRAMGuardOptions(enabled=True, upscale_tiling=False, vae_tiling="Off"))
     assert "do_upscale" not in scaler.__dict__
     jobs.close()
+
+
+def _decode(host):
+    with torch.no_grad():
+        host.model.first_stage_model.decoder(torch.randn(1, 4, 8, 8))
+
+
+def test_interrupted_hires_job_labels_its_final_decode_decode():
+    """Interrupted during the first pass, v1.10.1's ``sample_hr_pass`` returns at once and the final
+    decode happens after ``post_sample`` with ``is_hr_pass`` False: that is the final decode, not a
+    second "Hires first decode"."""
+    host = FakeHost(fake_sd_model())
+    session = Session(host=host)
+    jobs = ScriptJobs(session, kind="txt2img")
+    p = FakeP(enable_hr=True)
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tiling=False))
+    jobs.before_sampling(p)
+    _decode(host)  # first-pass decode for the (ESRGAN) hires upscale
+    jobs.post_sample(p)  # sample_hr_pass returned early: interrupted
+    _decode(host)  # the final decode in process_images_inner
+    jobs.postprocess(p)
+    stages = {s["stage"]: s for s in session.status()["stages"]}
+    assert stages["hires_decode"]["count"] == 1 and stages["decode"]["count"] == 1
+    # The normal hires job: first decode, hires pass, final decode inside the hires pass.
+    p = FakeP(enable_hr=True)
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tiling=False))
+    jobs.before_sampling(p)
+    _decode(host)
+    p.is_hr_pass = True
+    jobs.before_hr(p)
+    jobs.before_sampling(p)
+    _decode(host)
+    p.is_hr_pass = False
+    jobs.post_sample(p)
+    jobs.postprocess(p)
+    stages = {s["stage"]: s for s in session.status()["stages"]}
+    assert stages["hires_decode"]["count"] == 1 and stages["decode"]["count"] == 1
+    assert "hires_sampling" in stages
+
+
+def test_job_failed_outside_our_stages_is_not_shown_as_all_ok():
+    host = FakeHost(fake_sd_model())
+    session = Session(host=host)
+    jobs = ScriptJobs(session, kind="txt2img")
+    p = FakeP()
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tiling=False))
+    jobs.before_sampling(p)
+    # The sampler raises: postprocess never runs; the next job (or unload) closes this one as failed.
+    session.close_all(failed=True)
+    status = session.status()
+    sampling = next(s for s in status["stages"] if s["stage"] == "sampling")
+    assert sampling["ok"] is False and "outside VRAM Guard" in sampling["error"]
+    # Failed between stages (no span open): a note says so.
+    p = FakeP()
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tiling=False))
+    _decode(host)
+    jobs.post_sample(p)
+    session.close_all(failed=True)
+    status = session.status()
+    assert all(s["ok"] for s in status["stages"])
+    assert any("failed outside VRAM Guard" in n for n in status["notes"])

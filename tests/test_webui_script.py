@@ -188,3 +188,93 @@ def test_fp16_unet_on_the_cpu_is_skipped_with_a_comment(script):
     assert devices.dtype_unet == torch.float32 and unet.time_embed[0].weight.dtype == torch.float32
     assert any("'FP16 UNet' not applied" in c and "CPU" in c for c in p.comments)
     s.postprocess(p, None, *args)
+
+
+def test_bad_api_option_is_reported_once_where_an_api_client_sees_it(script):
+    """``{"vae_tile": 17}`` in ``alwayson_scripts``: the job runs without VRAM Guard (the WebUI
+    cannot fail the request from a script hook), and says so once: ``info`` and the infotext
+    (``extra_generation_params``), a comment under the result, one ERROR log line."""
+    import logging
+
+    from modules import shared
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.ERROR)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    s = script.VRAMGuardScript()
+    logger = logging.getLogger("lib_vram")  # its own handler (other tests may stop propagation)
+    for bad, word in (({"vae_tile": 17}, "vae_tile"), ({"no_such_key": 1}, "no_such_key")):
+        p = FakeP()
+        keep = Keep()
+        logger.addHandler(keep)
+        try:
+            s.setup(p, bad)
+            s.process(p, bad)
+            s.postprocess(p, None, bad)
+        finally:
+            logger.removeHandler(keep)
+        errors = keep.records
+        assert len(errors) == 1 and word in errors[0].getMessage()
+        assert word in p.extra_generation_params["VRAM Guard error"]
+        assert len(p.comments) == 1 and "VRAM Guard is off for this job" in p.comments[0]
+        assert "forward" not in shared.sd_model.first_stage_model.decoder.__dict__
+        assert script.SESSION.open_jobs() == []
+
+
+def test_api_requests_without_our_args_follow_the_settings_at_request_time(script):
+    """v1.10.1's Api captures every script's UI defaults once at startup and fills them into each
+    request: after the app starts, our slots follow the Settings value of the moment instead."""
+    from types import SimpleNamespace
+
+    import gradio as gr
+    from fastapi import FastAPI
+    from modules import script_callbacks, scripts, shared
+
+    s = script.VRAMGuardScript()
+    s.alwayson = True
+    shared.opts.vram_guard_enabled = True  # the Settings when the WebUI built its API defaults
+    with gr.Blocks():
+        ui_defaults = [c.value for c in s.ui(False)]
+    s.args_from, s.args_to = 1, 1 + len(ui_defaults)
+
+    class Api:  # the attributes of modules.api.api.Api that are read
+        def __init__(self):
+            self.default_script_arg_txt2img = [0, *ui_defaults]
+            self.default_script_arg_img2img = [0, *ui_defaults]
+
+        def text2imgapi(self):
+            return {}
+
+    api = Api()
+    app = FastAPI()
+    app.add_api_route("/sdapi/v1/txt2img", api.text2imgapi, methods=["POST"])
+    monkey = SimpleNamespace(scripts=[s])
+    scripts.scripts_txt2img = scripts.scripts_img2img = monkey
+    try:
+        started = [cb for kind, cb in script_callbacks.registered if kind == "app_started"][0]
+        started(None, app)
+        assert api.default_script_arg_txt2img[1:] == [None] * len(ui_defaults)
+
+        def request_opens_a_job() -> bool:
+            p = FakeP()
+            args = api.default_script_arg_txt2img[s.args_from : s.args_to]
+            s.setup(p, *args)
+            s.process(p, *args)
+            opened = bool(script.SESSION.open_jobs())
+            s.postprocess(p, None, *args)
+            return opened
+
+        shared.opts.vram_guard_enabled = False
+        assert not request_opens_a_job()  # captured True would have opened one
+        shared.opts.vram_guard_enabled = True
+        assert request_opens_a_job()
+        unload = [cb for kind, cb in script_callbacks.registered if kind == "script_unloaded"][0]
+        unload()
+        assert api.default_script_arg_txt2img[1:] == ui_defaults  # undone
+    finally:
+        scripts.scripts_txt2img = scripts.scripts_img2img = None

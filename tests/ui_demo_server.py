@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
 
 from lib_vram.device import MemoryInfo  # noqa: E402
 from lib_vram.options import VRAMGuardOptions  # noqa: E402
-from lib_vram.readout import STATUS_ROUTE, render_readout_html, status_payload  # noqa: E402
+from lib_vram.readout import UI_STATUS_ROUTE, render_readout_html, status_payload  # noqa: E402
 from lib_vram.ui import build_ui  # noqa: E402
 
 GiB = 1024**3
@@ -98,7 +98,7 @@ def build_app(state: DemoState) -> FastAPI:
 
     app = FastAPI()
 
-    @app.get(STATUS_ROUTE)
+    @app.get(UI_STATUS_ROUTE)
     def status() -> JSONResponse:
         state.hits += 1
         return JSONResponse(state.payload(), headers={"Cache-Control": "no-store"})

@@ -145,6 +145,8 @@ class ModelCache:
         return (str(path.resolve()), st.st_mtime_ns, st.st_size, str(device), str(dtype or torch.float32))
 
     def get(self, path: str | os.PathLike, device: torch.device, dtype: torch.dtype | None = None) -> object:
+        if not isinstance(path, (str, os.PathLike)):
+            raise UpscaleError(f"`path` must be a model file path (str or os.PathLike), got {path!r}")
         p = Path(path)
         if not p.is_file():
             raise UpscaleError(f"{p.name}: no such model file ({p})")
@@ -201,5 +203,12 @@ def load_model(
     Raises :class:`UpscaleError` naming the file and the reason when it is missing, damaged, of an
     unknown architecture or not an image-to-image model.
     """
-    dev = resolve_device(device)
+    if not isinstance(path, (str, os.PathLike)):
+        raise UpscaleError(f"`path` must be a model file path (str or os.PathLike), got {path!r}")
+    try:
+        dev = resolve_device(device)
+    except (RuntimeError, TypeError):
+        raise UpscaleError(
+            f"`device` {device!r} is not a device name (cpu, cuda, cuda:N, mps, xpu)"
+        ) from None
     return (cache if cache is not None else default_cache()).get(path, dev, dtype)

@@ -72,7 +72,13 @@ class UpscaleConfig:
         if self.budget_bytes is not None and bad_budget:
             raise ValueError(f"`budget_bytes` must be None or a positive int, got {self.budget_bytes!r}")
         if self.device is not None:
-            torch.device(self.device)  # raises on a bad device string
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(
+                    f"`device` must be None, a torch.device or a device name like 'cpu', 'cuda' or "
+                    f"'cuda:1', got {self.device!r}"
+                ) from None
 
 
 @dataclass

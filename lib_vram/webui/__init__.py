@@ -11,6 +11,7 @@ from .integration import (
     FREE_ROUTE,
     SECTION,
     STATUS_ROUTE,
+    api_defaults_follow_settings,
     check_conflicts,
     configure_logging,
     defaults,
@@ -24,6 +25,7 @@ from .session import ScriptJobs, Session
 from .settings import JobSettings, resolve
 
 __all__ = [
+    "api_defaults_follow_settings",
     "FREE_ROUTE",
     "HOOK_NAME",
     "SECTION",

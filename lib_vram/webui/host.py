@@ -34,6 +34,13 @@ def cmd_opt(name: str, default: Any = None) -> Any:
     return getattr(shared.cmd_opts, name, default)
 
 
+def script_runners() -> dict[str, Any]:
+    """The txt2img and img2img ``ScriptRunner`` (``modules.scripts.scripts_txt2img/img2img``)."""
+    from modules import scripts
+
+    return {"txt2img": scripts.scripts_txt2img, "img2img": scripts.scripts_img2img}
+
+
 # -- job state -----------------------------------------------------------------------------------
 def job_token() -> float | None:
     """Identifies the running WebUI job: ``shared.state.time_start`` is set by every ``state.begin``."""

@@ -106,9 +106,70 @@ def defaults(host: Any = None) -> Any:
     return defaults_from_settings(host.opts_get)
 
 
-def mount_routes(app: Any, session: Any) -> None:
+API_PROBE_ROUTE = "/sdapi/v1/txt2img"
+"""The WebUI API route whose access control (``--api-auth``) the extension's API routes copy."""
+
+
+def api_dependencies(app: Any, host: Any = None) -> list:
+    """The access control of the WebUI's own API, for the extension's API routes.
+
+    With ``--api`` the WebUI adds ``Depends(Api.auth)`` to every ``/sdapi/v1/*`` route when
+    ``--api-auth`` is set: copy that route's dependencies (whatever the WebUI applies there). Without
+    ``--api`` but with ``--api-auth``: the same HTTP Basic check on the same credentials.
+    """
+    for route in getattr(app, "routes", []):
+        if getattr(route, "path", None) == API_PROBE_ROUTE:
+            return list(getattr(route, "dependencies", None) or [])
+    host = host if host is not None else _default_host()
+    creds = host.cmd_opt("api_auth", None)
+    return [basic_auth_dependency(creds)] if creds else []
+
+
+def basic_auth_dependency(creds: str) -> Any:
+    """``Depends`` on an HTTP Basic check against ``"user:pass,user2:pass2"`` (``--api-auth``)."""
+    import secrets
+
+    from fastapi import Depends, HTTPException
+    from fastapi.security import HTTPBasic, HTTPBasicCredentials
+
+    users = dict(item.split(":", 1) for item in creds.split(",") if ":" in item)
+
+    def check(credentials=Depends(HTTPBasic())):  # noqa: B008
+        want = users.get(credentials.username)
+        if want is not None and secrets.compare_digest(credentials.password.encode(), want.encode()):
+            return True
+        raise HTTPException(
+            status_code=401, detail="Incorrect username or password", headers={"WWW-Authenticate": "Basic"}
+        )
+
+    # Real classes, not the strings `from __future__ import annotations` leaves (FastAPI reads them).
+    check.__annotations__ = {"credentials": HTTPBasicCredentials, "return": bool}
+    return Depends(check)
+
+
+def ui_dependencies(app: Any) -> list:
+    """The access control of the WebUI's page, for the route its readout polls: when the page has a
+    Gradio login (``--gradio-auth``), the request must carry that login's session cookie."""
+    if not getattr(app, "auth", None):
+        return []
+    from fastapi import Depends, HTTPException, Request
+
+    def check(request):
+        tokens = getattr(app, "tokens", None) or {}
+        token = request.cookies.get("access-token") or request.cookies.get("access-token-unsecure")
+        if token and token in tokens:
+            return True
+        raise HTTPException(status_code=401, detail="Not authenticated")
+
+    check.__annotations__ = {"request": Request, "return": bool}
+    return [Depends(check)]
+
+
+def mount_routes(app: Any, session: Any, host: Any = None) -> None:
     """``GET /vram-guard/v1/status`` and ``POST /vram-guard/v1/free`` on the WebUI's own FastAPI
-    app (nothing listens on a new port)."""
+    app (nothing listens on a new port), behind the WebUI API's access control; and
+    ``GET /internal/vram-guard/status`` for the page's readout, behind the page's."""
+    from lib_vram.readout import UI_STATUS_ROUTE
 
     def status() -> dict:
         return session.status()
@@ -116,11 +177,59 @@ def mount_routes(app: Any, session: Any) -> None:
     def free() -> dict:
         return session.free()
 
+    api = api_dependencies(app, host if host is not None else getattr(session, "host", None))
     existing = {getattr(r, "path", None) for r in getattr(app, "routes", [])}
     if STATUS_ROUTE not in existing:
-        app.add_api_route(STATUS_ROUTE, status, methods=["GET"])
+        app.add_api_route(STATUS_ROUTE, status, methods=["GET"], dependencies=api)
     if FREE_ROUTE not in existing:
-        app.add_api_route(FREE_ROUTE, free, methods=["POST"])
+        app.add_api_route(FREE_ROUTE, free, methods=["POST"], dependencies=api)
+    if UI_STATUS_ROUTE not in existing:
+        app.add_api_route(UI_STATUS_ROUTE, status, methods=["GET"], dependencies=ui_dependencies(app))
+    if api:
+        logger.info("VRAM Guard routes require the WebUI API's credentials (--api-auth)")
+
+
+SCRIPT_TITLE = "VRAM Guard"
+_API_DEFAULT_LISTS = {"txt2img": "default_script_arg_txt2img", "img2img": "default_script_arg_img2img"}
+
+
+def api_defaults_follow_settings(app: Any, session: Any, host: Any = None) -> int:
+    """Make an API request that gives no VRAM Guard arguments use the Settings page's values *at
+    the time of the request*.
+
+    v1.10.1's ``Api`` reads every script's UI default values once, at startup
+    (``init_default_script_args``), and fills them into each request: VRAM Guard's slots would keep
+    the Settings of that moment forever. Our slots in those lists become ``None``, which
+    :func:`lib_vram.options.from_args` reads as "the current Settings value". Undone by
+    ``Session.restore_api_defaults`` (script unload). Returns the number of slots changed.
+    """
+    api = None
+    for route in getattr(app, "routes", []):
+        if getattr(route, "path", None) == API_PROBE_ROUTE:
+            api = getattr(getattr(route, "endpoint", None), "__self__", None)
+    if api is None:
+        return 0  # no --api: only the UI sends arguments, always explicit
+    host = host if host is not None else getattr(session, "host", None) or _default_host()
+    changed = 0
+    for tab, runner in host.script_runners().items():
+        values = getattr(api, _API_DEFAULT_LISTS[tab], None)
+        if not isinstance(values, list) or runner is None:
+            continue
+        for script in getattr(runner, "scripts", []):
+            try:
+                ours = script.title().lower() == SCRIPT_TITLE.lower() and script.alwayson
+            except Exception:  # another extension's title() can raise; not ours then
+                ours = False
+            if not ours:
+                continue
+            lo, hi = script.args_from, script.args_to
+            if lo is None or hi is None or hi > len(values):
+                continue
+            session.remember_api_defaults(values, lo, values[lo:hi])
+            values[lo:hi] = [None] * (hi - lo)
+            changed += hi - lo
+    logger.debug("API requests without VRAM Guard arguments follow the Settings (%d slots)", changed)
+    return changed
 
 
 def configure_logging(host: Any = None) -> None:

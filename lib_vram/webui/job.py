@@ -82,6 +82,9 @@ class Job:
         self.closed = False
         self.failed = False
         self.postprocessed = False
+        self.sampled = False
+        """``post_sample`` ran for the current batch: a decode now is the final one (also when an
+        interrupted hires job skipped its hires pass), not the hires first-pass decode."""
         self.notes: list[str] = []
         self.releases: list[dict] = []
         self.plans: dict[str, str] = {}
@@ -173,7 +176,7 @@ class Job:
         hr = bool(getattr(p, "enable_hr", False)) and self.kind == "txt2img"
         in_hr = bool(getattr(p, "is_hr_pass", False))
         if kind == "decode":
-            return "hires_decode" if hr and not in_hr else "decode"
+            return "hires_decode" if hr and not in_hr and not self.sampled else "decode"
         return "hires_encode" if hr and in_hr else "encode"
 
     def upscale_stage_name(self) -> str:
@@ -285,7 +288,13 @@ class Job:
             self.failed = failed
         try:
             if threading.get_ident() == self.thread:
-                self.end_span()
+                cm, self._span = self._span, None
+                if cm is not None and failed:
+                    # The job failed while this span (e.g. sampling) was open: record it so.
+                    err = JobFailed("the job stopped with an error in this stage (outside VRAM Guard)")
+                    cm.__exit__(JobFailed, err, None)
+                elif cm is not None:
+                    cm.__exit__(None, None, None)
             else:
                 self._span = None
             self.boundary("failure" if failed else "job_end")
@@ -297,14 +306,18 @@ class Job:
 
     def summary(self) -> dict:
         """What the readout and the status route show about this job."""
+        # Top-level stages only: the engines open their own stages inside ours (same memory).
+        records = [r.to_dict() for r in self.tracker.records if r.depth == 0]
+        notes = list(self.notes)
+        if self.failed and all(r.get("ok", True) for r in records):
+            notes.append(FAILED_OUTSIDE_NOTE)
         return {
             "kind": self.kind,
             "settings": self.settings.describe(),
-            # Top-level stages only: the engines open their own stages inside ours (same memory).
-            "records": [r.to_dict() for r in self.tracker.records if r.depth == 0],
+            "records": records,
             "releases": list(self.releases),
             "plans": dict(self.plans),
-            "notes": list(self.notes),
+            "notes": notes,
             "failed": self.failed,
             "closed": self.closed,
         }
@@ -317,6 +330,16 @@ class Job:
         from lib_vram.options import INFOTEXT_PLAN_KEY, to_infotext
 
         return to_infotext(self.options, plans=self.plans).get(INFOTEXT_PLAN_KEY)
+
+
+class JobFailed(RuntimeError):
+    """Marks the stage during which the WebUI job failed outside VRAM Guard."""
+
+
+FAILED_OUTSIDE_NOTE = (
+    "The last job failed outside VRAM Guard's stages (e.g. in the sampler or another extension); "
+    "the stages listed finished before it."
+)
 
 
 def _unhook(module_ref: weakref.ref) -> None:

@@ -44,6 +44,10 @@ def _default_host() -> Any:
     return host
 
 
+OPTIONS_ERROR_KEY = "VRAM Guard error"
+"""Infotext / ``extra_generation_params`` key naming bad VRAM Guard arguments of a job."""
+
+
 class Session:
     """Process-wide state of the loaded extension (see the module docstring)."""
 
@@ -55,8 +59,20 @@ class Session:
         self.notes: list[str] = []
         self._cache: Any = None
         self._dtype_seen: torch.dtype | None = None
+        self._api_defaults: list[tuple[list, int, list]] = []
 
     # -- jobs --------------------------------------------------------------------------------
+    def remember_api_defaults(self, values: list, start: int, saved: list) -> None:
+        """Keep what :func:`~lib_vram.webui.integration.api_defaults_follow_settings` replaced."""
+        self._api_defaults.append((values, start, list(saved)))
+
+    def restore_api_defaults(self) -> None:
+        """Put back the WebUI API's captured defaults (script unload / Reload UI)."""
+        while self._api_defaults:
+            values, start, saved = self._api_defaults.pop()
+            if all(v is None for v in values[start : start + len(saved)]):
+                values[start : start + len(saved)] = saved
+
     def job_opened(self, job: Job) -> None:
         with self._lock:
             self._jobs.add(job)
@@ -193,10 +209,31 @@ class ScriptJobs:
         self.session = session
         self.kind = kind
         self.job: Job | None = None
+        self._reported: Any = None
+        """The ``p`` whose bad options were last reported (once per job, not per hook)."""
 
     @property
     def host(self) -> Any:
         return self.session.host
+
+    def options_error(self, p: Any, exc: Exception) -> None:
+        """Bad VRAM Guard arguments (an API request's ``alwayson_scripts``): the job runs without
+        VRAM Guard, and says so once, where an API client sees it (``info.extra_generation_params``
+        and the infotext, key ``VRAM Guard error``), under the result in the UI, and in the log.
+
+        The WebUI gives scripts no way to fail the request: it catches every exception raised in
+        ``setup``/``process`` and only prints it."""
+        if self.job is not None:
+            self.close()
+        if self._reported is p:
+            return
+        self._reported = p
+        text = f"VRAM Guard is off for this job: bad option ({exc})"
+        logger.error("%s", text)
+        params = getattr(p, "extra_generation_params", None)
+        if isinstance(params, dict):
+            params[OPTIONS_ERROR_KEY] = str(exc)
+        self.host.add_comment(p, text)
 
     # -- opening / closing -------------------------------------------------------------------
     def close(self, *, failed: bool = False) -> None:
@@ -334,6 +371,7 @@ class ScriptJobs:
         if job is not None and not job.closed:
             self.refresh(p)
             self._ensure_unet(job)
+            job.sampled = False
             job.begin_span("hires_sampling" if getattr(p, "is_hr_pass", False) else "sampling")
 
     def before_hr(self, p: Any) -> None:
@@ -347,6 +385,7 @@ class ScriptJobs:
         job = self.job
         if job is not None and not job.closed:
             job.boundary("post_sample")
+            job.sampled = True
             self.refresh(p)
 
     def postprocess_batch(self, p: Any) -> None:

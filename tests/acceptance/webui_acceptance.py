@@ -10,9 +10,16 @@ instance you start yourself:
   ``alwayson_scripts``), pastes an infotext through the API's ``infotext`` field, checks the status
   route, and compares pixels (identical / PSNR). Prints one line per check and a JSON summary.
 
-usage: webui_acceptance.py baseline|extension [--url URL] [--out DIR] [--upscaler NAME]
-                           [--only txt2img,hires,img2img,extras,sdupscale,previews,savehires,unet]
-(``sdupscale``, ``previews``, ``savehires`` and ``unet`` run only when named in ``--only``.)
+usage: webui_acceptance.py baseline|extension|auth [--url URL] [--out DIR] [--upscaler NAME]
+        [--only txt2img,hires,img2img,extras,sdupscale,previews,savehires,unet,readme,badoption,stale]
+        [--log WEBUI_LOG] [--user U --password P]
+(``sdupscale``, ``previews``, ``savehires``, ``unet``, ``readme``, ``badoption`` and ``stale`` run
+only when named in ``--only``.)
+
+* ``readme`` runs the README's API examples exactly as written (extracted from README.md; only the
+  host:port is replaced by ``--url``).
+* ``auth`` — against a WebUI started with ``--api-auth USER:PASSWORD``: VRAM Guard's API routes
+  answer 401 without (or with wrong) credentials, like ``/sdapi/v1/*``, and 200 with them.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -36,10 +44,14 @@ ARG_ORDER = ["enabled", "preset", "vae_tiling", "vae_mode", "vae_tile", "upscale
              "upscale_batch", "precision_vae", "precision_upscale", "unet_fp16", "release_between_stages"]  # fmt: skip
 
 
-def call(url: str, path: str, payload: dict | None = None, timeout: float = 1800) -> tuple[dict, float]:
+def call(url: str, path: str, payload: dict | None = None, timeout: float = 1800, *, method: str | None = None,
+         auth: tuple[str, str] | None = None) -> tuple[dict, float]:  # fmt: skip
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url.rstrip("/") + path, data=data, headers={"Content-Type": "application/json"},
-                                 method="GET" if payload is None else "POST")  # fmt: skip
+    headers = {"Content-Type": "application/json"}
+    if auth is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers,
+                                 method=method or ("GET" if payload is None else "POST"))  # fmt: skip
     t0 = time.time()
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -98,6 +110,42 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
+def http_status(url: str, path: str, method: str = "GET", auth: tuple[str, str] | None = None) -> int:
+    try:
+        call(url, path, {} if method == "POST" else None, timeout=120, method=method, auth=auth)
+        return 200
+    except RuntimeError as exc:
+        m = re.search(r"HTTP (\d+)", str(exc))
+        if m:
+            return int(m.group(1))
+        raise
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_api_examples() -> list[tuple[str, str, dict]]:
+    """The README's API examples as (label, path, payload), exactly as written there: every
+    ``curl ... -d '{...}'`` block of the "### API" section, and its "Positional form" line applied
+    to the same request."""
+    text = README.read_text()
+    section = text[text.index("### API") : text.index("### Status route")]
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+        m = re.search(r"curl -s http://127\.0\.0\.1:7860(/sdapi/v1/\S+) .*?-d '(.*)'", block, flags=re.S)
+        if m:
+            out.append(("README curl example", m.group(1), json.loads(m.group(2))))
+    pos = re.search(r"Positional form of the same: `\"args\": (\[.*?\])`", section)
+    if out and pos:
+        label, path, payload = out[0]
+        scripts = json.loads(json.dumps(payload["alwayson_scripts"]))
+        scripts["VRAM Guard"]["args"] = json.loads(pos.group(1))
+        out.append(("README positional form", path, dict(payload, alwayson_scripts=scripts)))
+    if len(out) < 2:
+        raise SystemExit("README.md: the API examples were not found (section '### API')")
+    return out
+
+
 def run(url: str, name: str, path: str, payload: dict) -> dict:
     body, dt = call(url, path, payload)
     imgs = body.get("images") or [body.get("image")]
@@ -109,13 +157,16 @@ def run(url: str, name: str, path: str, payload: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["baseline", "extension"])
+    ap.add_argument("phase", choices=["baseline", "extension", "auth"])
     ap.add_argument("--url", default="http://127.0.0.1:7860")
     ap.add_argument("--out", default="/tmp/vram-guard-acceptance")
     ap.add_argument("--upscaler", default="ESRGAN_x4-tiny-random")
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--only", default="")
+    ap.add_argument("--log", default=None, help="the WebUI's console log (to count error lines)")
+    ap.add_argument("--user", default="user")
+    ap.add_argument("--password", default="pass")
     a = ap.parse_args()
     import os
 
@@ -127,6 +178,28 @@ def main() -> int:
     def record(check: str, ok: bool, **data) -> None:
         results.append({"check": check, "ok": ok, **data})
         print(f"{'PASS' if ok else 'FAIL'} {check} {json.dumps(data)}", flush=True)
+
+    if a.phase == "auth":
+        creds = (a.user, a.password)
+        routes = [
+            ("GET", "/vram-guard/v1/status"),
+            ("POST", "/vram-guard/v1/free"),
+            ("GET", "/sdapi/v1/options"),
+        ]
+        for method, route in routes:
+            codes = {
+                "none": http_status(a.url, route, method),
+                "wrong": http_status(a.url, route, method, (a.user, a.password + "x")),
+                "right": http_status(a.url, route, method, creds),
+            }
+            record(
+                f"--api-auth {method} {route}", codes == {"none": 401, "wrong": 401, "right": 200}, **codes
+            )
+        code = http_status(a.url, "/internal/vram-guard/status")
+        record("page readout route follows the page (no Gradio login set)", code == 200, code=code)
+        with open(f"{a.out}/results-auth.json", "w") as fh:
+            json.dump(results, fh, indent=1)
+        return 0 if all(x["ok"] for x in results) else 1
 
     if a.phase == "baseline":
         for name, (path, payload) in reqs.items():
@@ -297,6 +370,54 @@ def main() -> int:
         record("extras on (Settings defaults, tile 32)", r["image"].shape == base("extras").shape,
                seconds=r["seconds"], psnr=psnr(r["image"], base("extras")),
                stages=[(s["stage"], s["plan"]) for s in st["stages"]])  # fmt: skip
+    # 11. The README's API examples, run exactly as written there.
+    if only and "readme" in only:
+        for label, path, payload in readme_api_examples():
+            try:
+                r = run(a.url, label, path, payload)
+            except RuntimeError as exc:
+                record(f"{label} runs as written", False, error=str(exc)[:300])
+                continue
+            line = re.findall(r'VRAM Guard: "[^"]*"', r["infotext"])
+            record(f"{label} runs as written", bool(line) and "VRAM Guard error" not in r["infotext"],
+                   seconds=r["seconds"], shape=list(r["image"].shape), entry=line)  # fmt: skip
+    # 12. A bad option: HTTP 200 (the WebUI cannot fail it), but the client sees why in info.
+    if only and "badoption" in only:
+        path, payload = reqs["txt2img"]
+        for bad, word in (({"vae_tile": 17}, "vae_tile"), ({"no_such_key": 1}, "no_such_key")):
+            before = Path(a.log).read_text().count("VRAM Guard is off for this job") if a.log else None
+            body, dt = call(a.url, path, dict(payload, alwayson_scripts={"VRAM Guard": {"args": [bad]}}))
+            info = json.loads(body["info"])
+            err = info.get("extra_generation_params", {}).get("VRAM Guard error", "")
+            infotext = (info.get("infotexts") or [""])[0]
+            logged = None
+            if a.log:
+                time.sleep(1)
+                text = Path(a.log).read_text()
+                logged = text.count("VRAM Guard is off for this job") - before
+            record(f"bad option {bad} visible to the API client", word in err and "VRAM Guard error" in infotext
+                   and "VRAM Guard:" not in infotext and logged in (None, 1),
+                   error=err, logged_lines=logged, seconds=round(dt, 1))  # fmt: skip
+        if a.log:
+            text = Path(a.log).read_text()
+            record("no 'Error running setup/process' for bad options", "Error running setup" not in text
+                   and "Error running process" not in text)  # fmt: skip
+    # 13. Stale defaults: a request without our args follows the Settings at request time.
+    if only and "stale" in only:
+        path, payload = reqs["txt2img"]
+        xpath, xpayload = reqs["extras"]
+        try:
+            call(a.url, "/sdapi/v1/options", {"vram_guard_enabled": True})
+            call(a.url, xpath, xpayload)
+            call(a.url, "/sdapi/v1/options", {"vram_guard_enabled": False})
+            off = run(a.url, "no args, Settings off", path, payload)
+            call(a.url, "/sdapi/v1/options", {"vram_guard_enabled": True})
+            on = run(a.url, "no args, Settings on", path, payload)
+        finally:
+            call(a.url, "/sdapi/v1/options", {"vram_guard_enabled": False})
+        record("request without VRAM Guard args follows the Settings of the moment",
+               "VRAM Guard:" not in off["infotext"] and "VRAM Guard:" in on["infotext"],
+               off=off["infotext"].split("\n")[-1], on=on["infotext"].split("\n")[-1])  # fmt: skip
     with open(f"{a.out}/results.json", "w") as fh:
         json.dump(results, fh, indent=1)
     return 0 if all(x["ok"] for x in results) else 1

@@ -18,3 +18,8 @@ class Script:
 
     def title(self):
         raise NotImplementedError
+
+
+scripts_txt2img = None
+scripts_img2img = None
+"""The ``ScriptRunner`` of each tab; a test that needs one puts it here."""
