@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import traceback
 
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         from ._cli_common import check_device
 
         check_device(getattr(args, "device", None))  # before anything uses it (also --emulate-vram)
+        env_before = os.environ.get(EMULATE_ENV)
         card = emulated_card(args)
         if card is None:
             return int(args._run(args) or 0)
@@ -130,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
                 return int(args._run(args) or 0)
         finally:
             emulate.install(previous)
+            # the variable is for this command's child processes; an in-process caller gets its
+            # environment back
+            if env_before is None:
+                os.environ.pop(EMULATE_ENV, None)
+            else:
+                os.environ[EMULATE_ENV] = env_before
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()
