@@ -125,6 +125,7 @@ def _on_ui_settings():
 
 def _on_app_started(demo, app):
     vg.configure_logging()
+    vg.start_emulation(SESSION)
     vg.mount_routes(app, SESSION)
     vg.check_conflicts(SESSION)
 
@@ -139,6 +140,7 @@ def _on_cfg_denoiser(params):
 
 def _on_script_unloaded():
     SESSION.close_all()
+    SESSION.stop_emulation()
 
 
 script_callbacks.on_ui_settings(_on_ui_settings)
