@@ -173,8 +173,17 @@ class LiveBytesCounter(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if self.real_only:
             outs = [t for t in outs if not _is_fake(t)]
+        # An output on an input's storage (a view, an in-place or ``out=`` result) allocated nothing:
+        # counting it would add e.g. a resident weight again at every ``weight.t()`` of a Linear.
+        inputs = {
+            id(st)
+            for st in (_storage_of(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+            if st is not None
+        }
         for t in outs:
-            self.track(t)
+            storage = _storage_of(t)
+            if storage is not None and id(storage) not in inputs:
+                self.ledger.add(storage)
         if self.workspace is not None and func.name() in CONV_OPS and isinstance(out, torch.Tensor) and outs:
             inp, weight = args[0], args[1]
             contiguous = inp.is_contiguous() or inp.is_contiguous(memory_format=torch.channels_last)

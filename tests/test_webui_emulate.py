@@ -520,3 +520,20 @@ def test_plain_webui_live_preview_runs_on_the_card_too():
     # fake records it and the test harness re-raises it
     with pytest.raises(torch.OutOfMemoryError, match="emulated"):
         run_job(stage, enabled=False, capacity=_cap_below(plain))
+
+
+def test_a_resident_weight_seen_through_a_view_is_not_counted_again():
+    """A Linear's forward runs ``weight.t()`` (a view of the resident weight): the card counted the
+    weight's storage as a new allocation, for good (about 1.3 GiB of SD 1.5's weights in the real
+    WebUI). Views, in-place and ``out=`` results allocate nothing."""
+    lin = torch.nn.Linear(256, 256)
+    card = emulate.EmulatedCard(BIG, resident=[lin])
+    x = torch.randn(4, 256)
+    with card, torch.no_grad():
+        y = lin(x)
+        assert card.ledger.live_bytes == y.numel() * 4
+        y.view(-1).add_(1)
+        torch.mul(y, 2, out=y)
+        assert card.ledger.live_bytes == y.numel() * 4
+        del y
+        assert card.ledger.live_bytes == 0
