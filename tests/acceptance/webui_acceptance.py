@@ -340,17 +340,19 @@ def emulate_phase(a: argparse.Namespace) -> int:
         results.append({"check": check, "ok": ok, **data})
         print(f"{'PASS' if ok else 'FAIL'} {check} {json.dumps(data)}", flush=True)
 
-    def job(name: str, on: bool | dict) -> tuple[dict | None, str | None, dict]:
-        """One job; returns (result or None, error text or None, status after it)."""
+    def job(
+        name: str, on: bool | dict, esrgan_tile: int | None = None
+    ) -> tuple[dict | None, str | None, dict]:
+        """One job; returns (result or None, error text or None, status after it). ``esrgan_tile``:
+        the WebUI's own ESRGAN tile size for this job (Settings → Upscaling; 0 = untiled)."""
         path, payload = jobs[name]
         opts0 = None
         if name == "extras":  # the Extras API passes None for our fields: the Settings decide
             opts0 = call(a.url, "/sdapi/v1/options")[0]
-            call(
-                a.url,
-                "/sdapi/v1/options",
-                {"vram_guard_enabled": bool(on), "upscaling_max_images_in_cache": 0},
-            )
+            new = {"vram_guard_enabled": bool(on), "upscaling_max_images_in_cache": 0}
+            if esrgan_tile is not None:
+                new["ESRGAN_tile"] = esrgan_tile
+            call(a.url, "/sdapi/v1/options", new)
         else:
             args = [False] if not on else [dict({"enabled": True}, **(on if isinstance(on, dict) else {}))]
             payload = dict(payload, alwayson_scripts={"VRAM Guard": {"args": args}})
@@ -360,8 +362,8 @@ def emulate_phase(a: argparse.Namespace) -> int:
             r, err = None, str(exc)
         finally:
             if opts0 is not None:
-                call(a.url, "/sdapi/v1/options", {k: opts0.get(k) for k in ("vram_guard_enabled",
-                                                                           "upscaling_max_images_in_cache")})  # fmt: skip
+                keys = ("vram_guard_enabled", "upscaling_max_images_in_cache", "ESRGAN_tile")
+                call(a.url, "/sdapi/v1/options", {k: opts0.get(k) for k in keys})
         st, _ = call(a.url, "/vram-guard/v1/status")
         return r, err, st
 
@@ -417,6 +419,28 @@ def emulate_phase(a: argparse.Namespace) -> int:
         if name not in only or name not in ref:
             continue
         base_img = np.asarray(Image.open(f"{a.out}/emu-ref-{name}.png").convert("RGB"))
+        if name == "extras":
+            # the WebUI's own ESRGAN path tiles at Settings → ESRGAN tile (192 px by default):
+            # run it as it comes, then untiled (tile 0), the case this cap is sized against
+            r, err, st = job(name, False)
+            c = st.get("card") or {}
+            if r is not None:
+                base_img = r["image"]  # the plain WebUI's own result on this card: the reference
+            record("plain WebUI extras, its own 192-px ESRGAN tiles", True, completed=r is not None,
+                   error=(err or "")[:300], seconds=r and r["seconds"], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1))  # fmt: skip
+            r, err, st = job(name, False, esrgan_tile=0)
+            c = st.get("card") or {}
+            oom = r is None and err is not None and "out of memory" in err.lower()
+            record("plain WebUI extras untiled (ESRGAN tile 0) on the capped card: out-of-memory error", oom,
+                   error=(err or "")[:300], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1))  # fmt: skip
+            r, err, st = job(name, True)
+            c = st.get("card") or {}
+            ok = r is not None
+            record("VRAM Guard extras on the capped card: completes", ok, error=(err or "")[:300],
+                   seconds=r and r["seconds"], psnr_vs_plain_192_tiles=psnr(r["image"], base_img) if ok else None,
+                   peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
+                   ooms=c.get("ooms"), stages=stages(st))  # fmt: skip
+            continue
         r, err, st = job(name, False)
         oom = r is None and err is not None and "out of memory" in err.lower()
         record(f"plain WebUI {name} on the capped card: out-of-memory error", oom,
