@@ -92,6 +92,17 @@ class Ledger:
         weakref.finalize(storage, self._free, key, nbytes)
         return True
 
+    def adopt(self, storage: torch.UntypedStorage) -> None:
+        """Know ``storage`` with 0 bytes until it is freed: memory accounted elsewhere (an emulated
+        card's resident weights). Its views and in-place results are then not new allocations
+        (a Linear's ``weight.t()`` would otherwise count the weight again, for good)."""
+        key = id(storage)
+        with self._lock:
+            nbytes = self._sizes.pop(key, 0)
+            self.live_bytes -= nbytes
+            self._sizes[key] = 0
+        weakref.finalize(storage, self._free, key, 0)
+
     def _free(self, key: int, nbytes: int) -> None:
         with self._lock:
             if self._sizes.get(key) == nbytes:
@@ -173,17 +184,8 @@ class LiveBytesCounter(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if self.real_only:
             outs = [t for t in outs if not _is_fake(t)]
-        # An output on an input's storage (a view, an in-place or ``out=`` result) allocated nothing:
-        # counting it would add e.g. a resident weight again at every ``weight.t()`` of a Linear.
-        inputs = {
-            id(st)
-            for st in (_storage_of(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
-            if st is not None
-        }
         for t in outs:
-            storage = _storage_of(t)
-            if storage is not None and id(storage) not in inputs:
-                self.ledger.add(storage)
+            self.track(t)
         if self.workspace is not None and func.name() in CONV_OPS and isinstance(out, torch.Tensor) and outs:
             inp, weight = args[0], args[1]
             contiguous = inp.is_contiguous() or inp.is_contiguous(memory_format=torch.channels_last)

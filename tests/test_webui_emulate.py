@@ -21,6 +21,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -525,15 +526,18 @@ def test_plain_webui_live_preview_runs_on_the_card_too():
 def test_a_resident_weight_seen_through_a_view_is_not_counted_again():
     """A Linear's forward runs ``weight.t()`` (a view of the resident weight): the card counted the
     weight's storage as a new allocation, for good (about 1.3 GiB of SD 1.5's weights in the real
-    WebUI). Views, in-place and ``out=`` results allocate nothing."""
+    WebUI). The flag's card adopts the checkpoint's storages: their views are no allocations."""
     lin = torch.nn.Linear(256, 256)
-    card = emulate.EmulatedCard(BIG, resident=[lin])
-    x = torch.randn(4, 256)
-    with card, torch.no_grad():
-        y = lin(x)
-        assert card.ledger.live_bytes == y.numel() * 4
-        y.view(-1).add_(1)
-        torch.mul(y, 2, out=y)
-        assert card.ledger.live_bytes == y.numel() * 4
-        del y
-        assert card.ledger.live_bytes == 0
+    host = FakeHost(SimpleNamespace(first_stage_model=lin))
+    wc = WebUICard(BIG, host=host)
+    wc.install()
+    try:
+        assert wc.card.resident_bytes == (256 * 256 + 256) * 4
+        x = torch.randn(4, 256)
+        with wc.card, torch.no_grad():
+            y = lin(x)
+            assert wc.card.ledger.live_bytes == y.numel() * 4
+            del y
+            assert wc.card.ledger.live_bytes == 0
+    finally:
+        wc.close()

@@ -171,8 +171,14 @@ class WebUICard:
         modules = _weight_modules(sd_model)
         if not modules:
             return
-        for t in _tensors(modules):
-            self.card.to_host(t)  # loaded inside a job: counted as its tensors until now
+        if self.card.device.type == "cpu":
+            for t in _tensors(modules):
+                # resident: counted in resident_bytes, not as live tensors (loaded inside a job, they
+                # were until now), and their views (a Linear's weight.t()) are no new allocations
+                try:
+                    self.card.ledger.adopt(t.untyped_storage())
+                except (RuntimeError, NotImplementedError):
+                    continue
         self.card.set_resident(modules)
         resident = _mib(self.card.resident_bytes)
         logger.info("VRAM Guard: %s: %s resident (the loaded checkpoint)", self.card.label, resident)

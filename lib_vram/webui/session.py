@@ -166,7 +166,8 @@ class Session:
             name = capabilities(dev).name
         except (RuntimeError, AssertionError) as exc:
             logger.debug("device name unavailable: %s", exc)
-        payload = status_payload(memory_info(dev), records, job_running=running, notes=notes, device_name=name)
+        info = memory_info(dev)
+        payload = status_payload(info, records, job_running=running, notes=notes, device_name=name)
         card = self.emulated_card()
         if card is not None:
             # ``--vram-guard-emulate-vram``: capacity, resident (the checkpoint), use, the last job's

@@ -410,7 +410,12 @@ def emulate_phase(a: argparse.Namespace) -> int:
 
     with open(ref_file) as fh:
         ref = json.load(fh)
-    status, _ = call(a.url, "/vram-guard/v1/status")
+    for _ in range(60):  # the API answers a moment before the extensions' app_started callbacks ran
+        try:
+            status, _ = call(a.url, "/vram-guard/v1/status")
+            break
+        except RuntimeError:
+            time.sleep(2)
     card = status.get("card") or {}
     cap = card.get("capacity_bytes")
     record("status: emulated card", bool(status.get("emulated")), emulated=status.get("emulated"),
