@@ -326,6 +326,12 @@ def emulate_jobs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
             "extras": ("/sdapi/v1/extra-single-image", extras)}  # fmt: skip
 
 
+DEFAULTS = {"enabled": True, "preset": "Auto", "vae_tiling": "Auto", "vae_mode": "exact", "vae_tile": 0,
+            "upscale_tiling": True, "upscale_tile": 0, "upscale_batch": 0, "precision_vae": "Auto",
+            "precision_upscale": "Auto", "unet_fp16": False, "release_between_stages": True}  # fmt: skip
+"""VRAM Guard's shipped defaults (lib_vram.options.FIELDS)."""
+
+
 def emulate_phase(a: argparse.Namespace) -> int:
     """The ``emulate-ref`` and ``emulate`` phases (see the module docstring)."""
     import os
@@ -349,12 +355,15 @@ def emulate_phase(a: argparse.Namespace) -> int:
         opts0 = None
         if name == "extras":  # the Extras API passes None for our fields: the Settings decide
             opts0 = call(a.url, "/sdapi/v1/options")[0]
-            new = {"vram_guard_enabled": bool(on), "upscaling_max_images_in_cache": 0}
+            new = {"upscaling_max_images_in_cache": 0}
+            new.update({f"vram_guard_{k}": v for k, v in DEFAULTS.items()}, vram_guard_enabled=bool(on))
             if esrgan_tile is not None:
                 new["ESRGAN_tile"] = esrgan_tile
             call(a.url, "/sdapi/v1/options", new)
         else:
-            args = [False] if not on else [dict({"enabled": True}, **(on if isinstance(on, dict) else {}))]
+            # every field stated: the Settings page's defaults (which name-keyed args fall back to)
+            # are shared state another run may have changed
+            args = [False] if not on else [dict(DEFAULTS, **(on if isinstance(on, dict) else {}))]
             payload = dict(payload, alwayson_scripts={"VRAM Guard": {"args": args}})
         try:
             r, err = run(a.url, name, path, payload), None
@@ -362,7 +371,11 @@ def emulate_phase(a: argparse.Namespace) -> int:
             r, err = None, str(exc)
         finally:
             if opts0 is not None:
-                keys = ("vram_guard_enabled", "upscaling_max_images_in_cache", "ESRGAN_tile")
+                keys = (
+                    "upscaling_max_images_in_cache",
+                    "ESRGAN_tile",
+                    *(f"vram_guard_{k}" for k in DEFAULTS),
+                )
                 call(a.url, "/sdapi/v1/options", {k: opts0.get(k) for k in keys})
         st, _ = call(a.url, "/vram-guard/v1/status")
         return r, err, st
@@ -425,31 +438,24 @@ def emulate_phase(a: argparse.Namespace) -> int:
             continue
         base_img = np.asarray(Image.open(f"{a.out}/emu-ref-{name}.png").convert("RGB"))
         if name == "extras":
-            # the WebUI's own ESRGAN path tiles at Settings → ESRGAN tile (192 px by default):
-            # run it as it comes, then untiled (tile 0), the case this cap is sized against
+            # VRAM Guard first (what a failed job leaves allocated cannot touch it), then the WebUI's
+            # own ESRGAN path as it comes (Settings → ESRGAN tile, 192 px) and untiled (tile 0)
+            vg, err, st = job(name, True)
+            c = st.get("card") or {}
+            record("VRAM Guard extras on the capped card: completes", vg is not None, error=(err or "")[:300],
+                   seconds=vg and vg["seconds"], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1),
+                   cap_mib=round((cap or 0) / mib, 1), ooms=c.get("ooms"), stages=stages(st))  # fmt: skip
             r, err, st = job(name, False)
             c = st.get("card") or {}
-            if r is not None:
-                base_img = r["image"]  # the plain WebUI's own result on this card: the reference
             record("plain WebUI extras, its own 192-px ESRGAN tiles", True, completed=r is not None,
-                   error=(err or "")[:300], seconds=r and r["seconds"], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1))  # fmt: skip
+                   error=(err or "")[:300], seconds=r and r["seconds"], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1),
+                   psnr_vram_guard_vs_this=psnr(vg["image"], r["image"]) if r is not None and vg is not None else None)  # fmt: skip
             r, err, st = job(name, False, esrgan_tile=0)
             c = st.get("card") or {}
             oom = r is None and err is not None and "out of memory" in err.lower()
             record("plain WebUI extras untiled (ESRGAN tile 0) on the capped card: out-of-memory error", oom,
                    error=(err or "")[:300], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1))  # fmt: skip
-            r, err, st = job(name, True)
-            c = st.get("card") or {}
-            ok = r is not None
-            record("VRAM Guard extras on the capped card: completes", ok, error=(err or "")[:300],
-                   seconds=r and r["seconds"], psnr_vs_plain_192_tiles=psnr(r["image"], base_img) if ok else None,
-                   peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
-                   ooms=c.get("ooms"), stages=stages(st))  # fmt: skip
             continue
-        r, err, st = job(name, False)
-        oom = r is None and err is not None and "out of memory" in err.lower()
-        record(f"plain WebUI {name} on the capped card: out-of-memory error", oom,
-               error=(err or "")[:300], plain_peak_mib=round((ref[name].get("peak_bytes") or 0) / mib, 1))  # fmt: skip
         r, err, st = job(name, True)
         c = st.get("card") or {}
         ok = r is not None
@@ -459,6 +465,13 @@ def emulate_phase(a: argparse.Namespace) -> int:
                peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
                ooms=c.get("ooms"), stages=stages(st), notes=[n for n in st.get("notes", []) if "out of memory" in n],
                infotext=(r["infotext"].split("\n")[-1] if ok else None))  # fmt: skip
+        # then the plain WebUI (after VRAM Guard: what a failed job leaves allocated cannot touch it)
+        r, err, st = job(name, False)
+        c = st.get("card") or {}
+        oom = r is None and err is not None and "out of memory" in err.lower()
+        record(f"plain WebUI {name} on the capped card: out-of-memory error", oom, error=(err or "")[:300],
+               plain_uncapped_peak_mib=round((ref[name].get("peak_bytes") or 0) / mib, 1),
+               used_after_mib=round((c.get("used_bytes") or 0) / mib, 1))  # fmt: skip
     with open(f"{a.out}/emulate-results.json", "w") as fh:
         json.dump(results, fh, indent=1)
     return 0 if all(x["ok"] for x in results) else 1
