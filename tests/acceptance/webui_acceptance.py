@@ -332,6 +332,10 @@ DEFAULTS = {"enabled": True, "preset": "Auto", "vae_tiling": "Auto", "vae_mode":
 """VRAM Guard's shipped defaults (lib_vram.options.FIELDS)."""
 
 
+def _int_if_whole(v):  # noqa: ANN001, ANN202
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
 def emulate_phase(a: argparse.Namespace) -> int:
     """The ``emulate-ref`` and ``emulate`` phases (see the module docstring)."""
     import os
@@ -376,7 +380,9 @@ def emulate_phase(a: argparse.Namespace) -> int:
                     "ESRGAN_tile",
                     *(f"vram_guard_{k}" for k in DEFAULTS),
                 )
-                call(a.url, "/sdapi/v1/options", {k: opts0.get(k) for k in keys})
+                # the options route hands integers back as floats: restore 192, not 192.0 (the
+                # WebUI's ESRGAN path fails with a float tile size)
+                call(a.url, "/sdapi/v1/options", {k: _int_if_whole(opts0.get(k)) for k in keys})
         st, _ = call(a.url, "/vram-guard/v1/status")
         return r, err, st
 
