@@ -111,13 +111,16 @@ class WebUICard:
         self.stack.callback(self._uninstall)
         self.installed = True
         self.model_changed(self.host.loaded_sd_model())
+        resident = self.card.resident_bytes
         logger.warning(
             "VRAM Guard: %s: every generation and Extras run of this WebUI runs on an %s "
-            "(emulated device memory counted in software, not a real GPU; %s of it resident: the "
-            "loaded checkpoint). An allocation beyond it raises the out-of-memory error a GPU raises.",
+            "(emulated device memory counted in software, not a real GPU; %s). An allocation beyond "
+            "it raises the out-of-memory error a GPU raises.",
             FLAG,
             self.card.label,
-            _mib(self.card.resident_bytes),
+            f"{_mib(resident)} of it resident: the loaded checkpoint"
+            if resident
+            else "the checkpoint counts as resident once it is loaded",
         )
 
     def close(self) -> None:
