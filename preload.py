@@ -1,11 +1,34 @@
 """Command-line flags of VRAM Guard, added to the WebUI's parser before it parses.
 
-Import-light on purpose: it runs before torch and the UI are set up.
+Import-light on purpose: it runs before torch and the UI are set up (``lib_vram`` is imported only
+to check an ``--vram-guard-emulate-vram`` value, when that flag is given).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+
+EMULATE_FLAG = "--vram-guard-emulate-vram"
+
+
+def emulate_size(text: str) -> int:
+    """argparse ``type`` of ``--vram-guard-emulate-vram``: the card's size in bytes (``6GB``,
+    ``5.5GiB``, ``4096MB``); a bad value is one clear error line from argparse."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    added = root not in sys.path
+    if added:
+        sys.path.insert(0, root)
+    try:
+        from lib_vram.emulate import parse_size
+    finally:
+        if added:
+            sys.path.remove(root)
+    try:
+        return parse_size(text, EMULATE_FLAG)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def preload(parser: argparse.ArgumentParser) -> None:
@@ -28,4 +51,14 @@ def preload(parser: argparse.ArgumentParser) -> None:
         "--vram-guard-disable",
         action="store_true",
         help="VRAM Guard: load the extension but never patch anything (troubleshooting).",
+    )
+    group.add_argument(
+        EMULATE_FLAG,
+        type=emulate_size,
+        default=None,
+        metavar="SIZE",
+        help="VRAM Guard: run every generation and Extras run on an emulated card of SIZE (e.g. 4GB, "
+        "6GiB, 3072MB): device memory counted in software, with the out-of-memory error a GPU raises "
+        "at its capacity, the loaded checkpoint resident. Shows on any machine what the plain WebUI "
+        "and VRAM Guard do on a small card. Not a real GPU: it is slower, never faster.",
     )

@@ -95,6 +95,17 @@ class Ledger:
         weakref.finalize(storage, self._free, key, nbytes)
         return True
 
+    def adopt(self, storage: torch.UntypedStorage) -> None:
+        """Know ``storage`` with 0 bytes until it is freed: memory accounted elsewhere (an emulated
+        card's resident weights). Its views and in-place results are then not new allocations
+        (a Linear's ``weight.t()`` would otherwise count the weight again, for good)."""
+        key = id(storage)
+        with self._lock:
+            nbytes = self._sizes.pop(key, 0)
+            self.live_bytes -= nbytes
+            self._sizes[key] = 0
+        weakref.finalize(storage, self._free, key, 0)
+
     def _free(self, key: int, nbytes: int) -> None:
         with self._lock:
             if self._sizes.get(key) == nbytes:

@@ -86,7 +86,8 @@ STAGE_ALIASES: dict[str, str] = {
 
 CPU_ONLY_NOTE = "CPU only: no GPU is in use, so VRAM Guard shows system RAM."
 EMULATED_NOTE = (
-    "Emulated card: {label} (--emulate-vram); memory is counted and capped in software, not a real GPU."
+    "Emulated card: {label} (--emulate-vram, or the WebUI's --vram-guard-emulate-vram); memory is "
+    "counted and capped in software, not a real GPU."
 )
 
 _LABELS = dict(KNOWN_STAGES)

@@ -134,6 +134,7 @@ def _on_ui_settings():
 
 def _on_app_started(demo, app):
     vg.configure_logging()
+    vg.start_emulation(SESSION)
     vg.mount_routes(app, SESSION)
     vg.check_conflicts(SESSION)
     vg.api_defaults_follow_settings(app, SESSION)
@@ -150,6 +151,7 @@ def _on_cfg_denoiser(params):
 def _on_script_unloaded():
     SESSION.close_all()
     SESSION.restore_api_defaults()
+    SESSION.stop_emulation()
 
 
 script_callbacks.on_ui_settings(_on_ui_settings)

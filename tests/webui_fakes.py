@@ -81,9 +81,42 @@ def fake_sd_model(
     return model
 
 
+class FakeState:
+    """``shared.state``'s job entry points (host state): ``begin`` starts a job (a new
+    ``time_start``, the job token), ``do_set_current_image`` decodes a live preview of
+    ``current_latent`` with ``preview_decoder`` and, like the WebUI, swallows its errors."""
+
+    def __init__(self, host: FakeHost) -> None:
+        self.host = host
+        self.begun = 0
+        self.ended = 0
+        self.current_latent: Any = None
+        self.current_image: Any = None
+        self.preview_decoder: Any = None
+        self.preview_errors: list[BaseException] = []
+
+    def begin(self, job: str = "(unknown)") -> None:
+        self.begun += 1
+        self.host.token = float(self.begun)
+
+    def end(self) -> None:
+        self.ended += 1
+
+    def do_set_current_image(self) -> None:
+        if self.current_latent is None:
+            return
+        try:
+            with torch.no_grad():
+                self.current_image = self.preview_decoder(self.current_latent)
+        except Exception as exc:  # the WebUI's errors.record_exception(): the preview is skipped
+            self.preview_errors.append(exc)
+
+
 class FakeHost:
     def __init__(self, model: Any = None) -> None:
         self.token: Any = 1.0
+        self.state = FakeState(self)
+        self.progress = SimpleNamespace(finish_task=lambda id_task: None)
         self.model = model
         self.scalers: list[Any] = []
         self.dtype = torch.float32
@@ -110,6 +143,17 @@ class FakeHost:
 
     def sd_model(self) -> Any:
         return self.model
+
+    def loaded_sd_model(self) -> Any:
+        return self.model
+
+    def job_entry_points(self) -> dict[str, tuple[Any, str]]:
+        return {
+            "begin": (self.state, "begin"),
+            "end": (self.state, "end"),
+            "preview": (self.state, "do_set_current_image"),
+            "finish_task": (self.progress, "finish_task"),
+        }
 
     def vae_of(self, model: Any) -> Any:
         return real_host.vae_of(model)  # pure: reads attributes only

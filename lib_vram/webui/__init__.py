@@ -19,6 +19,7 @@ from .integration import (
     mount_routes,
     register_settings,
     settings_options,
+    start_emulation,
 )
 from .job import HOOK_NAME, Job
 from .session import ScriptJobs, Session
@@ -42,4 +43,5 @@ __all__ = [
     "register_settings",
     "resolve",
     "settings_options",
+    "start_emulation",
 ]

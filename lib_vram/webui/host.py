@@ -55,6 +55,57 @@ def interrupted() -> bool:
     return bool(getattr(shared.state, "interrupted", False) or getattr(shared.state, "skipped", False))
 
 
+def job_entry_points() -> dict[str, tuple[Any, str]]:
+    """Where every WebUI job starts, ends and draws its live previews, as ``{role: (object, name)}``
+    (A1111 v1.10.1; ``--vram-guard-emulate-vram`` wraps them, :mod:`lib_vram.webui.emulation`):
+
+    * ``begin``/``end``: ``shared.state.begin``/``end``, called in the job's thread by the UI wrapper
+      (``call_queue.wrap_gradio_gpu_call``), the txt2img/img2img API routes (``end`` in a
+      ``finally``) and ``postprocessing.run_postprocessing`` (Extras, UI and API);
+    * ``finish_task``: ``progress.finish_task``, which the UI wrapper calls in a ``finally`` (its
+      ``state.end()`` is skipped when the job raised);
+    * ``run_postprocessing``: the Extras runner (its ``state.end()`` is skipped when it raised);
+    * ``preview``: ``shared.state.do_set_current_image``, which decodes a live preview in the
+      thread of the progress request.
+
+    A role whose object the host lacks is left out."""
+    from modules import shared
+
+    points: dict[str, tuple[Any, str]] = {}
+    state = getattr(shared, "state", None)
+    for role, name in (("begin", "begin"), ("end", "end"), ("preview", "do_set_current_image")):
+        if callable(getattr(state, name, None)):
+            points[role] = (state, name)
+    try:
+        from modules import progress
+
+        if callable(getattr(progress, "finish_task", None)):
+            points["finish_task"] = (progress, "finish_task")
+    except ImportError:
+        pass
+    try:
+        from modules import postprocessing
+
+        if callable(getattr(postprocessing, "run_postprocessing", None)):
+            points["run_postprocessing"] = (postprocessing, "run_postprocessing")
+    except ImportError:
+        pass
+    return points
+
+
+def loaded_sd_model() -> Any:
+    """The checkpoint loaded now, or None, without loading one (``shared.sd_model`` loads the
+    default checkpoint when none is loaded yet)."""
+    try:
+        from modules import sd_models
+
+        return sd_models.model_data.sd_model
+    except (ImportError, AttributeError):
+        from modules import shared
+
+        return vars(shared).get("sd_model")
+
+
 # -- model and VAE -------------------------------------------------------------------------------
 def sd_model() -> Any:
     from modules import shared

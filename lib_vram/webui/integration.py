@@ -266,3 +266,22 @@ def foreign_vae_wrapper(module: Any) -> str | None:
     if fwd is not None and not ours and (reg is None or not reg.installed):
         return getattr(fwd, "__qualname__", type(fwd).__name__)
     return None
+
+
+def start_emulation(session: Any, host: Any = None) -> Any:
+    """``--vram-guard-emulate-vram SIZE`` (``on_app_started``): put every job of this WebUI on an
+    emulated card of SIZE (:mod:`lib_vram.webui.emulation`); returns the card or None."""
+    from . import emulation
+
+    host = host if host is not None else session.host
+    size = host.cmd_opt("vram_guard_emulate_vram", None)
+    if size in (None, ""):
+        return None
+    if host.cmd_opt("vram_guard_disable", False):
+        logger.warning(
+            "VRAM Guard: %s is ignored: --vram-guard-disable is set (nothing is patched)", emulation.FLAG
+        )
+        return None
+    session.stop_emulation()  # a previous load's card (Reload UI)
+    session.emulation = emulation.start(size, host=host)
+    return session.emulation

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from lib_vram import emulate
 from lib_vram.device import release
 from lib_vram.hooks import register_hook, remove_hook
 from lib_vram.tracker import StageTracker
@@ -97,6 +98,8 @@ class Job:
         self.dtype_vae_at_start = None
         self.forge_load_vae: Callable[[Any], None] | None = None
         self.unet: Any = None
+        self.info: dict | None = None
+        """Extras: the image's ``pp.info`` (the plan goes there: Extras has no ``p``)."""
         """The job's :class:`~lib_vram.webui.unet.UNetFP16` when 'FP16 UNet' is on."""
 
     # -- state -------------------------------------------------------------------------------
@@ -148,6 +151,12 @@ class Job:
             yield rec
         if rec.plan:
             self.plans[name] = rec.plan
+            if self.info is not None:
+                text = self.plan_text()
+                if text:
+                    from lib_vram.options import INFOTEXT_PLAN_KEY
+
+                    self.info[INFOTEXT_PLAN_KEY] = text
 
     def boundary(self, name: str) -> None:
         """A stage boundary: release memory there if the settings ask for it, and record it."""
@@ -178,6 +187,19 @@ class Job:
         if kind == "decode":
             return "hires_decode" if hr and not in_hr and not self.sampled else "decode"
         return "hires_encode" if hr and in_hr else "encode"
+
+    def oom_note(self, stage: str, retries: list[int], notes: list[str], plan: str) -> bool:
+        """Note an out-of-memory error a stage recovered from (readout, log); True if there was one."""
+        whole = [n.removeprefix("out of memory ") for n in notes if "out of memory" in n]
+        if not retries and not whole:
+            return False
+        tried = ", ".join("untiled" if t == 0 else f"tile {t}" for t in retries)
+        what = f"at {tried}" if tried else "; ".join(whole)
+        self.note(
+            f"VRAM Guard: {stage.replace('_', ' ')}: out of memory {what}; finished as {plan}",
+            logging.WARNING,
+        )
+        return True
 
     def upscale_stage_name(self) -> str:
         if self.kind == "txt2img":
@@ -231,7 +253,16 @@ class Job:
     def vae_call(
         self, kind: str, module: torch.nn.Module, call_next: Callable[..., Any], x: torch.Tensor, kwargs: dict
     ) -> torch.Tensor:
-        """Run one VAE decode/encode the way the settings ask (called by our hooks)."""
+        """Run one VAE decode/encode the way the settings ask (called by our hooks).
+
+        With ``--vram-guard-emulate-vram``, a pass in a thread that does not run on the emulated
+        card (a live preview, decoded in the progress request's thread) is put on it: cards are
+        entered per thread."""
+        emulated = getattr(self.session, "emulated_card", None)
+        card = emulated() if emulated is not None else None
+        if card is not None and not card.active_here:
+            with emulate.running_on(card):
+                return self.vae_call(kind, module, call_next, x, kwargs)
         s = self.settings
         name = self.vae_stage_name(kind)
         if kwargs or (s.vae_tiling == "Off" and s.vae_dtype is None):
@@ -267,10 +298,16 @@ class Job:
         report = engine.VAEReport()
         run = engine.tiled_decode if kind == "decode" else engine.tiled_encode
         with self._vae_lock, self.stage(name):
-            out = run(
-                module, x, config=config, original_forward=call_next, tracker=self.tracker, report=report
-            )
-            self.tracker.note(plan=report.plan)
+            try:
+                out = run(
+                    module, x, config=config, original_forward=call_next, tracker=self.tracker, report=report
+                )
+            except engine.VAEOutOfMemory as exc:
+                self.tracker.note(plan="out of memory")
+                self.note(f"VRAM Guard: {name.replace('_', ' ')}: {exc}", logging.WARNING)
+                raise
+            oom = self.oom_note(name, report.oom_retries, report.notes, report.plan)
+            self.tracker.note(plan=report.plan + (" after OOM" if oom else ""))
         if report.recomputed:
             self.note(
                 f"VRAM Guard: {len(report.recomputed)} {kind} segment(s) overflowed in {report.dtype} and "

@@ -60,6 +60,8 @@ class Session:
         self._cache: Any = None
         self._dtype_seen: torch.dtype | None = None
         self._api_defaults: list[tuple[list, int, list]] = []
+        self.emulation: Any = None
+        """The :class:`~lib_vram.webui.emulation.WebUICard` of ``--vram-guard-emulate-vram``, or None."""
 
     # -- jobs --------------------------------------------------------------------------------
     def remember_api_defaults(self, values: list, start: int, saved: list) -> None:
@@ -97,7 +99,10 @@ class Session:
     def model_changed(self, sd_model: Any) -> None:
         """``on_model_loaded``: hook the new model's VAE for the jobs that are running now
         (a hires checkpoint is loaded between the first pass and the hires re-encode), and give
-        it the FP16 UNet of the jobs that use it (the WebUI reset its precision state)."""
+        it the FP16 UNet of the jobs that use it (the WebUI reset its precision state); on an
+        emulated card, its weights are what is resident now."""
+        if self.emulation is not None:
+            self.emulation.model_changed(sd_model)
         for job in self.open_jobs():
             if job.current():
                 job.hook_vae(self.host.vae_of(sd_model))
@@ -117,6 +122,16 @@ class Session:
             if text not in self.notes:
                 self.notes.append(text)
                 logger.warning("%s", text)
+
+    def emulated_card(self) -> Any:
+        """The :class:`~lib_vram.emulate.EmulatedCard` every job runs on, or None."""
+        return None if self.emulation is None else self.emulation.card
+
+    def stop_emulation(self) -> None:
+        """Undo ``--vram-guard-emulate-vram`` (script unload): patches, installed card."""
+        emulation, self.emulation = self.emulation, None
+        if emulation is not None:
+            emulation.close()
 
     # -- precision watch ---------------------------------------------------------------------
     def check_dtype_vae(self, job: Job | None = None) -> None:
@@ -167,7 +182,14 @@ class Session:
             name = capabilities(dev).name
         except (RuntimeError, AssertionError) as exc:
             logger.debug("device name unavailable: %s", exc)
-        return status_payload(memory_info(dev), records, job_running=running, notes=notes, device_name=name)
+        info = memory_info(dev)
+        payload = status_payload(info, records, job_running=running, notes=notes, device_name=name)
+        card = self.emulated_card()
+        if card is not None:
+            # ``--vram-guard-emulate-vram``: capacity, resident (the checkpoint), use, the last job's
+            # peak (reset when each job starts), refused allocations
+            payload["card"] = card.describe()
+        return payload
 
     def readout_html(self) -> str:
         from lib_vram.readout import render_readout_html
@@ -423,6 +445,7 @@ class ScriptJobs:
             from lib_vram.options import to_infotext
 
             info.update(to_infotext(options))
+            job.info = info
         return job
 
     def _extras_route(self, route: tuple | None) -> None:

@@ -148,7 +148,15 @@ def upscale(
             job.tracker.note(plan="interrupted")
             return img
         plan = getattr(report, "plan", None)
-        job.tracker.note(plan=plan if isinstance(plan, str) else None)
+        plan = plan if isinstance(plan, str) else None
+        if report.ooms:
+            job.note(
+                f"VRAM Guard: {job.upscale_stage_name().replace('_', ' ')}: {report.ooms} out of memory "
+                f"error(s); finished with {report.tile}px tiles ({plan})",
+                logging.WARNING,
+            )
+            plan = f"{plan or 'tiled'} after OOM"
+        job.tracker.note(plan=plan)
         for note in getattr(report, "notes", None) or []:
             job.warn_once(f"upscale-inexact-{path}", f"VRAM Guard: {note}")
     return _swap_rb(out)

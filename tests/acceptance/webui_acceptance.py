@@ -10,7 +10,7 @@ instance you start yourself:
   ``alwayson_scripts``), pastes an infotext through the API's ``infotext`` field, checks the status
   route, and compares pixels (identical / PSNR). Prints one line per check and a JSON summary.
 
-usage: webui_acceptance.py baseline|extension|auth [--url URL] [--out DIR] [--upscaler NAME]
+usage: webui_acceptance.py baseline|extension|auth|emulate-ref|emulate [--url URL] [--out DIR] [--upscaler NAME]
         [--only txt2img,hires,img2img,extras,sdupscale,previews,savehires,unet,readme,badoption,stale]
         [--log WEBUI_LOG] [--user U --password P]
 (``sdupscale``, ``previews``, ``savehires``, ``unet``, ``readme``, ``badoption`` and ``stale`` run
@@ -20,6 +20,16 @@ only when named in ``--only``.)
   host:port is replaced by ``--url``).
 * ``auth`` — against a WebUI started with ``--api-auth USER:PASSWORD``: VRAM Guard's API routes
   answer 401 without (or with wrong) credentials, like ``/sdapi/v1/*``, and 200 with them.
+
+Emulated card (``--vram-guard-emulate-vram``), two more phases:
+
+* ``emulate-ref`` — a WebUI started with the extension and a card nothing fills (e.g.
+  ``--vram-guard-emulate-vram 64GB``): the plain WebUI's (accordion off) txt2img, hires fix and
+  Extras results and each job's peak on the card, plus the per-stage peaks of the same txt2img with
+  VRAM Guard on and tiling off (what sampling and the decode need); saved to ``--out``.
+* ``emulate`` — the same WebUI started with a card between those peaks (``emulate-ref`` prints one):
+  each job with the accordion off (the plain WebUI: must end with an out-of-memory error) and on
+  (must complete and match the uncapped plain result: PSNR, peak/cap, plan, time).
 """
 
 from __future__ import annotations
@@ -157,7 +167,7 @@ def run(url: str, name: str, path: str, payload: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["baseline", "extension", "auth"])
+    ap.add_argument("phase", choices=["baseline", "extension", "auth", "emulate-ref", "emulate"])
     ap.add_argument("--url", default="http://127.0.0.1:7860")
     ap.add_argument("--out", default="/tmp/vram-guard-acceptance")
     ap.add_argument("--upscaler", default="ESRGAN_x4-tiny-random")
@@ -167,7 +177,11 @@ def main() -> int:
     ap.add_argument("--log", default=None, help="the WebUI's console log (to count error lines)")
     ap.add_argument("--user", default="user")
     ap.add_argument("--password", default="pass")
+    ap.add_argument("--hires-size", type=int, default=128, help="emulate phases: hires fix first pass")
+    ap.add_argument("--extras-size", type=int, default=128, help="emulate phases: Extras input (x4)")
     a = ap.parse_args()
+    if a.phase.startswith("emulate"):
+        return emulate_phase(a)
     import os
 
     os.makedirs(a.out, exist_ok=True)
@@ -419,6 +433,173 @@ def main() -> int:
                "VRAM Guard:" not in off["infotext"] and "VRAM Guard:" in on["infotext"],
                off=off["infotext"].split("\n")[-1], on=on["infotext"].split("\n")[-1])  # fmt: skip
     with open(f"{a.out}/results.json", "w") as fh:
+        json.dump(results, fh, indent=1)
+    return 0 if all(x["ok"] for x in results) else 1
+
+
+def emulate_jobs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
+    base = dict(PROMPT, steps=a.steps, width=a.size, height=a.size)
+    hires = dict(PROMPT, steps=a.steps, width=a.hires_size, height=a.hires_size, enable_hr=True, hr_scale=2,
+                 hr_upscaler=a.upscaler, hr_second_pass_steps=1, denoising_strength=0.5)  # fmt: skip
+    extras = {"image": init_image(a.extras_size), "resize_mode": 0, "upscaling_resize": 4, "upscaler_1": a.upscaler,
+              "upscaler_2": "None", "extras_upscaler_2_visibility": 0}  # fmt: skip
+    return {"txt2img": ("/sdapi/v1/txt2img", base), "hires": ("/sdapi/v1/txt2img", hires),
+            "extras": ("/sdapi/v1/extra-single-image", extras)}  # fmt: skip
+
+
+DEFAULTS = {"enabled": True, "preset": "Auto", "vae_tiling": "Auto", "vae_mode": "exact", "vae_tile": 0,
+            "upscale_tiling": True, "upscale_tile": 0, "upscale_batch": 0, "precision_vae": "Auto",
+            "precision_upscale": "Auto", "unet_fp16": False, "release_between_stages": True}  # fmt: skip
+"""VRAM Guard's shipped defaults (lib_vram.options.FIELDS)."""
+
+
+def _int_if_whole(v):  # noqa: ANN001, ANN202
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def emulate_phase(a: argparse.Namespace) -> int:
+    """The ``emulate-ref`` and ``emulate`` phases (see the module docstring)."""
+    import os
+
+    os.makedirs(a.out, exist_ok=True)
+    jobs = emulate_jobs(a)
+    only = set(filter(None, a.only.split(","))) or set(jobs)
+    results: list[dict] = []
+    mib = 2**20
+
+    def record(check: str, ok: bool, **data) -> None:
+        results.append({"check": check, "ok": ok, **data})
+        print(f"{'PASS' if ok else 'FAIL'} {check} {json.dumps(data)}", flush=True)
+
+    def job(
+        name: str, on: bool | dict, esrgan_tile: int | None = None
+    ) -> tuple[dict | None, str | None, dict]:
+        """One job; returns (result or None, error text or None, status after it). ``esrgan_tile``:
+        the WebUI's own ESRGAN tile size for this job (Settings → Upscaling; 0 = untiled)."""
+        path, payload = jobs[name]
+        opts0 = None
+        if name == "extras":  # the Extras API passes None for our fields: the Settings decide
+            opts0 = call(a.url, "/sdapi/v1/options")[0]
+            new = {"upscaling_max_images_in_cache": 0}
+            new.update({f"vram_guard_{k}": v for k, v in DEFAULTS.items()}, vram_guard_enabled=bool(on))
+            if esrgan_tile is not None:
+                new["ESRGAN_tile"] = esrgan_tile
+            call(a.url, "/sdapi/v1/options", new)
+        else:
+            # every field stated: the Settings page's defaults (which name-keyed args fall back to)
+            # are shared state another run may have changed
+            args = [False] if not on else [dict(DEFAULTS, **(on if isinstance(on, dict) else {}))]
+            payload = dict(payload, alwayson_scripts={"VRAM Guard": {"args": args}})
+        try:
+            r, err = run(a.url, name, path, payload), None
+        except RuntimeError as exc:
+            r, err = None, str(exc)
+        finally:
+            if opts0 is not None:
+                keys = (
+                    "upscaling_max_images_in_cache",
+                    "ESRGAN_tile",
+                    *(f"vram_guard_{k}" for k in DEFAULTS),
+                )
+                # the options route hands integers back as floats: restore 192, not 192.0 (the
+                # WebUI's ESRGAN path fails with a float tile size)
+                call(a.url, "/sdapi/v1/options", {k: _int_if_whole(opts0.get(k)) for k in keys})
+        st, _ = call(a.url, "/vram-guard/v1/status")
+        return r, err, st
+
+    def stages(st: dict) -> list:
+        return [(s["stage"], s["plan"], round((s.get("peak_bytes") or 0) / mib, 1)) for s in st.get("stages", [])
+                if not s.get("missing")]  # fmt: skip
+
+    ref_file = f"{a.out}/emulate-ref.json"
+    if a.phase == "emulate-ref":
+        ref: dict = {}
+        for name in jobs:
+            if name not in only:
+                continue
+            r, err, st = job(name, False)
+            card = st.get("card") or {}
+            if r is None:
+                record(f"uncapped plain {name}", False, error=err)
+                continue
+            Image.fromarray(r["image"]).save(f"{a.out}/emu-ref-{name}.png")
+            ref[name] = {"seconds": r["seconds"], "peak_bytes": card.get("peak_bytes"),
+                         "resident_bytes": card.get("resident_bytes")}  # fmt: skip
+            record(f"uncapped plain {name}", True, seconds=r["seconds"], shape=list(r["image"].shape),
+                   peak_mib=round((card.get("peak_bytes") or 0) / mib, 1),
+                   resident_mib=round((card.get("resident_bytes") or 0) / mib, 1))  # fmt: skip
+        if "txt2img" in only:
+            # stage peaks: VRAM Guard on, nothing tiled (the same computation as the plain WebUI)
+            r, err, st = job("txt2img", {"vae_tiling": "Off", "upscale_tiling": False})
+            ref["txt2img_stages"] = {s["stage"]: s.get("peak_bytes") for s in st.get("stages", [])
+                                     if not s.get("missing")}  # fmt: skip
+            same = r is not None and np.array_equal(
+                r["image"], np.asarray(Image.open(f"{a.out}/emu-ref-txt2img.png"))
+            )
+            record("stage peaks (VRAM Guard on, tiling off)", same, stages=stages(st))
+            peaks = ref["txt2img_stages"]
+            if "sampling" in peaks and "decode" in peaks:
+                # stage peaks are the card's use (resident included) since the job started
+                cap = (peaks["sampling"] + peaks["decode"]) // 2
+                ref["suggested_cap_bytes"] = cap
+                record("suggested cap (half-way between the sampling and decode peaks)", True,
+                       cap_mib=round(cap / mib), flag=f"--vram-guard-emulate-vram {cap // mib}MB")  # fmt: skip
+        with open(ref_file, "w") as fh:
+            json.dump(ref, fh, indent=1)
+        return 0 if all(x["ok"] for x in results) else 1
+
+    with open(ref_file) as fh:
+        ref = json.load(fh)
+    for _ in range(60):  # the API answers a moment before the extensions' app_started callbacks ran
+        try:
+            status, _ = call(a.url, "/vram-guard/v1/status")
+            break
+        except RuntimeError:
+            time.sleep(2)
+    card = status.get("card") or {}
+    cap = card.get("capacity_bytes")
+    record("status: emulated card", bool(status.get("emulated")), emulated=status.get("emulated"),
+           cap_mib=round((cap or 0) / mib, 1), resident_mib=round(card.get("resident_bytes", 0) / mib, 1))  # fmt: skip
+    for name in jobs:
+        if name not in only or name not in ref:
+            continue
+        base_img = np.asarray(Image.open(f"{a.out}/emu-ref-{name}.png").convert("RGB"))
+        if name == "extras":
+            # VRAM Guard first (what a failed job leaves allocated cannot touch it), then the WebUI's
+            # own ESRGAN path as it comes (Settings → ESRGAN tile, 192 px) and untiled (tile 0)
+            vg, err, st = job(name, True)
+            c = st.get("card") or {}
+            record("VRAM Guard extras on the capped card: completes", vg is not None, error=(err or "")[:300],
+                   seconds=vg and vg["seconds"], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1),
+                   cap_mib=round((cap or 0) / mib, 1), ooms=c.get("ooms"), stages=stages(st))  # fmt: skip
+            r, err, st = job(name, False)
+            c = st.get("card") or {}
+            record("plain WebUI extras, its own 192-px ESRGAN tiles", True, completed=r is not None,
+                   error=(err or "")[:300], seconds=r and r["seconds"], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1),
+                   psnr_vram_guard_vs_this=psnr(vg["image"], r["image"]) if r is not None and vg is not None else None)  # fmt: skip
+            r, err, st = job(name, False, esrgan_tile=0)
+            c = st.get("card") or {}
+            oom = r is None and err is not None and "out of memory" in err.lower()
+            record("plain WebUI extras untiled (ESRGAN tile 0) on the capped card: out-of-memory error", oom,
+                   error=(err or "")[:300], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1))  # fmt: skip
+            continue
+        r, err, st = job(name, True)
+        c = st.get("card") or {}
+        ok = r is not None
+        p = psnr(r["image"], base_img) if ok else None
+        record(f"VRAM Guard {name} on the capped card: completes", ok, error=(err or "")[:300], seconds=r and r["seconds"],
+               psnr_vs_uncapped_plain=p, identical=ok and bool(np.array_equal(r["image"], base_img)),
+               peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
+               ooms=c.get("ooms"), stages=stages(st), notes=[n for n in st.get("notes", []) if "out of memory" in n],
+               infotext=(r["infotext"].split("\n")[-1] if ok else None))  # fmt: skip
+        # then the plain WebUI (after VRAM Guard: what a failed job leaves allocated cannot touch it)
+        r, err, st = job(name, False)
+        c = st.get("card") or {}
+        oom = r is None and err is not None and "out of memory" in err.lower()
+        record(f"plain WebUI {name} on the capped card: out-of-memory error", oom, error=(err or "")[:300],
+               plain_uncapped_peak_mib=round((ref[name].get("peak_bytes") or 0) / mib, 1),
+               used_after_mib=round((c.get("used_bytes") or 0) / mib, 1))  # fmt: skip
+    with open(f"{a.out}/emulate-results.json", "w") as fh:
         json.dump(results, fh, indent=1)
     return 0 if all(x["ok"] for x in results) else 1
 

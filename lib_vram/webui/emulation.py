@@ -1,0 +1,205 @@
+"""``--vram-guard-emulate-vram SIZE``: every job of this WebUI on an emulated card.
+
+An :class:`~lib_vram.emulate.EmulatedCard` of ``SIZE`` stands for the WebUI's device, so that a
+machine without a (small) GPU shows what the plain WebUI does on a small card (an out-of-memory
+error where the card runs out) and what VRAM Guard does there — with the accordion on or off.
+
+* **Which threads run on it.** Dispatch modes are per thread. The card is entered in the job's own
+  thread when the job starts (``shared.state.begin``: the UI wrapper, the txt2img/img2img API
+  routes, the Extras runner all call it there) and left when it ends, in every case: at
+  ``shared.state.end``, at ``progress.finish_task`` (the UI wrapper calls it in a ``finally``; its
+  ``state.end()`` is skipped when the job raised) and when ``postprocessing.run_postprocessing``
+  returns or raises (Extras through the API: same gap). A job that still left the card entered in
+  its thread (a host path we do not know) is left at that thread's next ``state.begin``.
+* **Live previews** decode in the thread of the progress request (``state.do_set_current_image``):
+  they run on the card too, the plain WebUI's (an out-of-memory error there is swallowed by the
+  WebUI: the preview is skipped) and VRAM Guard's (tiled when needed).
+* **Resident bytes** are the loaded checkpoint's weights, updated at every model load; weights
+  loaded inside a job (a checkpoint switch) stop counting as the job's tensors then.
+* The card is :func:`~lib_vram.emulate.install`\\ ed: the readout, ``GET /vram-guard/v1/status``,
+  the Auto preset and the engines' budgets see its total and free memory.
+
+Everything is undone when the script unloads (:meth:`WebUICard.close`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+
+from lib_vram import emulate
+
+from .patching import patch_attr
+
+logger = logging.getLogger(__name__)
+
+FLAG = "--vram-guard-emulate-vram"
+
+
+def _weight_modules(model: Any, depth: int = 3) -> list[torch.nn.Module]:
+    """The modules holding a checkpoint's weights: the model itself when it is a module (A1111's
+    ``LatentDiffusion``), else the modules found in its plain attributes (a few levels deep)."""
+    if isinstance(model, torch.nn.Module):
+        return [model]
+    if model is None or depth == 0 or isinstance(model, (str, bytes, int, float, bool)):
+        return []
+    try:
+        values = list(vars(model).values())
+    except TypeError:
+        return []
+    out: list[torch.nn.Module] = []
+    for value in values:
+        out.extend(_weight_modules(value, depth - 1))
+    return out
+
+
+def _tensors(modules: list[torch.nn.Module]) -> Iterator[torch.Tensor]:
+    for m in modules:
+        yield from m.parameters()
+        yield from m.buffers()
+
+
+class WebUICard:
+    """The emulated card of this WebUI process (see the module docstring)."""
+
+    def __init__(
+        self,
+        capacity: int | str | emulate.EmulatedCard,
+        *,
+        host: Any,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if isinstance(capacity, emulate.EmulatedCard):
+            self.card = capacity
+        else:
+            dev = torch.device(device)
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(
+                    f"`{FLAG}` emulates a card for the CPU or a CUDA device; this WebUI runs on {dev.type!r}"
+                )
+            self.card = emulate.EmulatedCard(capacity, device=dev)
+        self.host = host
+        self.stack = ExitStack()
+        self._local = threading.local()
+        self._previous: emulate.EmulatedCard | None = None
+        self.installed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def install(self) -> None:
+        """Wrap the host's job entry points, install the card process-wide, count the loaded model."""
+        if self.installed:
+            return
+        points = self.host.job_entry_points()
+        wrappers = {
+            "begin": self._begin,
+            "end": self._leave_after,
+            "finish_task": self._leave_after,
+            "run_postprocessing": self._leave_after,
+            "preview": self._on_card,
+        }
+        for role in ("begin", "end"):
+            if role not in points:
+                raise RuntimeError(f"`{FLAG}`: this WebUI has no shared.state.{role}; cannot emulate a card")
+        for role, (obj, name) in points.items():
+            patch_attr(obj, name, wrappers[role], self.stack)
+        self._previous = emulate.install(self.card)
+        self.stack.callback(self._uninstall)
+        self.installed = True
+        self.model_changed(self.host.loaded_sd_model())
+        resident = self.card.resident_bytes
+        logger.warning(
+            "VRAM Guard: %s: every generation and Extras run of this WebUI runs on an %s "
+            "(emulated device memory counted in software, not a real GPU; %s). An allocation beyond "
+            "it raises the out-of-memory error a GPU raises.",
+            FLAG,
+            self.card.label,
+            f"{_mib(resident)} of it resident: the loaded checkpoint"
+            if resident
+            else "the checkpoint counts as resident once it is loaded",
+        )
+
+    def close(self) -> None:
+        """Leave the card in this thread and undo every patch (``on_script_unloaded``)."""
+        self.leave()
+        self.stack.close()
+        self.installed = False
+
+    def _uninstall(self) -> None:
+        if emulate.installed() is self.card:
+            emulate.install(self._previous)
+
+    # -- entering / leaving in a job's thread ---------------------------------------------------
+    def enter(self) -> None:
+        """Put this thread on the card (once; a no-op when it already runs on it)."""
+        if getattr(self._local, "entered", False) or self.card.active_here:
+            return
+        self.card.__enter__()
+        self._local.entered = True
+        self.card.reset_peak()
+
+    def leave(self) -> None:
+        """Take this thread off the card if :meth:`enter` put it there (idempotent)."""
+        if getattr(self._local, "entered", False):
+            self._local.entered = False
+            self.card.__exit__(None, None, None)
+
+    @property
+    def entered_here(self) -> bool:
+        return bool(getattr(self._local, "entered", False))
+
+    def _begin(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        self.leave()  # a job of this thread that ended without state.end() (it raised)
+        result = original(*args, **kwargs)
+        self.enter()
+        return result
+
+    def _leave_after(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self.leave()
+
+    def _on_card(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        with emulate.running_on(self.card):
+            return original(*args, **kwargs)
+
+    # -- the model ------------------------------------------------------------------------------
+    def model_changed(self, sd_model: Any) -> None:
+        """``on_model_loaded``: the new checkpoint's weights are what is resident on the card."""
+        modules = _weight_modules(sd_model)
+        if not modules:
+            return
+        if self.card.device.type == "cpu":
+            for t in _tensors(modules):
+                # resident: counted in resident_bytes, not as live tensors (loaded inside a job, they
+                # were until now), and their views (a Linear's weight.t()) are no new allocations
+                try:
+                    self.card.ledger.adopt(t.untyped_storage())
+                except (RuntimeError, NotImplementedError):
+                    continue
+        self.card.set_resident(modules)
+        resident = _mib(self.card.resident_bytes)
+        logger.info("VRAM Guard: %s: %s resident (the loaded checkpoint)", self.card.label, resident)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def start(size: Any, *, host: Any) -> WebUICard | None:
+    """The card for ``--vram-guard-emulate-vram`` (``size``: bytes or text), installed; None when the
+    flag is not given or emulation cannot run here (logged)."""
+    if size is None or size == "":
+        return None
+    try:
+        card = WebUICard(emulate.parse_size(size, FLAG), host=host, device=host.device())
+        card.install()
+    except (ValueError, RuntimeError) as exc:
+        logger.error("VRAM Guard: %s", exc)
+        return None
+    return card
