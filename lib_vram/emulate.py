@@ -397,6 +397,24 @@ def to_device(tensor: torch.Tensor | None) -> None:
 
 
 @contextlib.contextmanager
+def host_work() -> Iterator[None]:
+    """``with host_work():`` the enclosed tensors are host memory, not the card's: image <-> tensor
+    conversions and other CPU-side work that a GPU run does in host RAM. On a real accelerator (or
+    without a card running in this thread) it changes nothing."""
+    card = running_here("cpu")
+    mode = card._mode() if card is not None else None
+    if mode is None:
+        yield
+        return
+    before = mode.paused
+    mode.paused = True
+    try:
+        yield
+    finally:
+        mode.paused = before
+
+
+@contextlib.contextmanager
 def running_on(card: EmulatedCard | None) -> Iterator[EmulatedCard | None]:
     """``with running_on(card):`` enters ``card`` in this thread unless it already runs here
     (re-entrant use from nested stages); ``None`` does nothing."""

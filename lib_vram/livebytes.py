@@ -39,6 +39,18 @@ CONV_OPS = frozenset(
     }
 )
 
+_ALIAS_CACHE: dict = {}
+"""operator overload -> whether all its results alias an input (views, in-place operators)."""
+
+
+def _returns_alias(func) -> bool:  # noqa: ANN001
+    schema = getattr(func, "_schema", None)
+    returns = getattr(schema, "returns", None)
+    if not returns:
+        return False
+    return all(getattr(r, "alias_info", None) is not None for r in returns)
+
+
 _CONV_CACHE: dict = {}
 """operator overload -> whether it is a convolution (``func.name()`` costs a call per operator)."""
 
@@ -149,6 +161,8 @@ class LiveBytesCounter(TorchDispatchMode):
         super().__init__()
         self.ledger = ledger if ledger is not None else Ledger()
         self.workspace = workspace
+        self.paused = False
+        """While True (:func:`lib_vram.emulate.host_work`), nothing is counted: host-side work."""
         self.real_only = real_only
         """Count only real tensors: skip meta and fake ones (a planner's dry run inside an emulated
         card allocates nothing)."""
@@ -184,6 +198,15 @@ class LiveBytesCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
         self.ops += 1
+        if self.paused:
+            return out
+        aliasing = _ALIAS_CACHE.get(func)
+        if aliasing is None:
+            aliasing = _ALIAS_CACHE[func] = _returns_alias(func)
+        if aliasing:
+            # views and in-place results share an input's storage: nothing was allocated (also for
+            # storages created before the count started: weights, inputs, host-side tensors)
+            return out
         # the common case (one tensor out) without the pytree walk: this runs for every operator
         if isinstance(out, torch.Tensor):
             outs = [out]

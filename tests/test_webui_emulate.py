@@ -320,21 +320,11 @@ SEAM_BUG = (
 )
 
 
-HOST_CONVERSION = (
-    "the upscale stage's first and last allocations are the engine's PIL <-> tensor conversions "
-    "(lib_vram/upscale/_image.py): host memory on a GPU, but a CPU-emulated card counts every CPU "
-    "tensor of the thread, so the injected error escapes; needs a 'host work' scope in lib_vram.emulate"
-)
-
-
 def _cases() -> list:
     out = []
     for name in STAGES:
         for where in WHERE:
             marks = []
-            if STAGES[name].upscale and where in ("first", "last"):
-                xfail = pytest.mark.xfail(strict=True, raises=torch.OutOfMemoryError, reason=HOST_CONVERSION)
-                marks.append(xfail)
             out.append(pytest.param(name, where, marks=marks, id=f"{name}-{where}"))
     return out
 

@@ -423,10 +423,15 @@ class _Run:
             note(plan=rep.plan, tiles=len(tiles), bytes_per_px=round(per_px))
         logger.debug("upscale plan: %s, %d tiles, budget %.0f MiB", rep.plan, len(tiles), budget / 2**20)
 
-        xp = _once_more(lambda: _pad_like_model(spec, x.to(device=in_dev, dtype=dtype), hp, wp), rep,
-                        device, "the input")  # fmt: skip
-        if self.host_roles[1]:
-            emulate.to_host(xp)
+        def place_input() -> Tensor:
+            xp = _pad_like_model(spec, x.to(device=in_dev, dtype=dtype), hp, wp)
+            if self.host_roles[1]:
+                emulate.to_host(xp)
+            else:
+                emulate.to_device(xp)  # the input on the device (a GPU run copies it there)
+            return xp
+
+        xp = _once_more(place_input, rep, device, "the input")
         out = self.loop(xp, tiles, tile, batch, acc_dev)
         del xp
         self.ran = self.predict(rep.tile, rep.batch)

@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from .. import emulate
 from ._adapter import as_spec
 from ._engine import upscale_tensor
 from ._types import UpscaleConfig, UpscaleReport
@@ -100,17 +101,19 @@ def upscale_image(
         a_img = img.getchannel("A")
         img = img.convert("RGB" if mode == "RGBA" else "L")
 
-    if mode in ("I;16", "I"):
-        colour = _to_float(np.asarray(img).astype(np.float32), 65535.0)
-    elif mode == "F":
-        colour = _to_float(np.asarray(img, dtype=np.float32), 1.0)
-    else:
-        colour = _to_float(np.asarray(img), 255.0)
-    batch = [_channels(colour, n_in)]
     use_model_alpha = a_img is not None and alpha == "model"
-    if use_model_alpha:
-        batch.append(_channels(_to_float(np.asarray(a_img), 255.0), n_in))
-    x = torch.stack(batch)
+    with emulate.host_work():  # image <-> tensor conversions live in host memory (on a GPU too)
+        if mode in ("I;16", "I"):
+            colour = _to_float(np.asarray(img).astype(np.float32), 65535.0)
+        elif mode == "F":
+            colour = _to_float(np.asarray(img, dtype=np.float32), 1.0)
+        else:
+            colour = _to_float(np.asarray(img), 255.0)
+        batch = [_channels(colour, n_in)]
+        if use_model_alpha:
+            batch.append(_channels(_to_float(np.asarray(a_img), 255.0), n_in))
+        x = torch.stack(batch)
+        del batch, colour
     y = upscale_tensor(
         model,
         x,
@@ -121,6 +124,11 @@ def upscale_image(
         tracker=tracker,
         report=report,
     )
+    with emulate.host_work():
+        return _to_image(y, mode, a_img, use_model_alpha)
+
+
+def _to_image(y: Tensor, mode: str, a_img: Image.Image | None, use_model_alpha: bool) -> Image.Image:
     grey_out = mode in ("L", "LA", "I;16", "I", "F")
     rgb = y[0].mean(0, keepdim=True) if grey_out and y.shape[1] != 1 else y[0]
     if mode == "I;16":
