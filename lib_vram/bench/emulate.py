@@ -50,8 +50,8 @@ VAE_NARROW = {
 }
 VAE_FULL = {**VAE_NARROW, "ch": 128}
 
-FULL = {"vae_decode": (1024, 1536, 2048), "vae_encode": (1024, 2048), "upscale": (512, 768)}
-QUICK = {"vae_decode": (512, 1024), "vae_encode": (1024,), "upscale": (512,)}
+FULL = {"vae_decode": (1024, 1536, 2048), "vae_encode": (1024, 2048), "upscale": (512, 768, 1024)}
+QUICK = {"vae_decode": (512, 1024), "vae_encode": (1024,), "upscale": (768,)}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
