@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 from .device import capabilities, free_bytes, memory_info, resolve_device
+from .emulate import parse_size as emulate_parse_size
 from .presets import PRESET_NAMES, resolve_preset
 from .reference import ARCHS, UPSCALERS
 
@@ -15,24 +15,11 @@ HELP = "Predict each stage's peak memory for a generation and choose tiles/batch
 
 SCHEMA_VERSION = 1
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)?\s*$", re.IGNORECASE)
-
 
 def parse_size(text: str, option: str = "--vram", *, allow_zero: bool = False) -> int:
     """``"6GB"``/``"6G"``/``"6GiB"`` -> 6 GiB, ``"4096MB"`` -> 4 GiB. Card sizes are binary: a "6 GB"
     card has 6 GiB, so GB and GiB mean the same here. Errors name ``option``."""
-    m = _SIZE.match(text)
-    if not m and text.strip().startswith("-"):
-        raise ValueError(f"`{option}` must be {'>= 0' if allow_zero else '> 0'}, got {text!r}")
-    if not m:
-        raise ValueError(f"`{option}` must look like 6GB, 5.5GiB or 4096MB, got {text!r}")
-    value = float(m.group(1))
-    unit = (m.group(2) or "gb").lower()
-    mult = 2**30 if unit.startswith("g") else 2**20
-    out = int(value * mult)
-    if out < 0 or (out == 0 and not allow_zero):
-        raise ValueError(f"`{option}` must be {'>= 0' if allow_zero else '> 0'}, got {text!r}")
-    return out
+    return emulate_parse_size(text, option, allow_zero=allow_zero)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

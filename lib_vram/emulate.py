@@ -49,19 +49,22 @@ MiB = 1024**2
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str | int, option: str = "--emulate-vram") -> int:
+def parse_size(text: str | int, option: str = "--emulate-vram", *, allow_zero: bool = False) -> int:
     """``"6GB"``/``"6G"``/``"6GiB"`` -> 6 GiB, ``"4096MB"`` -> 4 GiB (card sizes are binary: a "6 GB"
     card has 6 GiB). Integers are bytes. One clear error naming ``option`` otherwise."""
+    bound = ">= 0" if allow_zero else "> 0"
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
         m = _SIZE.match(str(text))
+        if not m and str(text).strip().startswith("-"):
+            raise ValueError(f"`{option}` must be {bound}, got {text!r}")
         if not m:
             raise ValueError(f"`{option}` must look like 6GB, 5.5GiB or 4096MB, got {text!r}")
         mult = GiB if (m.group(2) or "gb").lower().startswith("g") else MiB
         value = int(float(m.group(1)) * mult)
-    if value <= 0:
-        raise ValueError(f"`{option}` must be > 0, got {text!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"`{option}` must be {bound}, got {text!r}")
     return value
 
 
