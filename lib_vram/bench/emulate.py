@@ -30,6 +30,8 @@ import json
 import math
 import time
 
+from .vae import SD_VAE
+
 HELP = "Emulated 4/6/8 GB cards: each stage plain vs VRAM Guard (OK/OOM, plan, peak/cap, fidelity, CPU time)."
 
 GB = 1024**3
@@ -38,17 +40,8 @@ SCALE = 0.5
 RESIDENT_REAL = int(2.1 * GB)
 """An SD1.5 checkpoint in FP16 (UNet 1.72 GB + text encoder 0.25 GB + VAE 0.16 GB), on the card."""
 CARDS = (4, 6, 8)
-VAE_NARROW = {
-    "ch": 32,
-    "out_ch": 3,
-    "ch_mult": (1, 2, 4, 4),
-    "num_res_blocks": 2,
-    "attn_resolutions": [],
-    "in_channels": 3,
-    "resolution": 256,
-    "z_channels": 4,
-}
-VAE_FULL = {**VAE_NARROW, "ch": 128}
+VAE_FULL = SD_VAE
+VAE_NARROW = {**SD_VAE, "ch": 32}
 
 FULL = {"vae_decode": (1024, 1536, 2048), "vae_encode": (1024, 2048), "upscale": (512, 768, 1024)}
 QUICK = {"vae_decode": (512, 1024), "vae_encode": (1024,), "upscale": (768,)}
