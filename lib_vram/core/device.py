@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import gc
 import logging
+import os
 from dataclasses import asdict, dataclass
 
 import psutil
@@ -107,9 +108,34 @@ class MemoryInfo:
         return asdict(self)
 
 
+_statm: tuple[int, int] | None = None
+"""(pid, fd) of this process's open ``/proc/self/statm`` (Linux), opened at the first call."""
+_statm_failed = False
+
+
+def _statm_rss() -> int | None:
+    """RSS from ``/proc/self/statm`` through a kept file descriptor (~2 µs, a tenth of psutil's
+    cost: the trackers sample it after every tile); ``None`` where that is unavailable."""
+    global _statm, _statm_failed
+    if _statm_failed:
+        return None
+    pid = os.getpid()
+    try:
+        if _statm is None or _statm[0] != pid:  # first call, or a forked child (its own /proc)
+            _statm = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError, AttributeError):
+        _statm_failed = True
+        return None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") and "SC_PAGE_SIZE" in os.sysconf_names else 4096
+
+
 def process_rss() -> int:
     """Resident set size of this process in bytes."""
-    return int(psutil.Process().memory_info().rss)
+    rss = _statm_rss()
+    return rss if rss is not None else int(psutil.Process().memory_info().rss)
 
 
 def memory_info(device: torch.device | str | None = None) -> MemoryInfo:

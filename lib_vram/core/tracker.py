@@ -40,6 +40,7 @@ import torch
 
 from . import emulate
 from .device import Backend, backend_of, process_rss, resolve_device
+from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,12 @@ class _Counter:
             return _read_vm_hwm()
         return None
 
+    def reserved(self) -> int | None:
+        """The allocator's reserved bytes now (CUDA/ROCm), else ``None``."""
+        if self.backend in (Backend.CUDA, Backend.ROCM) and self._card() is None:
+            return int(torch.cuda.memory_reserved(self.device))
+        return None
+
     def peak_reserved(self) -> int | None:
         if self.backend in (Backend.CUDA, Backend.ROCM):
             return int(torch.cuda.max_memory_reserved(self.device))
@@ -200,6 +207,9 @@ class StageTracker:
         sample_interval: seconds between background samples while a stage is open; ``None``
             disables the sampler (engines still call :meth:`sample`).
         keep: how many finished records to keep (oldest dropped first).
+        timeline: a :class:`~lib_vram.core.timeline.Timeline` fed with a sample at every
+            :meth:`sample` call and stage boundary, a band per top-level stage and the
+            :meth:`event` calls; also settable later as ``tracker.timeline``.
     """
 
     def __init__(
@@ -209,6 +219,7 @@ class StageTracker:
         owns_peak_counters: bool = False,
         sample_interval: float | None = None,
         keep: int = 256,
+        timeline: Timeline | None = None,
     ) -> None:
         if sample_interval is not None and sample_interval <= 0:
             raise ValueError(f"`sample_interval` must be > 0 or None, got {sample_interval}")
@@ -223,6 +234,7 @@ class StageTracker:
         self._sample_interval = sample_interval
         self._sampler: threading.Thread | None = None
         self._stop = threading.Event()
+        self.timeline = timeline
 
     # -- reading ---------------------------------------------------------------------------
     @property
@@ -250,14 +262,25 @@ class StageTracker:
         return [r.to_dict() for r in self.records]
 
     # -- measuring -------------------------------------------------------------------------
-    def sample(self) -> None:
-        """Fold the current allocation into every open stage's peak (cheap; call between tiles)."""
+    def sample(self, kind: str = "tile") -> None:
+        """Fold the current allocation into every open stage's peak (cheap; call between tiles),
+        and add it to the timeline (``kind``: why the sample was taken, see
+        :data:`lib_vram.core.timeline.SAMPLE_KINDS`)."""
         with self._lock:
-            if not self._open:
+            timeline = self.timeline
+            if not self._open and timeline is None:
                 return
             cur = self._counter.current()
             for op in self._open:
                 op.folded = max(op.folded, cur)
+            if timeline is not None:
+                timeline.add(cur, self._counter.reserved(), kind)
+
+    def event(self, kind: str, text: str, **data: object) -> None:
+        """Something VRAM Guard did now (``"release"``, ``"oom"``): onto the timeline, if any."""
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.event(kind, text, **data)
 
     def _thread_stack(self) -> list[_Open]:
         me = threading.get_ident()
@@ -309,6 +332,12 @@ class StageTracker:
                 record=rec, t0=time.perf_counter(), peak0=peak0, folded=cur, thread=threading.get_ident()
             )
             self._open.append(op)
+            timeline = self.timeline
+            if timeline is not None:
+                timeline.measure = rec.measure
+                if rec.depth == 0:
+                    timeline.begin(name, op.thread)
+                timeline.add(cur, self._counter.reserved(), "stage")
             self._ensure_sampler()
         try:
             yield rec
@@ -347,6 +376,19 @@ class StageTracker:
                 outer.folded = max(outer.folded, op.folded)
             self._records.append(rec)
             del self._records[: -self._keep]
+            timeline = self.timeline
+            if timeline is not None:
+                timeline.add(cur, self._counter.reserved(), "stage")
+                if rec.depth == 0:
+                    timeline.end(
+                        rec.name,
+                        plan=rec.plan,
+                        ok=rec.ok,
+                        error=rec.error,
+                        peak_bytes=rec.peak_bytes,
+                        exact=rec.exact,
+                        thread=op.thread,
+                    )
             if not self._open:
                 self._stop.set()
         logger.debug(
@@ -367,7 +409,7 @@ class StageTracker:
 
         def run() -> None:
             while not self._stop.wait(interval):
-                self.sample()
+                self.sample("timer")
 
         self._sampler = threading.Thread(target=run, name="lib_vram-tracker-sampler", daemon=True)
         self._sampler.start()

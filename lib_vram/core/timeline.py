@@ -1,0 +1,542 @@
+"""A job's memory over time: bounded, cheap samples, stage bands, events, and its SVG.
+
+A :class:`Timeline` is attached to a :class:`~lib_vram.core.tracker.StageTracker` (``tracker.timeline``);
+the tracker feeds it from what it already reads:
+
+* a **sample** at every :meth:`StageTracker.sample` call (the engines call it after every tile
+  step; the WebUI adapter at every sampling step) and at every stage boundary: the time, the memory
+  in use (accelerator: ``torch.cuda.memory_allocated`` and ``memory_reserved``; CPU: the process's
+  resident set size; on an emulated card, :mod:`lib_vram.core.emulate`, its use) — two counters, no
+  allocation on the device, no synchronisation;
+* a **band** per top-level stage (its name, start and end, plan, peak and outcome);
+* **events**: VRAM Guard released memory at a stage boundary, recovered from (or stopped at) an
+  out-of-memory error.
+
+Bounded: at most ``max_points`` points (default 400) whatever the job's length. When the buffer is
+full, neighbouring points are merged pairwise — each merged point keeps the *highest* of the
+samples it stands for, at that sample's time — and from then on each point stands for twice as
+many samples (``stride``). So the sampled peak is never lost, and the plot's shape keeps its
+maxima. Bands and events are capped too (``max_bands``, ``max_events``; what did not fit is
+counted in ``dropped``).
+
+:func:`render_svg` draws :meth:`Timeline.to_dict` as inline SVG (no dependency): stage bands
+labelled, the card's total, the memory line(s), the peak marked, events as markers, and hover
+values (``<title>`` elements) per column, per band and per event.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MAX_POINTS = 400
+DEFAULT_MAX_BANDS = 48
+DEFAULT_MAX_EVENTS = 48
+
+SAMPLE_KINDS = ("tile", "step", "stage", "release", "timer", "start")
+"""Why a sample was taken: an engine's tile step, a sampling step, a stage boundary, after a
+release, the tracker's background sampler, the job's start."""
+
+
+@dataclass
+class _Band:
+    stage: str
+    t0: float
+    t1: float | None = None
+    plan: str | None = None
+    ok: bool = True
+    error: str | None = None
+    peak_bytes: int | None = None
+    exact: bool = True
+    samples: int = 0
+    thread: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "t0": round(self.t0, 4),
+            "t1": None if self.t1 is None else round(self.t1, 4),
+            "plan": self.plan,
+            "ok": self.ok,
+            "error": self.error,
+            "peak_bytes": self.peak_bytes,
+            "exact": self.exact,
+            "samples": self.samples,
+        }
+
+
+@dataclass
+class _Event:
+    t: float
+    kind: str
+    text: str
+    data: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"t": round(self.t, 4), "kind": self.kind, "text": self.text, **self.data}
+
+
+class Timeline:
+    """One job's memory timeline (see the module docstring). Thread-safe.
+
+    Args:
+        total_bytes: the card's total memory (CPU: system RAM; emulated card: its capacity).
+        measure: what ``used`` is: ``"allocated"``, ``"rss"`` or ``"emulated"`` (the tracker's).
+        max_points: bound on stored points (>= 8).
+        max_bands, max_events: bounds on stored bands and events (>= 1).
+        clock: seconds (monotonic); ``time.perf_counter`` by default.
+    """
+
+    def __init__(
+        self,
+        *,
+        total_bytes: int | None = None,
+        measure: str = "allocated",
+        max_points: int = DEFAULT_MAX_POINTS,
+        max_bands: int = DEFAULT_MAX_BANDS,
+        max_events: int = DEFAULT_MAX_EVENTS,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if max_points < 8:
+            raise ValueError(f"`max_points` must be >= 8, got {max_points}")
+        if max_bands < 1 or max_events < 1:
+            raise ValueError(f"`max_bands` and `max_events` must be >= 1, got {max_bands}, {max_events}")
+        self.total_bytes = None if total_bytes is None else int(total_bytes)
+        self.measure = measure
+        self.max_points = int(max_points)
+        self.max_bands = int(max_bands)
+        self.max_events = int(max_events)
+        self._clock = clock
+        self._t0 = clock()
+        self._t_end: float | None = None
+        self._lock = threading.Lock()
+        # points: parallel lists (t, used, reserved); reserved is None where there is no allocator
+        self._t: list[float] = []
+        self._used: list[int] = []
+        self._res: list[int | None] = []
+        self._stride = 1
+        self._bucket: tuple[float, int, int | None] | None = None
+        self._bucket_n = 0
+        self.counts: dict[str, int] = dict.fromkeys(SAMPLE_KINDS, 0)
+        self._bands: list[_Band] = []
+        self._open: dict[int, _Band] = {}
+        self._events: list[_Event] = []
+        self._dropped = {"bands": 0, "events": 0}
+        self._peak: tuple[float, int] | None = None
+
+    # -- recording -----------------------------------------------------------------------------
+    def now(self) -> float:
+        return self._clock() - self._t0
+
+    def add(self, used: int, reserved: int | None = None, kind: str = "tile") -> None:
+        """One sample: ``used`` bytes (and ``reserved`` where there is an allocator) now."""
+        t = self._clock() - self._t0
+        with self._lock:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            for band in self._open.values():
+                band.samples += 1
+            if self._peak is None or used > self._peak[1]:
+                self._peak = (t, used)
+            b = self._bucket
+            if b is None:
+                self._bucket = (t, used, reserved)
+            else:
+                res = b[2] if reserved is None else reserved if b[2] is None else max(b[2], reserved)
+                self._bucket = (t, used, res) if used > b[1] else (b[0], b[1], res)
+            self._bucket_n += 1
+            if self._bucket_n >= self._stride:
+                self._flush()
+
+    def _flush(self) -> None:
+        b = self._bucket
+        if b is None:
+            return
+        self._bucket, self._bucket_n = None, 0
+        self._t.append(b[0])
+        self._used.append(b[1])
+        self._res.append(b[2])
+        if len(self._t) >= self.max_points:
+            self._halve()
+
+    def _halve(self) -> None:
+        """Merge neighbouring points pairwise (each keeps the higher one); double the stride."""
+        t, u, r = self._t, self._used, self._res
+        nt: list[float] = []
+        nu: list[int] = []
+        nr: list[int | None] = []
+        for i in range(0, len(t) - 1, 2):
+            j = i if u[i] >= u[i + 1] else i + 1
+            nt.append(t[j])
+            nu.append(u[j])
+            a, b = r[i], r[i + 1]
+            nr.append(a if b is None else b if a is None else max(a, b))
+        if len(t) % 2:
+            nt.append(t[-1])
+            nu.append(u[-1])
+            nr.append(r[-1])
+        self._t, self._used, self._res = nt, nu, nr
+        self._stride *= 2
+
+    def begin(self, stage: str, thread: int = 0) -> None:
+        """A top-level stage starts (the tracker calls this; a sample follows)."""
+        with self._lock:
+            if len(self._bands) >= self.max_bands:
+                self._dropped["bands"] += 1
+                return
+            band = _Band(stage=stage, t0=self.now(), thread=thread)
+            self._bands.append(band)
+            self._open[id(band)] = band
+
+    def end(
+        self,
+        stage: str,
+        *,
+        plan: str | None = None,
+        ok: bool = True,
+        error: str | None = None,
+        peak_bytes: int | None = None,
+        exact: bool = True,
+        thread: int = 0,
+    ) -> None:
+        """The innermost open band of ``stage`` (in ``thread``) ends."""
+        with self._lock:
+            for band in reversed(self._bands):
+                if band.stage == stage and band.t1 is None and band.thread == thread:
+                    band.t1 = self.now()
+                    band.plan, band.ok, band.error = plan, ok, error
+                    band.peak_bytes, band.exact = peak_bytes, exact
+                    self._open.pop(id(band), None)
+                    return
+
+    def event(self, kind: str, text: str, **data: Any) -> None:
+        """Something VRAM Guard did at this moment (``"release"``, ``"oom"``), in one line."""
+        with self._lock:
+            if len(self._events) >= self.max_events:
+                self._dropped["events"] += 1
+                return
+            self._events.append(_Event(self.now(), kind, str(text)[:300], dict(data)))
+
+    def finish(self) -> None:
+        """The job ended: the plot's time axis stops here."""
+        with self._lock:
+            if self._t_end is None:
+                self._t_end = self.now()
+
+    # -- reading -------------------------------------------------------------------------------
+    @property
+    def n_points(self) -> int:
+        with self._lock:
+            return len(self._t) + (self._bucket is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready snapshot (keys in README's "Memory timeline"; bounded by the caps)."""
+        with self._lock:
+            t, u, r = list(self._t), list(self._used), list(self._res)
+            if self._bucket is not None:
+                t.append(self._bucket[0])
+                u.append(self._bucket[1])
+                r.append(self._bucket[2])
+            end = self._t_end if self._t_end is not None else self.now()
+            has_res = any(v is not None for v in r)
+            peak = None
+            if self._peak is not None:
+                pt, pb = self._peak
+                peak = {"t": round(pt, 4), "bytes": pb, "stage": _stage_at(self._bands, pt)}
+            return {
+                "measure": self.measure,
+                "total_bytes": self.total_bytes,
+                "seconds": round(end, 4),
+                "running": self._t_end is None,
+                "stride": self._stride,
+                "max_points": self.max_points,
+                "samples": {k: v for k, v in self.counts.items() if v},
+                "points": {
+                    "t": [round(x, 4) for x in t],
+                    "used": u,
+                    "reserved": [0 if v is None else v for v in r] if has_res else None,
+                },
+                "peak": peak,
+                "bands": [b.to_dict() for b in self._bands],
+                "events": [e.to_dict() for e in self._events],
+                "dropped": dict(self._dropped),
+            }
+
+
+def _stage_at(bands: list[_Band], t: float) -> str | None:
+    for b in reversed(bands):
+        if b.t0 <= t and (b.t1 is None or t <= b.t1):
+            return b.stage
+    return None
+
+
+# -- SVG ---------------------------------------------------------------------------------------
+W, H = 640, 190
+"""The SVG's viewBox (it scales to the readout's width)."""
+_PAD_L, _PAD_R, _PAD_T, _PAD_B = 54, 10, 18, 20
+COLUMNS = 64
+"""Hover columns: each carries a ``<title>`` with the highest values in its time range."""
+EVENT_LABELS = {"release": "released memory", "oom": "out of memory"}
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _fmt(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    v = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if abs(v) < 1024:
+            return f"{v:.0f} {unit}" if unit != "MiB" else f"{v:.1f} {unit}"
+        v /= 1024
+    return f"{v:.2f} GiB"
+
+
+def _nice_step(span: float, n: int) -> float:
+    """A round step (1, 2, 2.5 or 5 times a power of ten) that cuts ``span`` into about ``n``."""
+    raw = max(span, 1e-9) / max(1, n)
+    mag = 10 ** math.floor(math.log10(raw))
+    for m in (1, 2, 2.5, 5):
+        if raw <= m * mag:
+            return m * mag
+    return 10 * mag
+
+
+def _byte_ticks(y_max: float) -> tuple[float, float, str]:
+    """(step in bytes, unit in bytes, unit name) for the y axis."""
+    unit, name = (2**30, "GiB") if y_max >= 2**30 else (2**20, "MiB") if y_max >= 2**20 else (1024, "KiB")
+    return _nice_step(y_max / unit, 4) * unit, unit, name
+
+
+MEASURE_WORDS = {
+    "allocated": ("allocated", "reserved"),
+    "rss": ("process RAM (RSS)", None),
+    "emulated": ("emulated card use", None),
+}
+
+
+def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) -> str:
+    """The timeline ``data`` (:meth:`Timeline.to_dict`) as an inline ``<svg>`` element (valid XML,
+    everything escaped); ``""`` when there is nothing to draw. ``label`` maps a stage id to its
+    readable name."""
+    pts = data.get("points") or {}
+    ts = list(pts.get("t") or [])
+    used = list(pts.get("used") or [])
+    res = pts.get("reserved")
+    res = list(res) if res else None
+    if not ts or len(ts) != len(used):
+        return ""
+    bands = list(data.get("bands") or [])
+    events = list(data.get("events") or [])
+    total = data.get("total_bytes") or None
+    measure = str(data.get("measure") or "allocated")
+    used_word, res_word = MEASURE_WORDS.get(measure, (measure, "reserved"))
+    t_end = max(float(data.get("seconds") or 0.0), ts[-1], 1e-3)
+    band_peaks = [int(b["peak_bytes"]) for b in bands if b.get("peak_bytes")]
+    top = max([*used, *(res or []), *band_peaks, 1])
+    total_on_scale = bool(total) and top >= 0.3 * total
+    if total_on_scale:
+        y_lo, y_max = 0.0, max(top, total) * 1.05
+    else:
+        # far below the total (CPU RAM, a big card): zoom onto the range the job used
+        low = min(used)
+        span = max(top - low, top * 0.05, 1.0)
+        y_max = top + 0.25 * span
+        step = _byte_ticks(y_max - max(0.0, low - 0.25 * span))[0]
+        y_lo = max(0.0, math.floor(max(0.0, low - 0.25 * span) / step) * step)
+    x0, x1 = _PAD_L, W - _PAD_R
+    y0, y1 = _PAD_T, H - _PAD_B
+
+    def X(t: float) -> float:
+        return x0 + (x1 - x0) * max(0.0, min(1.0, t / t_end))
+
+    def Y(b: float) -> float:
+        return y1 - (y1 - y0) * max(0.0, min(1.0, (b - y_lo) / (y_max - y_lo)))
+
+    out = [
+        f'<svg class="vram-guard-timeline" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" '
+        f'width="100%" role="img" aria-label="memory timeline" font-size="10" '
+        f'font-family="sans-serif">',
+        f"<title>Memory over the job ({_e(used_word)}), {t_end:.1f} s</title>",
+    ]
+    # stage bands (overlapping ones, e.g. a live preview, go to a second lane of labels)
+    lanes: list[float] = []
+    for i, b in enumerate(bands):
+        t0 = float(b.get("t0") or 0.0)
+        t1 = float(b["t1"]) if b.get("t1") is not None else t_end
+        lane = next((k for k, end in enumerate(lanes) if end <= t0 + 1e-9), len(lanes))
+        if lane == len(lanes):
+            lanes.append(t1)
+        else:
+            lanes[lane] = t1
+        bx0, bx1 = X(t0), X(t1)
+        name = label(str(b.get("stage")))
+        plan = b.get("plan")
+        peak = b.get("peak_bytes")
+        tip = f"{name}: {t0:.2f}-{t1:.2f} s"
+        if peak:
+            tip += f", peak {'' if b.get('exact', True) else '>= '}{_fmt(peak)}"
+        if plan:
+            tip += f", plan {plan}"
+        if b.get("samples"):
+            tip += f", {b['samples']} samples"
+        if not b.get("ok", True):
+            tip += f" — failed: {b.get('error') or 'error'}"
+        cls = "vram-guard-tl-band" + ("" if b.get("ok", True) else " vram-guard-tl-failed")
+        fill = "#dc2626" if not b.get("ok", True) else ("#3b82f6" if i % 2 == 0 else "#8b5cf6")
+        out.append(
+            f'<g class="{cls}" data-stage="{_e(b.get("stage"))}"><title>{_e(tip)}</title>'
+            f'<rect x="{bx0:.1f}" y="{y0}" width="{max(0.8, bx1 - bx0):.1f}" height="{y1 - y0}" '
+            f'fill="{fill}" fill-opacity="{0.06 if lane == 0 else 0.12}"/>'
+        )
+        if peak:
+            yp = Y(peak)
+            out.append(
+                f'<line class="vram-guard-tl-bandpeak" x1="{bx0:.1f}" x2="{bx1:.1f}" y1="{yp:.1f}" '
+                f'y2="{yp:.1f}" stroke="{fill}" stroke-dasharray="3 2" stroke-width="1"/>'
+            )
+        text = name if (bx1 - bx0) >= 6.0 * len(name) else (name[:1] if bx1 - bx0 >= 8 else "")
+        if text:
+            ty = y0 - 5 if lane == 0 else y0 + 10 * lane
+            out.append(
+                f'<text x="{bx0 + 2:.1f}" y="{ty}" fill="currentColor" class="vram-guard-tl-label">'
+                f"{_e(text)}</text>"
+            )
+        out.append("</g>")
+    # axes: y ticks in bytes, x ticks in seconds
+    ystep, unit, unit_name = _byte_ticks(y_max - y_lo)
+    for i in range(int((y_max - y_lo) // ystep) + 1):
+        k = y_lo + i * ystep
+        yy = Y(k)
+        out.append(
+            f'<line x1="{x0}" x2="{x1}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="currentColor" '
+            f'stroke-opacity="0.12"/><text x="{x0 - 3}" y="{yy + 3:.1f}" text-anchor="end" '
+            f'fill="currentColor" fill-opacity="0.7">{round(k / unit, 3):g} {unit_name}</text>'
+        )
+    tstep = _nice_step(t_end, 6)
+    for i in range(int(t_end / tstep + 1e-9) + 1):
+        k = round(i * tstep, 6)
+        out.append(
+            f'<text x="{X(k):.1f}" y="{H - 6}" text-anchor="middle" fill="currentColor" '
+            f'fill-opacity="0.7">{k:g} s</text>'
+        )
+    # the card's total
+    if total:
+        if total_on_scale:
+            yt = Y(total)
+            out.append(
+                f'<g class="vram-guard-tl-total"><title>card total {_e(_fmt(total))}</title>'
+                f'<line x1="{x0}" x2="{x1}" y1="{yt:.1f}" y2="{yt:.1f}" stroke="#dc2626" '
+                f'stroke-width="1.5"/><text x="{x1 - 2}" y="{yt + 11:.1f}" text-anchor="end" '
+                f'fill="#dc2626">total {_e(_fmt(total))}</text></g>'
+            )
+        else:
+            out.append(
+                f'<text class="vram-guard-tl-total" x="{x0 + 4}" y="{y0 + 10}" fill="#dc2626">'
+                f"total {_e(_fmt(total))} (above the plot)</text>"
+            )
+    # the memory line(s)
+    if res is not None and len(res) == len(ts):
+        line = " ".join(f"{X(t):.1f},{Y(v):.1f}" for t, v in zip(ts, res, strict=True))
+        out.append(
+            f'<polyline class="vram-guard-tl-reserved" points="{line}" fill="none" stroke="#f97316" '
+            f'stroke-opacity="0.55" stroke-dasharray="4 2" stroke-width="1.2"/>'
+        )
+    line = " ".join(f"{X(t):.1f},{Y(v):.1f}" for t, v in zip(ts, used, strict=True))
+    out.append(
+        f'<polyline class="vram-guard-tl-used" points="{line}" fill="none" stroke="#f97316" '
+        f'stroke-width="1.6" stroke-linejoin="round"/>'
+    )
+    # events
+    for ev in events:
+        ex = X(float(ev.get("t") or 0.0))
+        kind = str(ev.get("kind"))
+        color = "#dc2626" if kind == "oom" else "#16a34a"
+        glyph = "!" if kind == "oom" else "↓"
+        tip = f"{float(ev.get('t') or 0.0):.2f} s: {EVENT_LABELS.get(kind, kind)} — {ev.get('text', '')}"
+        out.append(
+            f'<g class="vram-guard-tl-event" data-kind="{_e(kind)}"><title>{_e(tip)}</title>'
+            f'<line x1="{ex:.1f}" x2="{ex:.1f}" y1="{y0}" y2="{y1}" stroke="{color}" stroke-width="1" '
+            f'stroke-dasharray="2 2"/><circle cx="{ex:.1f}" cy="{y0 + 6}" r="5" fill="{color}"/>'
+            f'<text x="{ex:.1f}" y="{y0 + 9}" text-anchor="middle" fill="#fff" font-size="8">{glyph}</text>'
+            "</g>"
+        )
+    # the peak: the highest sample, and a band's recorded peak where that is higher
+    peak = data.get("peak") or None
+    if peak:
+        pb = int(peak["bytes"])
+        where = label(str(peak["stage"])) if peak.get("stage") else None
+        best_band = max(bands, key=lambda b: int(b.get("peak_bytes") or 0), default=None)
+        note = f"peak {_fmt(pb)}" + (f" ({where})" if where else "") + f" at {float(peak['t']):.2f} s"
+        if best_band is not None and int(best_band.get("peak_bytes") or 0) > pb:
+            note += (
+                f"; {label(str(best_band['stage']))} recorded "
+                f"{_fmt(int(best_band['peak_bytes']))} between samples"
+            )
+        px, py = X(float(peak["t"])), Y(pb)
+        anchor = "end" if px > (x0 + x1) / 2 else "start"
+        dx = -6 if anchor == "end" else 6
+        out.append(
+            f'<g class="vram-guard-tl-peak"><title>{_e(note)}</title>'
+            f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3.5" fill="none" stroke="#dc2626" stroke-width="1.5"/>'
+            f'<text x="{px + dx:.1f}" y="{max(y0 + 8, py - 4):.1f}" text-anchor="{anchor}" '
+            f'fill="currentColor" font-weight="bold">peak {_e(_fmt(pb))}</text></g>'
+        )
+    # hover columns: the highest values in each slice of time
+    n_cols = min(COLUMNS, len(ts))
+    width = (x1 - x0) / n_cols
+    j = 0
+    for c in range(n_cols):
+        c_t1 = t_end * (c + 1) / n_cols
+        best_u = best_r = None
+        while j < len(ts) and ts[j] <= c_t1:
+            best_u = used[j] if best_u is None else max(best_u, used[j])
+            if res is not None:
+                best_r = res[j] if best_r is None else max(best_r, res[j])
+            j += 1
+        if best_u is None:
+            continue
+        mid = t_end * (c + 0.5) / n_cols
+        stage = _band_label(bands, mid, label)
+        tip = f"{t_end * c / n_cols:.1f}-{c_t1:.1f} s" + (f" {stage}" if stage else "")
+        tip += f": {used_word} {_fmt(best_u)}"
+        if best_r is not None and res_word:
+            tip += f", {res_word} {_fmt(best_r)}"
+        out.append(
+            f'<rect class="vram-guard-tl-hover" x="{x0 + c * width:.1f}" y="{y0}" width="{width:.1f}" '
+            f'height="{y1 - y0}" fill="transparent"><title>{_e(tip)}</title></rect>'
+        )
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _band_label(bands: list, t: float, label: Callable[[str], str]) -> str | None:
+    for b in reversed(bands):
+        t1 = b.get("t1")
+        if float(b.get("t0") or 0) <= t and (t1 is None or t <= float(t1)):
+            return label(str(b.get("stage")))
+    return None
+
+
+def legend_html(data: Mapping[str, Any]) -> str:
+    """One line under the plot: what the lines are, how many samples, what was left out."""
+    measure = str(data.get("measure") or "allocated")
+    used_word, res_word = MEASURE_WORDS.get(measure, (measure, "reserved"))
+    pts = data.get("points") or {}
+    parts = [f"solid: {used_word}"]
+    if pts.get("reserved") and res_word:
+        parts.append(f"dashed: {res_word}")
+    n = sum(int(v) for v in (data.get("samples") or {}).values())
+    parts.append(f"{n} samples, {len(pts.get('t') or [])} points")
+    dropped = data.get("dropped") or {}
+    if dropped.get("bands"):
+        parts.append(f"{dropped['bands']} later stages not drawn")
+    if dropped.get("events"):
+        parts.append(f"{dropped['events']} later events not drawn")
+    return f'<div class="vram-guard-tl-legend">{_e("; ".join(parts))}</div>'
