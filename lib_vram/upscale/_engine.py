@@ -235,6 +235,14 @@ class _Run:
         """Whether the accumulator and the padded input sit in host memory apart from the device's
         (tells an emulated card not to count them, :func:`lib_vram.core.emulate.to_host`)."""
 
+    def oom_event(self, text: str) -> None:
+        """An out-of-memory error this run recovered from: the report's events, and the tracker's
+        (its memory timeline) at this moment."""
+        self.rep.events.append(text)
+        event = getattr(self.tracker, "event", None)
+        if event is not None:
+            event("oom", f"upscale: {text}")
+
     def learn_oom(self, tile: int, batch: int) -> None:
         if self.predict is not None:
             self.memory.record(self.key, planner.Outcome.of(self.predict(tile, batch), oom=True))
@@ -433,7 +441,7 @@ class _Run:
                 emulate.to_device(xp)  # the input on the device (a GPU run copies it there)
             return xp
 
-        xp = _once_more(place_input, rep, device, "the input")
+        xp = _once_more(place_input, rep, device, "the input", self.oom_event)
         out = self.loop(xp, tiles, tile, batch, acc_dev)
         del xp
         self.ran = self.predict(rep.tile, rep.batch)
@@ -449,7 +457,7 @@ class _Run:
                 raise
         # a view of the padded accumulator is a valid result too (it only keeps the padding alive)
         rep.ooms += 1
-        rep.events.append("out of memory copying the cropped output: returned as a view")
+        self.oom_event("out of memory copying the cropped output: returned as a view")
         return res
 
     # -- the tile loop ----------------------------------------------------------------------
@@ -473,7 +481,7 @@ class _Run:
         if acc is None:  # out of the except block: release, then keep the output in host memory
             release(self.device)
             self.rep.ooms += 1
-            self.rep.events.append("out of memory for the output: accumulating in host memory")
+            self.oom_event("out of memory for the output: accumulating in host memory")
             self.rep.accumulate_on = "cpu"
             self.host_roles = (True, self.host_roles[1])
             acc = torch.zeros(b, c, h, w, dtype=torch.float32, device="cpu")
@@ -546,14 +554,14 @@ class _Run:
                 self.learn_oom(tile, min(batch, len(group)))
                 if batch > 1:
                     batch = max(1, min(batch, len(group)) // 2)
-                    rep.events.append(f"out of memory: batch -> {batch}")
+                    self.oom_event(f"out of memory: batch -> {batch}")
                 elif tile // 2 >= self.min_tile:
                     tile //= 2
                     if self.halo_px == 0 and self.cfg.overlap != 0:
                         # The plan was untiled: from now on tiles need the model's overlap and
                         # cross-fade (tiles finished so far were whole images, exact either way).
                         self.set_halo(self.halo(), tile)
-                    rep.events.append(f"out of memory: tile -> {tile}")
+                    self.oom_event(f"out of memory: tile -> {tile}")
                     halo = self.halo_px
                     pending = deque(
                         sub
@@ -651,9 +659,16 @@ def upscale_tensor(
     return out
 
 
-def _once_more(fn: Callable[[], Tensor], rep: UpscaleReport, device: torch.device, what: str) -> Tensor:
+def _once_more(
+    fn: Callable[[], Tensor],
+    rep: UpscaleReport,
+    device: torch.device,
+    what: str,
+    on_oom: Callable[[str], None] | None = None,
+) -> Tensor:
     """``fn()``; after an out-of-memory error, release and try once more (the error may have been a
-    moment of pressure); a second one propagates."""
+    moment of pressure); a second one propagates. ``on_oom(text)`` records the event (default:
+    ``rep.events``)."""
     try:
         return fn()
     except Exception as exc:
@@ -661,7 +676,11 @@ def _once_more(fn: Callable[[], Tensor], rep: UpscaleReport, device: torch.devic
             raise
     release(device)
     rep.ooms += 1
-    rep.events.append(f"out of memory placing {what}: released, tried again")
+    text = f"out of memory placing {what}: released, tried again"
+    if on_oom is not None:
+        on_oom(text)
+    else:
+        rep.events.append(text)
     return fn()
 
 

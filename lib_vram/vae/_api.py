@@ -329,6 +329,11 @@ class _Pass:
     def global_after(self) -> int:
         return sync_count(self.spec, "global") + 1 if self.spec.kind == "encoder" else 0
 
+    def event(self, text: str) -> None:
+        """An out-of-memory error of this pass, onto the tracker's memory timeline (at this moment)."""
+        if self.tracker is not None:
+            self.tracker.event("oom", f"{self.spec.kind}: {text}")
+
     def total_steps(self, n_tiles: int, mode: str) -> int:
         steps = sync_count(self.tile_spec, "tiles") + 1
         tiled = n_tiles * (steps if mode == "exact" else 1)
@@ -390,10 +395,12 @@ class _Pass:
                 # have been a moment of pressure, not this tile's own size)
                 nxt = tile
             if nxt is None:
+                self.event(f"out of memory at tile {tile}, the smallest: the pass stops")
                 raise VAEOutOfMemory(
                     f"{spec.kind}: out of memory even with the smallest tile ({tile}); "
                     f"tried {self.report.oom_retries}"
                 )
+            self.event(f"out of memory at tile {tile}: released, retrying at tile {nxt}")
             tile = nxt
         del src
         if spec.kind == "encoder":
@@ -429,12 +436,14 @@ class _Pass:
                 # once more after the release: the error may have come from cached blocks or a
                 # moment of pressure (another process), not from the stage's own size
                 self.report.notes.append("out of memory in the whole-latent stage: released, retried once")
+                self.event("out of memory in the whole-latent stage: released, retrying once")
                 logger.info(
                     "%s: out of memory in the whole-latent stage; released, retrying once", self.spec.kind
                 )
         b, _, h, w = self.lat_shape
         part = "conv_in and mid block" if self.spec.kind == "decoder" else "mid block and output layers"
         self.report.notes.append(f"out of memory in the whole-latent stage ({part})")
+        self.event(f"out of memory in the whole-latent stage ({part}) again: the pass stops")
         raise VAEOutOfMemory(
             f"{self.spec.kind}: out of memory in the whole-latent stage ({part} on a {b}x{h}x{w} "
             f"latent, about {self.global_bytes() / 2**20:.0f} MiB estimated at any tile size): no "
@@ -464,6 +473,7 @@ class _Pass:
             self.report.oom_retries.append(0)
             self.record("exact", None, oom=True)
             release(self.device)
+            self.event("out of memory untiled: released, running tiled")
             return None
         if self.config.guard and not finite(out):
             self.report.notes.append("untiled output had NaN/Inf: rerun by the guarded engine")
@@ -543,6 +553,7 @@ def _run_pass(
             # check) failed: out of the except block, release and run the pass once more
             release(p.device)
             rep.notes.append("out of memory outside the tile loop: released and ran the pass again")
+            p.event("out of memory outside the tile loop: released, running the pass again")
             logger.info(
                 "%s: out of memory outside the tile loop; released, running the pass again", spec.kind
             )
