@@ -2,7 +2,8 @@
 //
 // Polls ./internal/vram-guard/status (JSON, see lib_vram/core/readout.py) about once a second while a job
 // runs - detected from the WebUI's Interrupt buttons or the payload's job_running flag - and once
-// after it ends, then swaps the payload's html into every readout (#vram_guard_readout_<tab>).
+// after it ends, then swaps the payload's html into every readout (#vram_guard_readout_<tab>): the
+// per-stage table and the memory timeline's SVG, which so grows while the job runs.
 // When idle it refreshes an open readout every 10 s. Every global name starts with "vramGuard";
 // nothing here throws if the elements are missing (pages without the accordion, other tabs).
 
@@ -53,9 +54,9 @@ function vramGuardIsVisible(el) {
 }
 
 function vramGuardWebuiBusy() {
-    // A1111/Forge show <tab>_interrupt only while that tab is generating.
+    // A1111/Forge show <tab>_interrupt only while that tab is generating (Extras too).
     var root = vramGuardRoot();
-    var ids = ["txt2img_interrupt", "img2img_interrupt"];
+    var ids = ["txt2img_interrupt", "img2img_interrupt", "extras_interrupt"];
     for (var i = 0; i < ids.length; i++) {
         var el = root.querySelector("#" + ids[i]);
         if (el && el.style && el.style.display === "block") {

@@ -75,6 +75,7 @@ def test_payload_keys_are_stable():
         "job_running",
         "stages",
         "notes",
+        "timeline",
         "html",
     ]
     assert list(payload["memory"]) == [

@@ -27,6 +27,8 @@ key                 meaning
 ``emulated``        the emulated card's label (``--emulate-vram``, :mod:`lib_vram.core.emulate`) when
                     ``memory`` describes one, else ``null``
 ``notes``           list of strings (warnings, the CPU-only notice, what a release freed)
+``timeline``        the last (or running) job's memory timeline (:mod:`lib_vram.core.timeline`,
+                    :meth:`~lib_vram.core.timeline.Timeline.to_dict`; bounded), or ``null``
 ``html``            the readout's inner HTML (what the JS puts into the page)
 =================== ==========================================================================
 """
@@ -40,6 +42,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .device import MemoryInfo
+from .timeline import legend_html, render_svg
 
 logger = logging.getLogger(__name__)
 
@@ -153,11 +156,13 @@ def status_payload(
     job_running: bool,
     notes: Iterable[str] = (),
     device_name: str | None = None,
+    timeline: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The readout's JSON (keys in the module docstring), including its rendered ``html``.
 
     ``records``: the last job's stage records (:class:`~lib_vram.core.tracker.StageRecord` or their
     ``to_dict()``); a stage that ran several times is merged (highest peak, summed time).
+    ``timeline``: that job's :meth:`Timeline.to_dict() <lib_vram.core.timeline.Timeline.to_dict>`.
     """
     cpu_only = memory.backend == "cpu"
     emulated = getattr(memory, "emulated", None)
@@ -189,6 +194,7 @@ def status_payload(
         "job_running": bool(job_running),
         "stages": _stages(records),
         "notes": note_list,
+        "timeline": None if timeline is None else dict(timeline),
     }
     payload["html"] = render_readout_body(payload)
     return payload
@@ -239,6 +245,7 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
     elif payload.get("cpu_only"):
         rss = format_bytes(mem.get("process_rss_bytes"))
         parts.append(f'<div class="vram-guard-cpu">CPU only — this process uses {_e(rss)} of RAM.</div>')
+    parts.append(render_timeline_html(payload.get("timeline")))
     stages = payload.get("stages") or []
     listed = {s["stage"] for s in stages}
     rows = list(stages) + [
@@ -275,6 +282,27 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
         parts.extend(f"<li>{_e(n)}</li>" for n in notes)
         parts.append("</ul>")
     return "".join(parts)
+
+
+def stage_label(name: str) -> str:
+    """The readout's label of a tracker stage name (``"vae_decode"`` -> ``"Decode"``)."""
+    sid = _stage_id(name)
+    return _LABELS.get(sid, sid.replace("_", " ").capitalize())
+
+
+def render_timeline_html(timeline: Mapping[str, Any] | None) -> str:
+    """The memory timeline's plot and legend (``""`` without one), see :mod:`lib_vram.core.timeline`."""
+    if not timeline:
+        return ""
+    svg = render_svg(timeline, label=stage_label)
+    if not svg:
+        return ""
+    state = "running" if timeline.get("running") else "done"
+    return (
+        f'<div class="vram-guard-timeline-box" data-state="{state}" '
+        f'data-points="{len((timeline.get("points") or {}).get("t") or [])}">'
+        f"{svg}{legend_html(timeline)}</div>"
+    )
 
 
 def render_readout_html(

@@ -35,6 +35,7 @@ import torch
 from lib_vram.core import emulate
 from lib_vram.core.device import release
 from lib_vram.core.hooks import register_hook, remove_hook
+from lib_vram.core.timeline import Timeline
 from lib_vram.core.tracker import StageTracker
 
 from .settings import JobSettings
@@ -66,6 +67,7 @@ class Job:
         device: torch.device | str | None = None,
         session: Any = None,
         host: Any = None,
+        total_bytes: int | None = None,
     ) -> None:
         if kind not in ("txt2img", "img2img", "extras"):
             raise ValueError(f"`kind` must be txt2img, img2img or extras, got {kind!r}")
@@ -76,6 +78,10 @@ class Job:
         self.host = host if host is not None else _default_host()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.tracker = tracker if tracker is not None else StageTracker(self.device, owns_peak_counters=False)
+        self.timeline = Timeline(total_bytes=total_bytes, measure=self.tracker.measure)
+        """The job's memory over time (:mod:`lib_vram.core.timeline`): the tracker feeds it."""
+        self.tracker.timeline = self.timeline
+        self.tracker.sample("start")
         self.session = session
         self.stack = ExitStack()
         self.thread = threading.get_ident()
@@ -176,6 +182,15 @@ class Job:
                 "collected_objects": res.collected_objects,
             }
         )
+        freed = res.freed_device_bytes
+        self.tracker.event(
+            "release",
+            f"released memory at {name.replace('_', ' ')}: {freed / 2**20:.0f} MiB of cache returned, "
+            f"{res.collected_objects} objects collected",
+            at=name,
+            freed_bytes=freed,
+        )
+        self.tracker.sample("release")
 
     def vae_stage_name(self, kind: str) -> str:
         """Readout name of a VAE pass from the job's progress (``p``) and the calling thread."""
@@ -335,6 +350,7 @@ class Job:
             else:
                 self._span = None
             self.boundary("failure" if failed else "job_end")
+            self.timeline.finish()
         finally:
             self.stack.close()
             if self.session is not None:
@@ -357,6 +373,7 @@ class Job:
             "notes": notes,
             "failed": self.failed,
             "closed": self.closed,
+            "timeline": self.timeline.to_dict(),
         }
 
     def plan_text(self, **_: Any) -> str | None:

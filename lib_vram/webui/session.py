@@ -112,10 +112,14 @@ class Session:
     def sampling_step(self) -> None:
         """``on_cfg_denoiser`` (every sampling step, after the Refiner may have switched models and
         before the UNet runs): keep the FP16 UNet on whatever model is current now (a cached model
-        can be switched in without ``on_model_loaded``). Cheap when nothing changed."""
+        can be switched in without ``on_model_loaded``). Cheap when nothing changed. Also one
+        sample of the job's memory timeline per step."""
         for job in self.open_jobs():
-            if job.unet is not None and job.current():
+            if not job.current():
+                continue
+            if job.unet is not None:
                 job.unet.ensure(self.host.sd_model())
+            job.tracker.sample("step")
 
     def note(self, text: str) -> None:
         with self._lock:
@@ -183,7 +187,10 @@ class Session:
         except (RuntimeError, AssertionError) as exc:
             logger.debug("device name unavailable: %s", exc)
         info = memory_info(dev)
-        payload = status_payload(info, records, job_running=running, notes=notes, device_name=name)
+        timeline = last.get("timeline") if last else None
+        payload = status_payload(
+            info, records, job_running=running, notes=notes, device_name=name, timeline=timeline
+        )
         card = self.emulated_card()
         if card is not None:
             # ``--vram-guard-emulate-vram``: capacity, resident (the checkpoint), use, the last job's
@@ -289,6 +296,7 @@ class ScriptJobs:
             device=dev,
             session=self.session,
             host=self.host,
+            total_bytes=info.total,
         )
         self.job = job
         self.session.job_opened(job)
