@@ -3,8 +3,9 @@
 Serves the accordion (gradio 3.41 Blocks + javascript/vram_guard.js + style.css) with a fake
 status route (tests/ui_demo_server.py), then checks in Chromium that the JS fills the readout from
 the route, polls while a job runs, fetches once after it ends, stays quiet when idle, sets the
-tooltips, and that "Free memory now" goes through gradio to the server and back. Takes a
-screenshot; ``VRAM_GUARD_UPDATE_DOCS=1`` also writes it to docs/vram_guard_accordion.png.
+tooltips, shows the memory timeline's SVG and lets it grow while the job runs, and that "Free
+memory now" goes through gradio to the server and back. Takes screenshots; ``VRAM_GUARD_UPDATE_DOCS=1``
+also writes them to docs/vram_guard_accordion.png and docs/vram_guard_timeline.png.
 
 Needs Debian's ``chromium`` (``apt-get install -y chromium``); skipped only when it is absent.
 """
@@ -128,8 +129,17 @@ def readout_text() -> str:
     return f"({READOUT} ? {READOUT}.innerText : '')"
 
 
-async def scenario(url: str, ws_url: str, server, shot: Path) -> None:
+TIMELINE_POINTS = (
+    f"(() => {{ const p = {READOUT} &&"
+    f" {READOUT}.querySelector('svg.vram-guard-timeline polyline.vram-guard-tl-used');"
+    " return p ? p.getAttribute('points').trim().split(' ').length : 0; })()"
+)
+"""How many points the readout's memory line has (0 without a plot)."""
+
+
+async def scenario(url: str, ws_url: str, server, shot: Path, timeline_shot: Path) -> None:
     import websockets
+    from ui_demo_server import demo_timeline
 
     state = server.state
     async with websockets.connect(ws_url, max_size=None, open_timeout=30) as ws:
@@ -146,18 +156,22 @@ async def scenario(url: str, ws_url: str, server, shot: Path) -> None:
         title = await cdp.js("document.querySelector('#vram_guard_txt2img_preset').title")
         assert title.startswith("Auto picks the preset")
 
-        # A job starts: the readout follows the route about once a second.
+        assert await cdp.js(f"{READOUT}.querySelectorAll('svg').length") == 0  # no job yet: no plot
+
+        # A job starts: the readout follows the route about once a second, the timeline grows.
         hits0 = state.hits
         state.update(
             job_running=True,
             used_gib=4.1,
             records=[{"name": "sampling", "peak_bytes": int(3.6 * GiB), "seconds": 6.2, "plan": "sdp"}],
+            timeline=demo_timeline(until=4.0),
         )
         await cdp.wait_for(
             f"{readout_text()}.includes('job running') && {readout_text()}.includes('3.60 GiB')",
             timeout=20,
             what="running job in the readout",
         )
+        first = await cdp.wait_for(TIMELINE_POINTS, timeout=20, what="the timeline's plot")
         state.update(
             records=[
                 *state.records,
@@ -167,9 +181,12 @@ async def scenario(url: str, ws_url: str, server, shot: Path) -> None:
                     "seconds": 3.1,
                     "plan": "t192 b4 fp16",
                 },
-            ]
+            ],
+            timeline=demo_timeline(until=9.0),
         )
         await cdp.wait_for(f"{readout_text()}.includes('t192 b4 fp16')", timeout=20, what="second poll")
+        grown = await cdp.wait_for(f"{TIMELINE_POINTS} > {first} && {TIMELINE_POINTS}", what="timeline grows")
+        assert grown > first
         assert state.hits - hits0 >= 2
 
         # The job ends: one more fetch brings the final stages and the idle state.
@@ -187,6 +204,7 @@ async def scenario(url: str, ws_url: str, server, shot: Path) -> None:
                 {"name": "vae_decode", "peak_bytes": int(3.3 * GiB), "seconds": 2.9, "plan": "exact t64"},
                 {"name": "postprocess", "peak_bytes": int(2.1 * GiB), "seconds": 0.2, "plan": None},
             ],
+            timeline=demo_timeline(),
         )
         await cdp.wait_for(
             f"{readout_text()}.includes('exact t64 bf16') && {readout_text()}.includes('idle')",
@@ -202,7 +220,37 @@ async def scenario(url: str, ws_url: str, server, shot: Path) -> None:
         for label in ("Sampling", "Hires upscale", "Hires encode", "Decode", "Postprocess"):
             assert label in text, label
 
-        # Screenshot of the accordion.
+        # The finished job's plot: every stage band labelled or titled, the card's total, the peak,
+        # the events, hover values; the browser parsed it as SVG (it has a bounding box).
+        plot = await cdp.js(
+            f"(() => {{ const s = {READOUT}.querySelector('svg.vram-guard-timeline');"
+            " const r = s.getBoundingClientRect();"
+            " return {ns: s.namespaceURI, w: r.width, h: r.height,"
+            " text: Array.from(s.querySelectorAll('text')).map(t => t.textContent).join('|'),"
+            " titles: Array.from(s.querySelectorAll('title')).map(t => t.textContent),"
+            " events: s.querySelectorAll('.vram-guard-tl-event').length,"
+            " state: s.parentElement.getAttribute('data-state')}; })()"
+        )
+        assert plot["ns"] == "http://www.w3.org/2000/svg" and plot["w"] > 300 and plot["h"] > 80, plot
+        assert plot["state"] == "done" and plot["events"] == 2
+        for label in ("Sampling", "Hires upscale", "Decode", "total 6.00 GiB", "peak 3.60 GiB"):
+            assert label in plot["text"], (label, plot["text"])
+        assert any(t.startswith("Hires encode:") and "exact t64 bf16" in t for t in plot["titles"])
+        assert any("out of memory" in t for t in plot["titles"])
+        assert sum("allocated" in t for t in plot["titles"]) >= 20
+
+        # Screenshots: the readout with the plot, then the accordion.
+        box = await cdp.js(
+            f"(() => {{ const r = {READOUT}.getBoundingClientRect();"
+            " return {x: r.x, y: r.y + window.scrollY, width: r.width, height: r.height}; })()"
+        )
+        plot_shot = await cdp.call(
+            "Page.captureScreenshot",
+            format="png",
+            clip={"x": box["x"], "y": box["y"], "width": box["width"], "height": box["height"], "scale": 1},
+            captureBeyondViewport=True,
+        )
+        timeline_shot.write_bytes(base64.b64decode(plot_shot["data"]))
         rect = await cdp.js(
             "(() => { const r = document.querySelector('#vram_guard_txt2img').getBoundingClientRect();"
             " return {x: r.x, y: r.y + window.scrollY, width: r.width, height: r.height}; })()"
@@ -230,16 +278,19 @@ def test_accordion_renders_and_readout_follows_the_status_route(tmp_path):
     from ui_demo_server import DemoServer
 
     shot = tmp_path / "vram_guard_accordion.png"
+    timeline_shot = tmp_path / "vram_guard_timeline.png"
     with DemoServer() as server:
         proc, port = launch_chromium(tmp_path / "profile")
         try:
             ws_url = page_ws_url(port)
-            asyncio.run(scenario(server.url, ws_url, server, shot))
+            asyncio.run(scenario(server.url, ws_url, server, shot, timeline_shot))
         finally:
             proc.kill()
             proc.wait(timeout=30)
-    data = shot.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    for path in (shot, timeline_shot):
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     if os.environ.get("VRAM_GUARD_UPDATE_DOCS") == "1":
         (ROOT / "docs").mkdir(exist_ok=True)
         shutil.copyfile(shot, ROOT / "docs" / "vram_guard_accordion.png")
+        shutil.copyfile(timeline_shot, ROOT / "docs" / "vram_guard_timeline.png")

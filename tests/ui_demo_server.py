@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:
 
 from lib_vram.core.device import MemoryInfo  # noqa: E402
 from lib_vram.core.readout import UI_STATUS_ROUTE, render_readout_html, status_payload  # noqa: E402
+from lib_vram.core.timeline import Timeline  # noqa: E402
 from lib_vram.webui.options import VRAMGuardOptions  # noqa: E402
 from lib_vram.webui.ui import build_ui  # noqa: E402
 
@@ -57,11 +58,55 @@ def demo_memory(used_gib: float = 2.0) -> MemoryInfo:
     )
 
 
+DEMO_JOB: tuple[tuple[str, float, int, float, float, str | None], ...] = (
+    # stage, seconds, samples, base GiB, swing GiB, plan (a simulated hires job on a 6 GB card)
+    ("sampling", 6.2, 20, 2.1, 1.5, "sdp"),
+    ("hires_upscale", 3.1, 24, 2.0, 0.4, "t192 b4 fp16"),
+    ("hires_encode", 1.4, 12, 2.0, 1.0, "exact t64 bf16"),
+    ("vae_decode", 2.9, 40, 2.1, 1.2, "exact t64"),
+    ("postprocess", 0.2, 2, 2.0, 0.1, None),
+)
+
+
+def demo_timeline(until: float | None = None) -> dict:
+    """The memory timeline of :data:`DEMO_JOB` (simulated numbers, fixed: a demo, not a
+    measurement) as the status route returns it, cut at ``until`` seconds while it "runs"."""
+    import math
+
+    clock = [0.0]
+    tl = Timeline(total_bytes=6 * GiB, measure="allocated", clock=lambda: clock[0])
+    tl.add(int(1.9 * GiB), int(2.2 * GiB), "start")
+    for k, (stage, secs, n, base, swing, plan) in enumerate(DEMO_JOB):
+        if until is not None and clock[0] >= until:
+            return tl.to_dict()
+        tl.begin(stage)
+        tl.add(int(base * GiB), int((base + 0.3) * GiB), "stage")
+        peak = 0
+        for i in range(n):
+            clock[0] += secs / n
+            if until is not None and clock[0] > until:
+                return tl.to_dict()
+            used = int((base + swing * (0.5 - 0.5 * math.cos(2 * math.pi * (i + 1) / max(2, n / 3)))) * GiB)
+            peak = max(peak, used)
+            tl.add(used, used + int(0.4 * GiB), "tile" if k else "step")
+            if stage == "hires_upscale" and i == n // 2:
+                tl.event("oom", "upscale: out of memory: batch -> 2")
+        tl.end(stage, plan=plan, peak_bytes=peak)
+        if stage == "sampling":
+            tl.event(
+                "release", "released memory at post sample: 620 MiB of cache returned", freed_bytes=650 << 20
+            )
+            tl.add(int(1.9 * GiB), int(2.0 * GiB), "release")
+    tl.finish()
+    return tl.to_dict()
+
+
 @dataclass
 class DemoState:
     job_running: bool = False
     records: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    timeline: dict | None = None
     used_gib: float = 2.0
     hits: int = 0
     frees: int = 0
@@ -75,6 +120,7 @@ class DemoState:
                 job_running=self.job_running,
                 notes=list(self.notes),
                 device_name="Demo GPU 6GB",
+                timeline=self.timeline,
             )
 
     def update(self, **changes) -> None:

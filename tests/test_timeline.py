@@ -1,0 +1,409 @@
+"""The memory timeline (lib_vram.core.timeline): bounded samples that keep the peak, bands, events, the
+SVG (valid XML), the status route's ``timeline`` key, and its content for jobs on the real engines
+(ldm VAE modules, a spandrel ESRGAN file) — also under an emulated card with a caused OOM."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_imagelike_rrdb, rrdb_class
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from PIL import Image
+from vae_models import ldm_decoder
+from webui_fakes import FakeHost, FakeP, fake_sd_model
+
+from lib_vram.core import emulate
+from lib_vram.core import readout as R
+from lib_vram.core.timeline import Timeline, render_svg
+from lib_vram.core.tracker import StageTracker
+from lib_vram.planning import planner
+from lib_vram.webui import STATUS_ROUTE, ScriptJobs, Session, mount_routes
+from lib_vram.webui.options import VRAMGuardOptions
+
+GiB = 2**30
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def svg_of(data: dict) -> ET.Element:
+    svg = render_svg(data, label=R.stage_label)
+    assert svg
+    return ET.fromstring(svg)  # valid XML, or this raises
+
+
+def titles(root: ET.Element) -> list[str]:
+    return [t.text or "" for t in root.iter(f"{SVG}title")]
+
+
+# -- bounded, peaks kept ---------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [7, 399, 400, 401, 5_000, 100_000])
+def test_points_stay_bounded_and_keep_the_peak(n):
+    clock = Clock()
+    tl = Timeline(total_bytes=8 * GiB, max_points=64, clock=clock)
+    spike = (n * 7) // 11
+    for i in range(n):
+        clock.t = i * 0.01
+        used = 5 * GiB if i == spike else GiB + (i % 97) * 2**20
+        tl.add(used, used + 2**20, "tile")
+    d = tl.to_dict()
+    pts = d["points"]
+    assert len(pts["t"]) == len(pts["used"]) == len(pts["reserved"]) <= 64
+    assert max(pts["used"]) == 5 * GiB  # the spike survives any amount of decimation
+    assert d["peak"]["bytes"] == 5 * GiB and d["peak"]["t"] == pytest.approx(spike * 0.01)
+    assert pts["t"][pts["used"].index(5 * GiB)] == pytest.approx(spike * 0.01)
+    assert pts["t"] == sorted(pts["t"])
+    assert d["samples"] == {"tile": n}
+    assert d["stride"] & (d["stride"] - 1) == 0  # a power of two
+    assert d["stride"] * 64 >= n / 2
+    # each point is the highest of the samples it stands for: never above the true maximum of
+    # its neighbourhood, never below it
+    assert all(GiB <= u <= 5 * GiB for u in pts["used"])
+
+
+def test_status_payload_size_is_bounded_for_a_long_job():
+    clock = Clock()
+    tl = Timeline(total_bytes=8 * GiB, clock=clock)
+    for k in range(200):  # more bands and events than the caps
+        tl.begin(f"stage_{k}")
+        for i in range(500):
+            clock.t += 0.001
+            tl.add(GiB + i * 2**20, 2 * GiB, "step")
+        tl.event("release", f"released at stage {k}", freed_bytes=2**20)
+        tl.end(f"stage_{k}", plan="exact t64", peak_bytes=GiB + 500 * 2**20)
+    d = tl.to_dict()
+    assert len(d["bands"]) == tl.max_bands and d["dropped"]["bands"] == 200 - tl.max_bands
+    assert len(d["events"]) == tl.max_events and d["dropped"]["events"] == 200 - tl.max_events
+    assert len(d["points"]["t"]) <= tl.max_points
+    payload = R.status_payload(_gpu(), [], job_running=True, timeline=d)
+    body = json.dumps(payload)
+    assert len(json.dumps(payload["timeline"])) < 40_000, len(json.dumps(payload["timeline"]))
+    assert len(payload["html"]) < 60_000, len(payload["html"])
+    assert len(body) < 100_000
+    assert "later stages not drawn" in payload["html"]
+
+
+def _gpu():
+    from lib_vram.core.device import MemoryInfo
+
+    return MemoryInfo(
+        device="cuda:0",
+        backend="cuda",
+        total=8 * GiB,
+        free=3 * GiB,
+        allocated=4 * GiB,
+        reserved=5 * GiB,
+        peak_allocated=6 * GiB,
+        peak_reserved=6 * GiB,
+        process_rss=2 * GiB,
+        system_total=32 * GiB,
+        system_available=20 * GiB,
+    )
+
+
+def test_invalid_bounds_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="max_points"):
+        Timeline(max_points=2)
+    with pytest.raises(ValueError, match="max_bands"):
+        Timeline(max_bands=0)
+
+
+# -- the SVG ---------------------------------------------------------------------------------------
+def _known_job() -> dict:
+    clock = Clock()
+    tl = Timeline(total_bytes=6 * GiB, measure="allocated", clock=clock)
+    for stage, n, base, plan in (("sampling", 20, 2.0, "sdp"), ("vae_decode", 30, 2.5, "exact t64")):
+        tl.begin(stage)
+        for i in range(n):
+            clock.t += 0.1
+            tl.add(int((base + 0.1 * (i % 5)) * GiB), int((base + 0.6) * GiB), "step")
+        if stage == "vae_decode":
+            tl.event("oom", "decoder: out of memory at tile 96: released, retrying at tile 64")
+        tl.end(stage, plan=plan, peak_bytes=int((base + 0.5) * GiB))
+        tl.event("release", "released memory at post sample: 512 MiB of cache returned", freed_bytes=2**29)
+    tl.finish()
+    return tl.to_dict()
+
+
+def test_svg_is_valid_xml_with_labelled_bands_total_peak_events_and_hover_values():
+    d = _known_job()
+    root = svg_of(d)
+    assert root.tag == f"{SVG}svg" and root.get("viewBox")
+    text = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
+    assert "Sampling" in text and "Decode" in text  # bands labelled with the readout's names
+    assert "total 6.00 GiB" in text  # the card's total line
+    assert "peak 2.90 GiB" in text
+    tips = titles(root)
+    assert any(t.startswith("Decode:") and "plan exact t64" in t for t in tips)
+    assert any("out of memory" in t and "tile 96" in t for t in tips)
+    assert any("released memory" in t for t in tips)
+    hover = [t for t in tips if "allocated" in t and "reserved" in t]
+    assert 10 <= len(hover) <= 64  # values on hover, per column
+    classes = {e.get("class") for e in root.iter()}
+    assert {"vram-guard-tl-used", "vram-guard-tl-reserved", "vram-guard-tl-peak"} <= classes
+    lines = [
+        e for e in root.iter(f"{SVG}line") if e.get("stroke") == "#dc2626" and e.get("y1") == e.get("y2")
+    ]
+    assert lines, "no total line"
+
+
+def test_svg_escapes_names_and_draws_nothing_without_points():
+    clock = Clock()
+    tl = Timeline(total_bytes=GiB, clock=clock)
+    assert render_svg(tl.to_dict()) == ""
+    tl.begin('<script>alert("x")</script>')
+    clock.t = 1.0
+    tl.add(2**20)
+    tl.end('<script>alert("x")</script>', plan="a & b <c>")
+    svg = render_svg(tl.to_dict())
+    assert "<script>" not in svg
+    ET.fromstring(svg)
+
+
+def test_readout_html_embeds_the_plot_and_payload_carries_the_key():
+    d = _known_job()
+    payload = R.status_payload(_gpu(), [], job_running=False, timeline=d)
+    assert payload["timeline"]["bands"][0]["stage"] == "sampling"
+    assert '<svg class="vram-guard-timeline"' in payload["html"]
+    # the readout's HTML around it stays parseable, the SVG inside is XML
+    start = payload["html"].index("<svg")
+    end = payload["html"].index("</svg>") + len("</svg>")
+    ET.fromstring(payload["html"][start:end])
+    assert R.status_payload(_gpu(), [], job_running=False)["timeline"] is None
+    assert "<svg" not in R.status_payload(_gpu(), [], job_running=False)["html"]
+
+
+# -- the real engines ------------------------------------------------------------------------------
+def test_tiled_decode_samples_once_per_tile_step_inside_its_band():
+    from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode
+
+    dec = ldm_decoder()
+    z = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(1))
+    tl = Timeline(total_bytes=GiB)
+    tracker = StageTracker("cpu", timeline=tl)
+    ticks: list[int] = []
+    rep = VAEReport()
+    tiled_decode(
+        dec,
+        z,
+        config=TiledVAEConfig(mode="exact", tile=16),
+        tracker=tracker,
+        report=rep,
+        progress=lambda done, total: ticks.append(done),
+    )
+    d = tl.to_dict()
+    assert rep.tiles == 4 and len(ticks) >= 4
+    assert d["samples"]["tile"] == len(ticks)  # one sample per tile step, no more, no fewer
+    assert d["samples"]["stage"] == 2  # the band's start and end
+    (band,) = d["bands"]
+    assert band["stage"] == "vae_decode" and band["plan"].startswith("exact t16")
+    assert band["samples"] == len(ticks) + 2 and band["ok"]
+    assert band["t0"] <= d["points"]["t"][0] and d["points"]["t"][-1] <= band["t1"]
+    assert d["measure"] == "rss" and d["events"] == []
+
+
+@pytest.fixture(scope="module")
+def esrgan_file(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    net = make_imagelike_rrdb(rrdb_class()(in_nc=3, out_nc=3, num_filters=8, num_blocks=1, scale=4))
+    path = tmp_path_factory.mktemp("esrgan") / "tiny-esrgan.safetensors"
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
+    return str(path)
+
+
+def test_upscale_samples_once_per_batch_of_tiles(esrgan_file):
+    from lib_vram.upscale import UpscaleConfig, UpscaleReport, load_model, upscale_tensor
+
+    desc = load_model(esrgan_file, device="cpu")
+    x = torch.rand(1, 3, 40, 56, generator=torch.Generator().manual_seed(3))
+    for batch in (1, 2):
+        tl = Timeline(total_bytes=GiB)
+        tracker = StageTracker("cpu", timeline=tl)
+        rep = UpscaleReport()
+        calls: list[int] = []
+        upscale_tensor(
+            desc,
+            x,
+            config=UpscaleConfig(tile=16, batch=batch),
+            tracker=tracker,
+            report=rep,
+            progress=lambda done, total, calls=calls: calls.append(done),
+            memory=planner.PlanMemory(),
+        )
+        d = tl.to_dict()
+        assert rep.tiles_total == 12 and len(calls) == -(-12 // batch)
+        assert d["samples"]["tile"] == len(calls)
+        (band,) = d["bands"]
+        assert band["stage"] == "upscale" and "16" in band["plan"] and band["samples"] == len(calls) + 2
+
+
+# -- a WebUI job: bands in pipeline order, one sample per step, release events ---------------------
+STEPS = 5
+
+
+class UpscalerESRGAN:
+    """Host-state fake: the WebUI object whose ``do_upscale`` VRAM Guard replaces during a job."""
+
+    def do_upscale(self, img, selected_model):  # pragma: no cover - replaced by the patch
+        return img
+
+
+def _hires_job(
+    esrgan_file: str, *, routes: bool = False, card: emulate.EmulatedCard | None = None, upscale: bool = True
+):
+    """A txt2img job with hires fix as the WebUI runs it (host-api §3): sampling steps (the
+    ``on_cfg_denoiser`` callback), the first-pass decode, the hires upscale (ESRGAN file), the
+    re-encode, the hires steps, the final decode. Real ldm VAE modules and spandrel model."""
+    planner.MEMORY.clear()
+    model = fake_sd_model()
+    host = FakeHost(model)
+    scaler = UpscalerESRGAN()
+    host.scalers = [scaler]
+    session = Session(host=host)
+    client = None
+    if routes:
+        app = FastAPI()
+        mount_routes(app, session)
+        client = TestClient(app)
+    jobs = ScriptJobs(session, kind="txt2img")
+    p = FakeP(enable_hr=True)
+    o = VRAMGuardOptions(
+        enabled=True,
+        release_between_stages=True,
+        vae_tiling="Always",
+        vae_tile=16,
+        upscale_tiling=True,
+        upscale_tile=32,
+    )
+    dec, enc = model.first_stage_model.decoder, model.first_stage_model.encoder
+    z1 = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1))
+    z2 = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(2))
+    seen: dict = {}
+    ctx = card if card is not None else _null()
+    with ctx, torch.no_grad():
+        jobs.setup(p, o)
+        job = jobs.process(p, o)
+        jobs.before_sampling(p)
+        for _ in range(STEPS):
+            session.sampling_step()
+        if client is not None:
+            seen["running"] = client.get(STATUS_ROUTE).json()
+        dec(z1)  # the first-pass decode (hires fix decodes before upscaling)
+        jobs.before_hr(p)
+        img = Image.fromarray(
+            (torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(4)) * 255).byte().numpy()
+        )
+        if upscale:
+            img = scaler.do_upscale(img, esrgan_file)
+        p.is_hr_pass = True
+        x = torch.from_numpy(np.array(img.resize((64, 64)))).permute(2, 0, 1)[None].float() / 127.5 - 1
+        enc(x)
+        jobs.before_sampling(p)
+        for _ in range(STEPS):
+            session.sampling_step()
+        jobs.post_sample(p)
+        dec(z2)
+        jobs.postprocess_batch(p)
+        jobs.postprocess(p)
+        p.close()
+    if client is not None:
+        seen["done"] = client.get(STATUS_ROUTE).json()
+    return session, job, seen
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_hires_job_timeline_has_the_stages_in_order_steps_tiles_and_releases(esrgan_file):
+    session, job, seen = _hires_job(esrgan_file, routes=True)
+    d = session.last["timeline"]
+    assert [b["stage"] for b in d["bands"]] == [
+        "sampling",
+        "hires_decode",
+        "hires_upscale",
+        "hires_encode",
+        "hires_sampling",
+        "decode",
+        "postprocess",
+    ]
+    assert d["samples"]["step"] == 2 * STEPS  # one per sampling step
+    assert d["samples"]["start"] == 1
+    bands = {b["stage"]: b for b in d["bands"]}
+    assert bands["sampling"]["samples"] == STEPS + 2 and bands["hires_sampling"]["samples"] == STEPS + 2
+    for name in ("hires_decode", "hires_upscale", "hires_encode", "decode"):
+        b = bands[name]
+        assert b["plan"] and b["ok"] and b["peak_bytes"] > 0
+        assert b["samples"] > 4, b  # several tiles, each sampled (plus the nested engine stage)
+    assert bands["decode"]["plan"].startswith("exact t16")
+    # bands follow each other in time; the job's end closes the axis
+    for a, b in zip(d["bands"], d["bands"][1:]):
+        assert a["t1"] <= b["t0"]
+    assert d["running"] is False and d["seconds"] >= d["bands"][-1]["t1"]
+    # a release event at every boundary the settings release at, in order
+    order = ["process", "before_hr", "post_sample", "postprocess_batch", "job_end"]
+    want = [b for b in order if b in job.settings.release_at]
+    assert want, job.settings.release_at
+    assert [e["at"] for e in d["events"] if e["kind"] == "release"] == want
+    assert not [e for e in d["events"] if e["kind"] == "oom"]
+    # the status route: the key while the job runs (growing), and after it
+    running = seen["running"]
+    assert running["job_running"] is True and running["timeline"]["running"] is True
+    assert running["timeline"]["samples"]["step"] == STEPS
+    assert "vram-guard-timeline" in running["html"]
+    done = seen["done"]
+    assert done["job_running"] is False and done["timeline"]["bands"] == d["bands"]
+    assert len(done["timeline"]["points"]["t"]) > len(running["timeline"]["points"]["t"])
+    ET.fromstring(done["html"][done["html"].index("<svg") : done["html"].index("</svg>") + 6])
+
+
+def test_emulated_card_timeline_records_the_caused_oom_inside_its_stage(esrgan_file):
+    """The job on an emulated card, the card's out-of-memory error caused in the middle of the final
+    decode's allocations: the timeline measures the card, shows its capacity, and marks the OOM."""
+    big = 2**34
+    ref = emulate.EmulatedCard(big)
+    _hires_job(esrgan_file, card=ref, upscale=False)  # a dry run (warms the engines up)
+    ref = emulate.EmulatedCard(big)
+    counts: dict = {}
+    orig = ScriptJobs.post_sample
+
+    def mark(self, p):
+        counts["post_sample"] = ref.allocations
+        return orig(self, p)
+
+    ScriptJobs.post_sample = mark
+    try:
+        session, job, _ = _hires_job(esrgan_file, card=ref, upscale=False)
+    finally:
+        ScriptJobs.post_sample = orig
+    first, last = counts["post_sample"] + 1, ref.allocations
+    card = emulate.EmulatedCard(big, inject_oom_at=(first + last) // 2)
+    session, job, _ = _hires_job(esrgan_file, card=card, upscale=False)
+    assert card.injected and card.ooms == 1
+    d = session.last["timeline"]
+    assert d["measure"] == "emulated" and d["total_bytes"] == big
+    ooms = [e for e in d["events"] if e["kind"] == "oom"]
+    assert len(ooms) == 1, d["events"]
+    decode = next(b for b in d["bands"] if b["stage"] == "decode")
+    assert decode["t0"] <= ooms[0]["t"] <= decode["t1"]
+    assert "out of memory" in ooms[0]["text"] and decode["ok"] and "after OOM" in decode["plan"]
+    tips = titles(svg_of(d))
+    assert any("out of memory" in t for t in tips)
+    assert max(d["points"]["used"]) <= big
