@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MAX_POINTS = 400
-DEFAULT_MAX_BANDS = 48
-DEFAULT_MAX_EVENTS = 48
+DEFAULT_MAX_BANDS = 40
+DEFAULT_MAX_EVENTS = 32
+TEXT_CAP = 160
+"""Longest event text, stage error or plan kept (characters): the payload stays bounded."""
 
 SAMPLE_KINDS = ("tile", "step", "stage", "release", "timer", "start")
 """Why a sample was taken: an engine's tile step, a sampling step, a stage boundary, after a
@@ -188,7 +190,7 @@ class Timeline:
             if len(self._bands) >= self.max_bands:
                 self._dropped["bands"] += 1
                 return
-            band = _Band(stage=stage, t0=self.now(), thread=thread)
+            band = _Band(stage=str(stage)[:64], t0=self.now(), thread=thread)
             self._bands.append(band)
             self._open[id(band)] = band
 
@@ -206,9 +208,10 @@ class Timeline:
         """The innermost open band of ``stage`` (in ``thread``) ends."""
         with self._lock:
             for band in reversed(self._bands):
-                if band.stage == stage and band.t1 is None and band.thread == thread:
+                if band.stage == str(stage)[:64] and band.t1 is None and band.thread == thread:
                     band.t1 = self.now()
-                    band.plan, band.ok, band.error = plan, ok, error
+                    band.plan = None if plan is None else str(plan)[:TEXT_CAP]
+                    band.ok, band.error = ok, None if error is None else str(error)[:TEXT_CAP]
                     band.peak_bytes, band.exact = peak_bytes, exact
                     self._open.pop(id(band), None)
                     return
@@ -219,7 +222,7 @@ class Timeline:
             if len(self._events) >= self.max_events:
                 self._dropped["events"] += 1
                 return
-            self._events.append(_Event(self.now(), kind, str(text)[:300], dict(data)))
+            self._events.append(_Event(self.now(), str(kind)[:32], str(text)[:TEXT_CAP], dict(data)))
 
     def finish(self) -> None:
         """The job ended: the plot's time axis stops here."""
