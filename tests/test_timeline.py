@@ -408,3 +408,17 @@ def test_emulated_card_timeline_records_the_caused_oom_inside_its_stage(esrgan_f
     tips = titles(svg_of(d))
     assert any("out of memory" in t for t in tips)
     assert max(d["points"]["used"]) <= big
+
+
+def test_the_readmes_library_example_runs():
+    """README, *Memory timeline*: a Timeline on a StageTracker handed to an engine, then its SVG."""
+    from lib_vram.vae import TiledVAEConfig, tiled_decode
+
+    dec = ldm_decoder()
+    z = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(5))
+    tracker = StageTracker("cpu", timeline=Timeline(total_bytes=6 * 2**30))
+    with torch.no_grad():
+        tiled_decode(dec, z, config=TiledVAEConfig(mode="auto"), tracker=tracker)
+    d = tracker.timeline.to_dict()
+    assert [b["stage"] for b in d["bands"]] == ["vae_decode"] and d["bands"][0]["plan"]
+    ET.fromstring(render_svg(d))
