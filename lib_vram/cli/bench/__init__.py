@@ -23,6 +23,7 @@ TARGETS: dict[str, str] = {
     "vae-estimate": "lib_vram.cli.bench.vae_estimate",
     "emulate": "lib_vram.cli.bench.emulate",
     "gpu": "lib_vram.cli.bench.gpu",
+    "timeline": "lib_vram.cli.bench.timeline",
 }
 
 
