@@ -422,3 +422,14 @@ def test_the_readmes_library_example_runs():
     d = tracker.timeline.to_dict()
     assert [b["stage"] for b in d["bands"]] == ["vae_decode"] and d["bands"][0]["plan"]
     ET.fromstring(render_svg(d))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"), [(["--device", "banana"], "not a device name"), (["--reps", "0"], "--reps")]
+)
+def test_bench_timeline_refuses_bad_arguments_in_one_line(capsys, argv, message):
+    from lib_vram.cli import main
+
+    assert main(["bench", "timeline", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1

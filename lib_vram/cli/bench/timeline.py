@@ -102,11 +102,12 @@ def _sample_cost(device: str, with_timeline: bool, n: int = 20_000) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from lib_vram.cli.common import UsageError
     from lib_vram.core.timeline import Timeline
     from lib_vram.core.tracker import StageTracker
 
     if args.reps < 1:
-        raise SystemExit("bench timeline: `--reps` must be >= 1")
+        raise UsageError(f"`--reps` must be >= 1, got {args.reps}")
     device = args.device
     # CPU: the process's CPU time (all threads), which other processes on a shared machine disturb
     # far less than wall time; CUDA: wall time after a synchronize
