@@ -433,3 +433,34 @@ def test_bench_timeline_refuses_bad_arguments_in_one_line(capsys, argv, message)
     assert main(["bench", "timeline", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_extras_job_has_its_upscale_band_and_the_extras_readout_draws_it(esrgan_file):
+    """Extras: the job that routes the Upscale operation's upscaler records the same timeline, and
+    the Extras section's readout (the same payload) shows the plot."""
+
+    class PostprocessedImage:  # Extras' scripts_postprocessing.PostprocessedImage (host state)
+        def __init__(self, image):
+            self.image = image
+            self.info: dict = {}
+
+    planner.MEMORY.clear()
+    host = FakeHost(fake_sd_model())
+    scaler = UpscalerESRGAN()
+    host.scalers = [scaler]
+    session = Session(host=host)
+    jobs = ScriptJobs(session, kind="extras")
+    img = Image.fromarray(
+        (torch.rand(40, 48, 3, generator=torch.Generator().manual_seed(6)) * 255).byte().numpy()
+    )
+    pp = PostprocessedImage(img)
+    jobs.extras(pp, VRAMGuardOptions(enabled=True, upscale_tiling=True, upscale_tile=32, upscale_batch=1))
+    out = scaler.do_upscale(img, esrgan_file)
+    jobs.close()
+    assert out.size == (192, 160)
+    d = session.last["timeline"]
+    (band,) = d["bands"]
+    assert band["stage"] == "upscale" and band["plan"] and band["ok"]
+    assert d["samples"]["tile"] == 4  # 40x48 in 32 px tiles, one per batch of 1
+    html = R.render_readout_html(session.status(), tab="extras")
+    assert "vram-guard-timeline" in html and "Upscale (Extras)" in html
