@@ -278,9 +278,9 @@ def _stage_at(bands: list[_Band], t: float) -> str | None:
 
 
 # -- SVG ---------------------------------------------------------------------------------------
-W, H = 640, 190
+W, H = 480, 170
 """The SVG's viewBox (it scales to the readout's width)."""
-_PAD_L, _PAD_R, _PAD_T, _PAD_B = 54, 10, 18, 20
+_PAD_L, _PAD_R, _PAD_T, _PAD_B = 50, 8, 16, 22
 COLUMNS = 64
 """Hover columns: each carries a ``<title>`` with the highest values in its time range."""
 EVENT_LABELS = {"release": "released memory", "oom": "out of memory"}
@@ -311,10 +311,30 @@ def _nice_step(span: float, n: int) -> float:
     return 10 * mag
 
 
-def _byte_ticks(y_max: float) -> tuple[float, float, str]:
-    """(step in bytes, unit in bytes, unit name) for the y axis."""
-    unit, name = (2**30, "GiB") if y_max >= 2**30 else (2**20, "MiB") if y_max >= 2**20 else (1024, "KiB")
-    return _nice_step(y_max / unit, 4) * unit, unit, name
+def _byte_ticks(span: float, top: float) -> tuple[float, float, str]:
+    """(step in bytes, unit in bytes, unit name) for a y axis of ``span`` bytes reaching ``top``:
+    round steps in the unit the labels use."""
+    unit, name = (2**30, "GiB") if top >= 2**30 else (2**20, "MiB") if top >= 2**20 else (1024, "KiB")
+    return _nice_step(span / unit, 4) * unit, unit, name
+
+
+def _y_range(data: Mapping[str, Any]) -> tuple[float, float, bool]:
+    """(bottom, top, whether the card's total is drawn) of the plot's y axis: from 0 to the total
+    when the job came within 30 % of it; otherwise zoomed onto the range the job used."""
+    pts = data.get("points") or {}
+    used = list(pts.get("used") or []) or [0]
+    res = [v for v in (pts.get("reserved") or []) if v]
+    band_peaks = [int(b["peak_bytes"]) for b in (data.get("bands") or []) if b.get("peak_bytes")]
+    top = max([*used, *res, *band_peaks, 1])
+    total = data.get("total_bytes") or 0
+    if total and top >= 0.3 * total:
+        return 0.0, max(top, total) * 1.05, True
+    low = min(used)
+    span = max(top - low, top * 0.05, 1.0)
+    y_max = top + 0.25 * span
+    bottom = max(0.0, low - 0.25 * span)
+    step = _byte_ticks(y_max - bottom, y_max)[0]
+    return math.floor(bottom / step) * step, y_max, False
 
 
 MEASURE_WORDS = {
@@ -341,18 +361,7 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
     measure = str(data.get("measure") or "allocated")
     used_word, res_word = MEASURE_WORDS.get(measure, (measure, "reserved"))
     t_end = max(float(data.get("seconds") or 0.0), ts[-1], 1e-3)
-    band_peaks = [int(b["peak_bytes"]) for b in bands if b.get("peak_bytes")]
-    top = max([*used, *(res or []), *band_peaks, 1])
-    total_on_scale = bool(total) and top >= 0.3 * total
-    if total_on_scale:
-        y_lo, y_max = 0.0, max(top, total) * 1.05
-    else:
-        # far below the total (CPU RAM, a big card): zoom onto the range the job used
-        low = min(used)
-        span = max(top - low, top * 0.05, 1.0)
-        y_max = top + 0.25 * span
-        step = _byte_ticks(y_max - max(0.0, low - 0.25 * span))[0]
-        y_lo = max(0.0, math.floor(max(0.0, low - 0.25 * span) / step) * step)
+    y_lo, y_max, total_on_scale = _y_range(data)
     x0, x1 = _PAD_L, W - _PAD_R
     y0, y1 = _PAD_T, H - _PAD_B
 
@@ -364,7 +373,7 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
 
     out = [
         f'<svg class="vram-guard-timeline" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" '
-        f'width="100%" role="img" aria-label="memory timeline" font-size="10" '
+        f'width="100%" role="img" aria-label="memory timeline" font-size="12" '
         f'font-family="sans-serif">',
         f"<title>Memory over the job ({_e(used_word)}), {t_end:.1f} s</title>",
     ]
@@ -404,7 +413,7 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
                 f'<line class="vram-guard-tl-bandpeak" x1="{bx0:.1f}" x2="{bx1:.1f}" y1="{yp:.1f}" '
                 f'y2="{yp:.1f}" stroke="{fill}" stroke-dasharray="3 2" stroke-width="1"/>'
             )
-        text = name if (bx1 - bx0) >= 6.0 * len(name) else (name[:1] if bx1 - bx0 >= 8 else "")
+        text = name if (bx1 - bx0) >= 6.8 * len(name) + 2 else ""  # narrow: its <title> only
         if text:
             ty = y0 - 5 if lane == 0 else y0 + 10 * lane
             out.append(
@@ -413,7 +422,7 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
             )
         out.append("</g>")
     # axes: y ticks in bytes, x ticks in seconds
-    ystep, unit, unit_name = _byte_ticks(y_max - y_lo)
+    ystep, unit, unit_name = _byte_ticks(y_max - y_lo, y_max)
     for i in range(int((y_max - y_lo) // ystep) + 1):
         k = y_lo + i * ystep
         yy = Y(k)
@@ -430,20 +439,14 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
             f'fill-opacity="0.7">{k:g} s</text>'
         )
     # the card's total
-    if total:
-        if total_on_scale:
-            yt = Y(total)
-            out.append(
-                f'<g class="vram-guard-tl-total"><title>card total {_e(_fmt(total))}</title>'
-                f'<line x1="{x0}" x2="{x1}" y1="{yt:.1f}" y2="{yt:.1f}" stroke="#dc2626" '
-                f'stroke-width="1.5"/><text x="{x1 - 2}" y="{yt + 11:.1f}" text-anchor="end" '
-                f'fill="#dc2626">total {_e(_fmt(total))}</text></g>'
-            )
-        else:
-            out.append(
-                f'<text class="vram-guard-tl-total" x="{x0 + 4}" y="{y0 + 10}" fill="#dc2626">'
-                f"total {_e(_fmt(total))} (above the plot)</text>"
-            )
+    if total and total_on_scale:  # (off the scale: the legend says where it is)
+        yt = Y(total)
+        out.append(
+            f'<g class="vram-guard-tl-total"><title>card total {_e(_fmt(total))}</title>'
+            f'<line x1="{x0}" x2="{x1}" y1="{yt:.1f}" y2="{yt:.1f}" stroke="#dc2626" '
+            f'stroke-width="1.5"/><text x="{x1 - 2}" y="{yt + 12:.1f}" text-anchor="end" '
+            f'fill="#dc2626">total {_e(_fmt(total))}</text></g>'
+        )
     # the memory line(s)
     if res is not None and len(res) == len(ts):
         line = " ".join(f"{X(t):.1f},{Y(v):.1f}" for t, v in zip(ts, res, strict=True))
@@ -467,7 +470,7 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
             f'<g class="vram-guard-tl-event" data-kind="{_e(kind)}"><title>{_e(tip)}</title>'
             f'<line x1="{ex:.1f}" x2="{ex:.1f}" y1="{y0}" y2="{y1}" stroke="{color}" stroke-width="1" '
             f'stroke-dasharray="2 2"/><circle cx="{ex:.1f}" cy="{y0 + 6}" r="5" fill="{color}"/>'
-            f'<text x="{ex:.1f}" y="{y0 + 9}" text-anchor="middle" fill="#fff" font-size="8">{glyph}</text>'
+            f'<text x="{ex:.1f}" y="{y0 + 9}" text-anchor="middle" fill="#fff" font-size="9">{glyph}</text>'
             "</g>"
         )
     # the peak: the highest sample, and a band's recorded peak where that is higher
@@ -535,6 +538,9 @@ def legend_html(data: Mapping[str, Any]) -> str:
     parts = [f"solid: {used_word}"]
     if pts.get("reserved") and res_word:
         parts.append(f"dashed: {res_word}")
+    total = data.get("total_bytes")
+    if total and pts.get("t") and not _y_range(data)[2]:
+        parts.append(f"total {_fmt(total)}: far above the plot")
     n = sum(int(v) for v in (data.get("samples") or {}).values())
     parts.append(f"{n} samples, {len(pts.get('t') or [])} points")
     dropped = data.get("dropped") or {}

@@ -12,8 +12,8 @@ hardest case for sampling) and a tiled upscale of a spandrel ESRGAN ``RRDBNet`` 
 
 On the CPU the times are the process's CPU time (all threads; a shared machine disturbs it far
 less than wall time), on CUDA wall time after a synchronize. Both are noisy; the table also gives
-the cost of one sample measured alone (``tracker.sample()`` with and without a timeline, 20 000
-calls) and the overhead it implies: samples x extra cost per sample / job time.
+the cost of one sample measured alone (``tracker.sample()`` with and without a timeline: the fastest
+of 10 rounds of 2000 calls) and the overhead it implies: samples x extra cost per sample / job time.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller jobs (under a minute)")
     parser.add_argument("--json", action="store_true", help="print one JSON record per job")
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 = least noise)"
+    )
 
 
 def _decoder(ch: int):
@@ -86,17 +89,21 @@ def _jobs(quick: bool, device: str, tmp: str) -> list[tuple[str, object]]:
     ]
 
 
-def _sample_cost(device: str, with_timeline: bool, n: int = 20_000) -> float:
-    """Seconds per ``tracker.sample()`` inside an open stage."""
+def _sample_cost(device: str, with_timeline: bool, n: int = 2_000, rounds: int = 10) -> float:
+    """Seconds per ``tracker.sample()`` inside an open stage: the fastest of ``rounds`` rounds of
+    ``n`` calls (the least disturbed by other processes)."""
     from lib_vram.core.timeline import Timeline
     from lib_vram.core.tracker import StageTracker
 
     tracker = StageTracker(device, timeline=Timeline() if with_timeline else None)
+    best = float("inf")
     with tracker.stage("bench"):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            tracker.sample()
-        return (time.perf_counter() - t0) / n
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                tracker.sample()
+            best = min(best, (time.perf_counter() - t0) / n)
+    return best
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.reps < 1:
         raise UsageError(f"`--reps` must be >= 1, got {args.reps}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"`--threads` must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     device = args.device
     # CPU: the process's CPU time (all threads), which other processes on a shared machine disturb
     # far less than wall time; CUDA: wall time after a synchronize
@@ -136,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
                         samples = sum(d["samples"].values())
                         points = len(d["points"]["t"])
             med = {k: statistics.median(v) for k, v in times.items()}
+            low = {k: min(v) for k, v in times.items()}
             rows.append(
                 {
                     "job": name,
@@ -147,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
                     "timeline_s": round(med["timeline"], 4),
                     "timeline_vs_tracker_pct": round(100 * (med["timeline"] / med["tracker"] - 1), 2),
                     "timeline_vs_none_pct": round(100 * (med["timeline"] / med["none"] - 1), 2),
+                    "min_s": {k: round(v, 4) for k, v in low.items()},
+                    "min_timeline_vs_tracker_pct": round(100 * (low["timeline"] / low["tracker"] - 1), 2),
                     "samples": samples,
                     "points": points,
                 }
@@ -165,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(r))
         return 0
     what = "process CPU time" if clock == "cpu" else "wall time"
-    print(f"device {device}; {what}, medians of {args.reps} interleaved runs per variant")
+    threads = torch.get_num_threads()
+    print(f"device {device} ({threads} threads); {what}, medians of {args.reps} interleaved runs per variant")
     print()
     print("| job | none s | tracker s | timeline s | timeline vs tracker | timeline vs none | samples "
           "| points | µs/sample (tracker / +timeline) | implied by µs/sample |")  # fmt: skip
@@ -177,4 +192,9 @@ def run(args: argparse.Namespace) -> int:
             f"{r['points']} | {r['sample_us_tracker']:.1f} / {r['sample_us_timeline']:.1f} | "
             f"{r['implied_timeline_pct']:.3f} % (all sampling {r['implied_all_sampling_pct']:.3f} %) |"
         )
+    print()
+    print("fastest run per variant (s): " + "; ".join(
+        f"{r['job']}: none {r['min_s']['none']:.3f}, tracker {r['min_s']['tracker']:.3f}, timeline "
+        f"{r['min_s']['timeline']:.3f} ({r['min_timeline_vs_tracker_pct']:+.2f} %)" for r in rows
+    ))  # fmt: skip
     return 0
