@@ -146,6 +146,10 @@ def test_checkpoint_weights_are_loaded_and_bad_files_are_one_line(tmp_path, caps
     save_file({f"first_stage_model.decoder.{k}": v.contiguous() for k, v in dec.state_dict().items()}, ckpt)
     rec = _json(capsys, ["profile", "vae", "--size", "32", "--checkpoint", str(ckpt), "--json"])
     assert "vae.safetensors" in rec["description"]
+    pt = tmp_path / "vae.pt"  # a torch file of the VAE alone (keys decoder.*, encoder.*)
+    torch.save({f"decoder.{k}": v for k, v in dec.state_dict().items()}, pt)
+    rec = _json(capsys, ["profile", "vae", "--size", "32", "--checkpoint", str(pt), "--json"])
+    assert "vae.pt" in rec["description"] and rec["profile"]["ops"][0]["name"] == "aten::conv2d"
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a model")
     assert "cannot read" in _err(capsys, ["profile", "vae", "--checkpoint", str(bad)])

@@ -222,3 +222,38 @@ def test_host_writes_into_the_outputs_folder_and_registers_files_with_the_page(
     monkeypatch.setattr(shared, "demo", demo, raising=False)
     host.register_file(str(tmp_path / "mine" / FOLDER / "x.trace.json"))
     assert demo.temp_file_sets[0] == {str(tmp_path / "mine" / FOLDER / "x.trace.json")}
+
+
+def test_an_extras_upscale_is_profiled_too(tmp_path):
+    """The switch is the session's: whichever job runs next takes it, here an Extras upscale
+    through the routed WebUI upscaler (a real spandrel model loaded from a file)."""
+    import numpy as np
+    from PIL import Image
+
+    from lib_vram.cli.bench._archs import build, save_and_load
+
+    class UpscalerESRGAN:  # host-state fake of the WebUI's ESRGAN upscaler object
+        def do_upscale(self, img, selected_model):
+            return img
+
+    path = tmp_path / "rrdb.safetensors"
+    save_and_load(build("rrdb-x2"), path)
+    host = OutputsHost(fake_sd_model(), tmp_path / "outputs")
+    scaler = UpscalerESRGAN()
+    host.scalers = [scaler]
+    session = Session(host=host)
+    jobs = ScriptJobs(session, kind="extras")
+    session.toggle_profile()
+    pp = FakeP()
+    jobs.extras(pp, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tile=32))
+    img = Image.fromarray((np.random.default_rng(0).random((48, 40, 3)) * 255).astype(np.uint8), "RGB")
+    out = scaler.do_upscale(img, str(path))
+    jobs.close()
+    assert out.size == (80, 96)
+    last = session.status()["profile"]["last"]
+    assert last["kind"] == "extras"
+    [stage] = last["stages"]
+    assert stage["stage"] == "upscale" and stage["ok"]
+    assert "aten::conv2d" in [op["name"] for op in stage["top"][:3]]
+    assert Path(stage["files"]["trace"]).name.endswith("-extras-upscale.trace.json")
+    assert not profiler_running()
