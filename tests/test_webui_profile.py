@@ -257,3 +257,21 @@ def test_an_extras_upscale_is_profiled_too(tmp_path):
     assert "aten::conv2d" in [op["name"] for op in stage["top"][:3]]
     assert Path(stage["files"]["trace"]).name.endswith("-extras-upscale.trace.json")
     assert not profiler_running()
+
+
+def test_a_failing_profiler_is_a_note_and_the_job_goes_on(env, monkeypatch):
+    from lib_vram.core import profiling
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("summary exploded")
+
+    monkeypatch.setattr(profiling, "summarize", broken)
+    model, host, session, jobs = env
+    session.toggle_profile()
+    p = FakeP()
+    jobs.process(p, opts())
+    out = _decode(model)
+    jobs.postprocess(p)
+    assert torch.isfinite(out).all() and not profiler_running()
+    last = session.status()["profile"]["last"]
+    assert last["stages"] == [] and "summary exploded" in last["notes"][0]

@@ -76,10 +76,18 @@ class JobProfiler:
         try:
             yield
         except BaseException as exc:
-            prof.__exit__(type(exc), exc, exc.__traceback__)
-            self._keep(prof, name)
+            self._finish(prof, name, exc)
             raise
-        prof.__exit__(None, None, None)
+        self._finish(prof, name, None)
+
+    def _finish(self, prof: Any, name: str, exc: BaseException | None) -> None:
+        """Stop the profiler and keep its files; a failure of the profiler itself is a note (it must
+        never fail the job, nor replace the stage's own error)."""
+        try:
+            prof.__exit__(type(exc) if exc is not None else None, exc, getattr(exc, "__traceback__", None))
+        except Exception as err:
+            self.note(f"VRAM Guard profile: {name}: the profiler failed ({type(err).__name__}: {err})")
+            return
         self._keep(prof, name)
 
     def _keep(self, prof: Any, name: str) -> None:
