@@ -298,7 +298,8 @@ class StageProfiler:
         if self.device.type == "cuda" and torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
         if self.history:
-            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+            # Python frames only: symbolising C++ frames ("all") can take minutes per snapshot
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=HISTORY_ENTRIES)
             self._history_on = True
         prof = profile(activities=activities, profile_memory=True, record_shapes=self.record_shapes)
         try:

@@ -87,17 +87,20 @@ def main() -> int:
     status, res = call(base, "/sdapi/v1/txt2img", job, auth=auth)
     _, st2 = call(base, "/vram-guard/v1/status", auth=auth)
     checks["second_job_not_profiled"] = st2["profile"]["last"] == st["profile"]["last"]
-    for s in stages:
+    for s in stages:  # the shared WebUI's outputs folder: leave nothing of ours there
         for path in s["files"].values():
             if os.path.isfile(path):
                 os.remove(path)
+    folder = last.get("folder")
+    if folder and os.path.isdir(folder) and not os.listdir(folder):
+        os.rmdir(folder)
     ok = (
         checks["armed_in_readout"]
         and checks["armed_in_status"]
         and not checks["armed_after_job"]
         and stages
         and all(s["ok"] for s in stages)
-        and any(o[0] == "aten::conv2d" for s in stages for o in s["top"][:3])
+        and any(op["name"] == "aten::conv2d" for s in stages for op in s["top"][:3])
         and served
         and all(c == 200 for c in served.values())
         and checks["link_in_html"]
