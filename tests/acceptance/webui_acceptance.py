@@ -30,6 +30,13 @@ Emulated card (``--vram-guard-emulate-vram``), two more phases:
 * ``emulate`` — the same WebUI started with a card between those peaks (``emulate-ref`` prints one):
   each job with the accordion off (the plain WebUI: must end with an out-of-memory error) and on
   (must complete and match the uncapped plain result: PSNR, peak/cap, plan, time).
+
+Both emulate phases set the WebUI's own ESRGAN tile (Settings → Upscaling) to ``--esrgan-tile``
+(default 0: untiled, the reference picture; the default 192 cuts a smaller image from a black-padded
+tile) and put the previous value back. With ``--stage-dump DIR`` and the stage probe
+(``webui_stage_probe/``, linked into ``extensions/`` and started with ``VG_STAGE_DUMP=DIR``), each
+VAE stage's input and output (first-pass decode, the hires encode whose input is the hires
+upscale's output, the final decode) is compared call by call with the uncapped plain run's.
 """
 
 from __future__ import annotations
