@@ -454,10 +454,17 @@ class ScriptJobs:
             self.close()
             self._extras_route(None)
             return None
+        previous = self.job
         job = self._open(None, options)
         if job is None:
             self._extras_route(None)
             return None
+        if job is not previous:
+            # the job start's release, as at txt2img/img2img's process(): a failed job before this
+            # one can leave its tensors on the device, held by the traceback's frames in a
+            # reference cycle (the web server's exception handling); the WebUI's torch_gc does not
+            # collect them
+            job.boundary("process")
         s = job.settings
         self._extras_route(
             (s.upscale_tile, s.upscale_batch, s.upscale_precision) if s.upscale_tiling else None
