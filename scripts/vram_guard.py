@@ -37,6 +37,7 @@ class VRAMGuardScript(scripts.Script):
             defaults=vg.defaults(),
             input_accordion=host.input_accordion(),
             on_free=SESSION.free_html,
+            on_profile=SESSION.toggle_profile_html,
         )
         self.infotext_fields = widgets.infotext_fields
         self.paste_field_names = widgets.paste_field_names

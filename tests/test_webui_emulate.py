@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.util
 import os
 import threading
@@ -531,4 +532,49 @@ def test_a_resident_weight_seen_through_a_view_is_not_counted_again():
             del y
             assert wc.card.ledger.live_bytes == 0
     finally:
+        wc.close()
+
+
+def test_an_extras_job_after_a_failed_job_starts_with_its_leftovers_collected():
+    """A failed job's tensors stay alive in its traceback's frames, which the WebUI's web server
+    (starlette/anyio, API route) keeps in a reference cycle: they stay on the device until a full
+    ``gc.collect()``, which the WebUI's ``torch_gc`` never runs (the real-WebUI acceptance saw
+    168 MiB of a failed hires job on the emulated card). The card counts them, as a GPU would hold
+    them. VRAM Guard's txt2img/img2img jobs release at their start ("process"); its Extras job did
+    not, and started on a card with that much less free memory."""
+    host = FakeHost(MODEL)
+    scaler = UpscalerESRGAN()
+    host.scalers = [scaler]
+    session = Session(host=host)
+    wc = WebUICard(4 * 2**30, host=host)  # Auto resolves to the 4GB row, as in the acceptance run
+    wc.install()
+    session.emulation = wc
+    jobs = ScriptJobs(session, kind="extras")
+    enabled = gc.isenabled()
+    gc.disable()  # a collection at a random moment would free the cycle and hide the leftover
+    try:
+        host.state.begin()  # the plain WebUI's job (accordion off): on the card
+
+        def failing_stage() -> None:
+            held = torch.ones(2**20)  # 4 MiB on the card, alive in this frame
+            raise torch.OutOfMemoryError(f"CUDA out of memory ({held.numel()})")
+
+        try:
+            failing_stage()
+        except torch.OutOfMemoryError as exc:
+            exc.cycle = exc  # what the server's exception handling leaves: the exception in a cycle
+        host.progress.finish_task("task(1)")  # the failed job leaves the card (state.end skipped)
+        leftover = wc.card.used_bytes - wc.card.resident_bytes
+        assert leftover >= 4 * 2**20
+        host.state.begin()  # VRAM Guard's Extras job (release between stages: the default)
+        p = PostprocessedImage(IMG)
+        job = jobs.extras(p, opts(upscale_tiling=True, upscale_tile=32, release_between_stages=True))
+        assert job is not None and "process" in job.settings.release_at
+        assert wc.card.used_bytes - wc.card.resident_bytes < leftover - 4 * 2**20 + 2**20
+        assert [r["at"] for r in job.releases] == ["process"]
+    finally:
+        if enabled:
+            gc.enable()
+        jobs.close()
+        host.state.end()
         wc.close()

@@ -24,6 +24,7 @@ COMMANDS: tuple[str, ...] = (
     "lib_vram.cli.plan",
     "lib_vram.cli.upscale",
     "lib_vram.cli.bench",
+    "lib_vram.cli.profile",
 )
 
 

@@ -29,6 +29,11 @@ key                 meaning
 ``notes``           list of strings (warnings, the CPU-only notice, what a release freed)
 ``timeline``        the last (or running) job's memory timeline (:mod:`lib_vram.core.timeline`,
                     :meth:`~lib_vram.core.timeline.Timeline.to_dict`; bounded), or ``null``
+``profile``         'Profile the next job' (WebUI only; absent elsewhere): ``armed``, and ``last``
+                    (``null`` or the last profiled job: ``kind``, ``folder``, ``notes`` and
+                    ``stages``, each ``stage``, ``ok``, ``error``, ``seconds``, ``peak_bytes``,
+                    ``alloc_bytes``, ``top`` operators (``name``, ``calls``, ``alloc_bytes``,
+                    ``net_bytes``) and ``files`` (``trace``, ``summary``, ``snapshot`` -> path))
 ``html``            the readout's inner HTML (what the JS puts into the page)
 =================== ==========================================================================
 """
@@ -38,6 +43,8 @@ from __future__ import annotations
 import html
 import json
 import logging
+import os
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -276,6 +283,7 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
             f"<td>{float(row.get('seconds') or 0.0):.2f} s</td></tr>"
         )
     parts.append("</tbody></table>")
+    parts.append(render_profile_section(payload.get("profile")))
     notes = payload.get("notes") or []
     if notes:
         parts.append('<ul class="vram-guard-notes">')
@@ -337,3 +345,61 @@ def placeholder_payload(memory: MemoryInfo | None = None, *, note: str | None = 
         )
     notes = [note] if note else ["No job measured yet."]
     return status_payload(memory, [], job_running=False, notes=notes)
+
+
+# -- 'Profile the next job' (lib_vram.webui.profiling) ------------------------------------------
+
+PROFILE_BUTTON = "Profile the next job"
+PROFILE_ARMED_NOTE = (
+    "Profiling armed: the next job's VRAM Guard stages run under the PyTorch profiler (slower); "
+    f"click '{PROFILE_BUTTON}' again to cancel."
+)
+PROFILE_TOP = 3
+"""Operators per stage the readout names (the status route has more)."""
+
+
+def file_url(path: str) -> str:
+    """The WebUI's route for a file (``file=<absolute path>``, relative to the page)."""
+    return "file=" + urllib.parse.quote(os.path.abspath(path), safe="/:\\")
+
+
+def _mib(n: Any) -> str:
+    return "-" if n is None else f"{int(n) / 2**20:.1f} MiB"
+
+
+def render_profile_section(state: Mapping[str, Any] | None) -> str:
+    """The payload's ``profile`` as HTML: armed, and the last profiled job's top operators per stage
+    with links to its files (through the WebUI's ``file=`` route). Empty without a profile."""
+    if not state:
+        return ""
+    parts: list[str] = []
+    if state.get("armed"):
+        parts.append(f'<div class="vram-guard-profile-armed">{_e(PROFILE_ARMED_NOTE)}</div>')
+    last = state.get("last")
+    if last:
+        parts.append('<div class="vram-guard-profile">')
+        parts.append(f"<b>Profile of the last profiled job</b> ({_e(str(last.get('kind')))})")
+        if not last.get("stages"):
+            parts.append(" — no VRAM Guard stage ran on the job's thread.")
+        parts.append("<ul>")
+        for st in last.get("stages", []):
+            tops = ", ".join(
+                f"{_e(op['name'].removeprefix('aten::'))} {_mib(op['alloc_bytes'])}"
+                + (f" ×{op['calls']}" if op.get("calls", 0) > 1 else "")
+                for op in st.get("top", [])[:PROFILE_TOP]
+            )
+            links = " ".join(
+                f'<a href="{_e(file_url(p))}" target="_blank" data-kind="{_e(k)}">{_e(k)}</a>'
+                for k, p in st.get("files", {}).items()
+            )
+            failed = "" if st.get("ok", True) else f" — failed: {_e(str(st.get('error')))}"
+            parts.append(
+                f'<li data-stage="{_e(st["stage"])}">{_e(st["stage"])}: '
+                f"{tops or 'no operator allocated memory'}; tensors at once {_mib(st.get('peak_bytes'))}"
+                f"{failed}{' — ' + links if links else ''}</li>"
+            )
+        parts.append("</ul>")
+        for note in last.get("notes", []):
+            parts.append(f'<div class="vram-guard-profile-note">{_e(note)}</div>')
+        parts.append("</div>")
+    return "".join(parts)

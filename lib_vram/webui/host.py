@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -344,3 +345,26 @@ def tiled_vae_extension_installed(paths: list[str] | None = None) -> str | None:
         if base in TILED_VAE_FOLDERS or os.path.isfile(os.path.join(path, "scripts", "tilevae.py")):
             return path
     return None
+
+
+def profiles_dir() -> Path:
+    """Where 'Profile the next job' writes: ``vram-guard-profiles/`` in the WebUI's outputs folder
+    (Settings' "Output directory for images" when set, else ``outputs/`` of the WebUI's data folder)."""
+    from modules import paths_internal, shared
+
+    from .profiling import FOLDER
+
+    base = getattr(shared.opts, "outdir_samples", "") or getattr(paths_internal, "default_output_dir", "")
+    if not base:
+        base = os.path.join(paths_internal.data_path, "outputs")
+    return Path(base) / FOLDER
+
+
+def register_file(path: str) -> None:
+    """Let the page's ``file=`` route serve ``path`` as it serves the WebUI's own images (a file
+    outside the WebUI's folder is served only once registered; the route keeps the page's login)."""
+    from modules import shared, ui_tempdir
+
+    demo = getattr(shared, "demo", None)
+    if demo is not None:
+        ui_tempdir.register_tmp_file(demo, os.path.abspath(path))

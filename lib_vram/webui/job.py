@@ -107,6 +107,8 @@ class Job:
         self.info: dict | None = None
         """Extras: the image's ``pp.info`` (the plan goes there: Extras has no ``p``)."""
         """The job's :class:`~lib_vram.webui.unet.UNetFP16` when 'FP16 UNet' is on."""
+        self.profiler: Any = None
+        """'Profile the next job': this job's :class:`~lib_vram.webui.profiling.JobProfiler`, or None."""
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -153,7 +155,7 @@ class Job:
         """A measured stage; on the job thread it ends any open span first."""
         if threading.get_ident() == self.thread:
             self.end_span()
-        with self.tracker.stage(name) as rec:
+        with self._profiled(name), self.tracker.stage(name) as rec:
             yield rec
         if rec.plan:
             self.plans[name] = rec.plan
@@ -163,6 +165,10 @@ class Job:
                     from .options import INFOTEXT_PLAN_KEY
 
                     self.info[INFOTEXT_PLAN_KEY] = text
+
+    def _profiled(self, name: str) -> contextlib.AbstractContextManager:
+        """The stage under the PyTorch profiler when this job is profiled (:mod:`.profiling`)."""
+        return self.profiler.stage(name) if self.profiler is not None else contextlib.nullcontext()
 
     def boundary(self, name: str) -> None:
         """A stage boundary: release memory there if the settings ask for it, and record it."""

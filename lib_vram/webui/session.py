@@ -22,6 +22,7 @@ import torch
 from lib_vram.core.device import capabilities, memory_info, release
 
 from .job import Job
+from .profiling import ProfileSwitch
 from .settings import resolve
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class Session:
         self._api_defaults: list[tuple[list, int, list]] = []
         self.emulation: Any = None
         """The :class:`~lib_vram.webui.emulation.WebUICard` of ``--vram-guard-emulate-vram``, or None."""
+        self.profile_switch = ProfileSwitch()
+        """'Profile the next job' (:mod:`.profiling`)."""
 
     # -- jobs --------------------------------------------------------------------------------
     def remember_api_defaults(self, values: list, start: int, saved: list) -> None:
@@ -83,6 +86,7 @@ class Session:
         with self._lock:
             self._jobs.discard(job)
             self.last = job.summary()
+        self.profile_switch.finished(job)
         self.check_dtype_vae(job)
 
     def open_jobs(self) -> list[Job]:
@@ -196,7 +200,25 @@ class Session:
             # ``--vram-guard-emulate-vram``: capacity, resident (the checkpoint), use, the last job's
             # peak (reset when each job starts), refused allocations
             payload["card"] = card.describe()
+        self._add_profile(payload)
         return payload
+
+    # -- 'Profile the next job' --------------------------------------------------------------
+    def _add_profile(self, payload: dict) -> None:
+        from lib_vram.core.readout import render_readout_body
+
+        payload["profile"] = self.profile_switch.payload()
+        payload["html"] = render_readout_body(payload)
+
+    def toggle_profile(self) -> bool:
+        """The accordion's 'Profile the next job': arm (or cancel) profiling of the next job."""
+        armed = self.profile_switch.toggle()
+        logger.info("VRAM Guard: profiling of the next job %s", "armed" if armed else "cancelled")
+        return armed
+
+    def toggle_profile_html(self) -> str:
+        self.toggle_profile()
+        return self.readout_html()
 
     def readout_html(self) -> str:
         from lib_vram.core.readout import render_readout_html
@@ -300,6 +322,7 @@ class ScriptJobs:
         )
         self.job = job
         self.session.job_opened(job)
+        self.session.profile_switch.attach(job, self.host)
         if getattr(options, "unet_fp16", False) and self.kind != "extras":
             from .unet import UNetFP16
 
@@ -439,10 +462,17 @@ class ScriptJobs:
             self.close()
             self._extras_route(None)
             return None
+        previous = self.job
         job = self._open(None, options)
         if job is None:
             self._extras_route(None)
             return None
+        if job is not previous:
+            # the job start's release, as at txt2img/img2img's process(): a failed job before this
+            # one can leave its tensors on the device, held by the traceback's frames in a
+            # reference cycle (the web server's exception handling); the WebUI's torch_gc does not
+            # collect them
+            job.boundary("process")
         s = job.settings
         self._extras_route(
             (s.upscale_tile, s.upscale_batch, s.upscale_precision) if s.upscale_tiling else None

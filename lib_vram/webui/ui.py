@@ -20,7 +20,7 @@ from typing import Any
 
 import gradio as gr
 
-from lib_vram.core.readout import placeholder_payload, render_readout_html
+from lib_vram.core.readout import PROFILE_BUTTON, placeholder_payload, render_readout_html
 
 from .options import (
     API_ARG_ORDER,
@@ -32,6 +32,7 @@ from .options import (
     extras_options,
     infotext_getter,
 )
+from .profiling import BUTTON_TOOLTIP
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class UIWidgets:
     """``(component, f(params) -> value | None)`` pairs for ``Script.infotext_fields``."""
     preset: Any
     paste_field_names: list[str] = field(default_factory=lambda: [INFOTEXT_KEY])
+    profile_button: Any = None
+    """'Profile the next job' (not an input: never in presets, the infotext or the API)."""
 
 
 @dataclass
@@ -154,6 +157,7 @@ def build_ui(
     on_free: Callable[[], str] | None = None,
     preset_values: Callable[[str], Mapping[str, Any] | None] | None = None,
     initial_readout: str | None = None,
+    on_profile: Callable[[], str] | None = None,
 ) -> UIWidgets:
     """Build the "VRAM Guard" accordion inside the current gradio Blocks context.
 
@@ -167,6 +171,8 @@ def build_ui(
         preset_values: ``f(preset_name) -> {field: value}`` shown when a preset is chosen (e.g.
             the planner's resolution); ``None``: controls go back to Auto (follow the preset).
         initial_readout: the readout's first HTML (``None``: a placeholder until the JS polls).
+        on_profile: called by "Profile the next job" (arms or cancels profiling of the next job);
+            returns the readout HTML to show. ``None`` leaves the button unwired.
     """
     if tab not in TABS:
         raise ValueError(f"`tab` must be one of {TABS}, got {tab!r}")
@@ -194,13 +200,15 @@ def build_ui(
                             FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
                         )
             free_id = elem_id(elem_prefix, tab, "free")
+            profile_id = elem_id(elem_prefix, tab, "profile")
             tips = tooltips_for(
                 controls,
                 {
                     free_id: (
                         "Free memory now",
                         "Collect garbage and return cached GPU memory to the driver now.",
-                    )
+                    ),
+                    **profile_tooltip(profile_id),
                 },
             )
             readout = gr.HTML(
@@ -212,6 +220,7 @@ def build_ui(
                 free_button = gr.Button(
                     value="Free memory now", elem_id=free_id, variant="secondary", size="sm"
                 )
+                profile_button = profile_button_component(profile_id)
     inputs = [controls[name] for name in API_ARG_ORDER]
     targets = [controls[name] for name in PRESET_TARGETS]
     controls["preset"].change(
@@ -222,6 +231,8 @@ def build_ui(
     )
     if on_free is not None:
         free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress="hidden")
+    if on_profile is not None:
+        profile_button.click(fn=on_profile, inputs=[], outputs=[readout], show_progress="hidden")
     infotext = [(controls[name], infotext_getter(name)) for name in API_ARG_ORDER]
     return UIWidgets(
         inputs=inputs,
@@ -230,7 +241,17 @@ def build_ui(
         free_button=free_button,
         infotext_fields=infotext,
         preset=controls["preset"],
+        profile_button=profile_button,
     )
+
+
+def profile_tooltip(eid: str) -> dict[str, tuple[str, str]]:
+    return {eid: (PROFILE_BUTTON, BUTTON_TOOLTIP)}
+
+
+def profile_button_component(eid: str) -> Any:
+    """The accordion's 'Profile the next job' button (:mod:`lib_vram.webui.profiling`)."""
+    return gr.Button(value=PROFILE_BUTTON, elem_id=eid, variant="secondary", size="sm")
 
 
 def preset_changed(

@@ -30,6 +30,13 @@ Emulated card (``--vram-guard-emulate-vram``), two more phases:
 * ``emulate`` — the same WebUI started with a card between those peaks (``emulate-ref`` prints one):
   each job with the accordion off (the plain WebUI: must end with an out-of-memory error) and on
   (must complete and match the uncapped plain result: PSNR, peak/cap, plan, time).
+
+Both emulate phases set the WebUI's own ESRGAN tile (Settings → Upscaling) to ``--esrgan-tile``
+(default 0: untiled, the reference picture; the default 192 cuts a smaller image from a black-padded
+tile) and put the previous value back. With ``--stage-dump DIR`` and the stage probe
+(``webui_stage_probe/``, linked into ``extensions/`` and started with ``VG_STAGE_DUMP=DIR``), each
+VAE stage's input and output (first-pass decode, the hires encode whose input is the hires
+upscale's output, the final decode) is compared call by call with the uncapped plain run's.
 """
 
 from __future__ import annotations
@@ -179,6 +186,12 @@ def main() -> int:
     ap.add_argument("--password", default="pass")
     ap.add_argument("--hires-size", type=int, default=128, help="emulate phases: hires fix first pass")
     ap.add_argument("--extras-size", type=int, default=128, help="emulate phases: Extras input (x4)")
+    ap.add_argument("--esrgan-tile", type=int, default=0,
+                    help="emulate phases: the WebUI's own ESRGAN tile (Settings) for the run, restored "
+                    "afterwards (0 = untiled: its reference picture; 192 pads a small image into a black tile)")  # fmt: skip
+    ap.add_argument("--stage-dump", default=None,
+                    help="emulate phases: the folder the WebUI's stage probe writes to (its VG_STAGE_DUMP, "
+                    "tests/acceptance/webui_stage_probe); each job's files are moved to OUT/stages/<job>")  # fmt: skip
     a = ap.parse_args()
     if a.phase.startswith("emulate"):
         return emulate_phase(a)
@@ -457,8 +470,65 @@ def _int_if_whole(v):  # noqa: ANN001, ANN202
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
+def _to_8bit(tag: str, x: np.ndarray) -> np.ndarray | None:
+    """A stage's float output as the 8-bit picture the WebUI makes of it, or None (a latent)."""
+    if tag == "decode-out":  # x in [-1, 1]; the WebUI clamps (x + 1) / 2 and truncates
+        return (np.clip((x + 1) / 2, 0, 1) * 255).astype(np.uint8)
+    if tag == "encode-in":  # the hires upscale's 8-bit output / 255
+        return np.rint(x * 255).astype(np.uint8)
+    return None
+
+
+STAGE_NAMES = {
+    "txt2img": ["decode in (sampled latent)", "decode out"],
+    "hires": ["first-pass decode in (sampled latent)", "first-pass decode out",
+              "hires encode in = hires upscale out", "hires encode out (latent)",
+              "final decode in (hires-sampled latent)", "final decode out"],
+}  # fmt: skip
+
+
+def compare_stages(job: str, ref_dir: Path, got_dir: Path) -> list[dict]:
+    """Each probed stage call of ``got_dir`` against the same call of ``ref_dir`` (call order):
+    max abs error of the float tensor, and for pictures max error in 8-bit levels and PSNR."""
+    ref, got = sorted(ref_dir.glob("*.npy")), sorted(got_dir.glob("*.npy"))
+    names = STAGE_NAMES.get(job, [])
+    out = []
+    for i, rf in enumerate(ref):
+        tag = rf.stem.split("-", 1)[1]
+        e: dict = {"stage": names[i] if i < len(names) else tag}
+        if i >= len(got):
+            e["missing"] = True  # the job failed before this call
+            out.append(e)
+            continue
+        x, y = np.load(rf), np.load(got[i])
+        if got[i].stem.split("-", 1)[1] != tag or x.shape != y.shape:
+            e["different_call"] = [got[i].stem, list(x.shape), list(y.shape)]
+            out.append(e)
+            continue
+        e["shape"] = list(x.shape)
+        e["max_abs"] = float(np.abs(x.astype(np.float64) - y).max())
+        x8, y8 = _to_8bit(tag, x), _to_8bit(tag, y)
+        if x8 is not None and y8 is not None:
+            e["max_lsb"] = int(np.abs(x8.astype(int) - y8).max())
+            e["psnr_8bit"] = psnr(x8, y8)
+        out.append(e)
+    return out
+
+
 def emulate_phase(a: argparse.Namespace) -> int:
-    """The ``emulate-ref`` and ``emulate`` phases (see the module docstring)."""
+    """The ``emulate-ref`` and ``emulate`` phases (see the module docstring), with the WebUI's own
+    ESRGAN tile set to ``--esrgan-tile`` for the run and put back afterwards."""
+    saved = call(a.url, "/sdapi/v1/options")[0].get("ESRGAN_tile")
+    call(a.url, "/sdapi/v1/options", {"ESRGAN_tile": a.esrgan_tile})
+    print(f"ESRGAN_tile {saved!r} -> {a.esrgan_tile} for this run", flush=True)
+    try:
+        return _emulate_phase(a)
+    finally:
+        call(a.url, "/sdapi/v1/options", {"ESRGAN_tile": _int_if_whole(saved)})
+        print(f"ESRGAN_tile restored to {_int_if_whole(saved)!r}", flush=True)
+
+
+def _emulate_phase(a: argparse.Namespace) -> int:
     import os
 
     os.makedirs(a.out, exist_ok=True)
@@ -472,11 +542,15 @@ def emulate_phase(a: argparse.Namespace) -> int:
         print(f"{'PASS' if ok else 'FAIL'} {check} {json.dumps(data)}", flush=True)
 
     def job(
-        name: str, on: bool | dict, esrgan_tile: int | None = None
+        name: str, on: bool | dict, esrgan_tile: int | None = None, label: str | None = None
     ) -> tuple[dict | None, str | None, dict]:
         """One job; returns (result or None, error text or None, status after it). ``esrgan_tile``:
-        the WebUI's own ESRGAN tile size for this job (Settings → Upscaling; 0 = untiled)."""
+        the WebUI's own ESRGAN tile size for this job (Settings → Upscaling; 0 = untiled). With
+        ``--stage-dump``, the probe's files of this job go to ``OUT/stages/<label>``."""
         path, payload = jobs[name]
+        if a.stage_dump:
+            for f in Path(a.stage_dump).glob("*.npy"):
+                f.unlink()
         opts0 = None
         if name == "extras":  # the Extras API passes None for our fields: the Settings decide
             opts0 = call(a.url, "/sdapi/v1/options")[0]
@@ -505,6 +579,13 @@ def emulate_phase(a: argparse.Namespace) -> int:
                 # WebUI's ESRGAN path fails with a float tile size)
                 call(a.url, "/sdapi/v1/options", {k: _int_if_whole(opts0.get(k)) for k in keys})
         st, _ = call(a.url, "/vram-guard/v1/status")
+        if a.stage_dump and label:
+            dest = Path(a.out, "stages", label)
+            dest.mkdir(parents=True, exist_ok=True)
+            for f in dest.glob("*.npy"):
+                f.unlink()
+            for f in sorted(Path(a.stage_dump).glob("*.npy")):
+                f.replace(dest / f.name)
         return r, err, st
 
     def stages(st: dict) -> list:
@@ -517,7 +598,7 @@ def emulate_phase(a: argparse.Namespace) -> int:
         for name in jobs:
             if name not in only:
                 continue
-            r, err, st = job(name, False)
+            r, err, st = job(name, False, label=f"ref-{name}")
             card = st.get("card") or {}
             if r is None:
                 record(f"uncapped plain {name}", False, error=err)
@@ -530,7 +611,9 @@ def emulate_phase(a: argparse.Namespace) -> int:
                    resident_mib=round((card.get("resident_bytes") or 0) / mib, 1))  # fmt: skip
         if "txt2img" in only:
             # stage peaks: VRAM Guard on, nothing tiled (the same computation as the plain WebUI)
-            r, err, st = job("txt2img", {"vae_tiling": "Off", "upscale_tiling": False})
+            r, err, st = job(
+                "txt2img", {"vae_tiling": "Off", "upscale_tiling": False}, label="ref-txt2img-vg-untiled"
+            )
             ref["txt2img_stages"] = {s["stage"]: s.get("peak_bytes") for s in st.get("stages", [])
                                      if not s.get("missing")}  # fmt: skip
             same = r is not None and np.array_equal(
@@ -564,41 +647,77 @@ def emulate_phase(a: argparse.Namespace) -> int:
         if name not in only or name not in ref:
             continue
         base_img = np.asarray(Image.open(f"{a.out}/emu-ref-{name}.png").convert("RGB"))
+        stage_dir = Path(a.out, "stages")
         if name == "extras":
-            # VRAM Guard first (what a failed job leaves allocated cannot touch it), then the WebUI's
-            # own ESRGAN path as it comes (Settings → ESRGAN tile, 192 px) and untiled (tile 0)
-            vg, err, st = job(name, True)
+            # VRAM Guard first, then the WebUI's own ESRGAN path with its default 192-px tiles and
+            # untiled (tile 0, what the reference ran). The card's use before VRAM Guard's job: what
+            # the failed plain jobs before it left (VRAM Guard's job start releases it)
+            before, _ = call(a.url, "/vram-guard/v1/status")
+            used_before = (before.get("card") or {}).get("used_bytes") or 0
+            vg, err, st = job(name, True, label="vg-extras")
             c = st.get("card") or {}
-            record("VRAM Guard extras on the capped card: completes", vg is not None, error=(err or "")[:300],
-                   seconds=vg and vg["seconds"], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1),
-                   cap_mib=round((cap or 0) / mib, 1), ooms=c.get("ooms"), stages=stages(st))  # fmt: skip
-            r, err, st = job(name, False)
+            diff = None
+            if vg is not None and vg["image"].shape == base_img.shape:
+                diff = int(np.abs(vg["image"].astype(int) - base_img).max())
+            record("VRAM Guard extras on the capped card: completes, <= 1 LSB from the uncapped plain (tile 0)",
+                   vg is not None and diff is not None and diff <= 1, error=(err or "")[:300],
+                   seconds=vg and vg["seconds"], max_lsb=diff,
+                   psnr_vs_uncapped_plain=psnr(vg["image"], base_img) if vg is not None else None,
+                   peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
+                   used_before_mib=round(used_before / mib, 1), used_after_mib=round((c.get("used_bytes") or 0) / mib, 1),
+                   ooms=c.get("ooms"), stages=stages(st))  # fmt: skip
+            r, err, st = job(name, False, esrgan_tile=192, label="plain-extras-192")
             c = st.get("card") or {}
             record("plain WebUI extras, its own 192-px ESRGAN tiles", True, completed=r is not None,
                    error=(err or "")[:300], seconds=r and r["seconds"], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1),
+                   psnr_vs_uncapped_untiled=psnr(r["image"], base_img) if r is not None else None,
                    psnr_vram_guard_vs_this=psnr(vg["image"], r["image"]) if r is not None and vg is not None else None)  # fmt: skip
-            r, err, st = job(name, False, esrgan_tile=0)
+            r, err, st = job(name, False, esrgan_tile=0, label="plain-extras")
             c = st.get("card") or {}
             oom = r is None and err is not None and "out of memory" in err.lower()
             record("plain WebUI extras untiled (ESRGAN tile 0) on the capped card: out-of-memory error", oom,
                    error=(err or "")[:300], peak_mib=round((c.get("peak_bytes") or 0) / mib, 1))  # fmt: skip
             continue
-        r, err, st = job(name, True)
+        r, err, st = job(name, True, label=f"vg-{name}")
         c = st.get("card") or {}
         ok = r is not None
         p = psnr(r["image"], base_img) if ok else None
+        cmp = (
+            compare_stages(name, stage_dir / f"ref-{name}", stage_dir / f"vg-{name}")
+            if a.stage_dump
+            else None
+        )
         record(f"VRAM Guard {name} on the capped card: completes", ok, error=(err or "")[:300], seconds=r and r["seconds"],
                psnr_vs_uncapped_plain=p, identical=ok and bool(np.array_equal(r["image"], base_img)),
+               max_lsb=int(np.abs(r["image"].astype(int) - base_img).max()) if ok else None,
                peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
                ooms=c.get("ooms"), stages=stages(st), notes=[n for n in st.get("notes", []) if "out of memory" in n],
-               infotext=(r["infotext"].split("\n")[-1] if ok else None))  # fmt: skip
+               infotext=(r["infotext"].split("\n")[-1] if ok else None), stage_vs_uncapped_plain=cmp)  # fmt: skip
         # then the plain WebUI (after VRAM Guard: what a failed job leaves allocated cannot touch it)
-        r, err, st = job(name, False)
+        r, err, st = job(name, False, label=f"plain-{name}")
         c = st.get("card") or {}
         oom = r is None and err is not None and "out of memory" in err.lower()
+        cmp = (
+            compare_stages(name, stage_dir / f"ref-{name}", stage_dir / f"plain-{name}")
+            if a.stage_dump
+            else None
+        )
         record(f"plain WebUI {name} on the capped card: out-of-memory error", oom, error=(err or "")[:300],
                plain_uncapped_peak_mib=round((ref[name].get("peak_bytes") or 0) / mib, 1),
-               used_after_mib=round((c.get("used_bytes") or 0) / mib, 1))  # fmt: skip
+               used_after_mib=round((c.get("used_bytes") or 0) / mib, 1), stage_vs_uncapped_plain=cmp)  # fmt: skip
+        if name == "txt2img" and r is None:
+            # what the failed job leaves on the card, and what frees it: another request (the
+            # server's worker thread drops its last exception), then a gc.collect() (POST /free)
+            call(a.url, "/sdapi/v1/options")
+            st1, _ = call(a.url, "/vram-guard/v1/status")
+            fr, _ = call(a.url, "/vram-guard/v1/free", {})
+            used1 = (st1.get("card") or {}).get("used_bytes") or 0
+            used2 = (fr.get("card") or {}).get("used_bytes") or 0
+            resident = (fr.get("card") or {}).get("resident_bytes") or 0
+            record("what a failed plain job leaves on the card, and what frees it", True,
+                   used_after_job_mib=round((c.get("used_bytes") or 0) / mib, 1),
+                   used_after_another_request_mib=round(used1 / mib, 1), used_after_gc_collect_mib=round(used2 / mib, 1),
+                   resident_mib=round(resident / mib, 1), gc_collected_objects=fr.get("collected_objects"))  # fmt: skip
     with open(f"{a.out}/emulate-results.json", "w") as fh:
         json.dump(results, fh, indent=1)
     return 0 if all(x["ok"] for x in results) else 1

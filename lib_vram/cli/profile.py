@@ -1,0 +1,380 @@
+"""``python -m lib_vram profile vae|upscale ...``: what took the memory in one stage.
+
+Runs a VAE decode/encode (a random-weight SD VAE of the layout asked for, or the weights of a VAE
+file) or an upscale (a model file) once under ``torch.profiler`` with ``profile_memory=True`` and
+``record_shapes=True`` (:mod:`lib_vram.core.profiling`), and prints the operators that allocated
+the most, the stage's plan and its peak as the tracker measured it next to the profiler's count.
+``--out DIR`` writes the Chrome trace, the summary (JSON) and, on CUDA, the memory snapshot that
+https://pytorch.org/memory_viz opens; each file atomically, none replaced without ``--overwrite``.
+
+CLI module: it may print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from lib_vram.cli import add_emulate_argument
+from lib_vram.cli.common import UsageError, check_device
+
+NAME = "profile"
+HELP = "Profile one stage (VAE decode/encode, upscale): the operators that took the memory, and its peak."
+
+SCHEMA = 1
+LAYOUTS = ("sd", "small")
+"""``sd``: the SD1.x/2.x VAE (ch 128); ``small``: the same layout at 1/4 of the channels (ch 32)."""
+
+
+def _positive(option: str, minimum: int = 1):
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
+        return n
+
+    parse.__name__ = option.lstrip("-")
+    return parse
+
+
+def _common(p: argparse.ArgumentParser, size_help: str, default_size: int) -> None:
+    add_emulate_argument(p)
+    p.add_argument("--size", type=_positive("--size"), default=default_size, help=size_help)
+    p.add_argument("--device", default=None, help="device (default: the best available)")
+    p.add_argument("--top", type=_positive("--top"), default=10, help="operators to list (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write the Chrome trace, the summary (JSON) and, on CUDA, the memory snapshot here",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace files of an earlier run in --out")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="target", metavar="vae|upscale")
+    sub.required = True
+    v = sub.add_parser(
+        "vae", help="a VAE decode (or --encode)", description="Profile a VAE decode or encode."
+    )
+    _common(v, "image size in px, a multiple of 8 (default 256)", 256)
+    v.add_argument("--encode", action="store_true", help="profile the encoder (default: the decoder)")
+    v.add_argument("--mode", choices=("exact", "fast", "untiled"), default="exact")
+    v.add_argument("--tile", type=_positive("--tile"), default=None, help="tile in latent px (default: auto)")
+    v.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    v.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=None,
+        help="random-weight VAE: sd (SD1.x/2.x, ch 128) or small (ch 32); default small on the CPU, "
+        "sd on a GPU",
+    )
+    v.add_argument(
+        "--family", choices=("ldm", "diffusers"), default="ldm", help="module classes (default ldm)"
+    )
+    v.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="VAE weights in the ldm layout (a VAE file, or a full SD checkpoint) instead of random ones",
+    )
+    v.set_defaults(_profile=_run_vae)
+    u = sub.add_parser("upscale", help="an upscale with a model file", description="Profile an upscale.")
+    u.add_argument("model", type=Path, help="model file (.pth, .pt, .safetensors)")
+    _common(u, "input image size in px (default 128)", 128)
+    u.add_argument("--tile", type=_positive("--tile"), default=None, help="tile core size (default: auto)")
+    u.add_argument(
+        "--batch", type=_positive("--batch"), default=None, help="tiles per forward (default: auto)"
+    )
+    u.add_argument("--precision", choices=("auto", "fp16", "bf16", "fp32"), default="fp32")
+    u.set_defaults(_profile=_run_upscale)
+
+
+# -- checks before any work ---------------------------------------------------------------------
+
+
+def _check_out(args: argparse.Namespace, stem: str, history: bool) -> dict[str, Path]:
+    if args.out is None:
+        return {}
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"`--out` {out} is a file; give a folder")
+    names = {"trace": f"{stem}.trace.json", "summary": f"{stem}.summary.json"}
+    if history:
+        names["snapshot"] = f"{stem}.snapshot.pickle"
+    paths = {k: out / v for k, v in names.items()}
+    there = [str(p) for p in paths.values() if p.exists() or p.is_symlink()]
+    if there and not args.overwrite:
+        raise UsageError(f"`--out`: {there[0]} exists; pass --overwrite to replace it")
+    return paths
+
+
+def _device(args: argparse.Namespace):
+    import torch
+
+    from lib_vram.core.device import resolve_device
+
+    check_device(args.device)
+    return torch.device(resolve_device(args.device))
+
+
+# -- VAE -----------------------------------------------------------------------------------------
+
+
+def _quiet():
+    return contextlib.redirect_stdout(io.StringIO())
+
+
+def _vae_config(layout: str) -> dict:
+    from lib_vram.cli.bench.vae import SD_VAE
+
+    return dict(SD_VAE) if layout == "sd" else {**SD_VAE, "ch": 32}
+
+
+def _random_vae(kind: str, layout: str, family: str):
+    import torch
+
+    cfg = _vae_config(layout)
+    torch.manual_seed(0)
+    if family == "diffusers":
+        try:
+            from diffusers import AutoencoderKL
+        except ImportError as exc:
+            raise UsageError(f"`--family diffusers` needs the diffusers package ({exc})") from None
+        ch = cfg["ch"]
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4,
+            block_out_channels=[ch * m for m in cfg["ch_mult"]],
+            layers_per_block=cfg["num_res_blocks"],
+            latent_channels=cfg["z_channels"],
+            norm_num_groups=32,
+        ).eval()
+        return vae.decoder if kind == "decode" else vae.encoder
+    with _quiet():
+        return _ldm_class(kind)(**cfg).eval()
+
+
+def _ldm_class(kind: str):
+    try:
+        with _quiet():
+            from ldm.modules.diffusionmodules.model import Decoder, Encoder
+    except ImportError as exc:
+        raise UsageError(
+            "profiling a VAE needs the ldm package (the WebUI's; stable-diffusion-sdkit) or "
+            f"--family diffusers ({exc})"
+        ) from None
+    return Decoder if kind == "decode" else Encoder
+
+
+_PREFIXES = ("first_stage_model.", "vae.", "")
+
+
+def _checkpoint_vae(kind: str, path: Path):
+    """An ldm ``Decoder``/``Encoder`` with the weights of ``path`` (its shape read from them)."""
+    import torch
+
+    if not path.is_file():
+        raise UsageError(f"`--checkpoint` not found: {path}")
+    part = "decoder." if kind == "decode" else "encoder."
+    try:
+        if path.suffix.lower() == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+            state = state.get("state_dict", state) if isinstance(state, dict) else state
+    except Exception as exc:  # damaged/unknown file: one line naming it
+        raise UsageError(f"`--checkpoint` {path}: cannot read it ({type(exc).__name__})") from None
+    if not isinstance(state, dict):
+        raise UsageError(f"`--checkpoint` {path}: not a state dict")
+    for prefix in _PREFIXES:
+        sub = {k[len(prefix + part) :]: v for k, v in state.items() if k.startswith(prefix + part)}
+        if sub:
+            break
+    group = "up" if kind == "decode" else "down"
+    if "conv_in.weight" not in sub or f"{group}.0.block.0.conv2.weight" not in sub:
+        raise UsageError(f"`--checkpoint` {path}: no ldm-layout VAE {kind[:-1]}er weights ({part}conv_in...)")
+    levels = sorted({int(k.split(".")[1]) for k in sub if k.startswith(("up.", "down."))})
+    blocks = {int(k.split(".")[3]) for k in sub if k.startswith(f"{group}.0.block.")}
+    widths = [int(sub[f"{group}.{i}.block.0.conv2.weight"].shape[0]) for i in levels]
+    ch = widths[0]
+    cfg = {
+        "ch": ch,
+        "out_ch": 3,
+        "ch_mult": tuple(w // ch for w in widths),
+        "num_res_blocks": len(blocks) - (1 if kind == "decode" else 0),
+        "attn_resolutions": [],
+        "in_channels": 3,
+        "resolution": 256,
+        "z_channels": int(
+            sub["conv_in.weight"].shape[1] if kind == "decode" else sub["conv_out.weight"].shape[0] // 2
+        ),
+    }
+    with _quiet():
+        module = _ldm_class(kind)(**cfg).eval()
+    try:
+        module.load_state_dict(sub, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise UsageError(
+            f"`--checkpoint` {path}: the weights do not fit an SD VAE {kind[:-1]}er ({first})"
+        ) from None
+    return module
+
+
+def _run_vae(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.size % 8:
+        raise UsageError(f"`--size` must be a multiple of 8 (the VAE's factor), got {args.size}")
+    if args.mode == "untiled" and args.tile is not None:
+        raise UsageError("`--tile` is for --mode exact or fast, not untiled")
+    if args.checkpoint is not None and (args.layout is not None or args.family != "ldm"):
+        raise UsageError("`--checkpoint` sets the VAE; leave out --layout and --family")
+    device = _device(args)
+    kind = "encode" if args.encode else "decode"
+    layout = args.layout or ("small" if device.type == "cpu" else "sd")
+    stage = f"vae_{kind}"
+    stem = f"{stage}-{args.size}-{args.mode}"
+    paths = _check_out(args, stem, device.type == "cuda")
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    if args.checkpoint is not None:
+        module = _checkpoint_vae(kind, args.checkpoint)
+        what = f"{args.checkpoint.name}"
+    else:
+        module = _random_vae(kind, layout, args.family)
+        what = f"{args.family} {layout} layout, random weights"
+    from lib_vram.cli.bench._synthetic import image_like
+
+    if kind == "decode":
+        x = image_like(args.size // 8, args.size // 8, 4, 0) * 4 - 2
+    else:
+        x = image_like(args.size, args.size, 3, 0) * 2 - 1
+    from lib_vram import vae as engine
+
+    report = engine.VAEReport()
+    if args.mode == "untiled":
+        module = module.to(device=device, dtype=dtype)
+        if kind == "decode" and args.family == "ldm":
+            from lib_vram.cli.bench.vae import _sdp_attn_forward
+
+            module.mid.attn_1.forward = _sdp_attn_forward(module.mid.attn_1)
+        x = x.to(device=device, dtype=dtype)
+
+        def call(tracker: Any):
+            return module(x)
+    else:
+        module = module.to(device=device)
+        x = x.to(device=device)
+        config = engine.TiledVAEConfig(mode=args.mode, tile=args.tile, dtype=dtype)
+        fn = engine.tiled_decode if kind == "decode" else engine.tiled_encode
+
+        def call(tracker: Any):
+            return fn(module, x, config=config, tracker=tracker, report=report)
+
+    head = f"VAE {kind} {args.size}x{args.size} ({what}, {args.dtype}, {device})"
+    return _profile(args, stage, device, call, head, paths, stem, lambda: report.plan or args.mode)
+
+
+# -- upscale -------------------------------------------------------------------------------------
+
+
+def _run_upscale(args: argparse.Namespace) -> int:
+    from lib_vram.upscale import UpscaleConfig, UpscaleError, UpscaleReport, load_model, upscale_tensor
+
+    device = _device(args)
+    if not args.model.exists():
+        raise UsageError(f"`model` not found: {args.model}")
+    stem = f"upscale-{args.size}"
+    paths = _check_out(args, stem, device.type == "cuda")
+    try:
+        config = UpscaleConfig(tile=args.tile, batch=args.batch, precision=args.precision, device=str(device))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        model = load_model(args.model, device=device)
+    except UpscaleError as exc:
+        raise UsageError(f"`model` {exc}") from None
+    from lib_vram.cli.bench._synthetic import image_like
+
+    x = image_like(args.size, args.size, 3, 0)
+    report = UpscaleReport()
+
+    def call(tracker: Any):
+        return upscale_tensor(model, x, config=config, tracker=tracker, report=report)
+
+    scale = getattr(model, "scale", "?")
+    head = f"upscale {args.size}x{args.size} ({args.model.name}, x{scale}, {args.precision}, {device})"
+    return _profile(args, "upscale", device, call, head, paths, stem, lambda: report.plan)
+
+
+# -- the profiled run ----------------------------------------------------------------------------
+
+
+def _profile(args, stage: str, device, call, head: str, paths: dict, stem: str, plan) -> int:
+    import torch
+
+    from lib_vram.core.profiling import VIEW_HINTS, StageProfiler, mib
+    from lib_vram.core.tracker import StageTracker
+
+    tracker = StageTracker(device, owns_peak_counters=True)
+    prof = StageProfiler(stage, device)
+    with torch.no_grad(), prof, tracker.stage(f"profile:{stage}") as rec:
+        out = call(tracker)
+        del out
+    summary = prof.summary
+    written = {}
+    if paths:
+        written = prof.save(args.out, stem, overwrite=args.overwrite, top=max(args.top, 20))
+    record = {
+        "schema": SCHEMA,
+        "stage": stage,
+        "description": head,
+        "plan": plan(),
+        "tracker": {
+            "measure": rec.measure,
+            "exact": rec.exact,
+            "peak_above_start_bytes": rec.delta_peak_bytes,
+            "seconds": round(rec.seconds, 3),
+        },
+        "profile": summary.to_dict(top=args.top),
+        "files": {k: str(v) for k, v in written.items()},
+    }
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print(f"{head}: {record['plan']}, {rec.seconds:.2f} s under the profiler")
+    print(
+        f"top operators by memory allocated on {device.type} (allocated: every allocation while it "
+        "ran, temporaries included; held: still allocated when it returned)"
+    )
+    print(summary.table(args.top))
+    exact = "" if rec.exact else ", sampled: a lower bound"
+    print(
+        f"peak: {mib(rec.delta_peak_bytes)} above the stage's start (tracker, {rec.measure}{exact}); "
+        f"profiler: {mib(summary.peak_bytes)} of tensors allocated at once, {mib(summary.alloc_bytes)} in all"
+    )
+    for key, path in written.items():
+        print(f"wrote {path} ({VIEW_HINTS[key]})")
+    for note in summary.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._profile(args) or 0)
