@@ -34,11 +34,11 @@ from torch import Tensor
 from lib_vram.core import emulate
 from lib_vram.core.device import free_bytes, is_oom_error, release, resolve_device
 from lib_vram.core.geometry import split_axis
-from lib_vram.core.livebytes import itemsize as elem_size
 from lib_vram.planning import planner
 
 from ._adapter import ModelSpec, as_spec, choose_dtype
 from ._calibrate import bytes_per_px, context_info
+from ._plan import decide
 from ._types import Interrupted, UpscaleConfig, UpscaleError, UpscaleReport
 
 logger = logging.getLogger(__name__)
@@ -283,13 +283,6 @@ class _Run:
                 rep.notes.append(note)
                 logger.warning("upscale: %s", note)
 
-    def auto_tile(self, tile_budget: int, per_px: float, halo: int) -> int:
-        side = math.isqrt(max(0, int(tile_budget / per_px)))
-        tile = max(MIN_TILE, (side - 2 * halo) // 8 * 8)
-        # An inexact model gets the largest tile that fits (fewest boundaries), like DISCOURAGED.
-        largest = self.spec.tiling == "discouraged" or self.inexact is not None
-        return tile if largest else min(tile, AUTO_TILE_MAX)
-
     # -- model call with the precision guard ----------------------------------------------
     def forward(self, inp: Tensor) -> Tensor:
         spec, rep = self.spec, self.rep
@@ -316,104 +309,45 @@ class _Run:
                 raw[idx] = fixed.float()
         return raw.float().clamp_(0, 1)
 
-    # -- planning ---------------------------------------------------------------------------
+    # -- planning (all of it in :func:`decide`) ---------------------------------------------
     def run(self, x: Tensor) -> Tensor:
         spec, cfg, rep, device, dtype = self.spec, self.cfg, self.rep, self.device, self.dtype
         bsz, ch, h, w = x.shape
         s = spec.scale
-        itemsize = elem_size(dtype)
         auto_size = cfg.tile is None or cfg.batch is None
-        per_px = bytes_per_px(spec, device, dtype, measure=cfg.calibrate and auto_size) + ch * itemsize
-        rep.bytes_per_px = per_px
-        hp, wp = _padded_size(spec, h, w)
+        fwd_px = bytes_per_px(spec, device, dtype, measure=cfg.calibrate and auto_size)
         budget = cfg.budget_bytes
         if budget is None:
             budget = int(free_bytes(device) * BUDGET_FRACTION)
-        rep.budget_bytes = budget
-        acc_bytes = bsz * ch * hp * s * wp * s * 4
-        in_bytes = bsz * ch * hp * wp * itemsize
         # host memory is distinct from the device's on an accelerator and on an emulated card
         host_apart = emulate.separate_host(device)
-        if cfg.accumulate_on == "auto":
-            acc_host = host_apart and acc_bytes + in_bytes > budget // 2
-        else:
-            acc_host = cfg.accumulate_on != "device"
-        acc_dev = torch.device("cpu") if acc_host else device
-        in_host = acc_host and in_bytes > budget * INPUT_ON_DEVICE_FRACTION
-        in_dev = acc_dev if in_host else device
-        self.host_roles = (acc_host and host_apart, in_host and host_apart)
-        tile_budget = budget - (0 if acc_host else acc_bytes) - (0 if in_host else in_bytes)
-
-        max_dim = max(hp, wp)
-        whole = spec.tiling == "internal" or (cfg.tile is None and hp * wp * per_px <= tile_budget)
-        halo = 0
-        if not whole and (cfg.tile is None or cfg.tile < max_dim):
-            halo = self.halo()
-        if whole:
-            tile = max_dim
-        elif cfg.tile is not None:
-            tile = cfg.tile
-        else:
-            tile = self.auto_tile(tile_budget, per_px, halo)
-        tile = min(tile, max_dim)
-        resident = budget - tile_budget
-
-        def area_of(t: int, o: int) -> int:
-            if t >= max_dim:
-                return hp * wp
-            wins = _make_tiles(spec, 0, (0, hp, 0, wp), t, o, hp, wp)
-            return max(w.shape[0] * w.shape[1] for w in wins)
-
-        def auto_batch(t: int, o: int) -> int:
-            n = bsz * math.ceil(hp / t) * math.ceil(wp / t)
-            return int(max(1, min(MAX_AUTO_BATCH, n, tile_budget // max(1.0, area_of(t, o) * per_px))))
-
-        def candidate(t: int, b: int, o: int) -> planner.Candidate:
-            # peak = accumulator and input where they sit on the device + b windows at per_px
-            peak = resident + int(b * area_of(t, o) * per_px)
-            if t >= max_dim:
-                return planner.Candidate(f"whole b{b}", peak, None, b)
-            return planner.Candidate(f"tiled t{t} o{o} b{b}", peak, t, b)
-
-        self.key = planner.plan_key("upscale", signature(spec), x.shape, dtype)
-        learned_batch = None
-        mem = self.memory
-        learned = mem.limit(self.key) is not None or mem.ratio(self.key) > 1.0
-        if auto_size and spec.tiling != "internal" and learned:
-            # This process learned something for this model and shape (an out-of-memory error, a
-            # peak measured above the prediction): choose among the plans the OOM path would try.
-            if halo == 0 and (cfg.tile is None or cfg.tile < max_dim):
-                halo = self.halo()
-            cands = []
-            if cfg.tile is None:
-                cands += [candidate(max_dim, b, 0) for b in _halvings(cfg.batch or bsz)]
-            t = tile if (cfg.tile is not None or not whole) else self.auto_tile(tile_budget, per_px, halo)
-            t = min(t, max_dim)
-            while True:
-                cands += [candidate(t, b, halo) for b in _halvings(cfg.batch or auto_batch(t, halo))]
-                if cfg.tile is not None or t // 2 < max(MIN_TILE, 2 * (halo // 2)):
-                    break
-                t //= 2
-            pick = planner.choose_learned(self.key, cands, budget, 0, mem).candidate
-            whole = pick.tile is None
-            tile, halo = (max_dim, 0) if whole else (pick.tile, halo)
-            learned_batch = pick.batch
-            rep.events.append(f"learned for this model and shape: {pick.plan}")
+        plan = decide(
+            spec,
+            tuple(x.shape),
+            dtype,
+            budget,
+            fwd_px,
+            lambda: (self.halo(), self.inexact),
+            tile=cfg.tile,
+            batch=cfg.batch,
+            accumulate_on=cfg.accumulate_on,
+            host_apart=host_apart,
+            memory=self.memory,
+        )
+        self.plan = plan
+        rep.bytes_per_px = plan.bytes_per_px
+        rep.budget_bytes = budget
+        if plan.learned is not None:
+            rep.events.append(f"learned for this model and shape: {plan.learned}")
+        acc_dev = torch.device("cpu") if plan.acc_host else device
+        in_dev = acc_dev if plan.in_host else device
+        self.host_roles = (plan.acc_host and host_apart, plan.in_host and host_apart)
+        self.key = plan.key
+        tile, halo, batch, max_dim = plan.tile, plan.halo, plan.batch, plan.max_dim
+        hp, wp = plan.padded
         self.set_halo(halo, tile)
-        self.predict = lambda t, b: candidate(t, b, self.halo_px)
-        self.candidate = candidate
-
-        if spec.square:
-            need = _legal_len(spec, min(tile + 2 * halo, max_dim))
-            hp, wp = max(hp, need), max(wp, need)
+        self.predict = lambda t, b: plan.candidate(t, b, self.halo_px)
         tiles = [t for b in range(bsz) for t in _make_tiles(spec, b, (0, hp, 0, wp), tile, halo, hp, wp)]
-        area = tiles[0].shape[0] * tiles[0].shape[1]
-        if cfg.batch is not None:
-            batch = cfg.batch
-        elif learned_batch is not None:
-            batch = learned_batch
-        else:
-            batch = int(max(1, min(MAX_AUTO_BATCH, len(tiles), tile_budget // max(1.0, area * per_px))))
 
         rep.tile, rep.batch = tile, batch
         rep.dtype, rep.device, rep.accumulate_on = str(dtype).replace("torch.", ""), str(device), str(acc_dev)
@@ -422,7 +356,7 @@ class _Run:
         self.describe(len(tiles) > bsz, acc_dev)
         note = getattr(self.tracker, "note", None)
         if note is not None:
-            note(plan=rep.plan, tiles=len(tiles), bytes_per_px=round(per_px))
+            note(plan=rep.plan, tiles=len(tiles), bytes_per_px=round(plan.bytes_per_px))
         logger.debug("upscale plan: %s, %d tiles, budget %.0f MiB", rep.plan, len(tiles), budget / 2**20)
 
         def place_input() -> Tensor:

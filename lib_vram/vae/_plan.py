@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lib_vram.core.geometry import grid, overhead
+from lib_vram.core.geometry import split_axis
 from lib_vram.core.livebytes import itemsize
 from lib_vram.core.predict import WORKSPACE_TERMS
 from lib_vram.planning import planner
@@ -82,6 +82,15 @@ def sample_boxes(h: int, w: int, sample: int, align: int) -> list[tuple[int, int
     ys = _axis_samples(h, 1 / sample, align)
     xs = _axis_samples(w, 1 / sample, align)
     return [(y0, y1, x0, x1) for y0, y1 in ys for x0, x1 in xs]
+
+
+def _overhead(h: int, w: int, core: int, halo: int) -> float:
+    """Window pixels of the tile grid over image pixels (:func:`lib_vram.core.geometry.overhead`
+    of ``grid(h, w, core, core, halo)``): the grid is the product of its two axes' spans, so the
+    sum over its tiles is the product of the axes' sums (no list of tiles at any size)."""
+    sy = sum(sp.size for sp in split_axis(h, core, halo))
+    sx = sy if w == h else sum(sp.size for sp in split_axis(w, core, halo))
+    return sy * sx / float(h * w)
 
 
 def _window(n: int, core: int, need: int) -> int:
@@ -215,7 +224,7 @@ def estimate_components(
             else:
                 c = max(1, int(round(core * lh / th)))
                 wh, ww = _window(lh, c, lneeds[i]), _window(lw, c, lneeds[i])
-                ov = overhead(grid(lh, lw, c, c, lneeds[i]), lh, lw) if share is None else share
+                ov = _overhead(lh, lw, c, lneeds[i]) if share is None else share
             px = wh * ww
             work = parked = wsp = 0
             if i == 0 and spec.kind == "encoder":
@@ -485,8 +494,16 @@ class PassPlanner:
         self.memory = planner.MEMORY if memory is None else memory
         self.fast_sample = fast_sample_for(fast_sample, spec.kind, self.shape[-2], self.shape[-1])
         self.notes: list[str] = []
+        self._estimates: dict[tuple, int] = {}
 
     def estimate(self, tile: int | None, mode: str, on_device: bool = True) -> int:
+        """The analytic peak of one plan (memoised: a pass asks for a plan's estimate repeatedly)."""
+        k = (tile, mode, on_device)
+        if k not in self._estimates:
+            self._estimates[k] = self._estimate(tile, mode, on_device)
+        return self._estimates[k]
+
+    def _estimate(self, tile: int | None, mode: str, on_device: bool) -> int:
         return estimate_spec_bytes(
             self.spec,
             self.shape,
