@@ -22,132 +22,37 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lib_vram.core import emulate
 from lib_vram.core.device import free_bytes, is_oom_error, release, resolve_device
-from lib_vram.core.geometry import split_axis
 from lib_vram.planning import planner
 
 from ._adapter import ModelSpec, as_spec, choose_dtype
 from ._calibrate import bytes_per_px, context_info
-from ._plan import decide
+from ._plan import (  # noqa: F401  (re-exported: the engine's sizes and geometry)
+    AUTO_TILE_MAX,
+    INPUT_ON_DEVICE_FRACTION,
+    MAX_AUTO_BATCH,
+    MIN_TILE,
+    _legal_len,
+    _make_tiles,
+    _padded_size,
+    _Tile,
+    decide,
+    signature,
+)
 from ._types import Interrupted, UpscaleConfig, UpscaleError, UpscaleReport
 
 logger = logging.getLogger(__name__)
 
 BUDGET_FRACTION = 0.8
 """Share of the free device memory an automatic plan uses (the rest absorbs fragmentation)."""
-AUTO_TILE_MAX = 512
-"""Largest automatic tile core (input px) when the whole image does not fit: a 512² tile keeps any
-current GPU busy, so larger tiles would only raise the peak. ``DISCOURAGED`` models ignore it."""
-MAX_AUTO_BATCH = 16
-MIN_TILE = 16
-INPUT_ON_DEVICE_FRACTION = 0.25
-"""The input image goes to the device once unless it would take more than this share of the
-budget (a huge image then stays in host memory and only its tiles travel)."""
-
-
-@dataclass(frozen=True)
-class _Tile:
-    b: int
-    y0: int
-    y1: int
-    x0: int
-    x1: int
-    wy0: int
-    wy1: int
-    wx0: int
-    wx1: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.wy1 - self.wy0, self.wx1 - self.wx0)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _legal_len(spec: ModelSpec, n: int) -> int:
-    n = max(n, spec.minimum, 1)
-    return _round_up(n, math.lcm(spec.multiple_of, spec.grid))
-
-
-def _grow(start: int, end: int, need: int, limit: int) -> tuple[int, int]:
-    """Grow ``[start, end)`` to length ``need`` inside ``[0, limit)`` (after first, then before)."""
-    extra = need - (end - start)
-    if extra <= 0:
-        return start, end
-    new_end = min(limit, end + extra)
-    start = max(0, start - (extra - (new_end - end)))
-    return start, new_end
-
-
-def _axis_windows(
-    spec: ModelSpec, c0: int, c1: int, tile: int, halo: int, n: int
-) -> list[tuple[int, int, int, int]]:
-    """Cores of ``[c0, c1)`` (at most ``tile``) with their windows ``(core0, core1, win0, win1)``.
-
-    Windows are the core plus ``halo`` clipped to ``[0, n)``, widened to the model's grid (start
-    and end on multiples of ``spec.grid``, so a window-attention model partitions each tile as it
-    partitions the whole image), made legal for the model, and then equalised within their class
-    (touching one image border, both, or none) so that tiles of a class can share a batch: balanced
-    cores differ by a pixel, and such a pixel would otherwise split every batch.
-    """
-    g = max(1, spec.grid)
-    cores = [(c0 + sp.core_start, c0 + sp.core_end) for sp in split_axis(c1 - c0, tile)]
-    wins = [(max(0, (a - halo) // g * g), min(n, _round_up(b + halo, g))) for a, b in cores]
-    lens = [_legal_len(spec, e - s) for s, e in wins]
-
-    def cls(i: int) -> int:
-        return (wins[i][0] == 0) + (wins[i][1] == n)
-
-    target: dict[int, int] = {}
-    for i, length in enumerate(lens):
-        target[cls(i)] = max(target.get(cls(i), 0), length)
-    out = []
-    for i, (a, b) in enumerate(cores):
-        s0, e0 = _grow(wins[i][0], wins[i][1], min(n, target[cls(i)]), n)
-        if s0 % g:  # growth toward the start left the grid (n is not on it): back onto it
-            s0 = s0 // g * g
-        out.append((a, b, s0, e0))
-    return out
-
-
-def _make_tiles(
-    spec: ModelSpec, b: int, region: tuple[int, int, int, int], tile: int, halo: int, h: int, w: int
-) -> list[_Tile]:
-    y0, y1, x0, x1 = region
-    ys = _axis_windows(spec, y0, y1, tile, halo, h)
-    xs = _axis_windows(spec, x0, x1, tile, halo, w)
-    tiles = []
-    for cy0, cy1, wy0, wy1 in ys:
-        for cx0, cx1, wx0, wx1 in xs:
-            if spec.square:
-                side = max(wy1 - wy0, wx1 - wx0)
-                wy0, wy1 = _grow(wy0, wy1, side, h)
-                wx0, wx1 = _grow(wx0, wx1, side, w)
-            tiles.append(_Tile(b, cy0, cy1, cx0, cx1, wy0, wy1, wx0, wx1))
-    return tiles
-
-
-def _padded_size(spec: ModelSpec, h: int, w: int) -> tuple[int, int]:
-    """The size the model computes on for an ``h x w`` input: spandrel's size requirements, then
-    the model's own padding (``spec.pre_pad``, evaluated on a shape-only tensor)."""
-    hp, wp = spec.pad_to(h, w)
-    if spec.pre_pad is None:
-        return hp, wp
-    with torch.inference_mode():
-        probe = spec.pre_pad(torch.empty(1, 1, hp, wp, device="meta"))
-    return int(probe.shape[-2]), int(probe.shape[-1])
 
 
 def _pad_like_model(spec: ModelSpec, x: Tensor, hp: int, wp: int) -> Tensor:
@@ -194,13 +99,6 @@ def _axis_weights(
     if c1 < n:
         w = w * (((c1 * s + fs / 2.0) - p) / fs).clamp(0, 1)
     return lo, hi, w
-
-
-def signature(spec: ModelSpec) -> tuple:
-    """What an upscaler's memory depends on besides the input: architecture name, scale, input
-    channels and parameter count (which tells widths apart); the planner memory's model key."""
-    n_params = sum(p.numel() for p in spec.module.parameters()) if spec.module is not None else 0
-    return (spec.name, spec.scale, spec.input_channels, n_params)
 
 
 class _Run:
@@ -597,10 +495,3 @@ def _once_more(fn: Callable[[], Tensor], rep: UpscaleReport, device: torch.devic
     rep.ooms += 1
     rep.events.append(f"out of memory placing {what}: released, tried again")
     return fn()
-
-
-def _halvings(n: int) -> list[int]:
-    out = [n]
-    while out[-1] > 1:
-        out.append(out[-1] // 2)
-    return out

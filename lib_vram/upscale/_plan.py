@@ -26,10 +26,129 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lib_vram.core.geometry import split_axis
 from lib_vram.core.livebytes import itemsize as elem_size
 from lib_vram.planning import planner
 
 from ._adapter import ModelSpec
+
+AUTO_TILE_MAX = 512
+"""Largest automatic tile core (input px) when the whole image does not fit: a 512² tile keeps any
+current GPU busy, so larger tiles would only raise the peak. ``DISCOURAGED`` models ignore it."""
+MAX_AUTO_BATCH = 16
+MIN_TILE = 16
+INPUT_ON_DEVICE_FRACTION = 0.25
+"""The input image goes to the device once unless it would take more than this share of the
+budget (a huge image then stays in host memory and only its tiles travel)."""
+
+
+@dataclass(frozen=True)
+class _Tile:
+    b: int
+    y0: int
+    y1: int
+    x0: int
+    x1: int
+    wy0: int
+    wy1: int
+    wx0: int
+    wx1: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.wy1 - self.wy0, self.wx1 - self.wx0)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _legal_len(spec: ModelSpec, n: int) -> int:
+    n = max(n, spec.minimum, 1)
+    return _round_up(n, math.lcm(spec.multiple_of, spec.grid))
+
+
+def _grow(start: int, end: int, need: int, limit: int) -> tuple[int, int]:
+    """Grow ``[start, end)`` to length ``need`` inside ``[0, limit)`` (after first, then before)."""
+    extra = need - (end - start)
+    if extra <= 0:
+        return start, end
+    new_end = min(limit, end + extra)
+    start = max(0, start - (extra - (new_end - end)))
+    return start, new_end
+
+
+def _axis_windows(
+    spec: ModelSpec, c0: int, c1: int, tile: int, halo: int, n: int
+) -> list[tuple[int, int, int, int]]:
+    """Cores of ``[c0, c1)`` (at most ``tile``) with their windows ``(core0, core1, win0, win1)``.
+
+    Windows are the core plus ``halo`` clipped to ``[0, n)``, widened to the model's grid (start
+    and end on multiples of ``spec.grid``, so a window-attention model partitions each tile as it
+    partitions the whole image), made legal for the model, and then equalised within their class
+    (touching one image border, both, or none) so that tiles of a class can share a batch: balanced
+    cores differ by a pixel, and such a pixel would otherwise split every batch.
+    """
+    g = max(1, spec.grid)
+    cores = [(c0 + sp.core_start, c0 + sp.core_end) for sp in split_axis(c1 - c0, tile)]
+    wins = [(max(0, (a - halo) // g * g), min(n, _round_up(b + halo, g))) for a, b in cores]
+    lens = [_legal_len(spec, e - s) for s, e in wins]
+
+    def cls(i: int) -> int:
+        return (wins[i][0] == 0) + (wins[i][1] == n)
+
+    target: dict[int, int] = {}
+    for i, length in enumerate(lens):
+        target[cls(i)] = max(target.get(cls(i), 0), length)
+    out = []
+    for i, (a, b) in enumerate(cores):
+        s0, e0 = _grow(wins[i][0], wins[i][1], min(n, target[cls(i)]), n)
+        if s0 % g:  # growth toward the start left the grid (n is not on it): back onto it
+            s0 = s0 // g * g
+        out.append((a, b, s0, e0))
+    return out
+
+
+def _make_tiles(
+    spec: ModelSpec, b: int, region: tuple[int, int, int, int], tile: int, halo: int, h: int, w: int
+) -> list[_Tile]:
+    y0, y1, x0, x1 = region
+    ys = _axis_windows(spec, y0, y1, tile, halo, h)
+    xs = _axis_windows(spec, x0, x1, tile, halo, w)
+    tiles = []
+    for cy0, cy1, wy0, wy1 in ys:
+        for cx0, cx1, wx0, wx1 in xs:
+            if spec.square:
+                side = max(wy1 - wy0, wx1 - wx0)
+                wy0, wy1 = _grow(wy0, wy1, side, h)
+                wx0, wx1 = _grow(wx0, wx1, side, w)
+            tiles.append(_Tile(b, cy0, cy1, cx0, cx1, wy0, wy1, wx0, wx1))
+    return tiles
+
+
+def _padded_size(spec: ModelSpec, h: int, w: int) -> tuple[int, int]:
+    """The size the model computes on for an ``h x w`` input: spandrel's size requirements, then
+    the model's own padding (``spec.pre_pad``, evaluated on a shape-only tensor)."""
+    hp, wp = spec.pad_to(h, w)
+    if spec.pre_pad is None:
+        return hp, wp
+    with torch.inference_mode():
+        probe = spec.pre_pad(torch.empty(1, 1, hp, wp, device="meta"))
+    return int(probe.shape[-2]), int(probe.shape[-1])
+
+
+def signature(spec: ModelSpec) -> tuple:
+    """What an upscaler's memory depends on besides the input: architecture name, scale, input
+    channels and parameter count (which tells widths apart); the planner memory's model key."""
+    n_params = sum(p.numel() for p in spec.module.parameters()) if spec.module is not None else 0
+    return (spec.name, spec.scale, spec.input_channels, n_params)
+
+
+def _halvings(n: int) -> list[int]:
+    out = [n]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
 
 
 @dataclass(frozen=True)
@@ -92,8 +211,6 @@ def decide(
     ``halo_fn()``: ``(overlap, inexact)``, called only when tiles are needed (calibrating the
     overlap runs the model). ``tile``/``batch``: the user's sizes (None: automatic).
     """
-    from . import _engine as E  # its constants (tests lower AUTO_TILE_MAX there)
-    from ._engine import _halvings, _legal_len, _make_tiles, _padded_size, signature
 
     mem = planner.MEMORY if memory is None else memory
     bsz, ch, h, w = (int(v) for v in input_shape)
@@ -107,7 +224,7 @@ def decide(
         acc_host = host_apart and acc_bytes + in_bytes > budget // 2
     else:
         acc_host = accumulate_on != "device"
-    in_host = acc_host and in_bytes > budget * E.INPUT_ON_DEVICE_FRACTION
+    in_host = acc_host and in_bytes > budget * INPUT_ON_DEVICE_FRACTION
     tile_budget = budget - (0 if acc_host else acc_bytes) - (0 if in_host else in_bytes)
     auto_size = tile is None or batch is None
     inexact = [False]
@@ -119,10 +236,10 @@ def decide(
 
     def auto_tile(o: int) -> int:
         side = math.isqrt(max(0, int(tile_budget / per_px)))
-        t = max(E.MIN_TILE, (side - 2 * o) // 8 * 8)
+        t = max(MIN_TILE, (side - 2 * o) // 8 * 8)
         # An inexact model gets the largest tile that fits (fewest boundaries), like DISCOURAGED.
         largest = spec.tiling == "discouraged" or inexact[0]
-        return t if largest else min(t, E.AUTO_TILE_MAX)
+        return t if largest else min(t, AUTO_TILE_MAX)
 
     max_dim = max(hp, wp)
     whole = spec.tiling == "internal" or (tile is None and hp * wp * per_px <= tile_budget)
@@ -170,7 +287,7 @@ def decide(
 
     def auto_batch(t: int, o: int) -> int:
         n = bsz * math.ceil(hp / t) * math.ceil(wp / t)
-        return int(max(1, min(E.MAX_AUTO_BATCH, n, tile_budget // max(1.0, windows(t, o)[0] * per_px))))
+        return int(max(1, min(MAX_AUTO_BATCH, n, tile_budget // max(1.0, windows(t, o)[0] * per_px))))
 
     key = planner.plan_key("upscale", signature(spec), (bsz, ch, h, w), dtype)
     learned_batch = None
@@ -188,7 +305,7 @@ def decide(
         t = min(t, max_dim)
         while True:
             cands += [candidate(t, b, halo) for b in _halvings(batch or auto_batch(t, halo))]
-            if tile is not None or t // 2 < max(E.MIN_TILE, 2 * (halo // 2)):
+            if tile is not None or t // 2 < max(MIN_TILE, 2 * (halo // 2)):
                 break
             t //= 2
         pick = planner.choose_learned(key, cands, budget, 0, mem).candidate
@@ -207,7 +324,7 @@ def decide(
     elif learned_batch is not None:
         b0 = learned_batch
     else:
-        b0 = int(max(1, min(E.MAX_AUTO_BATCH, n_tiles, tile_budget // max(1.0, area0 * per_px))))
+        b0 = int(max(1, min(MAX_AUTO_BATCH, n_tiles, tile_budget // max(1.0, area0 * per_px))))
     raw_peak = candidate(t0, b0, halo).peak_bytes
     return UpscalePlan(
         tile=t0,
