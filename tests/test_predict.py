@@ -10,7 +10,6 @@ from lib_vram.core.predict import (
     LiveBytesCounter,
     count_peak,
     cpu_conv_workspace_bytes,
-    fake_state,
     new_fake_mode,
     predict_module_peak,
 )
@@ -144,38 +143,21 @@ def test_spandrel_model_loaded_from_file(tmp_path):
     )
 
 
-def test_tiled_loops_match_untiled_shapes_and_smaller_tiles_predict_less():
-    torch.manual_seed(0)
-    with torch.no_grad():
-        dec = reference.Decoder(ARCH).eval()
-        z = torch.randn(1, 4, 12, 10)
-        assert stageplan.tiled_decode(dec, z, 4).shape == dec(z).shape
-        enc = reference.Encoder(ARCH).eval()
-        x = torch.randn(1, 3, 96, 80)
-        assert stageplan.tiled_encode(enc, x, 4).shape == enc(x).shape
-    peaks = [
-        stageplan.predict_vae("decode", "sd15", 512, 512, "fp16", t).activation_bytes for t in (None, 32, 16)
-    ]
-    assert peaks[0] > peaks[1] > peaks[2]
+def test_plan_of_the_reference_vae_tiles_when_the_budget_shrinks():
+    """``plan`` plans the reference architectures (meta device, no ldm) with the engine's own
+    function: smaller budgets give smaller tiles and smaller predicted peaks."""
+    peaks = []
+    for free in (64 * 2**30, 2 * 2**30, 2**30):
+        (dec,) = stageplan.plan_job("sd15", 1024, 1024, _preset(), free, free, safety_margin_bytes=0)
+        peaks.append((dec.tile, dec.predicted_peak_bytes))
+    assert peaks[0][0] is None and peaks[1][0] is not None and peaks[2][0] is not None
+    assert peaks[0][1] > peaks[1][1] >= peaks[2][1] and peaks[1][0] >= peaks[2][0]
 
 
-def test_dedupe_does_not_change_the_predicted_peak():
-    mode = new_fake_mode()
-    with torch.device("meta"):
-        model = reference.build_upscaler("compact", 4, num_filters=16, num_blocks=4)
-    state = fake_state(model, mode, torch.float32)
+def _preset():
+    from lib_vram.planning.presets import PRESETS
 
-    def peak(dedupe: bool) -> int:
-        fn = stageplan._loop_call(
-            model, state, stageplan.tiled_upscale, tile=48, batch=2, scale=4, dedupe=dedupe
-        )
-        with mode:
-            x = torch.empty(1, 3, 100, 130)
-        with torch.no_grad(), mode, LiveBytesCounter() as c:
-            fn(x)
-        return c.peak_bytes
-
-    assert peak(True) == peak(False)
+    return PRESETS["8GB"]
 
 
 def test_engines_run_on_fake_tensors_and_tiles_predict_less():

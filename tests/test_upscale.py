@@ -158,9 +158,9 @@ def test_discouraged_tiling_uses_largest_tile_that_fits(tiny_compact, monkeypatc
     """Automatic tiles are capped at ``AUTO_TILE_MAX`` except for ``DISCOURAGED`` models. The cap is
     lowered to 32 so that a small image shows it: both runs must tile (a whole-image run would make
     the comparison vacuous), the supported one at the cap, the discouraged one above it."""
-    from lib_vram.upscale import _engine
+    from lib_vram.upscale import _plan
 
-    monkeypatch.setattr(_engine, "AUTO_TILE_MAX", 32)
+    monkeypatch.setattr(_plan, "AUTO_TILE_MAX", 32)
     x = image_like(192, 192)
     rep_s, rep_d = UpscaleReport(), UpscaleReport()
     budget = 4 * 2**20  # a 192² whole-image pass does not fit; a ~120 px tile does

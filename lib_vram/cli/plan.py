@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from lib_vram.core.device import capabilities, free_bytes, memory_info, resolve_device
 from lib_vram.core.emulate import parse_size as emulate_parse_size
@@ -79,6 +80,7 @@ def collect(args: argparse.Namespace) -> dict:
         if args.safety_margin is None
         else parse_size(args.safety_margin, "--safety-margin", allow_zero=True)
     )
+    t0 = time.perf_counter()
     plans = plan_job(
         args.arch,
         args.width,
@@ -107,6 +109,7 @@ def collect(args: argparse.Namespace) -> dict:
         "emulated": args.vram is not None,
         "memory_fraction_set": emulated,
         "stages": [p.to_dict() for p in plans],
+        "planning_seconds": round(time.perf_counter() - t0, 3),
     }
 
 

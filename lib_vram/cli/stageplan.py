@@ -1,22 +1,27 @@
-"""Per-stage plans for a generation: predict every candidate plan's peak, then let the planner choose.
+"""The ``plan`` command's model of a job: its stages, each planned by its own engine.
 
 Stages of a txt2img job (with hires fix and an upscaler, as in the WebUI): ``vae_decode`` of the
 first pass, ``hires_upscale`` (the upscaler on the first-pass image), ``vae_encode`` at the hires
 size, ``vae_decode_hires``; or, without hires fix, a final ``upscale`` (Extras-style) of the image.
 
-Each stage's candidates are: untiled, then the preset's tile ladder (VAE tiles in latent px,
-upscaler tiles in image px, batches up to the preset's maximum). Every candidate's peak is
-predicted by a fake run (:mod:`lib_vram.core.predict`) of the tiled loop in this module
-(:func:`tiled_decode`, :func:`tiled_encode`, :func:`tiled_upscale`): the same layer sequence the
-tiled engines run, on tile-sized inputs, with a full-size output accumulator. The loops are also
-runnable on real tensors, which is how ``bench planner`` measures them.
+Every stage is planned by the function its engine decides with at run time
+(:func:`lib_vram.vae.plan_vae`, :func:`lib_vram.upscale.plan_upscale`): the same candidates, the
+same analytic estimates, the same learning keys. There is no model here, so the engines plan the
+:mod:`lib_vram.planning.reference` architectures, built on the meta device (no weights, no
+ldm/sgm). Nothing runs over the image: a plan takes milliseconds at any size.
 
-Peak = weights of the stage's model + resident weights that are not offloaded (UNet, text
-encoders; see the preset) + the stage's input + the predicted activations.
+The preset decides what the engines are given: the stage's budget is the free memory minus the
+preset's safety margin, the stage model's weights, the UNet/text-encoder weights the preset keeps
+on the device and the decoded images of a batch that wait there; and the precision.
+Peak = those weights + the engine's predicted peak (input, activations, output).
+
+The engines' fake-tensor runs (:func:`predict_engine_vae`, :func:`predict_engine_upscale`) are
+the validators of those estimates (tests, ``bench planner``), not a second planner.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -37,133 +42,6 @@ from lib_vram.planning.presets import Preset, resolve_precision
 
 logger = logging.getLogger(__name__)
 
-DECODER_HALO = 12
-"""Latent px of context around a decoder tile's core (the receptive field after the mid block is
-~12.25 latent px; the fast/streaming plans use the rounded value)."""
-ENCODER_HALO = 32
-"""Image px of context around an encoder tile's core (multiple of 8)."""
-UPSCALE_OVERLAP = 16
-"""Input px two neighbouring upscaler tiles share (blended)."""
-
-
-# -- the tiled loops (run on fake tensors for predictions, real ones for measurements) -----------
-
-
-def _spans(size: int, tile: int) -> list[tuple[int, int]]:
-    n = max(1, -(-size // tile))
-    edges = [round(i * size / n) for i in range(n + 1)]
-    return [(edges[i], edges[i + 1]) for i in range(n)]
-
-
-def _repeat(seen: set, key: tuple, dedupe: bool) -> bool:
-    """With ``dedupe``, True for a tile shape already run: every tile frees what it allocated and
-    writes its result in place, so a tile of a shape already seen cannot raise the peak and a fake
-    run may skip it (this makes predictions of many-tile plans cheap)."""
-    if not dedupe:
-        return False
-    if key in seen:
-        return True
-    seen.add(key)
-    return False
-
-
-def tiled_decode(
-    decoder: torch.nn.Module, z: torch.Tensor, tile: int, halo: int = DECODER_HALO, dedupe: bool = False
-) -> torch.Tensor:
-    """Decode ``z`` with a reference :class:`~lib_vram.planning.reference.Decoder`: ``conv_in`` + mid block
-    on the whole latent, the rest per tile (core ``<= tile`` latent px plus ``halo``)."""
-    f = 2 ** (len(decoder.up) - 1)
-    h = decoder.mid(decoder.conv_in(z))
-    b, _, hh, ww = h.shape
-    out = torch.empty((b, 3, hh * f, ww * f), dtype=z.dtype, device=z.device)
-    seen: set = set()
-    for y0, y1 in _spans(hh, tile):
-        for x0, x1 in _spans(ww, tile):
-            ys, ye, xs, xe = max(0, y0 - halo), min(hh, y1 + halo), max(0, x0 - halo), min(ww, x1 + halo)
-            if _repeat(seen, (ye - ys, xe - xs), dedupe):
-                continue
-            t = decoder.forward_tail(h[:, :, ys:ye, xs:xe])
-            out[:, :, y0 * f : y1 * f, x0 * f : x1 * f] = t[
-                :, :, (y0 - ys) * f : (y1 - ys) * f, (x0 - xs) * f : (x1 - xs) * f
-            ]
-            del t
-    return out
-
-
-def tiled_encode(
-    encoder: torch.nn.Module, x: torch.Tensor, tile: int, halo: int = ENCODER_HALO, dedupe: bool = False
-) -> torch.Tensor:
-    """Encode ``x`` with a reference :class:`~lib_vram.planning.reference.Encoder`: the down path per tile
-    (core ``<= tile`` latent px = ``8 * tile`` image px, plus ``halo`` image px), the mid block and
-    output convolution on the whole latent."""
-    f = 2 ** (len(encoder.down) - 1)
-    b, _, hh, ww = x.shape
-    lh, lw = hh // f, ww // f
-    feats = None
-    seen: set = set()
-    for y0, y1 in _spans(lh, tile):
-        for x0, x1 in _spans(lw, tile):
-            ys, ye = max(0, y0 * f - halo), min(hh, y1 * f + halo)
-            xs, xe = max(0, x0 * f - halo), min(ww, x1 * f + halo)
-            if feats is not None and _repeat(seen, (ye - ys, xe - xs), dedupe):
-                continue
-            seen.add((ye - ys, xe - xs))
-            t = encoder.forward_head(x[:, :, ys:ye, xs:xe])
-            if feats is None:
-                feats = torch.empty((b, t.shape[1], lh, lw), dtype=t.dtype, device=t.device)
-            oy, ox = y0 - ys // f, x0 - xs // f
-            feats[:, :, y0:y1, x0:x1] = t[:, :, oy : oy + (y1 - y0), ox : ox + (x1 - x0)]
-            del t
-    h = encoder.mid(feats)
-    del feats
-    h = encoder.norm_out(h)
-    h = reference._act(h, encoder.act)
-    return encoder.conv_out(h)
-
-
-def tiled_upscale(
-    model: torch.nn.Module,
-    x: torch.Tensor,
-    tile: int,
-    batch: int,
-    scale: int,
-    overlap: int = UPSCALE_OVERLAP,
-    dedupe: bool = False,
-) -> torch.Tensor:
-    """Upscale ``x`` by ``scale`` in tiles of ``tile`` px (``batch`` tiles per forward), averaging
-    the overlaps into full-size output and weight accumulators."""
-    b, c, hh, ww = x.shape
-    th, tw = min(tile, hh), min(tile, ww)
-    step_h, step_w = max(1, th - overlap), max(1, tw - overlap)
-    ys = sorted({min(y, hh - th) for y in range(0, max(1, hh - overlap), step_h)})
-    xs = sorted({min(v, ww - tw) for v in range(0, max(1, ww - overlap), step_w)})
-    coords = [(y, v) for y in ys for v in xs]
-    out = torch.zeros((b, c, hh * scale, ww * scale), dtype=x.dtype, device=x.device)
-    weight = torch.zeros((1, 1, hh * scale, ww * scale), dtype=x.dtype, device=x.device)
-    seen: set = set()
-    for i in range(0, len(coords), batch):
-        chunk = coords[i : i + batch]
-        if _repeat(seen, (len(chunk),), dedupe):
-            continue
-        inp = torch.cat([x[:, :, y : y + th, v : v + tw] for y, v in chunk])
-        res = model(inp)
-        del inp
-        for j, (y, v) in enumerate(chunk):
-            sl = (
-                slice(None),
-                slice(None),
-                slice(y * scale, (y + th) * scale),
-                slice(v * scale, (v + tw) * scale),
-            )
-            out[sl] += res[j * b : (j + 1) * b]
-            weight[sl] += 1
-        del res
-    out /= weight
-    return out
-
-
-# -- predictions -------------------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -171,16 +49,25 @@ class StagePlan:
 
     stage: str
     plan: str
+    """The engine's label (``"untiled"``, ``"exact t64"``, ``"tiled t192 o16 b2"``, ``"whole b1"``)."""
     predicted_peak_bytes: int
     fits: bool
     budget_bytes: int
+    """Free memory minus the safety margin (what the whole peak must fit)."""
     safety_margin_bytes: int
     resident_bytes: int
-    """Weights that stay on the device during the stage but are not the stage's own model."""
-    prediction: PeakPrediction
+    """Weights that stay on the device during the stage but are not the stage's own model (and
+    decoded images of a batch waiting there)."""
+    weights_bytes: int
+    """The stage model's weights."""
+    input_bytes: int
+    activation_bytes: int
+    """The engine's predicted peak minus the input."""
     tile: int | None
     batch: int
     dtype: str
+    key: tuple = ()
+    """The planner-memory key the engine learns under for this stage."""
     warning: str | None = None
     candidates: list[planner.Candidate] = field(default_factory=list, compare=False)
 
@@ -193,9 +80,9 @@ class StagePlan:
             "budget_bytes": self.budget_bytes,
             "safety_margin_bytes": self.safety_margin_bytes,
             "resident_bytes": self.resident_bytes,
-            "model_weights_bytes": self.prediction.weights_bytes,
-            "input_bytes": self.prediction.input_bytes,
-            "activation_bytes": self.prediction.activation_bytes,
+            "model_weights_bytes": self.weights_bytes,
+            "input_bytes": self.input_bytes,
+            "activation_bytes": self.activation_bytes,
             "tile": self.tile,
             "batch": self.batch,
             "dtype": self.dtype,
@@ -208,55 +95,83 @@ class StagePlan:
 
 
 @functools.lru_cache(maxsize=8)
-def _reference_vae(arch: str, dtype: str, attn: str):
-    # Built on the meta device (no memory, no init work); the fake state stands in for the weights.
-    mode = new_fake_mode()
+def reference_vae(arch: str, kind: str, attn: str = "sdpa") -> torch.nn.Module:
+    """The reference decoder/encoder of ``arch`` on the meta device (no memory, no init work)."""
+    a = reference.vae_arch(arch)
     with torch.device("meta"):
-        dec = reference.Decoder(reference.vae_arch(arch), attn=attn)
-        enc = reference.Encoder(reference.vae_arch(arch), attn=attn)
-    dt = dtype_of(dtype)
-    return mode, (dec, fake_state(dec, mode, dt)), (enc, fake_state(enc, mode, dt))
+        return reference.Decoder(a, attn=attn) if kind == "decode" else reference.Encoder(a, attn=attn)
 
 
 @functools.lru_cache(maxsize=8)
-def _reference_upscaler(kind: str, scale: int, dtype: str):
-    mode = new_fake_mode()
+def reference_upscaler(kind: str, scale: int) -> torch.nn.Module:
     with torch.device("meta"):
-        model = reference.build_upscaler(kind, scale)
-    return mode, model, fake_state(model, mode, dtype_of(dtype))
+        return reference.build_upscaler(kind, scale).eval()
 
 
-class _Loop(torch.nn.Module):
-    """Wraps a tiled loop so that ``functional_call`` can swap the inner model's weights."""
+def _stage(
+    stage: str,
+    label: str,
+    tile: int | None,
+    batch: int,
+    peak: int,
+    raw_candidates: list[planner.Candidate],
+    *,
+    free_bytes: int,
+    margin: int,
+    weights: int,
+    resident: int,
+    input_bytes: int,
+    dtype: str,
+    key: tuple,
+) -> StagePlan:
+    total = weights + resident + peak
+    budget = free_bytes - margin
+    fits = total <= budget
+    warning = None
+    if not fits:
+        warning = planner.choose(
+            [planner.Candidate(label, total, tile, batch)], max(free_bytes, 0), margin
+        ).warning
+    cands = [dataclasses.replace(c, peak_bytes=c.peak_bytes + weights + resident) for c in raw_candidates]
+    return StagePlan(
+        stage=stage,
+        plan=label,
+        predicted_peak_bytes=total,
+        fits=fits,
+        budget_bytes=budget,
+        safety_margin_bytes=margin,
+        resident_bytes=resident,
+        weights_bytes=weights,
+        input_bytes=input_bytes,
+        activation_bytes=max(0, peak - input_bytes),
+        tile=tile,
+        batch=batch,
+        dtype=dtype,
+        key=key,
+        warning=warning,
+        candidates=cands,
+    )
 
-    def __init__(self, inner: torch.nn.Module, loop, **kwargs: object) -> None:
-        super().__init__()
-        self.inner = inner
-        self.loop = loop
-        self.kwargs = kwargs
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.loop(self.inner, x, **self.kwargs)
-
-
-def _loop_call(module: torch.nn.Module, state: dict, loop, **kwargs: object):
-    wrapper = _Loop(module, loop, **kwargs)
-    return fake_call(wrapper, {f"inner.{k}": v for k, v in state.items()})
-
-
-@functools.lru_cache(maxsize=512)
-def predict_vae(
+def plan_vae_stage(
+    stage: str,
     kind: str,
     arch: str,
     width: int,
     height: int,
-    dtype: str = "fp32",
-    tile: int | None = None,
-    backend: str = "cpu",
-    attn: str = "sdpa",
-) -> PeakPrediction:
-    """Peak of a VAE decode (``kind="decode"``) or encode (``"encode"``) of a ``width`` x ``height``
-    image with the reference ``arch``, untiled (``tile=None``) or tiled (``tile`` latent px)."""
+    preset: Preset,
+    free_bytes: int,
+    safety_margin_bytes: int,
+    *,
+    dtype: str,
+    resident_bytes: int = 0,
+    backend: str = "cuda",
+    memory: planner.PlanMemory | None = None,
+) -> StagePlan:
+    """``stage`` as the VAE engine plans it (:func:`lib_vram.vae.plan_vae`) for the reference VAE
+    of ``arch``, within what the preset leaves of ``free_bytes``."""
+    from lib_vram.vae import estimate_peak_bytes, plan_vae
+
     if kind not in ("decode", "encode"):
         raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
     a = reference.vae_arch(arch)
@@ -264,164 +179,66 @@ def predict_vae(
         raise ValueError(
             f"`width`/`height` must be positive multiples of {a.downscale}, got {width}x{height}"
         )
-    mode, (dec, dec_state), (enc, enc_state) = _reference_vae(arch, dtype, attn)
-    lh, lw = height // a.downscale, width // a.downscale
-    if kind == "decode":
-        module, state, shape, loop = dec, dec_state, (1, a.z_channels, lh, lw), tiled_decode
-    else:
-        module, state, shape, loop = enc, enc_state, (1, 3, height, width), tiled_encode
-    fn = fake_call(module, state) if tile is None else _loop_call(module, state, loop, tile=tile, dedupe=True)
-    w = weights_bytes(module, dtype_of(dtype))
-    with reference.dry_run():
-        return predict_callable(fn, (shape,), dtype=dtype, weights=w, backend=backend, fake_mode=mode)
+    module = reference_vae(arch, kind)
+    dt = dtype_of(dtype)
+    shape = (
+        (1, a.z_channels, height // a.downscale, width // a.downscale)
+        if kind == "decode"
+        else (1, 3, height, width)
+    )
+    weights = weights_bytes(module, dt)
+    input_bytes = shape[0] * shape[1] * shape[2] * shape[3] * dt.itemsize
+    budget = max(0, free_bytes - safety_margin_bytes - weights - resident_bytes)
+    if preset.vae_mode == "off":
+        # the WebUI's own forward, untiled
+        peak = estimate_peak_bytes(module, shape, dt, tile=None, mode="untiled", backend=backend)
+        cand = planner.Candidate("untiled", peak)
+        return _stage(
+            stage, "untiled", None, 1, peak, [cand], free_bytes=free_bytes, margin=safety_margin_bytes,
+            weights=weights, resident=resident_bytes, input_bytes=input_bytes, dtype=dtype, key=(),
+        )  # fmt: skip
+    p = plan_vae(module, shape, dt, budget, mode=preset.vae_mode, backend=backend, memory=memory)
+    return _stage(
+        stage, p.plan, p.tile, 1, p.peak_bytes, list(p.candidates), free_bytes=free_bytes,
+        margin=safety_margin_bytes, weights=weights, resident=resident_bytes, input_bytes=input_bytes,
+        dtype=dtype, key=p.key,
+    )  # fmt: skip
 
 
-@functools.lru_cache(maxsize=512)
-def predict_upscale(
+def plan_upscale_stage(
+    stage: str,
     kind: str,
     width: int,
     height: int,
-    dtype: str = "fp32",
-    tile: int | None = None,
-    batch: int = 1,
+    free_bytes: int,
+    safety_margin_bytes: int,
+    *,
+    dtype: str,
     scale: int = 4,
-    backend: str = "cpu",
-) -> PeakPrediction:
-    """Peak of upscaling a ``width`` x ``height`` image with the reference upscaler ``kind``
-    (``"rrdb"``/``"compact"``), untiled (``tile=None``) or in ``tile``-px tiles, ``batch`` per pass."""
+    resident_bytes: int = 0,
+    backend: str = "cuda",
+    memory: planner.PlanMemory | None = None,
+) -> StagePlan:
+    """``stage`` as the upscale engine plans it (:func:`lib_vram.upscale.plan_upscale`) for the
+    reference upscaler ``kind`` (``"rrdb"``/``"compact"``), within what is left of ``free_bytes``."""
+    from lib_vram.upscale import plan_upscale
+
     if width <= 0 or height <= 0:
         raise ValueError(f"`width`/`height` must be positive, got {width}x{height}")
-    mode, model, state = _reference_upscaler(kind, scale, dtype)
-    if tile is None:
-        fn = fake_call(model, state)
-    else:
-        fn = _loop_call(model, state, tiled_upscale, tile=tile, batch=batch, scale=scale, dedupe=True)
-    w = weights_bytes(model, dtype_of(dtype))
-    return predict_callable(
-        fn, ((1, 3, height, width),), dtype=dtype, weights=w, backend=backend, fake_mode=mode
-    )
-
-
-# -- choosing ------------------------------------------------------------------------------------
-
-
-def _choice_to_plan(
-    stage: str,
-    choice: planner.Choice,
-    predictions: dict,
-    resident: int,
-    dtype: str,
-    candidates: list[planner.Candidate],
-) -> StagePlan:
-    c = choice.candidate
-    return StagePlan(
-        stage=stage,
-        plan=c.plan,
-        predicted_peak_bytes=c.peak_bytes,
-        fits=choice.fits,
-        budget_bytes=choice.budget_bytes,
-        safety_margin_bytes=choice.safety_margin_bytes,
-        resident_bytes=resident,
-        prediction=predictions[(c.tile, c.batch)],
-        tile=c.tile,
-        batch=c.batch,
-        dtype=dtype,
-        warning=choice.warning,
-        candidates=planner.order(candidates),
-    )
-
-
-def _label(tile: int | None, batch: int) -> str:
-    return "untiled" if tile is None else f"tile {tile}" + (f" x{batch}" if batch > 1 else "")
-
-
-def _choose_lazily(stage, key, options, predict, free_bytes, safety_margin_bytes, resident, dtype, memory):
-    """Predict the options in preference order and stop at the first that fits (the planner's
-    answer would be the same with all of them predicted; only the listed candidates differ)."""
-    mem = planner.MEMORY if memory is None else memory
-    ordered = sorted(options, key=lambda o: planner.Candidate("", 0, o[0], o[1]).preference)
-    predictions: dict = {}
-    candidates: list[planner.Candidate] = []
-    for t, b in ordered:
-        pred = predict(t, b)
-        predictions[(t, b)] = pred
-        candidates.append(planner.Candidate(_label(t, b), pred.total_bytes + resident, t, b))
-        adjusted = mem.adjust(key, candidates[-1:])[0]
-        if adjusted.peak_bytes <= free_bytes - safety_margin_bytes:
-            break
-    choice = planner.choose(mem.adjust(key, candidates), free_bytes, safety_margin_bytes)
-    return _choice_to_plan(stage, choice, predictions, resident, dtype, candidates)
-
-
-def plan_vae(
-    stage: str,
-    kind: str,
-    arch: str,
-    width: int,
-    height: int,
-    preset: Preset,
-    free_bytes: int,
-    safety_margin_bytes: int,
-    *,
-    dtype: str,
-    resident_bytes: int = 0,
-    backend: str = "cpu",
-    memory: planner.PlanMemory | None = None,
-) -> StagePlan:
-    """Choose untiled or the largest tile of ``preset``'s VAE ladder that fits."""
-    a = reference.vae_arch(arch)
-    lat = max(height, width) // a.downscale
-    tiles: list[int | None] = []
-    if preset.vae_mode in ("auto", "off"):
-        tiles.append(None)
-    if preset.vae_mode != "off":
-        tiles += [t for t in planner.tile_ladder(preset.vae_tile_min, preset.vae_tile_max) if t < lat]
-        if not tiles:
-            tiles.append(min(preset.vae_tile_min, lat))
-    key = (stage, kind, arch, width, height, dtype)
-
-    def predict(t: int | None, _b: int) -> PeakPrediction:
-        return predict_vae(kind, arch, width, height, dtype, t, backend)
-
-    options = [(t, 1) for t in tiles]
-    return _choose_lazily(
-        stage, key, options, predict, free_bytes, safety_margin_bytes, resident_bytes, dtype, memory
-    )
-
-
-def plan_upscale(
-    stage: str,
-    kind: str,
-    width: int,
-    height: int,
-    preset: Preset,
-    free_bytes: int,
-    safety_margin_bytes: int,
-    *,
-    dtype: str,
-    scale: int = 4,
-    resident_bytes: int = 0,
-    backend: str = "cpu",
-    memory: planner.PlanMemory | None = None,
-) -> StagePlan:
-    """Choose untiled or the largest tile (then batch) of ``preset``'s upscaler bounds that fits."""
-    options: list[tuple[int | None, int]] = [(None, 1)]
-    side = max(width, height)
-    for t in planner.tile_ladder(preset.upscale_tile_min, preset.upscale_tile_max):
-        if t >= side:
-            continue
-        b = preset.upscale_batch_max
-        while b >= 1:
-            options.append((t, b))
-            b //= 2
-    key = (stage, kind, width, height, dtype, scale)
-
-    def predict(t: int | None, b: int) -> PeakPrediction:
-        return predict_upscale(kind, width, height, dtype, t, b, scale, backend)
-
-    return _choose_lazily(
-        stage, key, options, predict, free_bytes, safety_margin_bytes, resident_bytes, dtype, memory
-    )
+    module = reference_upscaler(kind, scale)
+    dt = dtype_of(dtype)
+    shape = (1, 3, height, width)
+    weights = weights_bytes(module, dt)
+    budget = max(1, free_bytes - safety_margin_bytes - weights - resident_bytes)
+    p = plan_upscale(module, shape, dt, budget, scale=scale, host_apart=backend != "cpu", memory=memory)
+    input_bytes = 0 if p.in_host else 3 * height * width * dt.itemsize
+    tile = None if p.whole else p.tile
+    cand = p.candidate(p.tile, p.batch, p.halo)
+    return _stage(
+        stage, p.plan, tile, p.batch, p.peak_bytes, [cand], free_bytes=free_bytes,
+        margin=safety_margin_bytes, weights=weights, resident=resident_bytes, input_bytes=input_bytes,
+        dtype=dtype, key=p.key,
+    )  # fmt: skip
 
 
 def plan_job(
@@ -467,7 +284,7 @@ def plan_job(
         return (batch - 1) * 3 * w * h * itemsize
 
     def vae(stage: str, kind: str, w: int, h: int) -> StagePlan:
-        return plan_vae(
+        return plan_vae_stage(
             stage, kind, arch, w, h, preset, free_bytes, margin, dtype=vae_dtype,
             resident_bytes=resident + waiting(w, h), backend=backend, memory=memory,
         )  # fmt: skip
@@ -479,12 +296,11 @@ def plan_job(
         hh = int(round(height * hires / a.downscale)) * a.downscale
         if upscaler is not None:
             plans.append(
-                plan_upscale(
+                plan_upscale_stage(
                     "hires_upscale",
                     upscaler,
                     width,
                     height,
-                    preset,
                     free_bytes,
                     margin,
                     dtype=up_dtype,
@@ -499,12 +315,11 @@ def plan_job(
         final_w, final_h = hw, hh
     elif upscaler is not None:
         plans.append(
-            plan_upscale(
+            plan_upscale_stage(
                 "upscale",
                 upscaler,
                 final_w,
                 final_h,
-                preset,
                 free_bytes,
                 margin,
                 dtype=up_dtype,
@@ -515,6 +330,19 @@ def plan_job(
             )  # fmt: skip
         )
     return plans
+
+
+class _Loop(torch.nn.Module):
+    """Wraps a tiled loop so that ``functional_call`` can swap the inner model's weights."""
+
+    def __init__(self, inner: torch.nn.Module, loop, **kwargs: object) -> None:
+        super().__init__()
+        self.inner = inner
+        self.loop = loop
+        self.kwargs = kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.loop(self.inner, x, **self.kwargs)
 
 
 # -- the engines' own code on fake tensors ---------------------------------------------------------
@@ -528,6 +356,7 @@ def predict_engine_vae(
     tile: int | None = None,
     mode: str = "exact",
     backend: str = "cpu",
+    state_offload: str = "device",
 ) -> PeakPrediction:
     """Peak of :func:`lib_vram.vae.tiled_decode`/``tiled_encode`` on ``module`` (any layout the
     engine supports: the WebUI's own VAE, ldm, diffusers, :mod:`lib_vram.planning.reference`), predicted by
@@ -545,7 +374,7 @@ def predict_engine_vae(
         budget_bytes=2**50,
         dtype=dt,
         guard=False,
-        state_offload="device",
+        state_offload=state_offload,
     )
     run = tiled_decode if kind == "decode" else tiled_encode
     state = fake_state(module, fmode, dt)
@@ -565,6 +394,9 @@ def predict_engine_vae(
     )
 
 
+_PRECISION = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
 def predict_engine_upscale(
     model: object,
     input_shape: tuple[int, ...],
@@ -573,9 +405,11 @@ def predict_engine_upscale(
     batch: int = 1,
     scale: int = 4,
     backend: str = "cpu",
+    overlap: int | None = None,
 ) -> PeakPrediction:
     """Peak of :func:`lib_vram.upscale.upscale_tensor` with ``model`` (a ``torch.nn.Module``),
-    predicted by running the engine on fake tensors (finite check off, accumulator on the device)."""
+    predicted by running the engine on fake tensors (finite check off, accumulator on the device;
+    ``overlap`` None: the engine's default for an uncalibrated model)."""
     from lib_vram.upscale import UpscaleConfig, upscale_tensor
 
     net = getattr(model, "model", model)
@@ -585,7 +419,10 @@ def predict_engine_upscale(
     cfg = UpscaleConfig(
         tile=side if tile is None else tile,
         batch=batch,
-        precision=dtype,
+        overlap=overlap,
+        precision=dtype
+        if isinstance(dtype, str)
+        else str(dtype).replace("torch.float", "fp").replace("torch.bfloat16", "bf16"),
         device="cpu",
         budget_bytes=2**50,
         accumulate_on="device",

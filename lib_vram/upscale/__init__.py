@@ -24,6 +24,7 @@ from ._calibrate import (
 from ._engine import upscale_tensor
 from ._image import upscale_image
 from ._models import ModelCache, default_cache, load_model
+from ._plan import UpscalePlan, plan_upscale
 from ._types import Interrupted, UpscaleConfig, UpscaleError, UpscaleReport
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "ModelSpec",
     "UpscaleConfig",
     "UpscaleError",
+    "UpscalePlan",
     "UpscaleReport",
     "as_spec",
     "bytes_per_px",
@@ -43,6 +45,7 @@ __all__ = [
     "default_cache",
     "load_model",
     "measure_context",
+    "plan_upscale",
     "upscale_image",
     "upscale_tensor",
 ]

@@ -22,132 +22,37 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lib_vram.core import emulate
 from lib_vram.core.device import free_bytes, is_oom_error, release, resolve_device
-from lib_vram.core.geometry import split_axis
-from lib_vram.core.livebytes import itemsize as elem_size
 from lib_vram.planning import planner
 
 from ._adapter import ModelSpec, as_spec, choose_dtype
 from ._calibrate import bytes_per_px, context_info
+from ._plan import (  # noqa: F401  (re-exported: the engine's sizes and geometry)
+    AUTO_TILE_MAX,
+    INPUT_ON_DEVICE_FRACTION,
+    MAX_AUTO_BATCH,
+    MIN_TILE,
+    _legal_len,
+    _make_tiles,
+    _padded_size,
+    _Tile,
+    decide,
+    signature,
+)
 from ._types import Interrupted, UpscaleConfig, UpscaleError, UpscaleReport
 
 logger = logging.getLogger(__name__)
 
 BUDGET_FRACTION = 0.8
 """Share of the free device memory an automatic plan uses (the rest absorbs fragmentation)."""
-AUTO_TILE_MAX = 512
-"""Largest automatic tile core (input px) when the whole image does not fit: a 512² tile keeps any
-current GPU busy, so larger tiles would only raise the peak. ``DISCOURAGED`` models ignore it."""
-MAX_AUTO_BATCH = 16
-MIN_TILE = 16
-INPUT_ON_DEVICE_FRACTION = 0.25
-"""The input image goes to the device once unless it would take more than this share of the
-budget (a huge image then stays in host memory and only its tiles travel)."""
-
-
-@dataclass(frozen=True)
-class _Tile:
-    b: int
-    y0: int
-    y1: int
-    x0: int
-    x1: int
-    wy0: int
-    wy1: int
-    wx0: int
-    wx1: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.wy1 - self.wy0, self.wx1 - self.wx0)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _legal_len(spec: ModelSpec, n: int) -> int:
-    n = max(n, spec.minimum, 1)
-    return _round_up(n, math.lcm(spec.multiple_of, spec.grid))
-
-
-def _grow(start: int, end: int, need: int, limit: int) -> tuple[int, int]:
-    """Grow ``[start, end)`` to length ``need`` inside ``[0, limit)`` (after first, then before)."""
-    extra = need - (end - start)
-    if extra <= 0:
-        return start, end
-    new_end = min(limit, end + extra)
-    start = max(0, start - (extra - (new_end - end)))
-    return start, new_end
-
-
-def _axis_windows(
-    spec: ModelSpec, c0: int, c1: int, tile: int, halo: int, n: int
-) -> list[tuple[int, int, int, int]]:
-    """Cores of ``[c0, c1)`` (at most ``tile``) with their windows ``(core0, core1, win0, win1)``.
-
-    Windows are the core plus ``halo`` clipped to ``[0, n)``, widened to the model's grid (start
-    and end on multiples of ``spec.grid``, so a window-attention model partitions each tile as it
-    partitions the whole image), made legal for the model, and then equalised within their class
-    (touching one image border, both, or none) so that tiles of a class can share a batch: balanced
-    cores differ by a pixel, and such a pixel would otherwise split every batch.
-    """
-    g = max(1, spec.grid)
-    cores = [(c0 + sp.core_start, c0 + sp.core_end) for sp in split_axis(c1 - c0, tile)]
-    wins = [(max(0, (a - halo) // g * g), min(n, _round_up(b + halo, g))) for a, b in cores]
-    lens = [_legal_len(spec, e - s) for s, e in wins]
-
-    def cls(i: int) -> int:
-        return (wins[i][0] == 0) + (wins[i][1] == n)
-
-    target: dict[int, int] = {}
-    for i, length in enumerate(lens):
-        target[cls(i)] = max(target.get(cls(i), 0), length)
-    out = []
-    for i, (a, b) in enumerate(cores):
-        s0, e0 = _grow(wins[i][0], wins[i][1], min(n, target[cls(i)]), n)
-        if s0 % g:  # growth toward the start left the grid (n is not on it): back onto it
-            s0 = s0 // g * g
-        out.append((a, b, s0, e0))
-    return out
-
-
-def _make_tiles(
-    spec: ModelSpec, b: int, region: tuple[int, int, int, int], tile: int, halo: int, h: int, w: int
-) -> list[_Tile]:
-    y0, y1, x0, x1 = region
-    ys = _axis_windows(spec, y0, y1, tile, halo, h)
-    xs = _axis_windows(spec, x0, x1, tile, halo, w)
-    tiles = []
-    for cy0, cy1, wy0, wy1 in ys:
-        for cx0, cx1, wx0, wx1 in xs:
-            if spec.square:
-                side = max(wy1 - wy0, wx1 - wx0)
-                wy0, wy1 = _grow(wy0, wy1, side, h)
-                wx0, wx1 = _grow(wx0, wx1, side, w)
-            tiles.append(_Tile(b, cy0, cy1, cx0, cx1, wy0, wy1, wx0, wx1))
-    return tiles
-
-
-def _padded_size(spec: ModelSpec, h: int, w: int) -> tuple[int, int]:
-    """The size the model computes on for an ``h x w`` input: spandrel's size requirements, then
-    the model's own padding (``spec.pre_pad``, evaluated on a shape-only tensor)."""
-    hp, wp = spec.pad_to(h, w)
-    if spec.pre_pad is None:
-        return hp, wp
-    with torch.inference_mode():
-        probe = spec.pre_pad(torch.empty(1, 1, hp, wp, device="meta"))
-    return int(probe.shape[-2]), int(probe.shape[-1])
 
 
 def _pad_like_model(spec: ModelSpec, x: Tensor, hp: int, wp: int) -> Tensor:
@@ -194,13 +99,6 @@ def _axis_weights(
     if c1 < n:
         w = w * (((c1 * s + fs / 2.0) - p) / fs).clamp(0, 1)
     return lo, hi, w
-
-
-def signature(spec: ModelSpec) -> tuple:
-    """What an upscaler's memory depends on besides the input: architecture name, scale, input
-    channels and parameter count (which tells widths apart); the planner memory's model key."""
-    n_params = sum(p.numel() for p in spec.module.parameters()) if spec.module is not None else 0
-    return (spec.name, spec.scale, spec.input_channels, n_params)
 
 
 class _Run:
@@ -291,13 +189,6 @@ class _Run:
                 rep.notes.append(note)
                 logger.warning("upscale: %s", note)
 
-    def auto_tile(self, tile_budget: int, per_px: float, halo: int) -> int:
-        side = math.isqrt(max(0, int(tile_budget / per_px)))
-        tile = max(MIN_TILE, (side - 2 * halo) // 8 * 8)
-        # An inexact model gets the largest tile that fits (fewest boundaries), like DISCOURAGED.
-        largest = self.spec.tiling == "discouraged" or self.inexact is not None
-        return tile if largest else min(tile, AUTO_TILE_MAX)
-
     # -- model call with the precision guard ----------------------------------------------
     def forward(self, inp: Tensor) -> Tensor:
         spec, rep = self.spec, self.rep
@@ -324,104 +215,45 @@ class _Run:
                 raw[idx] = fixed.float()
         return raw.float().clamp_(0, 1)
 
-    # -- planning ---------------------------------------------------------------------------
+    # -- planning (all of it in :func:`decide`) ---------------------------------------------
     def run(self, x: Tensor) -> Tensor:
         spec, cfg, rep, device, dtype = self.spec, self.cfg, self.rep, self.device, self.dtype
         bsz, ch, h, w = x.shape
         s = spec.scale
-        itemsize = elem_size(dtype)
         auto_size = cfg.tile is None or cfg.batch is None
-        per_px = bytes_per_px(spec, device, dtype, measure=cfg.calibrate and auto_size) + ch * itemsize
-        rep.bytes_per_px = per_px
-        hp, wp = _padded_size(spec, h, w)
+        fwd_px = bytes_per_px(spec, device, dtype, measure=cfg.calibrate and auto_size)
         budget = cfg.budget_bytes
         if budget is None:
             budget = int(free_bytes(device) * BUDGET_FRACTION)
-        rep.budget_bytes = budget
-        acc_bytes = bsz * ch * hp * s * wp * s * 4
-        in_bytes = bsz * ch * hp * wp * itemsize
         # host memory is distinct from the device's on an accelerator and on an emulated card
         host_apart = emulate.separate_host(device)
-        if cfg.accumulate_on == "auto":
-            acc_host = host_apart and acc_bytes + in_bytes > budget // 2
-        else:
-            acc_host = cfg.accumulate_on != "device"
-        acc_dev = torch.device("cpu") if acc_host else device
-        in_host = acc_host and in_bytes > budget * INPUT_ON_DEVICE_FRACTION
-        in_dev = acc_dev if in_host else device
-        self.host_roles = (acc_host and host_apart, in_host and host_apart)
-        tile_budget = budget - (0 if acc_host else acc_bytes) - (0 if in_host else in_bytes)
-
-        max_dim = max(hp, wp)
-        whole = spec.tiling == "internal" or (cfg.tile is None and hp * wp * per_px <= tile_budget)
-        halo = 0
-        if not whole and (cfg.tile is None or cfg.tile < max_dim):
-            halo = self.halo()
-        if whole:
-            tile = max_dim
-        elif cfg.tile is not None:
-            tile = cfg.tile
-        else:
-            tile = self.auto_tile(tile_budget, per_px, halo)
-        tile = min(tile, max_dim)
-        resident = budget - tile_budget
-
-        def area_of(t: int, o: int) -> int:
-            if t >= max_dim:
-                return hp * wp
-            wins = _make_tiles(spec, 0, (0, hp, 0, wp), t, o, hp, wp)
-            return max(w.shape[0] * w.shape[1] for w in wins)
-
-        def auto_batch(t: int, o: int) -> int:
-            n = bsz * math.ceil(hp / t) * math.ceil(wp / t)
-            return int(max(1, min(MAX_AUTO_BATCH, n, tile_budget // max(1.0, area_of(t, o) * per_px))))
-
-        def candidate(t: int, b: int, o: int) -> planner.Candidate:
-            # peak = accumulator and input where they sit on the device + b windows at per_px
-            peak = resident + int(b * area_of(t, o) * per_px)
-            if t >= max_dim:
-                return planner.Candidate(f"whole b{b}", peak, None, b)
-            return planner.Candidate(f"tiled t{t} o{o} b{b}", peak, t, b)
-
-        self.key = planner.plan_key("upscale", signature(spec), x.shape, dtype)
-        learned_batch = None
-        mem = self.memory
-        learned = mem.limit(self.key) is not None or mem.ratio(self.key) > 1.0
-        if auto_size and spec.tiling != "internal" and learned:
-            # This process learned something for this model and shape (an out-of-memory error, a
-            # peak measured above the prediction): choose among the plans the OOM path would try.
-            if halo == 0 and (cfg.tile is None or cfg.tile < max_dim):
-                halo = self.halo()
-            cands = []
-            if cfg.tile is None:
-                cands += [candidate(max_dim, b, 0) for b in _halvings(cfg.batch or bsz)]
-            t = tile if (cfg.tile is not None or not whole) else self.auto_tile(tile_budget, per_px, halo)
-            t = min(t, max_dim)
-            while True:
-                cands += [candidate(t, b, halo) for b in _halvings(cfg.batch or auto_batch(t, halo))]
-                if cfg.tile is not None or t // 2 < max(MIN_TILE, 2 * (halo // 2)):
-                    break
-                t //= 2
-            pick = planner.choose_learned(self.key, cands, budget, 0, mem).candidate
-            whole = pick.tile is None
-            tile, halo = (max_dim, 0) if whole else (pick.tile, halo)
-            learned_batch = pick.batch
-            rep.events.append(f"learned for this model and shape: {pick.plan}")
+        plan = decide(
+            spec,
+            tuple(x.shape),
+            dtype,
+            budget,
+            fwd_px,
+            lambda: (self.halo(), self.inexact),
+            tile=cfg.tile,
+            batch=cfg.batch,
+            accumulate_on=cfg.accumulate_on,
+            host_apart=host_apart,
+            memory=self.memory,
+        )
+        self.plan = plan
+        rep.bytes_per_px = plan.bytes_per_px
+        rep.budget_bytes = budget
+        if plan.learned is not None:
+            rep.events.append(f"learned for this model and shape: {plan.learned}")
+        acc_dev = torch.device("cpu") if plan.acc_host else device
+        in_dev = acc_dev if plan.in_host else device
+        self.host_roles = (plan.acc_host and host_apart, plan.in_host and host_apart)
+        self.key = plan.key
+        tile, halo, batch, max_dim = plan.tile, plan.halo, plan.batch, plan.max_dim
+        hp, wp = plan.padded
         self.set_halo(halo, tile)
-        self.predict = lambda t, b: candidate(t, b, self.halo_px)
-        self.candidate = candidate
-
-        if spec.square:
-            need = _legal_len(spec, min(tile + 2 * halo, max_dim))
-            hp, wp = max(hp, need), max(wp, need)
+        self.predict = lambda t, b: plan.candidate(t, b, self.halo_px)
         tiles = [t for b in range(bsz) for t in _make_tiles(spec, b, (0, hp, 0, wp), tile, halo, hp, wp)]
-        area = tiles[0].shape[0] * tiles[0].shape[1]
-        if cfg.batch is not None:
-            batch = cfg.batch
-        elif learned_batch is not None:
-            batch = learned_batch
-        else:
-            batch = int(max(1, min(MAX_AUTO_BATCH, len(tiles), tile_budget // max(1.0, area * per_px))))
 
         rep.tile, rep.batch = tile, batch
         rep.dtype, rep.device, rep.accumulate_on = str(dtype).replace("torch.", ""), str(device), str(acc_dev)
@@ -430,7 +262,7 @@ class _Run:
         self.describe(len(tiles) > bsz, acc_dev)
         note = getattr(self.tracker, "note", None)
         if note is not None:
-            note(plan=rep.plan, tiles=len(tiles), bytes_per_px=round(per_px))
+            note(plan=rep.plan, tiles=len(tiles), bytes_per_px=round(plan.bytes_per_px))
         logger.debug("upscale plan: %s, %d tiles, budget %.0f MiB", rep.plan, len(tiles), budget / 2**20)
 
         def place_input() -> Tensor:
@@ -682,10 +514,3 @@ def _once_more(
     else:
         rep.events.append(text)
     return fn()
-
-
-def _halvings(n: int) -> list[int]:
-    out = [n]
-    while out[-1] > 1:
-        out.append(out[-1] // 2)
-    return out

@@ -5,7 +5,8 @@ Public API (see ``README.md``, "Tiled VAE"):
 * :func:`tiled_decode`, :func:`tiled_encode` with a :class:`TiledVAEConfig`; what ran is written
   into a :class:`VAEReport`.
 * :func:`is_supported_decoder`, :func:`is_supported_encoder`: layout checks (ldm/sgm, diffusers).
-* :func:`estimate_peak_bytes`: analytic peak of a pass, used by ``mode="auto"``.
+* :func:`plan_vae`: the plan a pass runs (what ``mode="auto"`` decides) and its predicted peak,
+  without running it; :func:`estimate_peak_bytes`: the analytic peak of one plan.
 * Learning: out-of-memory retries and finished passes are recorded in :data:`lib_vram.planning.planner.MEMORY`
   (or the ``memory`` passed in); ``mode="auto"`` and the automatic tile consult it.
 * :class:`Interrupted`, :class:`VAEOutOfMemory`: the errors it raises besides ``ValueError``.
@@ -29,7 +30,7 @@ from ._config import (
 )
 from ._engine import parked_bytes
 from ._layout import UnsupportedLayout, decoder_spec, encoder_spec
-from ._plan import choose_tile, estimate_peak_bytes
+from ._plan import VAEPlan, choose_tile, estimate_peak_bytes, plan_vae
 
 __all__ = [
     "Interrupted",
@@ -37,6 +38,7 @@ __all__ = [
     "TiledVAEConfig",
     "UnsupportedLayout",
     "VAEOutOfMemory",
+    "VAEPlan",
     "VAEReport",
     "attention",
     "choose_tile",
@@ -46,6 +48,7 @@ __all__ = [
     "is_supported_decoder",
     "is_supported_encoder",
     "parked_bytes",
+    "plan_vae",
     "query_chunk",
     "tiled_decode",
     "tiled_encode",

@@ -36,8 +36,14 @@ from ._engine import (
     split_first_level,
     sync_count,
 )
-from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec, signature
-from ._plan import candidates, estimate_components, estimate_spec_bytes, sample_boxes, smaller
+from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec
+from ._plan import (
+    PassPlanner,
+    estimate_components,
+    fast_sample_for,
+    sample_boxes,
+    smaller,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,20 +140,28 @@ class _Pass:
             if spec.kind == "decoder"
             else (b, spec.out_channels, math.ceil(h / f), math.ceil(w / f))
         )
+        self.plan = PassPlanner(
+            spec,
+            tuple(x.shape),
+            self.dtype,
+            self.budget,
+            out_dtype=self.out_dtype,
+            backend=self.backend,
+            host_apart=emulate.separate_host(self.device),
+            state_offload=config.state_offload,
+            fast_sample=config.fast_sample,
+            memory=self.memory,
+        )
+        self.plan.notes = report.notes  # the planner's notes go straight into the report
         report.kind = spec.kind
         report.layout = spec.layout
         report.dtype = str(self.dtype).replace("torch.", "")
         report.halo = self.halo
         report.budget_bytes = self.budget
 
-    # -- planning ------------------------------------------------------------------------------
+    # -- planning (all of it in :class:`lib_vram.vae._plan.PassPlanner`) ------------------------
     def offload_for(self, tile: int, mode: str) -> torch.device | None:
-        choice = self.config.state_offload
-        if not emulate.separate_host(self.device) or mode != "exact":
-            choice = "device" if choice == "auto" else choice
-        if choice == "auto":
-            on_dev = self.estimate(tile, "exact")
-            choice = "device" if on_dev <= self.budget else "cpu"
+        choice = self.plan.offload(tile, mode)
         self.report.state_offload = choice
         # On a CPU device "cpu" moves nothing, but the parked bytes are still accounted (reports,
         # ``parked_bytes()``; an emulated card stops counting them), which is how a CPU run shows
@@ -155,63 +169,18 @@ class _Pass:
         return None if choice == "device" else torch.device("cpu")
 
     def estimate(self, tile: int | None, mode: str, on_device: bool = True) -> int:
-        return estimate_spec_bytes(
-            self.spec,
-            tuple(self.x.shape),
-            self.dtype,
-            tile=tile,
-            mode=mode,
-            state_on_device=on_device,
-            out_dtype=self.out_dtype,
-            backend=self.backend,
-            fast_sample=fast_sample_for(
-                self.config.fast_sample, self.spec.kind, self.x.shape[-2], self.x.shape[-1]
-            ),
-        )
+        return self.plan.estimate(tile, mode, on_device)
 
     def key(self, mode: str) -> tuple:
-        """The planner-memory key of this pass in a tiled ``mode`` (auto's untiled try shares the
-        ``"exact"`` key: both are candidates of one choice)."""
-        stage = "vae_decode" if self.spec.kind == "decoder" else "vae_encode"
-        return planner.plan_key(stage, signature(self.spec), self.x.shape, self.dtype, mode)
+        return self.plan.key(mode)
 
     def candidate(self, tile: int | None, mode: str) -> planner.Candidate:
-        """``tile`` (None: untiled) as a planner candidate, its peak the raw estimate."""
-        if tile is None:
-            return planner.Candidate("untiled", self.estimate(None, "untiled"))
-        on_dev = self.config.state_offload == "device" or not emulate.separate_host(self.device)
-        return planner.Candidate(f"{mode} t{tile}", self.estimate(tile, mode, on_dev), tile)
-
-    def tile_candidates(self, mode: str) -> list[planner.Candidate]:
-        b, c, h, w = self.x.shape
-        f = self.spec.factor if self.spec.kind == "encoder" else 1
-        return [self.candidate(t, mode) for t in candidates(math.ceil(max(h, w) / f))]
-
-    def choose(self, cands: list[planner.Candidate], mode: str) -> tuple[planner.Candidate, bool]:
-        """The planner's choice among ``cands`` within the budget, after what the memory learned
-        for this key (a plan that ran out of memory, a measured peak above the estimate); and
-        whether it fits."""
-        key = self.key(mode)
-        learned, index = _select(self.memory.adjust(key, cands), self.budget)
-        _, naive_index = _select(cands, self.budget)
-        pick = cands[index]
-        if index != naive_index:
-            ratio = self.memory.ratio(key)
-            why = f"x{ratio:.2f} measured/estimated" if ratio > 1 else "an earlier out-of-memory error"
-            self.report.notes.append(f"{pick.plan} instead of {cands[naive_index].plan}: learned from {why}")
-        if not learned.fits:
-            self.report.notes.append(
-                f"no plan fits the budget ({self.budget} B); "
-                f"using {pick.plan} ({pick.peak_bytes} B estimated)"
-            )
-        return pick, learned.fits
+        return self.plan.candidate(tile, mode)
 
     def pick_tile(self, mode: str) -> int:
         if self.config.tile is not None:
             return self.config.tile
-        tile = self.choose(self.tile_candidates(mode), mode)[0].tile
-        assert tile is not None
-        return tile
+        return self.plan.pick_tile(mode)
 
     def record(self, mode: str, tile: int | None, *, oom: bool, measured: int | None = None) -> None:
         """Tell the planner memory what a plan did (with its raw estimate: what ``adjust`` scales)."""
@@ -339,9 +308,9 @@ class _Pass:
         tiled = n_tiles * (steps if mode == "exact" else 1)
         return tiled + sync_count(self.spec, "global") + 2 * len(self.global_blocks) + 1
 
-    def tiled(self, mode: str) -> torch.Tensor:
+    def tiled(self, mode: str, tile: int | None = None) -> torch.Tensor:
         spec = self.spec
-        tile = self.pick_tile(mode)
+        tile = self.pick_tile(mode) if tile is None else tile
         if mode == "fast" and spec.kind == "decoder":
             # The first level's ResNets run at latent resolution: on the whole latent with the mid
             # block (exact statistics, no halo to recompute, memory like the mid block's).
@@ -482,36 +451,6 @@ class _Pass:
         return out
 
 
-FAST_SAMPLE_SIDE = 32
-"""Auto ``fast_sample`` for the decoder: subsample the latent until its short side is about this
-many pixels (at least 2x). The estimate pass then costs ~``(32 / side)²`` of a decode (25 % at a
-64-px latent, 6 % at 128 px, 1.6 % at 256 px) and sees as much of the picture as at 512² with 2x,
-where it measured 47 dB (docs/benchmarks.md)."""
-
-
-def fast_sample_for(fast_sample: int | None, kind: str, h: int, w: int) -> int:
-    """The subsampling factor fast mode uses (``fast_sample`` if set; auto: see
-    :data:`FAST_SAMPLE_SIDE` for the decoder, 2 for the encoder's crops)."""
-    if fast_sample is not None:
-        return fast_sample
-    if kind != "decoder":
-        return 2
-    return max(2, min(h, w) // FAST_SAMPLE_SIDE)
-
-
-def _select(cands: list[planner.Candidate], budget: int) -> tuple[planner.Choice, int]:
-    """The planner's choice within ``budget`` and its index; when nothing fits, the smallest tile
-    learning allows instead of the smallest estimate (a tiny tile's estimate is dominated by its
-    halo, yet the smallest tile is the engine's best chance)."""
-    choice = planner.choose(cands, budget, 0)
-    index = cands.index(choice.candidate)
-    if not choice.fits:
-        allowed = [i for i, c in enumerate(cands) if c.tile is not None and c.peak_bytes < planner.EXCLUDED]
-        if allowed:
-            index = min(allowed, key=lambda i: cands[i].tile or 0)
-    return choice, index
-
-
 def _check_input(x: torch.Tensor, spec: VAESpec, name: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"`{name}` must be a 4-D tensor (B, C, H, W), got {getattr(x, 'shape', type(x))}")
@@ -588,39 +527,33 @@ def _attempt(
     """One try of a pass: auto's choice (untiled through the host's forward, or tiled) or the
     configured mode."""
     out = None
-    if config.mode == "auto":
-        untiled = False
-        if config.tile is None:
-            cands = [p.candidate(None, "exact"), *p.tile_candidates("exact")]
-            pick, fits = p.choose(cands, "exact")
-            # untiled only when it fits: when nothing does, tiles (at least the output and the
-            # upper levels' activations shrink with them)
-            untiled = fits and pick.tile is None
-        if untiled:
-            if original_forward is not None:
-                out = p.untiled_host(original_forward)
+    ran, tile = p.plan.auto(config.mode, config.tile)
+    if ran == "untiled":
+        if original_forward is not None:
+            out = p.untiled_host(original_forward)
+        else:
+            b, _, h, w = x.shape
+            full = math.ceil(max(h, w) / (spec.factor if spec.kind == "encoder" else 1))
+            p2 = _Pass(
+                spec,
+                x,
+                TiledVAEConfig(**{**_fields(config), "tile": full, "mode": "exact"}),
+                rep,
+                should_interrupt,
+                progress,
+                tracker,
+                memory,
+            )
+            out = p2.tiled("exact")
+            if rep.oom_retries:
+                p.record("exact", None, oom=True)  # the untiled attempt (tile = everything)
             else:
-                b, _, h, w = x.shape
-                full = math.ceil(max(h, w) / (spec.factor if spec.kind == "encoder" else 1))
-                p2 = _Pass(
-                    spec,
-                    x,
-                    TiledVAEConfig(**{**_fields(config), "tile": full, "mode": "exact"}),
-                    rep,
-                    should_interrupt,
-                    progress,
-                    tracker,
-                    memory,
-                )
-                out = p2.tiled("exact")
-                if rep.oom_retries:
-                    p.record("exact", None, oom=True)  # the untiled attempt (tile = everything)
-                else:
-                    rep.mode = "untiled"
+                rep.mode = "untiled"
         if out is None:
+            # the untiled try ran out of memory (or gave NaN/Inf): exact tiles
             out = p.tiled("exact")
     else:
-        out = p.tiled(config.mode)
+        out = p.tiled(ran, tile)
     return out
 
 

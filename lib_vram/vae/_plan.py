@@ -16,13 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lib_vram.core.geometry import grid, overhead
+from lib_vram.core.geometry import split_axis
 from lib_vram.core.livebytes import itemsize
 from lib_vram.core.predict import WORKSPACE_TERMS
+from lib_vram.planning import planner
 
 from ._attention import DEFAULT_SCORE_BYTES, cpu_flash_kernel
 from ._engine import needs, split_first_level
-from ._layout import Resnet, VAESpec, decoder_spec, encoder_spec
+from ._layout import Resnet, VAESpec, decoder_spec, encoder_spec, signature
 
 TILE_CANDIDATES = (256, 192, 160, 128, 112, 96, 80, 64, 56, 48, 40, 32, 24, 16, 8)
 """Tile sizes (latent px) tried by the auto planner and the out-of-memory retry, largest first."""
@@ -81,6 +82,15 @@ def sample_boxes(h: int, w: int, sample: int, align: int) -> list[tuple[int, int
     ys = _axis_samples(h, 1 / sample, align)
     xs = _axis_samples(w, 1 / sample, align)
     return [(y0, y1, x0, x1) for y0, y1 in ys for x0, x1 in xs]
+
+
+def _overhead(h: int, w: int, core: int, halo: int) -> float:
+    """Window pixels of the tile grid over image pixels (:func:`lib_vram.core.geometry.overhead`
+    of ``grid(h, w, core, core, halo)``): the grid is the product of its two axes' spans, so the
+    sum over its tiles is the product of the axes' sums (no list of tiles at any size)."""
+    sy = sum(sp.size for sp in split_axis(h, core, halo))
+    sx = sy if w == h else sum(sp.size for sp in split_axis(w, core, halo))
+    return sy * sx / float(h * w)
 
 
 def _window(n: int, core: int, need: int) -> int:
@@ -214,7 +224,7 @@ def estimate_components(
             else:
                 c = max(1, int(round(core * lh / th)))
                 wh, ww = _window(lh, c, lneeds[i]), _window(lw, c, lneeds[i])
-                ov = overhead(grid(lh, lw, c, c, lneeds[i]), lh, lw) if share is None else share
+                ov = _overhead(lh, lw, c, lneeds[i]) if share is None else share
             px = wh * ww
             work = parked = wsp = 0
             if i == 0 and spec.kind == "encoder":
@@ -414,3 +424,259 @@ def choose_tile(
             return best
     assert best is not None
     return best
+
+
+# -- the one planning path: what the engine runs, and its predicted peak ------------------------
+
+FAST_SAMPLE_SIDE = 32
+"""Auto ``fast_sample`` for the decoder: subsample the latent until its short side is about this
+many pixels (at least 2x). The estimate pass then costs ~``(32 / side)²`` of a decode (25 % at a
+64-px latent, 6 % at 128 px, 1.6 % at 256 px) and sees as much of the picture as at 512² with 2x,
+where it measured 47 dB (docs/benchmarks.md)."""
+
+
+def fast_sample_for(fast_sample: int | None, kind: str, h: int, w: int) -> int:
+    """The subsampling factor fast mode uses (``fast_sample`` if set; auto: see
+    :data:`FAST_SAMPLE_SIDE` for the decoder, 2 for the encoder's crops)."""
+    if fast_sample is not None:
+        return fast_sample
+    if kind != "decoder":
+        return 2
+    return max(2, min(h, w) // FAST_SAMPLE_SIDE)
+
+
+def select(cands: list[planner.Candidate], budget: int) -> tuple[planner.Choice, int]:
+    """The planner's choice within ``budget`` and its index; when nothing fits, the smallest tile
+    learning allows instead of the smallest estimate (a tiny tile's estimate is dominated by its
+    halo, yet the smallest tile is the engine's best chance)."""
+    choice = planner.choose(cands, budget, 0)
+    index = cands.index(choice.candidate)
+    if not choice.fits:
+        allowed = [i for i, c in enumerate(cands) if c.tile is not None and c.peak_bytes < planner.EXCLUDED]
+        if allowed:
+            index = min(allowed, key=lambda i: cands[i].tile or 0)
+    return choice, index
+
+
+class PassPlanner:
+    """The numbers behind one decode/encode pass: estimates, candidates, the learning key and the
+    choice. The engine (:func:`lib_vram.vae.tiled_decode`/``tiled_encode``) and :func:`plan_vae`
+    (``python -m lib_vram plan``, the WebUI's Auto) both decide through it, so they cannot differ.
+
+    ``host_apart``: host memory is distinct from the device's (an accelerator, or an emulated
+    card): then exact mode's waiting tiles may park off the device (``state_offload="auto"``).
+    """
+
+    def __init__(
+        self,
+        spec: VAESpec,
+        input_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        budget_bytes: int,
+        *,
+        out_dtype: torch.dtype | None = None,
+        backend: str = "cpu",
+        host_apart: bool = False,
+        state_offload: str = "auto",
+        fast_sample: int | None = None,
+        memory: planner.PlanMemory | None = None,
+    ) -> None:
+        if len(input_shape) != 4:
+            raise ValueError(f"`input_shape` must be (B, C, H, W), got {input_shape}")
+        self.spec = spec
+        self.shape = tuple(int(v) for v in input_shape)
+        self.dtype = dtype
+        self.out_dtype = out_dtype or dtype
+        self.backend = backend
+        self.host_apart = host_apart
+        self.state_offload = state_offload
+        self.budget = int(budget_bytes)
+        self.memory = planner.MEMORY if memory is None else memory
+        self.fast_sample = fast_sample_for(fast_sample, spec.kind, self.shape[-2], self.shape[-1])
+        self.notes: list[str] = []
+        self._estimates: dict[tuple, int] = {}
+
+    def estimate(self, tile: int | None, mode: str, on_device: bool = True) -> int:
+        """The analytic peak of one plan (memoised: a pass asks for a plan's estimate repeatedly)."""
+        k = (tile, mode, on_device)
+        if k not in self._estimates:
+            self._estimates[k] = self._estimate(tile, mode, on_device)
+        return self._estimates[k]
+
+    def _estimate(self, tile: int | None, mode: str, on_device: bool) -> int:
+        return estimate_spec_bytes(
+            self.spec,
+            self.shape,
+            self.dtype,
+            tile=tile,
+            mode=mode,
+            state_on_device=on_device,
+            out_dtype=self.out_dtype,
+            backend=self.backend,
+            fast_sample=self.fast_sample,
+        )
+
+    def key(self, mode: str) -> tuple:
+        """The planner-memory key in a tiled ``mode`` (auto's untiled try shares the ``"exact"``
+        key: both are candidates of one choice)."""
+        stage = "vae_decode" if self.spec.kind == "decoder" else "vae_encode"
+        return planner.plan_key(stage, signature(self.spec), self.shape, self.dtype, mode)
+
+    def candidate(self, tile: int | None, mode: str) -> planner.Candidate:
+        """``tile`` (None: untiled) as a planner candidate, its peak the raw estimate."""
+        if tile is None:
+            return planner.Candidate("untiled", self.estimate(None, "untiled"))
+        on_dev = self.state_offload == "device" or not self.host_apart
+        return planner.Candidate(f"{mode} t{tile}", self.estimate(tile, mode, on_dev), tile)
+
+    def tile_candidates(self, mode: str) -> list[planner.Candidate]:
+        b, c, h, w = self.shape
+        f = self.spec.factor if self.spec.kind == "encoder" else 1
+        return [self.candidate(t, mode) for t in candidates(math.ceil(max(h, w) / f))]
+
+    def choose(self, cands: list[planner.Candidate], mode: str) -> tuple[planner.Candidate, bool]:
+        """The planner's choice among ``cands`` within the budget, after what the memory learned
+        for this key (a plan that ran out of memory, a measured peak above the estimate); and
+        whether it fits. Why learning changed the choice goes into :attr:`notes`."""
+        key = self.key(mode)
+        learned, index = select(self.memory.adjust(key, cands), self.budget)
+        _, naive_index = select(cands, self.budget)
+        pick = cands[index]
+        if index != naive_index:
+            ratio = self.memory.ratio(key)
+            why = f"x{ratio:.2f} measured/estimated" if ratio > 1 else "an earlier out-of-memory error"
+            self.notes.append(f"{pick.plan} instead of {cands[naive_index].plan}: learned from {why}")
+        if not learned.fits:
+            self.notes.append(
+                f"no plan fits the budget ({self.budget} B); "
+                f"using {pick.plan} ({pick.peak_bytes} B estimated)"
+            )
+        return pick, learned.fits
+
+    def pick_tile(self, mode: str) -> int:
+        tile = self.choose(self.tile_candidates(mode), mode)[0].tile
+        assert tile is not None
+        return tile
+
+    def offload(self, tile: int, mode: str) -> str:
+        """Where exact mode's waiting tiles park at ``tile``: ``"device"`` or ``"cpu"``."""
+        choice = self.state_offload
+        if not self.host_apart or mode != "exact":
+            choice = "device" if choice == "auto" else choice
+        if choice == "auto":
+            choice = "device" if self.estimate(tile, "exact") <= self.budget else "cpu"
+        return choice
+
+    def auto(self, mode: str, tile: int | None) -> tuple[str, int | None]:
+        """What a pass in ``mode`` (``"auto"``, ``"exact"``, ``"fast"``) with the configured
+        ``tile`` (None: automatic) runs: ``("untiled", None)`` or ``(mode, tile)``. Auto runs
+        untiled only when that fits (when nothing does, tiles: at least the output and the upper
+        levels' activations shrink with them), else exact tiles."""
+        if mode == "auto":
+            if tile is None:
+                cands = [self.candidate(None, "exact"), *self.tile_candidates("exact")]
+                pick, fits = self.choose(cands, "exact")
+                if fits and pick.tile is None:
+                    return "untiled", None
+            mode = "exact"
+        return mode, (self.pick_tile(mode) if tile is None else tile)
+
+
+@dataclass(frozen=True)
+class VAEPlan:
+    """One decode/encode pass as the engine runs it (see :func:`plan_vae`)."""
+
+    kind: str
+    """``"decoder"`` or ``"encoder"``."""
+    mode: str
+    """``"untiled"``, ``"exact"`` or ``"fast"``."""
+    tile: int | None
+    """Tile core in latent px (None: untiled)."""
+    state_offload: str
+    """Exact mode: where waiting tiles park (``"device"``/``"cpu"``); ``""`` otherwise."""
+    peak_bytes: int
+    """Predicted peak on the compute device: the input, the activations and the output (weights
+    not included: they are resident before the pass), with learned corrections applied."""
+    raw_peak_bytes: int
+    """The same before learned corrections (what the planner memory scales)."""
+    fits: bool
+    """Whether ``peak_bytes`` is within the budget."""
+    budget_bytes: int
+    key: tuple
+    """The planner-memory key (:func:`lib_vram.planner.plan_key`) the engine learns under."""
+    candidates: tuple[planner.Candidate, ...] = ()
+    """Untiled and the tile candidates with their raw estimates, in preference order."""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def plan(self) -> str:
+        return "untiled" if self.tile is None else f"{self.mode} t{self.tile}"
+
+
+def plan_vae(
+    module: nn.Module | VAESpec,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    budget_bytes: int,
+    *,
+    mode: str = "auto",
+    tile: int | None = None,
+    state_offload: str = "auto",
+    out_dtype: torch.dtype | None = None,
+    backend: str = "cpu",
+    host_apart: bool | None = None,
+    fast_sample: int | None = None,
+    memory: planner.PlanMemory | None = None,
+) -> VAEPlan:
+    """The plan the VAE engine runs for one pass, and its predicted peak, in milliseconds.
+
+    Exactly the engine's own decision (:func:`lib_vram.vae.tiled_decode` with a
+    :class:`~lib_vram.vae.TiledVAEConfig` of the same ``mode``, ``tile``, ``budget_bytes``,
+    ``dtype`` and ``state_offload``, on a device of ``backend``), made without running anything.
+
+    Args:
+        module: a supported VAE decoder or encoder (the WebUI's, ldm/sgm, diffusers, or a
+            :mod:`lib_vram.reference` one built on the meta device), or its :class:`VAESpec`.
+        input_shape: ``(B, C, H, W)`` of the latent (decoder) or image (encoder).
+        budget_bytes: memory the pass may use on the device besides the weights.
+        host_apart: host memory distinct from the device's (default: ``backend != "cpu"``).
+        memory: the planner memory consulted (default :data:`lib_vram.planner.MEMORY`).
+    """
+    spec = module if isinstance(module, VAESpec) else _spec_of(module)
+    if mode not in ("auto", "exact", "fast"):
+        raise ValueError(f"`mode` must be 'auto', 'exact' or 'fast', got {mode!r}")
+    if budget_bytes < 0:
+        raise ValueError(f"`budget_bytes` must be >= 0, got {budget_bytes}")
+    apart = backend != "cpu" if host_apart is None else host_apart
+    p = PassPlanner(
+        spec,
+        tuple(input_shape),
+        dtype,
+        budget_bytes,
+        out_dtype=out_dtype,
+        backend=backend,
+        host_apart=apart,
+        state_offload=state_offload,
+        fast_sample=fast_sample,
+        memory=memory,
+    )
+    ran, t = p.auto(mode, tile)
+    offload = "" if t is None or ran != "exact" else p.offload(t, ran)
+    raw = p.estimate(None, "untiled") if t is None else p.estimate(t, ran, offload != "cpu")
+    key = p.key("exact" if ran == "untiled" else ran)
+    peak = int(raw * p.memory.ratio(key))
+    kind_mode = "exact" if ran == "untiled" else ran
+    cands = [p.candidate(None, "exact"), *p.tile_candidates(kind_mode)]
+    return VAEPlan(
+        kind=spec.kind,
+        mode=ran,
+        tile=t,
+        state_offload=offload,
+        peak_bytes=peak,
+        raw_peak_bytes=raw,
+        fits=peak <= budget_bytes,
+        budget_bytes=int(budget_bytes),
+        key=key,
+        candidates=tuple(planner.order(cands)),
+        notes=tuple(p.notes),
+    )

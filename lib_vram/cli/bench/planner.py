@@ -8,10 +8,9 @@ predicted number is the predictor's activation bytes for the same model, shape a
 fake run in this (parent) process. Error = predicted / measured - 1.
 
 Models: the real ldm ``Decoder``/``Encoder`` classes (untiled cases; full SD width where the CPU
-allows, narrower ``ch`` for large sizes - same code, fewer channels), the reference decoder/encoder
-of :mod:`lib_vram.planning.reference` for the tiled plans (run by
-:mod:`lib_vram.cli.stageplan`'s tiled loops),
-and spandrel's RRDBNet (ESRGAN; 2 blocks instead of 23: the peak depends on the width, not the
+allows, narrower ``ch`` for large sizes - same code, fewer channels), the engines themselves for
+the tiled plans (``vae-engine``/``upscale-engine`` cases, predicted by their fake-tensor runs), and
+spandrel's RRDBNet (ESRGAN; 2 blocks instead of 23: the peak depends on the width, not the
 depth) and SRVGGNetCompact. ``ldm`` is imported only inside the benchmark functions (it is a test
 dependency, never needed by the core).
 """
@@ -34,7 +33,7 @@ HELP = "Predicted vs measured peak memory (CPU RSS) for VAE and upscaler stages,
 class Case:
     name: str
     engine: str
-    """``"vae"``/``"upscale"`` (this module's tiled loops or the untiled model) or
+    """``"vae"``/``"upscale"`` (the untiled model) or
     ``"vae-engine"``/``"upscale-engine"`` (:mod:`lib_vram.vae` / :mod:`lib_vram.upscale` themselves)."""
     kind: str
     """``decode``/``encode`` (vae) or ``rrdb``/``compact`` (upscale)."""
@@ -60,18 +59,16 @@ CASES: tuple[Case, ...] = (
     Case("enc-256-ch64", "vae", "encode", 256, 64),
     Case("dec-512-ch32", "vae", "decode", 512, 32, quick=True),
     Case("enc-512-ch32", "vae", "encode", 512, 32, quick=True),
-    Case("dec-1024-ch32-t32", "vae", "decode", 1024, 32, tile=32),
+    Case("eng-dec-1024-ch32-t32", "vae-engine", "decode", 1024, 32, tile=32),
     Case("eng-dec-256-t16", "vae-engine", "decode", 256, 128, tile=16),
     Case("eng-dec-256-t16-fast", "vae-engine", "decode", 256, 128, tile=16, mode="fast"),
     Case("eng-dec-512-t32", "vae-engine", "decode", 512, 128, tile=32),
     Case("eng-dec-512-t32-fast", "vae-engine", "decode", 512, 128, tile=32, mode="fast"),
     Case("eng-enc-512-t32", "vae-engine", "encode", 512, 128, tile=32),
     Case("rrdb-256", "upscale", "rrdb", 256, quick=True),
-    Case("rrdb-1024-t128x2", "upscale", "rrdb", 1024, tile=128, batch=2),
     Case("eng-rrdb-1024-t128x2", "upscale-engine", "rrdb", 1024, tile=128, batch=2),
     Case("compact-512", "upscale", "compact", 512, quick=True),
     Case("compact-2048", "upscale", "compact", 2048),
-    Case("compact-2048-t192x2", "upscale", "compact", 2048, tile=192, batch=2),
     Case("eng-compact-2048-t192x2", "upscale-engine", "compact", 2048, tile=192, batch=2),
 )
 """The cases. CPU time decides the widths: the full SD decoder at 256², narrower VAEs (same ldm
@@ -112,15 +109,10 @@ def _build(case: Case):
 
     if case.engine in ("vae", "vae-engine"):
         lat = case.size // 8
-        if case.tile is None or case.engine == "vae-engine":
-            from ldm.modules.diffusionmodules.model import Decoder, Encoder
+        from ldm.modules.diffusionmodules.model import Decoder, Encoder
 
-            cls = Decoder if case.kind == "decode" else Encoder
-            model = cls(**_ldm_config(case.ch))
-        else:
-            arch = reference.VAEArch(f"sd-ch{case.ch}", z_channels=4, ch=case.ch)
-            cls = reference.Decoder if case.kind == "decode" else reference.Encoder
-            model = cls(arch, attn="sdpa")
+        cls = Decoder if case.kind == "decode" else Encoder
+        model = cls(**_ldm_config(case.ch))
         shape = (1, 4, lat, lat) if case.kind == "decode" else (1, 3, case.size, case.size)
         return model.eval(), shape
     model = reference.build_upscaler(
@@ -132,8 +124,6 @@ def _build(case: Case):
 
 def _runner(case: Case, model, *, dedupe: bool):
     import torch
-
-    from lib_vram.cli import stageplan
 
     if case.engine == "vae-engine":
         from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
@@ -162,12 +152,7 @@ def _runner(case: Case, model, *, dedupe: bool):
             calibrate=False,
         )
         return lambda x: upscale_tensor(lambda t: model(t), x, config=ucfg, scale=SCALE)
-    if case.tile is None:
-        return model
-    if case.engine == "vae":
-        loop = stageplan.tiled_decode if case.kind == "decode" else stageplan.tiled_encode
-        return lambda x: loop(model, x, case.tile, dedupe=dedupe)
-    return lambda x: stageplan.tiled_upscale(model, x, case.tile, case.batch, SCALE, dedupe=dedupe)
+    return model
 
 
 def predict(case: Case) -> dict:
@@ -189,15 +174,7 @@ def predict(case: Case) -> dict:
         return {"prediction": pred.to_dict(), "predict_seconds": time.perf_counter() - t0}
     mode = P.new_fake_mode()
     state = P.fake_state(model, mode, torch.float32)
-    if case.tile is None:
-        fn = P.fake_call(model, state)
-    elif case.engine == "vae":
-        loop = stageplan.tiled_decode if case.kind == "decode" else stageplan.tiled_encode
-        fn = stageplan._loop_call(model, state, loop, tile=case.tile, dedupe=True)
-    else:
-        fn = stageplan._loop_call(
-            model, state, stageplan.tiled_upscale, tile=case.tile, batch=case.batch, scale=SCALE, dedupe=True
-        )
+    fn = P.fake_call(model, state)
     t0 = time.perf_counter()
     with reference.dry_run():
         pred = P.predict_callable(fn, (shape,), weights=P.weights_bytes(model), backend="cpu", fake_mode=mode)

@@ -77,8 +77,7 @@ def _records() -> list[dict]:
 
     from lib_vram.cli.stageplan import predict_engine_vae
     from lib_vram.vae import decoder_spec, encoder_spec
-    from lib_vram.vae._api import fast_sample_for
-    from lib_vram.vae._plan import combine, estimate_components
+    from lib_vram.vae._plan import combine, estimate_components, fast_sample_for
 
     models = {ch: _models(ch) for ch in sorted({c[4] for c in CASES})}
     out = []
