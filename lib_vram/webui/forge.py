@@ -51,12 +51,16 @@ def install(job: Any, vae: Any, *, load_vae: Callable[[Any], None] | None = None
         load_vae = host.forge_load_vae
 
     def decode(previous: Callable[..., Any], inner: Callable[[Any], Any], samples: torch.Tensor) -> Any:
-        if not job.current():
+        if not job.current() or not _vae_is_ours(job):
             return previous(inner, samples)
         return previous(lambda s: _decode(vae, load_vae, s), samples)
 
     def encode(previous: Callable[..., Any], inner: Callable[[Any], Any], pixels: torch.Tensor) -> Any:
-        if not job.current() or vae.patcher.model_options.get(REGULATION_SLOT) is not None:
+        if (
+            not job.current()
+            or not _vae_is_ours(job)
+            or vae.patcher.model_options.get(REGULATION_SLOT) is not None
+        ):
             return previous(inner, pixels)
         return previous(lambda x: _encode(vae, load_vae, x), pixels)
 
@@ -64,6 +68,18 @@ def install(job: Any, vae: Any, *, load_vae: Callable[[Any], None] | None = None
     patch_slot(options, ENCODE_SLOT, encode, job.stack, default=_plain)
     installed.append(vae)
     return True
+
+
+def _vae_is_ours(job: Any) -> bool:
+    """Whether the job's settings change the VAE passes at all (tiling not Off, or a forced dtype).
+
+    When they do not, Forge's own ``decode_inner``/``encode_inner`` run unchanged: its memory
+    manager, its out-of-memory fallback to tiled decoding and "Never OOM"'s always-tiled VAE stay
+    the user's (our decoder/encoder hooks still see the passes, untiled, for the readout)."""
+    s = getattr(job, "settings", None)
+    if s is None:
+        return True
+    return getattr(s, "vae_tiling", "Auto") != "Off" or getattr(s, "vae_dtype", None) is not None
 
 
 def _decode(vae: Any, load_vae: Callable[[Any], None], samples: torch.Tensor) -> torch.Tensor:

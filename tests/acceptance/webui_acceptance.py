@@ -79,7 +79,7 @@ def init_image(size: int) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def requests(upscaler: str, size: int, steps: int) -> dict[str, tuple[str, dict]]:
+def requests(upscaler: str, size: int, steps: int, extras_scale: int = 2) -> dict[str, tuple[str, dict]]:
     base = dict(PROMPT, steps=steps, width=size, height=size)
     return {
         "txt2img": ("/sdapi/v1/txt2img", base),
@@ -100,7 +100,7 @@ def requests(upscaler: str, size: int, steps: int) -> dict[str, tuple[str, dict]
             {
                 "image": init_image(size + 8),
                 "resize_mode": 0,
-                "upscaling_resize": 2,
+                "upscaling_resize": extras_scale,
                 "upscaler_1": upscaler,
                 "upscaler_2": "None",
                 "extras_upscaler_2_visibility": 0,
@@ -173,6 +173,7 @@ def main() -> int:
     ap.add_argument("--upscaler", default="ESRGAN_x4-tiny-random")
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--extras-scale", type=int, default=2, help="Extras upscale factor")
     ap.add_argument("--only", default="")
     ap.add_argument("--log", default=None, help="the WebUI's console log (to count error lines)")
     ap.add_argument("--user", default="user")
@@ -185,7 +186,7 @@ def main() -> int:
     import os
 
     os.makedirs(a.out, exist_ok=True)
-    reqs = requests(a.upscaler, a.size, a.steps)
+    reqs = requests(a.upscaler, a.size, a.steps, a.extras_scale)
     only = set(filter(None, a.only.split(",")))
     results: list[dict] = []
 
