@@ -176,3 +176,40 @@ def test_forge_forced_vae_precision_with_tiling_off_goes_through_vram_guard():
         vae.decode(Z)
     assert vae.inner_calls == 0 and host.loaded == [vae]
     jobs.postprocess(p)
+
+
+class _FixedPosterior(torch.nn.Module):
+    """An "encoder" whose output is a fixed FP16 posterior (mean, logvar) for any input."""
+
+    def __init__(self, h: torch.Tensor) -> None:
+        super().__init__()
+        self.h = h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.h.expand(x.shape[0], -1, -1, -1).to(x.device)
+
+
+def test_forge_encode_draws_the_posterior_noise_like_forge():
+    """Forge's ``DiagonalGaussianDistribution.sample``: ``mean + std * torch.randn(shape).to(device)``
+    for the whole batch: float32 noise from the CPU generator, a float32 sum even for an FP16 VAE.
+    Our encode must draw the same noise (else img2img/hires differ from Forge by more than
+    rounding), also for a batch of two."""
+    from lib_vram.webui.forge import _encode
+
+    g = torch.Generator().manual_seed(4)
+    h = torch.cat([torch.randn(1, 4, 6, 5, generator=g), torch.rand(1, 4, 6, 5, generator=g) - 3.0], 1)
+    h = h.half()
+    vae = FakeForgeVAE()
+    vae.first_stage_model.encoder = _FixedPosterior(h)
+    vae.first_stage_model.quant_conv = None
+    vae.vae_dtype = torch.float16
+    pixels = torch.rand(2, 48, 40, 3, generator=g)
+    torch.manual_seed(21)
+    ours = _encode(vae, lambda v: None, pixels)
+    # Forge's own arithmetic on the same posterior:
+    mean, logvar = torch.chunk(h.expand(2, -1, -1, -1), 2, dim=1)
+    std = torch.exp(0.5 * torch.clamp(logvar, -30.0, 20.0))
+    torch.manual_seed(21)
+    forge = (mean + std * torch.randn(mean.shape).to(device=mean.device)).float()
+    assert ours.dtype == torch.float32 and ours.shape == (2, 4, 6, 5)
+    assert torch.equal(ours, forge)

@@ -99,14 +99,18 @@ def _encode(vae: Any, load_vae: Callable[[Any], None], pixels: torch.Tensor) -> 
     load_vae(vae)
     fsm = vae.first_stage_model
     x_all = pixels.movedim(-1, 1)
-    outs = []
+    means, stds = [], []
     for i in range(x_all.shape[0]):
         x = (2.0 * x_all[i : i + 1] - 1.0).to(device=vae.device, dtype=vae.vae_dtype)
-        h = fsm.encoder(x)
+        h = fsm.encoder(x)  # our hook on the encoder (installed by the job) does the tiling
         if getattr(fsm, "quant_conv", None) is not None:
             h = fsm.quant_conv(h)
         mean, logvar = torch.chunk(h, 2, dim=1)
-        std = torch.exp(0.5 * torch.clamp(logvar, -30.0, 20.0))
-        z = mean + std * torch.randn(mean.shape, device=mean.device, dtype=mean.dtype)
-        outs.append(z.to(vae.output_device).float())
-    return torch.cat(outs)
+        means.append(mean)
+        stds.append(torch.exp(0.5 * torch.clamp(logvar, -30.0, 20.0)))
+    mean, std = torch.cat(means), torch.cat(stds)
+    # The posterior sample as Forge draws it (``DiagonalGaussianDistribution.sample``): one float32
+    # draw for the whole batch from the CPU generator, moved to the device; the sum is float32.
+    # Drawing on the device or in the VAE's dtype would give other noise than Forge's own encode.
+    z = mean + std * torch.randn(mean.shape).to(device=mean.device)
+    return z.to(vae.output_device).float()

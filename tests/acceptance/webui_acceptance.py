@@ -79,8 +79,16 @@ def init_image(size: int) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def requests(upscaler: str, size: int, steps: int, extras_scale: int = 2) -> dict[str, tuple[str, dict]]:
+FORGE_HIRES = {"hr_additional_modules": ["Use same choices"]}
+"""Forge's txt2img API fails a hires-fix request without it (``'NoneType' is not iterable`` in
+``processing.py``: the field defaults to None there, and the UI always sends a list)."""
+
+
+def requests(
+    upscaler: str, size: int, steps: int, extras_scale: int = 2, forge: bool = False
+) -> dict[str, tuple[str, dict]]:
     base = dict(PROMPT, steps=steps, width=size, height=size)
+    hires_extra = FORGE_HIRES if forge else {}
     return {
         "txt2img": ("/sdapi/v1/txt2img", base),
         "hires": (
@@ -92,6 +100,7 @@ def requests(upscaler: str, size: int, steps: int, extras_scale: int = 2) -> dic
                 hr_upscaler=upscaler,
                 hr_second_pass_steps=1,
                 denoising_strength=0.5,
+                **hires_extra,
             ),
         ),  # fmt: skip
         "img2img": ("/sdapi/v1/img2img", dict(base, init_images=[init_image(size)], denoising_strength=0.6)),
@@ -174,6 +183,7 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--extras-scale", type=int, default=2, help="Extras upscale factor")
+    ap.add_argument("--forge", action="store_true", help="the server is Forge (hires requests need a field)")
     ap.add_argument("--only", default="")
     ap.add_argument("--log", default=None, help="the WebUI's console log (to count error lines)")
     ap.add_argument("--user", default="user")
@@ -186,7 +196,7 @@ def main() -> int:
     import os
 
     os.makedirs(a.out, exist_ok=True)
-    reqs = requests(a.upscaler, a.size, a.steps, a.extras_scale)
+    reqs = requests(a.upscaler, a.size, a.steps, a.extras_scale, a.forge)
     only = set(filter(None, a.only.split(",")))
     results: list[dict] = []
 

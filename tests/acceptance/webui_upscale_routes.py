@@ -89,8 +89,11 @@ def main() -> int:
     ap.add_argument("--other", default="SwinIR_x4-tiny-random")
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--scale", type=int, default=2, help="Extras upscale factor (the hires stage is x2)")
+    ap.add_argument("--forge", action="store_true", help="the server is Forge (hires requests need a field)")
     a = ap.parse_args()
     results: list[dict] = []
+    # Forge's API fails a hires request without this field (it defaults to None there).
+    hires_extra = {"hr_additional_modules": ["Use same choices"]} if a.forge else {}
 
     def record(check: str, ok: bool, **data) -> None:
         results.append({"check": check, "ok": ok, **data})
@@ -135,7 +138,7 @@ def main() -> int:
         vg(on)
         body = call(a.url, "/sdapi/v1/txt2img", dict(PROMPT, width=a.size, height=a.size, enable_hr=True, hr_scale=2,
                                                      hr_upscaler=a.upscaler, hr_second_pass_steps=1,
-                                                     denoising_strength=0.5))  # fmt: skip
+                                                     denoising_strength=0.5, **hires_extra))  # fmt: skip
         return decode(body["images"][0]), status_plans() if on else []
 
     try:
