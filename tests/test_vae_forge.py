@@ -174,8 +174,8 @@ def test_forge_vae_wrapper_runs_vram_guard_exact_and_leaves_no_trace(forge):
     """Forge's real ``VAE.decode``: with VRAM Guard (VAE Always, exact t16) the picture equals
     Forge's own untiled decode within float rounding; Forge's always-tiled path ("Never OOM")
     differs from it by far more; after the job the slots are gone and Forge decodes as before."""
-    from lib_vram.options import VRAMGuardOptions
     from lib_vram.webui.forge import DECODE_SLOT
+    from lib_vram.webui.options import VRAMGuardOptions
 
     vae = _forge_vae(forge, forge_autoencoder(forge))
     z = latent(3)
@@ -209,7 +209,7 @@ def test_forge_vae_wrapper_runs_vram_guard_exact_and_leaves_no_trace(forge):
 
 
 def test_forge_vae_off_keeps_forges_own_decode_and_never_oom(forge):
-    from lib_vram.options import VRAMGuardOptions
+    from lib_vram.webui.options import VRAMGuardOptions
 
     vae = _forge_vae(forge, forge_autoencoder(forge))
     z = latent(4)
@@ -229,7 +229,7 @@ def test_forge_vae_off_keeps_forges_own_decode_and_never_oom(forge):
 def test_forge_vae_encode_samples_like_forge(forge):
     """``VAE.encode`` with VRAM Guard (exact tiles) equals Forge's own encode with the same seed:
     the posterior sample draws its noise the way Forge does (CPU generator, float32)."""
-    from lib_vram.options import VRAMGuardOptions
+    from lib_vram.webui.options import VRAMGuardOptions
 
     vae = _forge_vae(forge, forge_autoencoder(forge))
     pixels = torch.rand(1, 96, 80, 3, generator=torch.Generator().manual_seed(5))
