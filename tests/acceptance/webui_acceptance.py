@@ -279,7 +279,12 @@ def main() -> int:
                parsed={k: v for k, v in params.items() if k.startswith("VRAM Guard")})  # fmt: skip
         # 3. Paste: the API's "infotext" field fills our args from the "VRAM Guard" entry.
         path, payload = reqs["txt2img"]
-        r2 = run(a.url, "paste", path, dict(payload, infotext=infotext))
+        # Forge (gradio 4): its API infotext paste fails on the "styles" field unless the request
+        # sets it (the paste field returns gr.update(), {"__type__": "update"}, which Forge's
+        # get_field_value passes to isinstance(value, list[str]): TypeError). Fields a request
+        # sets are not pasted over.
+        paste_extra = {"styles": []} if a.forge else {}
+        r2 = run(a.url, "paste", path, dict(payload, infotext=infotext, **paste_extra))
         line = re.findall(r'VRAM Guard: "[^"]*"', r2["infotext"])
         want_line = re.findall(r'VRAM Guard: "[^"]*"', infotext)
         record("infotext paste via API restores the options", line == want_line and bool(line), got=line,
