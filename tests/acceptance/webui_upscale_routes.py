@@ -100,7 +100,13 @@ def main() -> int:
         print(f"{'PASS' if ok else 'FAIL'} {check} {json.dumps(data)}", flush=True)
 
     before = call(a.url, "/sdapi/v1/options")
-    saved = {k: before[k] for k in (*KEYS, *UNTILED) if k in before}
+    # The options route hands integers back as floats (192.0); restored as such, the WebUI's own
+    # ESRGAN path fails ("'float' object cannot be interpreted as an integer").
+    saved = {
+        k: int(v) if isinstance(v, float) and v.is_integer() else v
+        for k, v in before.items()
+        if k in (*KEYS, *UNTILED)
+    }
     call(a.url, "/sdapi/v1/options", UNTILED)
 
     def vg(on: bool) -> None:
