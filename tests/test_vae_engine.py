@@ -455,6 +455,23 @@ def test_blocks_with_parts_the_engine_does_not_compute_are_refused_by_name():
         handle.remove()
 
 
+def test_resnet_blocks_holding_their_silu_as_swish_forges_layout_run_exactly():
+    """Forge's ``backend.nn.vae.ResnetBlock`` holds its activation as a child ``swish =
+    nn.SiLU(inplace=True)`` (otherwise ldm's layout): accepted and exact (the real Forge classes:
+    ``tests/test_vae_forge.py``); a ``swish`` that is not a SiLU is refused by name."""
+    dec, enc = ldm_decoder(), ldm_encoder()
+    for m in (*dec.modules(), *enc.modules()):
+        if type(m).__name__ == "ResnetBlock":
+            m.swish = torch.nn.SiLU(inplace=True)
+    assert is_supported_decoder(dec) and is_supported_encoder(enc)
+    z = smooth_latent(1, 4, 10, 10, seed=3)
+    out = tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=4))
+    assert (out - _ref(dec, z)).abs().max().item() < EXACT_TOL
+    dec.up[0].block[0].swish = torch.nn.GELU()
+    with pytest.raises(ValueError, match="up.0.block.0: activation `swish` is GELU, not SiLU"):
+        tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=4))
+
+
 def test_cpu_state_offload_setting_is_exact():
     dec = ldm_decoder()
     z = smooth_latent(1, 4, 10, 10, seed=15)

@@ -177,3 +177,39 @@ def test_the_webuis_permanent_lora_patches_do_not_make_a_load_wait(tmp_path, mon
     t0 = time.monotonic()
     ModelCache(construction_wait_s=30).get(path, torch.device("cpu"))
     assert time.monotonic() - t0 < 10
+
+
+def test_forge_memory_preparation_runs_before_the_routed_upscale(tmp_path):
+    """Forge's ESRGAN ``do_upscale`` frees its minimum inference memory before upscaling; the route
+    replaces that ``do_upscale``, so it asks the host for the same step (once per upscale, before
+    the engine runs). A host without the step (A1111) is left alone."""
+    path = tmp_path / "rrdb-x2.safetensors"
+    save_and_load(build("rrdb-x2"), path)
+    events: list[str] = []
+    host = FakeHost(fake_sd_model())
+    host.prepare_upscale_memory = lambda: events.append("prepare")
+    scaler = UpscalerESRGAN()
+    host.scalers = [scaler]
+    jobs = ScriptJobs(Session(host=host), kind="extras")
+    p = FakeP()
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tile=32))
+    stage = jobs.job.stage
+
+    def staged(name):
+        events.append(f"stage {name}")
+        return stage(name)
+
+    jobs.job.stage = staged
+    scaler.do_upscale(_image(), str(path))
+    jobs.postprocess(p)
+    assert events[:2] == ["prepare", "stage upscale"] and events.count("prepare") == 1
+    assert scaler.calls == 0
+
+
+def test_host_prepare_upscale_memory_is_a_no_op_without_forge(monkeypatch):
+    import sys
+
+    from lib_vram.webui import host as real_host
+
+    monkeypatch.setitem(sys.modules, "modules_forge", None)  # "import modules_forge" -> ImportError
+    real_host.prepare_upscale_memory()  # A1111: nothing to do, no error

@@ -95,11 +95,12 @@ class VAESpec:
 
 _RESNET_PARTS = frozenset(
     ("norm1", "conv1", "norm2", "conv2", "dropout", "nin_shortcut", "conv_shortcut", "temb_proj")
-    + ("time_emb_proj", "nonlinearity")
+    + ("time_emb_proj", "nonlinearity", "swish")
 )
-"""Submodules a ResNet block may have (ldm/sgm and diffusers). The engine computes the block from
-these parts; a block with more (e.g. later sgm's ``VideoResBlock`` and its ``time_stack``) does
-more than the engine would, so it is refused instead of run wrongly."""
+"""Submodules a ResNet block may have (ldm/sgm, diffusers, Forge's ``backend.nn.vae``, whose block
+holds its SiLU as a ``swish`` child). The engine computes the block from these parts; a block with
+more (e.g. later sgm's ``VideoResBlock`` and its ``time_stack``) does more than the engine would,
+so it is refused instead of run wrongly."""
 _LDM_ATTN_PARTS = frozenset(("norm", "q", "k", "v", "proj_out"))
 
 
@@ -162,6 +163,11 @@ def _resnet(blk: nn.Module, what: str) -> Resnet:
     act = getattr(blk, "nonlinearity", None)
     if act is not None and not isinstance(act, nn.Module):
         act = None  # ldm has a plain function named `nonlinearity` at module level, not on the block
+    swish = getattr(blk, "swish", None)
+    # Forge: ``nn.SiLU(inplace=True)`` applied where ldm applies its ``nonlinearity``; the engine
+    # computes SiLU itself (never in place on a tensor it still needs).
+    if swish is not None and (type(swish) is not nn.SiLU or act is not None):
+        raise UnsupportedLayout(f"{what}: activation `swish` is {type(swish).__name__}, not SiLU")
     scale = float(getattr(blk, "output_scale_factor", 1.0) or 1.0)
     return Resnet(norm1, conv1, norm2, conv2, shortcut, act, scale, cin, cout)
 

@@ -51,12 +51,16 @@ def install(job: Any, vae: Any, *, load_vae: Callable[[Any], None] | None = None
         load_vae = host.forge_load_vae
 
     def decode(previous: Callable[..., Any], inner: Callable[[Any], Any], samples: torch.Tensor) -> Any:
-        if not job.current():
+        if not job.current() or not _vae_is_ours(job):
             return previous(inner, samples)
         return previous(lambda s: _decode(vae, load_vae, s), samples)
 
     def encode(previous: Callable[..., Any], inner: Callable[[Any], Any], pixels: torch.Tensor) -> Any:
-        if not job.current() or vae.patcher.model_options.get(REGULATION_SLOT) is not None:
+        if (
+            not job.current()
+            or not _vae_is_ours(job)
+            or vae.patcher.model_options.get(REGULATION_SLOT) is not None
+        ):
             return previous(inner, pixels)
         return previous(lambda x: _encode(vae, load_vae, x), pixels)
 
@@ -64,6 +68,18 @@ def install(job: Any, vae: Any, *, load_vae: Callable[[Any], None] | None = None
     patch_slot(options, ENCODE_SLOT, encode, job.stack, default=_plain)
     installed.append(vae)
     return True
+
+
+def _vae_is_ours(job: Any) -> bool:
+    """Whether the job's settings change the VAE passes at all (tiling not Off, or a forced dtype).
+
+    When they do not, Forge's own ``decode_inner``/``encode_inner`` run unchanged: its memory
+    manager, its out-of-memory fallback to tiled decoding and "Never OOM"'s always-tiled VAE stay
+    the user's (our decoder/encoder hooks still see the passes, untiled, for the readout)."""
+    s = getattr(job, "settings", None)
+    if s is None:
+        return True
+    return getattr(s, "vae_tiling", "Auto") != "Off" or getattr(s, "vae_dtype", None) is not None
 
 
 def _decode(vae: Any, load_vae: Callable[[Any], None], samples: torch.Tensor) -> torch.Tensor:
@@ -83,14 +99,18 @@ def _encode(vae: Any, load_vae: Callable[[Any], None], pixels: torch.Tensor) -> 
     load_vae(vae)
     fsm = vae.first_stage_model
     x_all = pixels.movedim(-1, 1)
-    outs = []
+    means, stds = [], []
     for i in range(x_all.shape[0]):
         x = (2.0 * x_all[i : i + 1] - 1.0).to(device=vae.device, dtype=vae.vae_dtype)
-        h = fsm.encoder(x)
+        h = fsm.encoder(x)  # our hook on the encoder (installed by the job) does the tiling
         if getattr(fsm, "quant_conv", None) is not None:
             h = fsm.quant_conv(h)
         mean, logvar = torch.chunk(h, 2, dim=1)
-        std = torch.exp(0.5 * torch.clamp(logvar, -30.0, 20.0))
-        z = mean + std * torch.randn(mean.shape, device=mean.device, dtype=mean.dtype)
-        outs.append(z.to(vae.output_device).float())
-    return torch.cat(outs)
+        means.append(mean)
+        stds.append(torch.exp(0.5 * torch.clamp(logvar, -30.0, 20.0)))
+    mean, std = torch.cat(means), torch.cat(stds)
+    # The posterior sample as Forge draws it (``DiagonalGaussianDistribution.sample``): one float32
+    # draw for the whole batch from the CPU generator, moved to the device; the sum is float32.
+    # Drawing on the device or in the VAE's dtype would give other noise than Forge's own encode.
+    z = mean + std * torch.randn(mean.shape).to(device=mean.device)
+    return z.to(vae.output_device).float()

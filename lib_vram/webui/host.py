@@ -157,6 +157,17 @@ def forge_load_vae(vae: Any) -> None:
     memory_management.load_model_gpu(vae.patcher)
 
 
+def prepare_upscale_memory() -> None:
+    """Forge: what its own ESRGAN/RealESRGAN ``do_upscale`` does before upscaling
+    (``modules_forge.utils.prepare_free_memory()``: offload models until the minimum inference
+    memory is free). A1111 has no such step: nothing happens there."""
+    try:
+        from modules_forge.utils import prepare_free_memory  # Forge only
+    except ImportError:
+        return
+    prepare_free_memory()
+
+
 # -- precision -----------------------------------------------------------------------------------
 def dtype_vae() -> torch.dtype | None:
     from modules import devices

@@ -133,6 +133,12 @@ def upscale(
     # The WebUI's own path (modules/upscaler_utils.py, v1.10.1): the image as RGB, channels flipped
     # to BGR for the model and back after it. Same here, so the picture is the WebUI's.
     bgr = _swap_rb(img.convert("RGB"))
+    # Forge's own ESRGAN/RealESRGAN do_upscale first asks its memory manager for its minimum
+    # inference memory (offloading models if needed); ours replaces that do_upscale, so it asks too
+    # (then tiles to what is free). A1111: nothing to do.
+    prepare = getattr(job.host, "prepare_upscale_memory", None)
+    if callable(prepare):
+        prepare()
     with job.stage(job.upscale_stage_name()):
         try:
             out = engine.upscale_image(

@@ -86,8 +86,16 @@ def init_image(size: int) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def requests(upscaler: str, size: int, steps: int) -> dict[str, tuple[str, dict]]:
+FORGE_HIRES = {"hr_additional_modules": ["Use same choices"]}
+"""Forge's txt2img API fails a hires-fix request without it (``'NoneType' is not iterable`` in
+``processing.py``: the field defaults to None there, and the UI always sends a list)."""
+
+
+def requests(
+    upscaler: str, size: int, steps: int, extras_scale: int = 2, forge: bool = False
+) -> dict[str, tuple[str, dict]]:
     base = dict(PROMPT, steps=steps, width=size, height=size)
+    hires_extra = FORGE_HIRES if forge else {}
     return {
         "txt2img": ("/sdapi/v1/txt2img", base),
         "hires": (
@@ -99,6 +107,7 @@ def requests(upscaler: str, size: int, steps: int) -> dict[str, tuple[str, dict]
                 hr_upscaler=upscaler,
                 hr_second_pass_steps=1,
                 denoising_strength=0.5,
+                **hires_extra,
             ),
         ),  # fmt: skip
         "img2img": ("/sdapi/v1/img2img", dict(base, init_images=[init_image(size)], denoising_strength=0.6)),
@@ -107,7 +116,7 @@ def requests(upscaler: str, size: int, steps: int) -> dict[str, tuple[str, dict]
             {
                 "image": init_image(size + 8),
                 "resize_mode": 0,
-                "upscaling_resize": 2,
+                "upscaling_resize": extras_scale,
                 "upscaler_1": upscaler,
                 "upscaler_2": "None",
                 "extras_upscaler_2_visibility": 0,
@@ -180,6 +189,8 @@ def main() -> int:
     ap.add_argument("--upscaler", default="ESRGAN_x4-tiny-random")
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--extras-scale", type=int, default=2, help="Extras upscale factor")
+    ap.add_argument("--forge", action="store_true", help="the server is Forge (hires requests need a field)")
     ap.add_argument("--only", default="")
     ap.add_argument("--log", default=None, help="the WebUI's console log (to count error lines)")
     ap.add_argument("--user", default="user")
@@ -198,7 +209,7 @@ def main() -> int:
     import os
 
     os.makedirs(a.out, exist_ok=True)
-    reqs = requests(a.upscaler, a.size, a.steps)
+    reqs = requests(a.upscaler, a.size, a.steps, a.extras_scale, a.forge)
     only = set(filter(None, a.only.split(",")))
     results: list[dict] = []
 
@@ -281,7 +292,12 @@ def main() -> int:
                parsed={k: v for k, v in params.items() if k.startswith("VRAM Guard")})  # fmt: skip
         # 3. Paste: the API's "infotext" field fills our args from the "VRAM Guard" entry.
         path, payload = reqs["txt2img"]
-        r2 = run(a.url, "paste", path, dict(payload, infotext=infotext))
+        # Forge (gradio 4): its API infotext paste fails on the "styles" field unless the request
+        # sets it (the paste field returns gr.update(), {"__type__": "update"}, which Forge's
+        # get_field_value passes to isinstance(value, list[str]): TypeError). Fields a request
+        # sets are not pasted over.
+        paste_extra = {"styles": []} if a.forge else {}
+        r2 = run(a.url, "paste", path, dict(payload, infotext=infotext, **paste_extra))
         line = re.findall(r'VRAM Guard: "[^"]*"', r2["infotext"])
         want_line = re.findall(r'VRAM Guard: "[^"]*"', infotext)
         record("infotext paste via API restores the options", line == want_line and bool(line), got=line,

@@ -88,24 +88,34 @@ def main() -> int:
     ap.add_argument("--upscaler", default="ESRGAN_x4-tiny-random")
     ap.add_argument("--other", default="SwinIR_x4-tiny-random")
     ap.add_argument("--size", type=int, default=128)
+    ap.add_argument("--scale", type=int, default=2, help="Extras upscale factor (the hires stage is x2)")
+    ap.add_argument("--forge", action="store_true", help="the server is Forge (hires requests need a field)")
     a = ap.parse_args()
     results: list[dict] = []
+    # Forge's API fails a hires request without this field (it defaults to None there).
+    hires_extra = {"hr_additional_modules": ["Use same choices"]} if a.forge else {}
 
     def record(check: str, ok: bool, **data) -> None:
         results.append({"check": check, "ok": ok, **data})
         print(f"{'PASS' if ok else 'FAIL'} {check} {json.dumps(data)}", flush=True)
 
     before = call(a.url, "/sdapi/v1/options")
-    saved = {k: before[k] for k in (*KEYS, *UNTILED) if k in before}
+    # The options route hands integers back as floats (192.0); restored as such, the WebUI's own
+    # ESRGAN path fails ("'float' object cannot be interpreted as an integer").
+    saved = {
+        k: int(v) if isinstance(v, float) and v.is_integer() else v
+        for k, v in before.items()
+        if k in (*KEYS, *UNTILED)
+    }
     call(a.url, "/sdapi/v1/options", UNTILED)
 
     def vg(on: bool) -> None:
         call(a.url, "/sdapi/v1/options", {"vram_guard_enabled": on, "vram_guard_upscale_tiling": True,
                                           "vram_guard_upscale_tile": 32, "vram_guard_vae_tiling": "Off"})  # fmt: skip
 
-    def extras(img: np.ndarray, upscaler: str) -> np.ndarray:
+    def extras(img: np.ndarray, upscaler: str, scale: int) -> np.ndarray:
         body = call(a.url, "/sdapi/v1/extra-single-image",
-                    {"image": encode(img), "resize_mode": 0, "upscaling_resize": 2, "upscaler_1": upscaler,
+                    {"image": encode(img), "resize_mode": 0, "upscaling_resize": scale, "upscaler_1": upscaler,
                      "upscaler_2": "None", "extras_upscaler_2_visibility": 0})  # fmt: skip
         return decode(body["image"])
 
@@ -113,14 +123,14 @@ def main() -> int:
         st = call(a.url, "/vram-guard/v1/status")
         return [(s["stage"], s["plan"]) for s in st.get("stages", [])]
 
-    def extras_pair(name: str, img: np.ndarray, upscaler: str, first_on: bool = True) -> None:
+    def extras_pair(name: str, img: np.ndarray, upscaler: str, first_on: bool = True, scale: int = 0) -> None:
         order = (True, False) if first_on else (False, True)
         out: dict[bool, np.ndarray] = {}
         for on in order:
             vg(on)
             t0 = time.time()
             try:
-                out[on] = extras(img, upscaler)
+                out[on] = extras(img, upscaler, scale or a.scale)
             except RuntimeError as exc:
                 record(f"{name} ({'VRAM Guard' if on else 'WebUI'})", False, error=str(exc)[:300])
                 return
@@ -134,7 +144,7 @@ def main() -> int:
         vg(on)
         body = call(a.url, "/sdapi/v1/txt2img", dict(PROMPT, width=a.size, height=a.size, enable_hr=True, hr_scale=2,
                                                      hr_upscaler=a.upscaler, hr_second_pass_steps=1,
-                                                     denoising_strength=0.5))  # fmt: skip
+                                                     denoising_strength=0.5, **hires_extra))  # fmt: skip
         return decode(body["images"][0]), status_plans() if on else []
 
     try:
@@ -145,7 +155,7 @@ def main() -> int:
         first = decode(
             call(a.url, "/sdapi/v1/txt2img", dict(PROMPT, width=a.size, height=a.size))["images"][0]
         )
-        extras_pair("hires upscale stage (first pass image, x2)", first, a.upscaler)
+        extras_pair("hires upscale stage (first pass image, x2)", first, a.upscaler, scale=2)
         h_on, plans = hires(True)
         h_off, _ = hires(False)
         c = compare(h_on, h_off)
