@@ -21,7 +21,7 @@ def emulate_size(text: str) -> int:
     if added:
         sys.path.insert(0, root)
     try:
-        from lib_vram.emulate import parse_size
+        from lib_vram.core.emulate import parse_size
     finally:
         if added:
             sys.path.remove(root)

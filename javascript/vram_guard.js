@@ -1,6 +1,6 @@
 // VRAM Guard: live memory readout and tooltips for the "VRAM Guard" accordion.
 //
-// Polls ./internal/vram-guard/status (JSON, see lib_vram/readout.py) about once a second while a job
+// Polls ./internal/vram-guard/status (JSON, see lib_vram/core/readout.py) about once a second while a job
 // runs - detected from the WebUI's Interrupt buttons or the payload's job_running flag - and once
 // after it ends, then swaps the payload's html into every readout (#vram_guard_readout_<tab>).
 // When idle it refreshes an open readout every 10 s. Every global name starts with "vramGuard";

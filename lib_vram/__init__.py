@@ -2,12 +2,12 @@
 
 The core of this package is plain PyTorch + numpy + PIL: it never imports the WebUI (``modules``),
 gradio, ``ldm`` or ``sgm``. WebUI-facing code lives in :mod:`lib_vram.webui` (imported only by the
-extension's ``scripts/``) and the gradio UI builder in :mod:`lib_vram.ui`.
+extension's ``scripts/``) and the gradio UI builder in :mod:`lib_vram.webui.ui`.
 """
 
 from __future__ import annotations
 
-from .device import (
+from lib_vram.core.device import (
     Backend,
     Capabilities,
     MemoryInfo,
@@ -19,8 +19,8 @@ from .device import (
     release,
     resolve_device,
 )
-from .tiers import tier_for_total, tier_label
-from .tracker import StageRecord, StageTracker
+from lib_vram.core.tracker import StageRecord, StageTracker
+from lib_vram.planning.tiers import tier_for_total, tier_label
 
 __version__ = "0.1.0"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from modules import script_callbacks, scripts, scripts_postprocessing
 
 from lib_vram import webui as vg
-from lib_vram.options import extras_options, from_args
 from lib_vram.webui import host
+from lib_vram.webui.options import extras_options, from_args
 
 SESSION = vg.Session()
 """This load's state (jobs, last readout, model cache); replaced when "Reload UI" re-runs the file."""
@@ -30,7 +30,7 @@ class VRAMGuardScript(scripts.Script):
         return scripts.AlwaysVisible
 
     def ui(self, is_img2img):
-        from lib_vram.ui import build_ui
+        from lib_vram.webui.ui import build_ui
 
         widgets = build_ui(
             tab="img2img" if is_img2img else "txt2img",
@@ -107,7 +107,7 @@ class VRAMGuardExtras(scripts_postprocessing.ScriptPostprocessing):
     order = 999
 
     def ui(self):
-        from lib_vram.ui import build_extras_ui
+        from lib_vram.webui.ui import build_extras_ui
 
         return build_extras_ui(
             vg.defaults(), input_accordion=host.input_accordion(), on_free=SESSION.free_html

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lib_vram import _cli_doctor
+from lib_vram.cli import doctor as _cli_doctor
 from lib_vram.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import torch
 from conftest import image_like, make_imagelike_rrdb, rrdb_class, save_and_load
 from PIL import Image
 
-from lib_vram import emulate
 from lib_vram.cli import EMULATE_ENV, main
+from lib_vram.core import emulate
 
 
 @pytest.fixture(autouse=True)

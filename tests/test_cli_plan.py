@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from lib_vram import _cli_plan
 from lib_vram.cli import main
-from lib_vram.presets import PRESET_NAMES
+from lib_vram.cli import plan as _cli_plan
+from lib_vram.planning.presets import PRESET_NAMES
 
 RECORD_KEYS = {
     "stage",
@@ -144,7 +144,7 @@ def test_a_slow_plan_shows_progress(capsys, monkeypatch, tty):
     (an updating line on a terminal, a single line into pipes)."""
     import time
 
-    from lib_vram import stageplan
+    from lib_vram.cli import stageplan
 
     real = stageplan.plan_job
 

@@ -22,8 +22,8 @@ import torch
 from conftest import compact_class, image_like, save_and_load
 from PIL import Image
 
-from lib_vram import _cli_upscale
 from lib_vram.cli import main
+from lib_vram.cli import upscale as _cli_upscale
 from lib_vram.upscale import UpscaleConfig, UpscaleError, load_model
 
 

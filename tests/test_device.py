@@ -6,8 +6,8 @@ import weakref
 import pytest
 import torch
 
-from lib_vram import device as dev
-from lib_vram.tiers import TIERS_GB, tier_for_total, tier_label
+from lib_vram.core import device as dev
+from lib_vram.planning.tiers import TIERS_GB, tier_for_total, tier_label
 
 GiB = 2**30
 

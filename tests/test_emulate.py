@@ -1,4 +1,4 @@
-"""The emulated card (lib_vram.emulate) and the library's fault matrix on it.
+"""The emulated card (lib_vram.core.emulate) and the library's fault matrix on it.
 
 Real modules (ldm Decoder/Encoder from sdkit, spandrel models loaded from files); the out-of-memory
 error is the one the card raises (``torch.OutOfMemoryError``), fired by a capacity or injected at
@@ -14,10 +14,11 @@ import pytest
 import torch
 from vae_models import ldm_decoder, ldm_encoder, smooth_latent
 
-from lib_vram import device as dev
-from lib_vram import emulate, planner
-from lib_vram.emulate import EmulatedCard, parse_size
-from lib_vram.tracker import StageTracker
+from lib_vram.core import device as dev
+from lib_vram.core import emulate
+from lib_vram.core.emulate import EmulatedCard, parse_size
+from lib_vram.core.tracker import StageTracker
+from lib_vram.planning import planner
 from lib_vram.vae import TiledVAEConfig, VAEOutOfMemory, VAEReport, tiled_decode, tiled_encode
 
 MiB = 2**20
@@ -84,7 +85,7 @@ def test_installed_card_is_what_probes_see_in_every_thread():
 
 
 def test_other_threads_are_not_counted_and_fake_runs_allocate_nothing():
-    from lib_vram.predict import predict_module_peak
+    from lib_vram.core.predict import predict_module_peak
 
     card = EmulatedCard("1MB")
     with card:

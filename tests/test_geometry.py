@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lib_vram.geometry import grid, overhead, split_axis
+from lib_vram.core.geometry import grid, overhead, split_axis
 
 
 @given(

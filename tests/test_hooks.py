@@ -8,7 +8,7 @@ import pytest
 import torch
 from webui_fakes import tiny_decoder, tiny_encoder
 
-from lib_vram.hooks import ATTR, HookRegistry, hook_names, register_hook, remove_hook
+from lib_vram.core.hooks import ATTR, HookRegistry, hook_names, register_hook, remove_hook
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """One learning store for both engines: out-of-memory retries and finished plans go into a
-:class:`~lib_vram.planner.PlanMemory`, and the next automatic choice for the same key uses them.
+:class:`~lib_vram.planning.planner.PlanMemory`, and the next automatic choice for the same key uses them.
 
 Real models (ldm ``Decoder``, a spandrel Compact saved and loaded), OOM raised by a forward
 pre-hook above a size, CPU, tiny channel counts.
@@ -12,8 +12,8 @@ import torch
 from conftest import image_like
 from vae_models import ldm_decoder, smooth_latent
 
-from lib_vram import planner
-from lib_vram.tracker import StageRecord, StageTracker
+from lib_vram.core.tracker import StageRecord, StageTracker
+from lib_vram.planning import planner
 from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
 from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode
 
@@ -262,7 +262,7 @@ def test_upscale_fixed_sizes_are_not_overridden_but_still_recorded(tiny_compact,
 def test_quick_estimate_tracks_the_engines_fake_tensor_prediction(kind, size, tile, mode):
     from vae_models import ldm_encoder
 
-    from lib_vram.stageplan import predict_engine_vae
+    from lib_vram.cli.stageplan import predict_engine_vae
     from lib_vram.vae import estimate_peak_bytes
 
     # Two levels of 2 ResNets, 32..64 channels: another width and depth than the SD VAE the

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lib_vram import options as O
-from lib_vram.options import FIELDS, VRAMGuardOptions
+from lib_vram.webui import options as O
+from lib_vram.webui.options import FIELDS, VRAMGuardOptions
 
 # The WebUI's infotext parser (modules/infotext_utils.py, v1.10.1), restated from host-api.md §1.8:
 # a key is `\w[\w \-/]+`, a value is a JSON string or runs to the next comma.
@@ -59,8 +59,8 @@ options_strategy = st.builds(
 
 @pytest.fixture
 def options_log():
-    """Messages of lib_vram.options, caught on that logger itself: another test may have called
-    lib_vram.log.configure(), which stops propagation to the root logger (and so to caplog)."""
+    """Messages of lib_vram.webui.options, caught on that logger itself: another test may have called
+    lib_vram.core.log.configure(), which stops propagation to the root logger (and so to caplog)."""
 
     class Catch(logging.Handler):
         def __init__(self):
@@ -71,7 +71,7 @@ def options_log():
             self.messages.append(record.getMessage())
 
     handler = Catch()
-    logger = logging.getLogger("lib_vram.options")
+    logger = logging.getLogger("lib_vram.webui.options")
     logger.addHandler(handler)
     try:
         yield handler.messages
@@ -208,7 +208,7 @@ def test_settings_component_args():
 
 
 def test_preset_names_match_planner_presets():
-    from lib_vram import presets
+    from lib_vram.planning import presets
 
     assert presets.PRESET_NAMES == O.PRESET_NAMES
     assert ("Auto", *presets.PRESETS) == O.PRESET_NAMES

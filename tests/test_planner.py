@@ -4,7 +4,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lib_vram.planner import Candidate, Outcome, PlanMemory, choose, choose_learned, order, tile_ladder
+from lib_vram.planning.planner import (
+    Candidate,
+    Outcome,
+    PlanMemory,
+    choose,
+    choose_learned,
+    order,
+    tile_ladder,
+)
 
 MiB = 2**20
 

@@ -5,8 +5,8 @@ import torch
 from ldm.modules.diffusionmodules.model import Decoder as LdmDecoder
 from ldm.modules.diffusionmodules.model import Encoder as LdmEncoder
 
-from lib_vram import reference, stageplan
-from lib_vram.predict import (
+from lib_vram.cli import stageplan
+from lib_vram.core.predict import (
     LiveBytesCounter,
     count_peak,
     cpu_conv_workspace_bytes,
@@ -14,6 +14,7 @@ from lib_vram.predict import (
     new_fake_mode,
     predict_module_peak,
 )
+from lib_vram.planning import reference
 
 # The SD ddconfig at a quarter of the width (same code path, cheap).
 DD = dict(

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from lib_vram import presets
-from lib_vram.presets import (
+from lib_vram.planning import presets
+from lib_vram.planning.presets import (
     PRESET_NAMES,
     PRESETS,
     RELEASE_POINTS,
@@ -17,7 +17,7 @@ from lib_vram.presets import (
     resolve_preset,
     validate_preset,
 )
-from lib_vram.tiers import TIERS_GB, GiB
+from lib_vram.planning.tiers import TIERS_GB, GiB
 
 TIER_NAMES = [n for n in PRESET_NAMES if n != "Auto"]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lib_vram import readout as R
-from lib_vram.device import MemoryInfo, memory_info
-from lib_vram.tracker import StageTracker
+from lib_vram.core import readout as R
+from lib_vram.core.device import MemoryInfo, memory_info
+from lib_vram.core.tracker import StageTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1024**3

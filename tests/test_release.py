@@ -5,9 +5,9 @@ import weakref
 import pytest
 import torch
 
-from lib_vram.device import release
-from lib_vram.presets import PRESETS
-from lib_vram.release import LeakCheck, ReleasePolicy
+from lib_vram.core.device import release
+from lib_vram.core.release import LeakCheck, ReleasePolicy
+from lib_vram.planning.presets import PRESETS
 
 
 class Recorder:

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from lib_vram.tracker import StageTracker
+from lib_vram.core.tracker import StageTracker
 
 MiB = 2**20
 

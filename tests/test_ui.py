@@ -12,9 +12,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 import pytest  # noqa: E402
 
-from lib_vram import options as O  # noqa: E402
-from lib_vram import ui  # noqa: E402
-from lib_vram.options import FIELDS, VRAMGuardOptions  # noqa: E402
+from lib_vram.webui import options as O  # noqa: E402
+from lib_vram.webui import ui  # noqa: E402
+from lib_vram.webui.options import FIELDS, VRAMGuardOptions  # noqa: E402
 
 NON_DEFAULT = VRAMGuardOptions(
     enabled=True,

@@ -305,7 +305,7 @@ def test_interrupt_raises_and_keeps_partial_result(tiny_compact):
 
 
 def test_tracker_records_the_stage_and_plan(tiny_compact):
-    from lib_vram.tracker import StageTracker
+    from lib_vram.core.tracker import StageTracker
 
     tracker = StageTracker("cpu", owns_peak_counters=True)
     cfg = UpscaleConfig(tile=16, overlap=4)

@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import image_like
 
-from lib_vram import planner
-from lib_vram.bench._archs import build, save_and_load
+from lib_vram.cli.bench._archs import build, save_and_load
+from lib_vram.planning import planner
 from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, measure_context, upscale_tensor
 from lib_vram.upscale._calibrate import Context
 from lib_vram.upscale._engine import signature
@@ -235,7 +235,7 @@ def test_untiled_plan_that_runs_out_of_memory_retries_with_overlap(models, name,
 
 def test_bench_archs_table(tmp_path):
     """``bench upscale --archs`` (the docs' per-architecture table) on one cheap architecture."""
-    from lib_vram.bench.upscale import ARCH_TILES, arch_rows, arch_table
+    from lib_vram.cli.bench.upscale import ARCH_TILES, arch_rows, arch_table
 
     rows = arch_rows(["compact-x2"], tmp_path)
     assert [r["tile"] for r in rows] == ["auto", *ARCH_TILES]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from vae_models import diffusers_vae, ldm_decoder, ldm_encoder, smooth_latent
 
-from lib_vram import planner
-from lib_vram.tracker import StageTracker
+from lib_vram.core.tracker import StageTracker
+from lib_vram.planning import planner
 from lib_vram.vae import (
     Interrupted,
     TiledVAEConfig,

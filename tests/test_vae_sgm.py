@@ -14,7 +14,7 @@ How out-of-memory errors are caused here (as in ``test_vae_engine.py``, plus an 
 
 * a forward pre-hook on a real sgm conv raises a real ``torch.OutOfMemoryError`` when its input is
   larger than a limit (the untiled pass and too-large tiles fail; small tiles pass);
-* an :class:`lib_vram.emulate.EmulatedCard` whose capacity lies between the peak of the sgm
+* an :class:`lib_vram.core.emulate.EmulatedCard` whose capacity lies between the peak of the sgm
   module's own untiled forward and the peak of a tiled pass (both measured on the card first): the
   allocation that crosses it raises ``torch.OutOfMemoryError``, in the sgm forward itself.
 """
@@ -32,7 +32,7 @@ import pytest
 import torch
 from vae_models import smooth_latent
 
-from lib_vram.emulate import EmulatedCard
+from lib_vram.core.emulate import EmulatedCard
 from lib_vram.vae import (
     TiledVAEConfig,
     VAEOutOfMemory,
@@ -465,7 +465,7 @@ def test_the_planner_dry_run_runs_the_engine_on_sgm_modules(sgm_model):
     planner does with the WebUI's SDXL VAE): it runs on sgm and predicts what it predicts for ldm."""
     from vae_models import ldm_decoder, ldm_encoder
 
-    from lib_vram.stageplan import predict_engine_vae
+    from lib_vram.cli.stageplan import predict_engine_vae
 
     pairs = (
         ("decode", sgm_decoder(sgm_model, ch_mult=(1, 2, 2)), ldm_decoder(ch_mult=(1, 2, 2)), (1, 4, 24, 20)),

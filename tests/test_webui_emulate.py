@@ -31,12 +31,13 @@ from conftest import make_imagelike_rrdb, rrdb_class
 from PIL import Image
 from webui_fakes import FakeHost, FakeP, fake_sd_model
 
-from lib_vram import emulate, planner
-from lib_vram.hooks import ATTR
-from lib_vram.options import INFOTEXT_PLAN_KEY, VRAMGuardOptions
+from lib_vram.core import emulate
+from lib_vram.core.hooks import ATTR
+from lib_vram.planning import planner
 from lib_vram.vae import VAEOutOfMemory
 from lib_vram.webui import ScriptJobs, Session, start_emulation
 from lib_vram.webui.emulation import FLAG, WebUICard
+from lib_vram.webui.options import INFOTEXT_PLAN_KEY, VRAMGuardOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 BIG = 2**34
@@ -299,7 +300,7 @@ def _check_oom_run(stage: Stage, ref: Run, run: Run) -> None:
 
 
 def ref_stage_id(stage: Stage) -> str:
-    from lib_vram.readout import STAGE_ALIASES
+    from lib_vram.core.readout import STAGE_ALIASES
 
     return STAGE_ALIASES.get(stage.record, stage.record)
 
@@ -450,7 +451,7 @@ def test_start_emulation_from_the_flag_installs_wraps_and_unloads_cleanly():
     try:
         assert wc is not None and emulate.installed() is wc.card and session.emulated_card() is wc.card
         assert wc.card.capacity == 64 * 2**20 and wc.card.label == "emulated 64.00 MiB card"
-        from lib_vram.emulate import module_bytes
+        from lib_vram.core.emulate import module_bytes
 
         assert wc.card.resident_bytes == module_bytes([DEC, ENC])
         assert "begin" in vars(state) and "end" in vars(state) and "finish_task" in vars(progress)

@@ -8,8 +8,8 @@ from conftest import make_imagelike_rrdb, rrdb_class
 from PIL import Image
 from webui_fakes import FakeHost, FakeP, fake_sd_model
 
-from lib_vram.options import VRAMGuardOptions
 from lib_vram.webui import ScriptJobs, Session
+from lib_vram.webui.options import VRAMGuardOptions
 
 Z = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(11))
 

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import torch
 from webui_fakes import FakeHost, FakeP, tiny_decoder, tiny_encoder
 
-from lib_vram.hooks import HookRegistry
-from lib_vram.options import VRAMGuardOptions
+from lib_vram.core.hooks import HookRegistry
 from lib_vram.webui import HOOK_NAME, ScriptJobs, Session
 from lib_vram.webui.forge import DECODE_SLOT, ENCODE_SLOT
+from lib_vram.webui.options import VRAMGuardOptions
 
 
 class FakeForgeVAE:

@@ -10,8 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from webui_fakes import FakeHost, FakeP, fake_sd_model, tiny_decoder
 
-from lib_vram.hooks import register_hook, remove_hook
-from lib_vram.options import FIELDS, VRAMGuardOptions
+from lib_vram.core.hooks import register_hook, remove_hook
 from lib_vram.webui import (
     FREE_ROUTE,
     STATUS_ROUTE,
@@ -24,6 +23,7 @@ from lib_vram.webui import (
 )
 from lib_vram.webui.host import tiled_vae_extension_installed
 from lib_vram.webui.integration import check_conflicts
+from lib_vram.webui.options import FIELDS, VRAMGuardOptions
 
 
 def test_settings_cover_every_option_with_a_tuple_section_kind():
@@ -63,7 +63,7 @@ def _webui_like_app(api_auth: str | None) -> FastAPI:
 
 @pytest.mark.parametrize("with_api", [True, False])
 def test_routes_require_the_api_credentials_under_api_auth(with_api):
-    from lib_vram.readout import UI_STATUS_ROUTE
+    from lib_vram.core.readout import UI_STATUS_ROUTE
 
     host = FakeHost()
     host.flags["api_auth"] = "user:pass,other:word"
@@ -92,7 +92,7 @@ def test_routes_are_open_without_api_auth():
 
 
 def test_readout_route_follows_the_pages_gradio_login():
-    from lib_vram.readout import UI_STATUS_ROUTE
+    from lib_vram.core.readout import UI_STATUS_ROUTE
 
     app = FastAPI()
     app.auth = {"user": "pass"}  # what gradio's App holds with --gradio-auth

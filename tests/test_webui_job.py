@@ -10,9 +10,9 @@ import pytest
 import torch
 from webui_fakes import FakeHost, FakeP, fake_sd_model, tiny_decoder
 
-from lib_vram.hooks import ATTR, HookRegistry
-from lib_vram.options import VRAMGuardOptions
+from lib_vram.core.hooks import ATTR, HookRegistry
 from lib_vram.webui import HOOK_NAME, ScriptJobs, Session
+from lib_vram.webui.options import VRAMGuardOptions
 
 Z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(5))
 X = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(6)) * 2 - 1

@@ -15,8 +15,8 @@ import pytest
 import torch
 from webui_fakes import FakeP, fake_sd_model
 
-from lib_vram.hooks import ATTR
-from lib_vram.options import API_ARG_ORDER, EXTRAS_FIELDS, VRAMGuardOptions
+from lib_vram.core.hooks import ATTR
+from lib_vram.webui.options import API_ARG_ORDER, EXTRAS_FIELDS, VRAMGuardOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fake_host"

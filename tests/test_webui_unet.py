@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from webui_fakes import FakeHost, FakeP, fake_sd_model, tiny_unet
 
-from lib_vram.options import VRAMGuardOptions
 from lib_vram.webui import ScriptJobs, Session
 from lib_vram.webui import unet as unet_mod
 from lib_vram.webui.host import UNetState
+from lib_vram.webui.options import VRAMGuardOptions
 
 FP32_STATE = UNetState(torch.float32, False)
 X = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(7))

@@ -13,11 +13,11 @@ from conftest import image_like
 from PIL import Image
 from webui_fakes import FakeHost, FakeP, fake_sd_model
 
-from lib_vram.bench._archs import build, save_and_load
-from lib_vram.options import VRAMGuardOptions
+from lib_vram.cli.bench._archs import build, save_and_load
 from lib_vram.upscale import ModelCache, UpscaleError
 from lib_vram.upscale._models import patched_construction
 from lib_vram.webui import ScriptJobs, Session
+from lib_vram.webui.options import VRAMGuardOptions
 from lib_vram.webui.upscalers import FAMILY
 
 

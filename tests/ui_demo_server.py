@@ -3,9 +3,9 @@
 Used by the browser test; also handy to look at the accordion without a WebUI:
 ``python tests/ui_demo_server.py`` then open the printed URL.
 
-The page is gradio 3.41 Blocks built with :func:`lib_vram.ui.build_ui`, with
+The page is gradio 3.41 Blocks built with :func:`lib_vram.webui.ui.build_ui`, with
 ``javascript/vram_guard.js`` and ``style.css`` injected the way the WebUI adds an extension's
-front-end files. The status route serves :func:`lib_vram.readout.status_payload` of a
+front-end files. The status route serves :func:`lib_vram.core.readout.status_payload` of a
 :class:`DemoState` the test changes (job running, stage records), and counts requests.
 """
 
@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from lib_vram.device import MemoryInfo  # noqa: E402
-from lib_vram.options import VRAMGuardOptions  # noqa: E402
-from lib_vram.readout import UI_STATUS_ROUTE, render_readout_html, status_payload  # noqa: E402
-from lib_vram.ui import build_ui  # noqa: E402
+from lib_vram.core.device import MemoryInfo  # noqa: E402
+from lib_vram.core.readout import UI_STATUS_ROUTE, render_readout_html, status_payload  # noqa: E402
+from lib_vram.webui.options import VRAMGuardOptions  # noqa: E402
+from lib_vram.webui.ui import build_ui  # noqa: E402
 
 GiB = 1024**3
 

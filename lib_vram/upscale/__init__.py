@@ -2,7 +2,7 @@
 
 Public API::
 
-    from lib_vram.upscale import (UpscaleConfig, UpscaleReport, upscale_tensor, upscale_image,
+    from . import (UpscaleConfig, UpscaleReport, upscale_tensor, upscale_image,
                                   load_model, ModelCache, default_cache, UpscaleError, Interrupted)
 
 See :mod:`lib_vram.upscale._engine` for the algorithm (geometry, blending, OOM continuation),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..device import capabilities
+from lib_vram.core.device import capabilities
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Both are measured once per (model, dtype, device type) with a few small forward 
 an in-process cache (weakly keyed by the model object, so a dropped model drops its entry).
 
 * **Bytes per pixel** is the peak of live tensor bytes created inside one forward pass on a probe
-  tile, divided by its pixels. It is counted with :class:`lib_vram.livebytes.LiveBytesCounter`
+  tile, divided by its pixels. It is counted with :class:`lib_vram.core.livebytes.LiveBytesCounter`
   (every op's output storage is added when created and subtracted when freed), so it works the
   same on every backend and needs no global peak counters (the WebUI's memory line relies on
   those).
@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..device import is_oom_error, release
-from ..livebytes import LiveBytesCounter, itemsize
+from lib_vram.core.device import is_oom_error, release
+from lib_vram.core.livebytes import LiveBytesCounter, itemsize
+
 from ._adapter import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class Context:
 
 
 LiveBytes = LiveBytesCounter
-"""The name this package exported before the counters were merged (:mod:`lib_vram.livebytes`)."""
+"""The name this package exported before the counters were merged (:mod:`lib_vram.core.livebytes`)."""
 
 
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

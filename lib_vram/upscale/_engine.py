@@ -1,6 +1,6 @@
 """The tiled upscaling engine: batched tiles on the device, seamless blending, OOM continuation.
 
-Geometry. The (padded) image is split into balanced tile **cores** (:func:`lib_vram.geometry.
+Geometry. The (padded) image is split into balanced tile **cores** (:func:`lib_vram.core.geometry.
 split_axis`); each tile reads its core plus ``overlap`` input pixels of context on every side
 (clipped at the image border, grown where the model's size requirements ask for more). Windows
 of equal shape are stacked into one batch per forward pass.
@@ -31,10 +31,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import emulate, planner
-from ..device import free_bytes, is_oom_error, release, resolve_device
-from ..geometry import split_axis
-from ..livebytes import itemsize as elem_size
+from lib_vram.core import emulate
+from lib_vram.core.device import free_bytes, is_oom_error, release, resolve_device
+from lib_vram.core.geometry import split_axis
+from lib_vram.core.livebytes import itemsize as elem_size
+from lib_vram.planning import planner
+
 from ._adapter import ModelSpec, as_spec, choose_dtype
 from ._calibrate import bytes_per_px, context_info
 from ._types import Interrupted, UpscaleConfig, UpscaleError, UpscaleReport
@@ -231,7 +233,7 @@ class _Run:
         """Why the tiled result may differ from the untiled model (None: exact by construction)."""
         self.host_roles = (False, False)
         """Whether the accumulator and the padded input sit in host memory apart from the device's
-        (tells an emulated card not to count them, :func:`lib_vram.emulate.to_host`)."""
+        (tells an emulated card not to count them, :func:`lib_vram.core.emulate.to_host`)."""
 
     def learn_oom(self, tile: int, batch: int) -> None:
         if self.predict is not None:
@@ -609,8 +611,8 @@ def upscale_tensor(
         should_interrupt: polled before each batch; True raises :class:`Interrupted`.
         progress: called as ``progress(tiles_done, tiles_total)`` after each batch (the total grows
             when an out-of-memory error makes the remaining tiles smaller).
-        tracker: a :class:`lib_vram.tracker.StageTracker`; the run is its stage ``"upscale"``.
-        memory: where automatic sizing learns (default :data:`lib_vram.planner.MEMORY`): every
+        tracker: a :class:`lib_vram.core.tracker.StageTracker`; the run is its stage ``"upscale"``.
+        memory: where automatic sizing learns (default :data:`lib_vram.planning.planner.MEMORY`): every
             out-of-memory retry and the finished plan (with the tracker's measured peak when it is
             an exact accelerator one) are recorded under (``"upscale"``, model signature, input
             shape, dtype); automatic tile/batch sizing for that key then starts below a plan that

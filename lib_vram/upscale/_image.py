@@ -23,7 +23,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from .. import emulate
+from lib_vram.core import emulate
+
 from ._adapter import as_spec
 from ._engine import upscale_tensor
 from ._types import UpscaleConfig, UpscaleReport

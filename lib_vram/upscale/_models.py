@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..device import is_oom_error, release, resolve_device
+from lib_vram.core.device import is_oom_error, release, resolve_device
+
 from ._types import UpscaleError
 
 logger = logging.getLogger(__name__)

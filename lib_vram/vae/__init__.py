@@ -6,7 +6,7 @@ Public API (see ``README.md``, "Tiled VAE"):
   into a :class:`VAEReport`.
 * :func:`is_supported_decoder`, :func:`is_supported_encoder`: layout checks (ldm/sgm, diffusers).
 * :func:`estimate_peak_bytes`: analytic peak of a pass, used by ``mode="auto"``.
-* Learning: out-of-memory retries and finished passes are recorded in :data:`lib_vram.planner.MEMORY`
+* Learning: out-of-memory retries and finished passes are recorded in :data:`lib_vram.planning.planner.MEMORY`
   (or the ``memory`` passed in); ``mode="auto"`` and the automatic tile consult it.
 * :class:`Interrupted`, :class:`VAEOutOfMemory`: the errors it raises besides ``ValueError``.
 * :func:`parked_bytes`: tile state parked off the compute device right now (exact mode).

@@ -11,10 +11,12 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .. import emulate, planner
-from ..device import backend_of, capabilities, free_bytes, is_oom_error, release
-from ..geometry import grid
-from ..tracker import StageTracker
+from lib_vram.core import emulate
+from lib_vram.core.device import backend_of, capabilities, free_bytes, is_oom_error, release
+from lib_vram.core.geometry import grid
+from lib_vram.core.tracker import StageTracker
+from lib_vram.planning import planner
+
 from ._config import TiledVAEConfig, VAEOutOfMemory, VAEReport
 from ._engine import (
     TT,
@@ -644,7 +646,7 @@ def tiled_decode(
         progress: ``progress(done, total)`` after each tile step.
         tracker: records the stage ``"vae_decode"`` and is sampled between tiles.
         report: filled with what ran (mode, tile, retries, recomputed segments, ...).
-        memory: where the automatic tile choice learns (default :data:`lib_vram.planner.MEMORY`):
+        memory: where the automatic tile choice learns (default :data:`lib_vram.planning.planner.MEMORY`):
             every out-of-memory retry and every finished pass (with its measured peak when the
             tracker has an exact accelerator one) is recorded under the key (stage, VAE
             architecture signature, input shape, dtype, mode), and the next automatic choice for

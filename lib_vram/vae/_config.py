@@ -23,7 +23,7 @@ class Interrupted(RuntimeError):
 
 class VAEOutOfMemory(RuntimeError):
     """Even the smallest tile ran out of memory. Its message contains "out of memory" so that
-    :func:`lib_vram.device.is_oom_error` recognises it."""
+    :func:`lib_vram.core.device.is_oom_error` recognises it."""
 
 
 @dataclass(frozen=True)

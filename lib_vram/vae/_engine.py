@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import emulate
+from lib_vram.core import emulate
+
 from ._attention import DEFAULT_SCORE_BYTES, attention, cpu_flash_available, query_chunk
 from ._config import Interrupted, Recompute, VAEReport
 from ._layout import Attention, Resnet, VAESpec

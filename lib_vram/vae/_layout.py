@@ -376,7 +376,7 @@ def encoder_spec(module: nn.Module) -> VAESpec:
 def signature(spec: VAESpec) -> tuple:
     """What the memory of a pass depends on, besides the input: layout, kind, channels per block
     and resampling per level, mid-block composition. Two VAEs of one architecture (SD 1.x and
-    SDXL's, or two finetunes) share it; that is what :mod:`lib_vram.planner` learns under."""
+    SDXL's, or two finetunes) share it; that is what :mod:`lib_vram.planning.planner` learns under."""
     levels = tuple(
         (tuple((b.in_channels, b.out_channels) for b in lv.blocks), lv.resample_kind) for lv in spec.levels
     )

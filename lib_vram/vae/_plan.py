@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..geometry import grid, overhead
-from ..livebytes import itemsize
-from ..predict import WORKSPACE_TERMS
+from lib_vram.core.geometry import grid, overhead
+from lib_vram.core.livebytes import itemsize
+from lib_vram.core.predict import WORKSPACE_TERMS
+
 from ._attention import DEFAULT_SCORE_BYTES, cpu_flash_kernel
 from ._engine import needs, split_first_level
 from ._layout import Resnet, VAESpec, decoder_spec, encoder_spec
@@ -119,7 +120,7 @@ class Step:
     """Exact mode with the state on the device: what the other tiles hold while one tile works at
     this level (their activations, waiting at the level's GroupNorms)."""
     workspace: int
-    """The backend's convolution scratch (:data:`lib_vram.predict.WORKSPACE_TERMS`) at the
+    """The backend's convolution scratch (:data:`lib_vram.core.predict.WORKSPACE_TERMS`) at the
     level's largest convolution: transient, next to the working set."""
 
 
@@ -351,7 +352,7 @@ def estimate_peak_bytes(
     Tensor bytes counted along the engine's own structure (what a tile keeps, what the waiting
     tiles park, what the tiled stage holds), the tiled terms scaled by factors fitted against the
     fake-tensor prediction of the engine (:data:`FACTORS`), plus the backend's convolution scratch
-    (:data:`lib_vram.predict.WORKSPACE_TERMS`, the predictor's own term).
+    (:data:`lib_vram.core.predict.WORKSPACE_TERMS`, the predictor's own term).
 
     Args:
         module: a supported VAE decoder or encoder (see :func:`lib_vram.vae.is_supported_decoder`).
@@ -360,7 +361,7 @@ def estimate_peak_bytes(
         tile: tile core in latent pixels; ``None`` = untiled.
         mode: ``"untiled"``, ``"exact"`` (activations of waiting tiles counted on the device) or
             ``"fast"``.
-        backend: ``"cpu"``, ``"cuda"``, ... (:class:`lib_vram.device.Backend` values): which
+        backend: ``"cpu"``, ``"cuda"``, ... (:class:`lib_vram.core.device.Backend` values): which
             convolution scratch term applies.
     """
     spec = _spec_of(module)

@@ -15,13 +15,13 @@ from .integration import (
     check_conflicts,
     configure_logging,
     defaults,
-    foreign_vae_wrapper,
     mount_routes,
     register_settings,
     settings_options,
     start_emulation,
 )
 from .job import HOOK_NAME, Job
+from .patching import foreign_vae_wrapper
 from .session import ScriptJobs, Session
 from .settings import JobSettings, resolve
 

@@ -1,6 +1,6 @@
 """``--vram-guard-emulate-vram SIZE``: every job of this WebUI on an emulated card.
 
-An :class:`~lib_vram.emulate.EmulatedCard` of ``SIZE`` stands for the WebUI's device, so that a
+An :class:`~lib_vram.core.emulate.EmulatedCard` of ``SIZE`` stands for the WebUI's device, so that a
 machine without a (small) GPU shows what the plain WebUI does on a small card (an out-of-memory
 error where the card runs out) and what VRAM Guard does there — with the accordion on or off.
 
@@ -16,7 +16,7 @@ error where the card runs out) and what VRAM Guard does there — with the accor
   WebUI: the preview is skipped) and VRAM Guard's (tiled when needed).
 * **Resident bytes** are the loaded checkpoint's weights, updated at every model load; weights
   loaded inside a job (a checkpoint switch) stop counting as the job's tensors then.
-* The card is :func:`~lib_vram.emulate.install`\\ ed: the readout, ``GET /vram-guard/v1/status``,
+* The card is :func:`~lib_vram.core.emulate.install`\\ ed: the readout, ``GET /vram-guard/v1/status``,
   the Auto preset and the engines' budgets see its total and free memory.
 
 Everything is undone when the script unloads (:meth:`WebUICard.close`).
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lib_vram import emulate
+from lib_vram.core import emulate
 
 from .patching import patch_attr
 

@@ -26,7 +26,7 @@ def _default_host() -> Any:
 
 def settings_options() -> list[tuple[str, dict]]:
     """The Settings page: the preset table, then a default for every accordion control."""
-    from lib_vram.options import BOOL, CHOICE, FIELDS
+    from .options import BOOL, CHOICE, FIELDS
 
     out: list[tuple[str, dict]] = [
         ("vram_guard_presets_table", {"kind": "html", "default": None, "label": presets_table_html()})
@@ -49,8 +49,8 @@ def settings_options() -> list[tuple[str, dict]]:
 
 
 def presets_table_html() -> str:
-    """The presets as a table (they are data in :mod:`lib_vram.presets`; Auto resolves per job)."""
-    from lib_vram.presets import PRESETS, RELEASE_POINTS
+    """The presets as a table (they are data in :mod:`lib_vram.planning.presets`; Auto resolves per job)."""
+    from lib_vram.planning.presets import PRESETS, RELEASE_POINTS
 
     rows = []
     for name, p in PRESETS.items():
@@ -100,7 +100,7 @@ def register_settings(host: Any = None) -> None:
 
 def defaults(host: Any = None) -> Any:
     """The accordion's defaults from the Settings page (``VRAMGuardOptions``)."""
-    from lib_vram.options import defaults_from_settings
+    from .options import defaults_from_settings
 
     host = host if host is not None else _default_host()
     return defaults_from_settings(host.opts_get)
@@ -169,7 +169,7 @@ def mount_routes(app: Any, session: Any, host: Any = None) -> None:
     """``GET /vram-guard/v1/status`` and ``POST /vram-guard/v1/free`` on the WebUI's own FastAPI
     app (nothing listens on a new port), behind the WebUI API's access control; and
     ``GET /internal/vram-guard/status`` for the page's readout, behind the page's."""
-    from lib_vram.readout import UI_STATUS_ROUTE
+    from lib_vram.core.readout import UI_STATUS_ROUTE
 
     def status() -> dict:
         return session.status()
@@ -200,7 +200,7 @@ def api_defaults_follow_settings(app: Any, session: Any, host: Any = None) -> in
     v1.10.1's ``Api`` reads every script's UI default values once, at startup
     (``init_default_script_args``), and fills them into each request: VRAM Guard's slots would keep
     the Settings of that moment forever. Our slots in those lists become ``None``, which
-    :func:`lib_vram.options.from_args` reads as "the current Settings value". Undone by
+    :func:`lib_vram.webui.options.from_args` reads as "the current Settings value". Undone by
     ``Session.restore_api_defaults`` (script unload). Returns the number of slots changed.
     """
     api = None
@@ -233,7 +233,7 @@ def api_defaults_follow_settings(app: Any, session: Any, host: Any = None) -> in
 
 
 def configure_logging(host: Any = None) -> None:
-    from lib_vram import log
+    from lib_vram.core import log
 
     host = host if host is not None else _default_host()
     level = host.cmd_opt("vram_guard_log_level", None)
@@ -248,24 +248,6 @@ def check_conflicts(session: Any, host: Any = None) -> None:
     where = host.tiled_vae_extension_installed()
     if where:
         session.note(TILED_VAE_NOTE.format(where=where))
-
-
-def foreign_vae_wrapper(module: Any) -> str | None:
-    """Describe an instance-level wrapper on a VAE module that is not ours (e.g. Tiled VAE's
-    ``VAEHook``, which also leaves ``original_forward`` on the module), or None."""
-    from lib_vram.hooks import ATTR
-
-    if module is None:
-        return None
-    d = getattr(module, "__dict__", {})
-    fwd = d.get("forward")
-    ours = getattr(fwd, "_vram_guard_trampoline", False)
-    reg = d.get(ATTR)
-    if "original_forward" in d:
-        return f"{type(fwd).__name__} (Tiled VAE's hook)"
-    if fwd is not None and not ours and (reg is None or not reg.installed):
-        return getattr(fwd, "__qualname__", type(fwd).__name__)
-    return None
 
 
 def start_emulation(session: Any, host: Any = None) -> Any:

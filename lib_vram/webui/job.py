@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from lib_vram import emulate
-from lib_vram.device import release
-from lib_vram.hooks import register_hook, remove_hook
-from lib_vram.tracker import StageTracker
+from lib_vram.core import emulate
+from lib_vram.core.device import release
+from lib_vram.core.hooks import register_hook, remove_hook
+from lib_vram.core.tracker import StageTracker
 
 from .settings import JobSettings
 
@@ -154,7 +154,7 @@ class Job:
             if self.info is not None:
                 text = self.plan_text()
                 if text:
-                    from lib_vram.options import INFOTEXT_PLAN_KEY
+                    from .options import INFOTEXT_PLAN_KEY
 
                     self.info[INFOTEXT_PLAN_KEY] = text
 
@@ -364,7 +364,7 @@ class Job:
         callable, so it is evaluated when each image's infotext is written (after the stages ran)."""
         if not self.plans or self.options is None:
             return None
-        from lib_vram.options import INFOTEXT_PLAN_KEY, to_infotext
+        from .options import INFOTEXT_PLAN_KEY, to_infotext
 
         return to_infotext(self.options, plans=self.plans).get(INFOTEXT_PLAN_KEY)
 

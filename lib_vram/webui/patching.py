@@ -4,7 +4,7 @@
 ``fn(previous, *args, **kwargs)``, where ``previous`` is what ``obj.name`` was. The undo is pushed
 onto ``stack`` (an ``ExitStack``): it puts the previous value back if ours is still the attribute;
 if somebody replaced it after us (wrapping ours), ours turns into a pass-through instead, so their
-wrapper keeps working. The same rule as :mod:`lib_vram.hooks`, for plain objects and dict slots.
+wrapper keeps working. The same rule as :mod:`lib_vram.core.hooks`, for plain objects and dict slots.
 """
 
 from __future__ import annotations
@@ -95,3 +95,21 @@ def patch_slot(
 
     stack.callback(undo)
     return patch
+
+
+def foreign_vae_wrapper(module: Any) -> str | None:
+    """Describe an instance-level wrapper on a VAE module that is not ours (e.g. Tiled VAE's
+    ``VAEHook``, which also leaves ``original_forward`` on the module), or None."""
+    from lib_vram.core.hooks import ATTR
+
+    if module is None:
+        return None
+    d = getattr(module, "__dict__", {})
+    fwd = d.get("forward")
+    ours = getattr(fwd, "_vram_guard_trampoline", False)
+    reg = d.get(ATTR)
+    if "original_forward" in d:
+        return f"{type(fwd).__name__} (Tiled VAE's hook)"
+    if fwd is not None and not ours and (reg is None or not reg.installed):
+        return getattr(fwd, "__qualname__", type(fwd).__name__)
+    return None

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lib_vram.device import capabilities, memory_info, release
+from lib_vram.core.device import capabilities, memory_info, release
 
 from .job import Job
 from .settings import resolve
@@ -124,7 +124,7 @@ class Session:
                 logger.warning("%s", text)
 
     def emulated_card(self) -> Any:
-        """The :class:`~lib_vram.emulate.EmulatedCard` every job runs on, or None."""
+        """The :class:`~lib_vram.core.emulate.EmulatedCard` every job runs on, or None."""
         return None if self.emulation is None else self.emulation.card
 
     def stop_emulation(self) -> None:
@@ -162,7 +162,7 @@ class Session:
     # -- readout -----------------------------------------------------------------------------
     def status(self) -> dict:
         """The readout payload (``GET /vram-guard/v1/status``)."""
-        from lib_vram.readout import status_payload
+        from lib_vram.core.readout import status_payload
 
         dev = self._device()
         jobs = self.open_jobs()
@@ -192,7 +192,7 @@ class Session:
         return payload
 
     def readout_html(self) -> str:
-        from lib_vram.readout import render_readout_html
+        from lib_vram.core.readout import render_readout_html
 
         return render_readout_html(self.status())
 
@@ -205,7 +205,7 @@ class Session:
         return status
 
     def free_html(self) -> str:
-        from lib_vram.readout import render_readout_html
+        from lib_vram.core.readout import render_readout_html
 
         return render_readout_html(self.free())
 
@@ -354,7 +354,7 @@ class ScriptJobs:
         job.boundary("process")
         self.refresh(p)
         self._ensure_unet(job)
-        from lib_vram.options import INFOTEXT_PLAN_KEY, to_infotext
+        from .options import INFOTEXT_PLAN_KEY, to_infotext
 
         entries = to_infotext(options)
         p.extra_generation_params.update(entries)
@@ -371,7 +371,7 @@ class ScriptJobs:
         if handle is not None and handle.kind == "forge" and job.forge_load_vae is None:
             job.forge_load_vae = self.host.forge_load_vae
         if handle is not None:
-            from .integration import foreign_vae_wrapper
+            from .patching import foreign_vae_wrapper
 
             other = foreign_vae_wrapper(handle.decoder)
             if other:
@@ -442,7 +442,7 @@ class ScriptJobs:
         weakref.finalize(pp, _close_if_open, weakref.ref(job))
         info = getattr(pp, "info", None)
         if isinstance(info, dict):
-            from lib_vram.options import to_infotext
+            from .options import to_infotext
 
             info.update(to_infotext(options))
             job.info = info

@@ -51,7 +51,7 @@ def normalise_preset_name(name: str | None) -> str | None:
     """Case-insensitive preset name (``"auto"`` → ``"Auto"``, ``"24gb+"`` → ``"24GB+"``)."""
     if name is None or not str(name).strip():
         return None
-    from lib_vram.presets import PRESET_NAMES
+    from lib_vram.planning.presets import PRESET_NAMES
 
     wanted = str(name).strip().lower()
     for candidate in (*PRESET_NAMES, "Custom"):
@@ -67,12 +67,12 @@ def resolve(
     caps: object | None,
     preset_override: str | None = None,
 ) -> JobSettings:
-    """Resolve ``options`` (a :class:`lib_vram.options.VRAMGuardOptions`) against the preset.
+    """Resolve ``options`` (a :class:`lib_vram.webui.options.VRAMGuardOptions`) against the preset.
 
     ``preset_override`` (the ``--vram-guard-preset`` flag) wins over the accordion's preset.
     Controls left on Auto/0 follow the preset; explicit controls win.
     """
-    from lib_vram.presets import RELEASE_POINTS, resolve_preset
+    from lib_vram.planning.presets import RELEASE_POINTS, resolve_preset
 
     name = normalise_preset_name(preset_override) or options.preset  # type: ignore[attr-defined]
     preset = None

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from lib_vram.device import Backend, backend_of, capabilities, is_oom_error, release
+from lib_vram.core.device import Backend, backend_of, capabilities, is_oom_error, release
 
 from .host import UNetState
 

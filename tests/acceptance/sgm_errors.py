@@ -19,7 +19,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 import torch  # noqa: E402
 from vae_models import smooth_latent  # noqa: E402
 
-from lib_vram.emulate import EmulatedCard  # noqa: E402
+from lib_vram.core.emulate import EmulatedCard  # noqa: E402
 from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode  # noqa: E402
 
 

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gradio as gr  # noqa: E402
 
-from lib_vram import ui  # noqa: E402
-from lib_vram.options import API_ARG_ORDER, VRAMGuardOptions  # noqa: E402
+from lib_vram.webui import ui  # noqa: E402
+from lib_vram.webui.options import API_ARG_ORDER, VRAMGuardOptions  # noqa: E402
 
 
 def main() -> int:

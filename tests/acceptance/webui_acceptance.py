@@ -450,7 +450,7 @@ def emulate_jobs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
 DEFAULTS = {"enabled": True, "preset": "Auto", "vae_tiling": "Auto", "vae_mode": "exact", "vae_tile": 0,
             "upscale_tiling": True, "upscale_tile": 0, "upscale_batch": 0, "precision_vae": "Auto",
             "precision_upscale": "Auto", "unet_fp16": False, "release_between_stages": True}  # fmt: skip
-"""VRAM Guard's shipped defaults (lib_vram.options.FIELDS)."""
+"""VRAM Guard's shipped defaults (lib_vram.webui.options.FIELDS)."""
 
 
 def _int_if_whole(v):  # noqa: ANN001, ANN202

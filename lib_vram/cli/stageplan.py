@@ -6,7 +6,7 @@ size, ``vae_decode_hires``; or, without hires fix, a final ``upscale`` (Extras-s
 
 Each stage's candidates are: untiled, then the preset's tile ladder (VAE tiles in latent px,
 upscaler tiles in image px, batches up to the preset's maximum). Every candidate's peak is
-predicted by a fake run (:mod:`lib_vram.predict`) of the tiled loop in this module
+predicted by a fake run (:mod:`lib_vram.core.predict`) of the tiled loop in this module
 (:func:`tiled_decode`, :func:`tiled_encode`, :func:`tiled_upscale`): the same layer sequence the
 tiled engines run, on tile-sized inputs, with a full-size output accumulator. The loops are also
 runnable on real tensors, which is how ``bench planner`` measures them.
@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import planner, reference
-from .predict import (
+from lib_vram.core.predict import (
     PeakPrediction,
     dtype_of,
     fake_call,
@@ -33,7 +32,8 @@ from .predict import (
     predict_callable,
     weights_bytes,
 )
-from .presets import Preset, resolve_precision
+from lib_vram.planning import planner, reference
+from lib_vram.planning.presets import Preset, resolve_precision
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _repeat(seen: set, key: tuple, dedupe: bool) -> bool:
 def tiled_decode(
     decoder: torch.nn.Module, z: torch.Tensor, tile: int, halo: int = DECODER_HALO, dedupe: bool = False
 ) -> torch.Tensor:
-    """Decode ``z`` with a reference :class:`~lib_vram.reference.Decoder`: ``conv_in`` + mid block
+    """Decode ``z`` with a reference :class:`~lib_vram.planning.reference.Decoder`: ``conv_in`` + mid block
     on the whole latent, the rest per tile (core ``<= tile`` latent px plus ``halo``)."""
     f = 2 ** (len(decoder.up) - 1)
     h = decoder.mid(decoder.conv_in(z))
@@ -93,7 +93,7 @@ def tiled_decode(
 def tiled_encode(
     encoder: torch.nn.Module, x: torch.Tensor, tile: int, halo: int = ENCODER_HALO, dedupe: bool = False
 ) -> torch.Tensor:
-    """Encode ``x`` with a reference :class:`~lib_vram.reference.Encoder`: the down path per tile
+    """Encode ``x`` with a reference :class:`~lib_vram.planning.reference.Encoder`: the down path per tile
     (core ``<= tile`` latent px = ``8 * tile`` image px, plus ``halo`` image px), the mid block and
     output convolution on the whole latent."""
     f = 2 ** (len(encoder.down) - 1)
@@ -530,10 +530,10 @@ def predict_engine_vae(
     backend: str = "cpu",
 ) -> PeakPrediction:
     """Peak of :func:`lib_vram.vae.tiled_decode`/``tiled_encode`` on ``module`` (any layout the
-    engine supports: the WebUI's own VAE, ldm, diffusers, :mod:`lib_vram.reference`), predicted by
+    engine supports: the WebUI's own VAE, ldm, diffusers, :mod:`lib_vram.planning.reference`), predicted by
     running the engine itself on fake tensors (its finite-check guard off, its state kept on the
     device). ``tile=None`` predicts the untiled pass the engine runs when everything fits."""
-    from .vae import TiledVAEConfig, tiled_decode, tiled_encode
+    from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
 
     if kind not in ("decode", "encode"):
         raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
@@ -576,7 +576,7 @@ def predict_engine_upscale(
 ) -> PeakPrediction:
     """Peak of :func:`lib_vram.upscale.upscale_tensor` with ``model`` (a ``torch.nn.Module``),
     predicted by running the engine on fake tensors (finite check off, accumulator on the device)."""
-    from .upscale import UpscaleConfig, upscale_tensor
+    from lib_vram.upscale import UpscaleConfig, upscale_tensor
 
     net = getattr(model, "model", model)
     dt = dtype_of(dtype)

@@ -4,7 +4,7 @@ How it works
 ------------
 PyTorch's fake-tensor mode (``torch._subclasses.fake_tensor.FakeTensorMode``) runs the real model
 code - the same Python, the same aten operators, the same shapes and dtypes - without allocating or
-computing anything. :class:`LiveBytesCounter` (:mod:`lib_vram.livebytes`) is a ``TorchDispatchMode``
+computing anything. :class:`LiveBytesCounter` (:mod:`lib_vram.core.livebytes`) is a ``TorchDispatchMode``
 pushed inside it: every operator's outputs are registered by their storage, and a
 ``weakref.finalize`` on each storage subtracts its bytes when Python frees it. The high-water mark
 of that running total is the peak of the bytes the stage's operators allocate, in the order the
@@ -26,7 +26,7 @@ What the count covers and what it does not:
   per-backend :class:`Calibration`, checked against measurements (``python -m lib_vram bench planner``).
 
 Models never need real weights for a prediction: build them inside the fake mode (see
-:mod:`lib_vram.reference`), or pass a real module, whose weights :func:`fake_state` replaces by fake
+:mod:`lib_vram.planning.reference`), or pass a real module, whose weights :func:`fake_state` replaces by fake
 tensors only for the fake run (the module itself is not touched, nothing is allocated).
 """
 

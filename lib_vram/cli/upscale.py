@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._cli_common import UsageError, check_device, positive_finite
+from .common import UsageError, check_device, positive_finite
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ def save_atomic(img, dst: Path, fmt: str, *, overwrite: bool, **params) -> None:
 def _reason(exc: BaseException) -> str:
     from PIL import Image, UnidentifiedImageError
 
-    from .upscale import UpscaleError
+    from lib_vram.upscale import UpscaleError
 
     if isinstance(exc, Image.DecompressionBombError):
         return f"too large to open safely ({exc})"
@@ -355,7 +355,7 @@ def _reason(exc: BaseException) -> str:
 def _upscale_one(model, job: _Job, args, config, fmt: str, notes: list[str]) -> str:
     from PIL import Image
 
-    from .upscale import UpscaleReport, upscale_image
+    from lib_vram.upscale import UpscaleReport, upscale_image
 
     img = _open(job.src, notes)
     icc = img.info.get("icc_profile")  # the colour profile travels with the pixels
@@ -384,7 +384,7 @@ def _upscale_one(model, job: _Job, args, config, fmt: str, notes: list[str]) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from .upscale import UpscaleConfig, load_model
+    from lib_vram.upscale import UpscaleConfig, load_model
 
     check_device(args.device)
     if args.budget_mb is not None and args.budget_mb < 1:
@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"`output` folder {args.output}: cannot create it ({_reason(exc)})") from None
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    from .upscale import UpscaleError
+    from lib_vram.upscale import UpscaleError
 
     try:
         model = load_model(args.model, device=args.device)

@@ -1,5 +1,5 @@
 """``python -m lib_vram bench vae-estimate``: the tiled VAE engine's quick analytic estimate
-against the fake-tensor prediction of the engine itself (:func:`lib_vram.stageplan.predict_engine_vae`).
+against the fake-tensor prediction of the engine itself (:func:`lib_vram.cli.stageplan.predict_engine_vae`).
 
 The analytic estimate (:func:`lib_vram.vae.estimate_peak_bytes`) is what ``mode="auto"`` and the
 automatic tile use at run time: milliseconds, no model run. The fake-tensor prediction runs the
@@ -63,7 +63,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _models(ch: int):
     import torch
 
-    from lib_vram.bench.planner import _ldm_config
+    from .planner import _ldm_config
 
     with contextlib.redirect_stdout(io.StringIO()):
         from ldm.modules.diffusionmodules.model import Decoder, Encoder
@@ -75,7 +75,7 @@ def _models(ch: int):
 def _records() -> list[dict]:
     import torch
 
-    from lib_vram.stageplan import predict_engine_vae
+    from lib_vram.cli.stageplan import predict_engine_vae
     from lib_vram.vae import decoder_spec, encoder_spec
     from lib_vram.vae._api import fast_sample_for
     from lib_vram.vae._plan import combine, estimate_components

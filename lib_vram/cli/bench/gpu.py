@@ -5,7 +5,7 @@ For the rare minutes a GPU is at hand: one command, under ~8 minutes on one GPU,
 1. ``env``: the device, torch/CUDA versions, capabilities.
 2. ``matrix``: each stage (full-size SD VAE decode/encode in FP16, a full-size RRDB x4 upscale)
    plain vs VRAM Guard on 4/6/8 GB cards made with ``torch.cuda.set_per_process_memory_fraction``
-   (:class:`lib_vram.emulate.EmulatedCard` on CUDA), with an SD1.5 checkpoint's 2.1 GB of weights
+   (:class:`lib_vram.core.emulate.EmulatedCard` on CUDA), with an SD1.5 checkpoint's 2.1 GB of weights
    resident as a real allocation: OK/OOM, plan, ``max_memory_allocated``/cap, fidelity against the
    uncapped plain output, time.
 3. ``decode_2048``: the FP16 2048² decode untiled vs exact t64 vs fast t64 (``max_memory_allocated``,
@@ -52,7 +52,7 @@ class _Clock:
 def _env(device) -> dict:  # noqa: ANN001
     import torch
 
-    from lib_vram.device import capabilities, memory_info
+    from lib_vram.core.device import capabilities, memory_info
 
     cudnn = torch.backends.cudnn.version() if device.type == "cuda" else None
     return {"capabilities": capabilities(device).__dict__, "memory": memory_info(device).to_dict(),
@@ -83,7 +83,7 @@ def _stage(stage: str, px: int, device, dtype):  # noqa: ANN001
     """(module, plain(), guarded(reports), data range)."""
     import torch
 
-    from lib_vram import planner
+    from lib_vram.planning import planner
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
 
@@ -128,8 +128,8 @@ def _stage(stage: str, px: int, device, dtype):  # noqa: ANN001
 def matrix(device, cards: list[int], clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
     import torch
 
-    from lib_vram.device import is_oom_error
-    from lib_vram.emulate import EmulatedCard, install
+    from lib_vram.core.device import is_oom_error
+    from lib_vram.core.emulate import EmulatedCard, install
 
     cuda = device.type == "cuda"
     dtype = torch.float16 if cuda else torch.float32
@@ -305,7 +305,7 @@ def _write(path: Path, data: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from lib_vram.device import resolve_device
+    from lib_vram.core.device import resolve_device
 
     cuda = torch.cuda.is_available()
     device = resolve_device("cuda" if cuda else "cpu")

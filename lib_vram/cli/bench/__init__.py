@@ -1,6 +1,8 @@
 """``python -m lib_vram bench TARGET``: side-by-side benchmarks (one module per target).
 
-Each target is a module ``lib_vram/bench/<name>.py`` with ``configure(parser)`` and
+CLI modules: they may print.
+
+Each target is a module ``lib_vram/cli/bench/<name>.py`` with ``configure(parser)`` and
 ``run(args) -> int``; register it in ``TARGETS``.
 """
 
@@ -9,18 +11,18 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from .cli import add_emulate_argument
+from lib_vram.cli import add_emulate_argument
 
 NAME = "bench"
 HELP = "Run a benchmark (each case in a fresh process) and print a side-by-side table."
 
 TARGETS: dict[str, str] = {
-    "vae": "lib_vram.bench.vae",
-    "upscale": "lib_vram.bench.upscale",
-    "planner": "lib_vram.bench.planner",
-    "vae-estimate": "lib_vram.bench.vae_estimate",
-    "emulate": "lib_vram.bench.emulate",
-    "gpu": "lib_vram.bench.gpu",
+    "vae": "lib_vram.cli.bench.vae",
+    "upscale": "lib_vram.cli.bench.upscale",
+    "planner": "lib_vram.cli.bench.planner",
+    "vae-estimate": "lib_vram.cli.bench.vae_estimate",
+    "emulate": "lib_vram.cli.bench.emulate",
+    "gpu": "lib_vram.cli.bench.gpu",
 }
 
 
@@ -36,7 +38,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._cli_common import check_device
+    from lib_vram.cli.common import check_device
 
     check_device(getattr(args, "device", None))  # one clear line before any benchmark starts
     return int(args._bench_run(args) or 0)

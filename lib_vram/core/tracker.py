@@ -86,7 +86,7 @@ class StageRecord:
     """False when the peak came from sampling (a lower bound), see the module docstring."""
     measure: str = "allocated"
     """``"allocated"`` (accelerator allocator), ``"rss"`` (CPU process memory) or ``"emulated"``
-    (an emulated card's use, :mod:`lib_vram.emulate`)."""
+    (an emulated card's use, :mod:`lib_vram.core.emulate`)."""
     plan: str | None = None
     """The plan the stage used (e.g. ``"exact t64"``), set by the engine through :meth:`StageTracker.note`."""
     notes: dict = field(default_factory=dict)
@@ -105,7 +105,7 @@ class StageRecord:
 class _Counter:
     """Backend counters behind one small interface: current, peak, reset.
 
-    While an emulated card (:mod:`lib_vram.emulate`) stands for the device, its use and peak are
+    While an emulated card (:mod:`lib_vram.core.emulate`) stands for the device, its use and peak are
     the counters (measure ``"emulated"``): that is the memory the card enforces."""
 
     def __init__(self, device: torch.device, owns_peak_counters: bool) -> None:

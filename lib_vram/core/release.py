@@ -1,7 +1,7 @@
 """Release policy (which stage boundaries free memory) and a leak check across jobs.
 
-:class:`ReleasePolicy` runs :func:`lib_vram.device.release` at the boundaries a preset names
-(:data:`lib_vram.presets.RELEASE_POINTS`). :meth:`ReleasePolicy.stage` wraps a stage so that the
+:class:`ReleasePolicy` runs :func:`lib_vram.core.device.release` at the boundaries a preset names
+(:data:`RELEASE_POINTS`). :meth:`ReleasePolicy.stage` wraps a stage so that the
 release also happens when the stage raises or the job is interrupted: before releasing, it clears
 the local variables of the failed stage's frames (the traceback keeps them - and every tensor they
 hold - alive while the exception propagates, which is why a plain ``torch.cuda.empty_cache()`` in an
@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .device import ReleaseResult, memory_info, release
-from .presets import RELEASE_POINTS
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +31,34 @@ DEFAULT_DRIFT_TOLERANCE = 64 * 2**20
 """Baseline growth over the checked jobs below which :class:`LeakCheck` reports no leak (64 MiB:
 above allocator and RSS noise, below a leaked SD VAE tile or image tensor)."""
 
+RELEASE_POINTS: tuple[str, ...] = (
+    "process",
+    "before_hr",
+    "post_sample",
+    "postprocess_batch",
+    "job_end",
+    "failure",
+)
+"""Stage boundaries where :func:`release_at` may run ``gc.collect()`` + cache release:
+
+* ``process`` - job start, before the text encoder and UNet run (drops leftovers of the last job);
+* ``before_hr`` - between the first pass and hires fix (the first-pass decode/upscale leftovers);
+* ``post_sample`` - after sampling, before the VAE decode (the sampler's activations);
+* ``postprocess_batch`` - after each batch's images are decoded;
+* ``job_end`` - after the job;
+* ``failure`` - when a stage raises or the job is interrupted (always recommended: the traceback's
+  frames keep tensors alive until collected).
+"""
+
 
 class ReleasePolicy:
     """Release memory at the stage boundaries in ``points``.
 
     Args:
-        points: boundary names (subset of :data:`~lib_vram.presets.RELEASE_POINTS`), e.g. a
+        points: boundary names (subset of :data:`RELEASE_POINTS`), e.g. a
             preset's ``release_at``.
         device: the device whose cache is released (default: the best available).
-        releaser: the release function (default :func:`lib_vram.device.release`).
+        releaser: the release function (default :func:`lib_vram.core.device.release`).
     """
 
     def __init__(

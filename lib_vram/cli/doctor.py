@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import __version__
-from ._cli_common import check_device
-from .device import capabilities, memory_info, resolve_device
-from .presets import tier_preset_name
-from .tiers import tier_for_total, tier_label
+from lib_vram import __version__
+from lib_vram.core.device import capabilities, memory_info, resolve_device
+from lib_vram.planning.presets import tier_preset_name
+from lib_vram.planning.tiers import tier_for_total, tier_label
+
+from .common import check_device
 
 NAME = "doctor"
 HELP = "Show the compute device, its memory, precision and attention support, and its memory tier."

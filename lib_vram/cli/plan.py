@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from .device import capabilities, free_bytes, memory_info, resolve_device
-from .emulate import parse_size as emulate_parse_size
-from .presets import PRESET_NAMES, resolve_preset
-from .reference import ARCHS, UPSCALERS
+from lib_vram.core.device import capabilities, free_bytes, memory_info, resolve_device
+from lib_vram.core.emulate import parse_size as emulate_parse_size
+from lib_vram.planning.presets import PRESET_NAMES, resolve_preset
+from lib_vram.planning.reference import ARCHS, UPSCALERS
 
 NAME = "plan"
 HELP = "Predict each stage's peak memory for a generation and choose tiles/batches that fit."
@@ -154,7 +154,7 @@ def check_options(args: argparse.Namespace) -> None:
     """Refuse bad options before any work, one line naming the option."""
     import math
 
-    from ._cli_common import UsageError, check_device
+    from .common import UsageError, check_device
 
     check_device(args.device)
     for name in ("width", "height"):

@@ -1,6 +1,6 @@
 """The VRAM Guard accordion (txt2img/img2img) and the Extras section, built with gradio.
 
-Builds from :data:`lib_vram.options.FIELDS` and plain data handed in by the host adapter; never
+Builds from :data:`lib_vram.webui.options.FIELDS` and plain data handed in by the host adapter; never
 imports the WebUI (``modules``). Works with gradio 3.41.2 (A1111) and 4.x (Forge): only
 ``gr.update``, context-manager layout blocks and constructor keywords both versions know.
 
@@ -20,6 +20,8 @@ from typing import Any
 
 import gradio as gr
 
+from lib_vram.core.readout import placeholder_payload, render_readout_html
+
 from .options import (
     API_ARG_ORDER,
     EXTRAS_FIELDS,
@@ -30,7 +32,6 @@ from .options import (
     extras_options,
     infotext_getter,
 )
-from .readout import placeholder_payload, render_readout_html
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class UIWidgets:
     """What :func:`build_ui` made; ``inputs`` is what the Script's ``ui()`` returns."""
 
     inputs: list[Any]
-    """Components in :data:`~lib_vram.options.API_ARG_ORDER`; the first is the enable switch."""
+    """Components in :data:`~lib_vram.webui.options.API_ARG_ORDER`; the first is the enable switch."""
     controls: dict[str, Any]
     """The same components keyed by field name."""
     readout: Any

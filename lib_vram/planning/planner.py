@@ -189,7 +189,7 @@ def _dominates(failed: Candidate, c: Candidate) -> bool:
 def learnable_peak(record: object, input_bytes: int = 0) -> int | None:
     """The measured peak of a finished stage, comparable with a plan's prediction, or None.
 
-    ``record`` is a :class:`lib_vram.tracker.StageRecord`: used only when it succeeded, its peak is
+    ``record`` is a :class:`lib_vram.core.tracker.StageRecord`: used only when it succeeded, its peak is
     exact and it counts allocated accelerator memory. Its working set (peak above the memory in use
     when the stage began) plus ``input_bytes`` (the stage's input, resident before it began and
     counted by the predictions) is returned. A CPU record (``measure == "rss"``) is not used: the

@@ -4,7 +4,7 @@ Every case runs in a fresh Python process (``--case JSON``), so peaks and caches
 between cases. Models are real spandrel architectures with random weights, saved to files and
 loaded through spandrel: Compact at the size of realesr-animevideov3 (64 features, 16 convs, x4),
 RRDBNet at the size of RealESRGAN_x4plus (64 filters, 23 blocks, x4), both initialised to behave
-like trained models (see :mod:`lib_vram.bench._synthetic`), and a small Compact (16
+like trained models (see :mod:`lib_vram.cli.bench._synthetic`), and a small Compact (16
 features, 4 convs) for the constant-peak series.
 
 Columns: ``method`` (untiled | engine | pil_loop), ``arch``, ``image_px`` (input side), ``tile``,
@@ -80,7 +80,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="A,B,...",
         help="instead: the per-architecture fidelity table (tiled vs untiled for every spandrel "
-        "architecture of lib_vram.bench._archs, or the named ones)",
+        "architecture of lib_vram.cli.bench._archs, or the named ones)",
     )
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
 
@@ -212,10 +212,10 @@ def run_case(case: dict) -> dict:
     import numpy as np
     import torch
 
-    from ..device import resolve_device
-    from ..livebytes import LiveBytesCounter
-    from ..tracker import _read_vm_hwm, _reset_vm_hwm
-    from ..upscale import UpscaleConfig, UpscaleReport, as_spec, context, load_model, upscale_tensor
+    from lib_vram.core.device import resolve_device
+    from lib_vram.core.livebytes import LiveBytesCounter
+    from lib_vram.core.tracker import _read_vm_hwm, _reset_vm_hwm
+    from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, context, load_model, upscale_tensor
 
     workdir = Path(case["workdir"])
     device = resolve_device(case.get("device"))
@@ -372,7 +372,8 @@ def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[di
     overlap, against spandrel's untiled call (8-bit max error and PSNR)."""
     import torch
 
-    from ..upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
+    from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
+
     from ._archs import build, save_and_load
     from ._synthetic import image_like
 

@@ -1,6 +1,6 @@
 """``python -m lib_vram`` command line: one sub-command per module.
 
-Each sub-command lives in its own ``lib_vram/_cli_<name>.py`` module with ``NAME``, ``HELP``,
+Each sub-command lives in its own ``lib_vram/cli/<name>.py`` module with ``NAME``, ``HELP``,
 ``configure(parser)`` and ``run(args) -> int``; register it in ``COMMANDS``.
 
 Errors: a bad option or file is one line on stderr (``error: ...``) and exit code 2; anything else
@@ -16,14 +16,14 @@ import os
 import sys
 import traceback
 
-from . import __version__
-from .log import configure as configure_logging
+from lib_vram import __version__
+from lib_vram.core.log import configure as configure_logging
 
 COMMANDS: tuple[str, ...] = (
-    "lib_vram._cli_doctor",
-    "lib_vram._cli_plan",
-    "lib_vram._cli_upscale",
-    "lib_vram._cli_bench",
+    "lib_vram.cli.doctor",
+    "lib_vram.cli.plan",
+    "lib_vram.cli.upscale",
+    "lib_vram.cli.bench",
 )
 
 
@@ -88,7 +88,7 @@ def emulated_card(args: argparse.Namespace):  # noqa: ANN201
         return None
     import torch
 
-    from .emulate import EmulatedCard, parse_size
+    from lib_vram.core.emulate import EmulatedCard, parse_size
 
     capacity = parse_size(size, "--emulate-vram")
     device = getattr(args, "device", None)
@@ -114,14 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     debug = bool(getattr(args, "debug", False))
     log = logging.getLogger("lib_vram")
     try:
-        from ._cli_common import check_device
+        from .common import check_device
 
         check_device(getattr(args, "device", None))  # before anything uses it (also --emulate-vram)
         env_before = os.environ.get(EMULATE_ENV)
         card = emulated_card(args)
         if card is None:
             return int(args._run(args) or 0)
-        from . import emulate
+        from lib_vram.core import emulate
 
         previous = emulate.install(card)
         logging.getLogger("lib_vram").warning(

@@ -10,7 +10,7 @@ preset of its own: :func:`resolve_preset` turns it into the tier preset of the d
 on, at generation time (the WebUI's Settings page would overwrite values copied by an ``onchange``
 callback, see ``host-api.md`` §7.1, so nothing is ever copied into other options).
 
-The tile bounds are *bounds*: the planner (:mod:`lib_vram.planner`) predicts each stage's peak and
+The tile bounds are *bounds*: the planner (:mod:`lib_vram.planning.planner`) predicts each stage's peak and
 picks the largest tile/batch inside them that fits the free memory; the preset only keeps it from
 going below a size where tiling overhead dominates or above a size that a card of this class never
 benefits from.
@@ -31,6 +31,8 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from lib_vram.core.release import RELEASE_POINTS
+
 from .tiers import TIERS_GB, GiB, tier_for_total, tier_label
 
 MiB = 1024**2
@@ -44,24 +46,6 @@ PRECISIONS: tuple[str, ...] = ("auto", "fp16", "bf16", "fp32")
 """``auto`` resolves per device (:func:`resolve_precision`): bf16 where supported, else fp16 (both
 with the engines' non-finite guard), fp32 on the CPU."""
 
-RELEASE_POINTS: tuple[str, ...] = (
-    "process",
-    "before_hr",
-    "post_sample",
-    "postprocess_batch",
-    "job_end",
-    "failure",
-)
-"""Stage boundaries where :func:`lib_vram.release.release_at` may run ``gc.collect()`` + cache release:
-
-* ``process`` - job start, before the text encoder and UNet run (drops leftovers of the last job);
-* ``before_hr`` - between the first pass and hires fix (the first-pass decode/upscale leftovers);
-* ``post_sample`` - after sampling, before the VAE decode (the sampler's activations);
-* ``postprocess_batch`` - after each batch's images are decoded;
-* ``job_end`` - after the job;
-* ``failure`` - when a stage raises or the job is interrupted (always recommended: the traceback's
-  frames keep tensors alive until collected).
-"""
 
 PRESET_NAMES: tuple[str, ...] = ("Auto", "4GB", "6GB", "8GB", "12GB", "16GB", "24GB+")
 """Every preset name, in the order a UI shows them."""
@@ -298,7 +282,7 @@ def resolve_precision(policy: str, caps: object | None) -> str:
     """A concrete precision (``"fp16"``, ``"bf16"``, ``"fp32"``) for ``policy`` on a device.
 
     ``caps`` is anything with ``backend``, ``fp16`` and ``bf16`` attributes (e.g.
-    :class:`lib_vram.device.Capabilities`) or ``None`` (assume a CUDA device with fp16 only).
+    :class:`lib_vram.core.device.Capabilities`) or ``None`` (assume a CUDA device with fp16 only).
     ``auto`` prefers bf16 (same range as fp32, so no VAE overflow), then fp16, and picks fp32 on the
     CPU, where half-precision kernels are slower than fp32. An explicit policy the device cannot run
     raises.

@@ -24,7 +24,7 @@ key                 meaning
                     the last job: ``stage`` (id), ``label``, ``peak_bytes``, ``plan`` (or
                     ``null``), ``seconds`` (summed), ``count`` (times it ran), ``ok``, ``exact``
                     (``false``: the peak is a sampled lower bound), ``error`` (or ``null``)
-``emulated``        the emulated card's label (``--emulate-vram``, :mod:`lib_vram.emulate`) when
+``emulated``        the emulated card's label (``--emulate-vram``, :mod:`lib_vram.core.emulate`) when
                     ``memory`` describes one, else ``null``
 ``notes``           list of strings (warnings, the CPU-only notice, what a release freed)
 ``html``            the readout's inner HTML (what the JS puts into the page)
@@ -156,7 +156,7 @@ def status_payload(
 ) -> dict[str, Any]:
     """The readout's JSON (keys in the module docstring), including its rendered ``html``.
 
-    ``records``: the last job's stage records (:class:`~lib_vram.tracker.StageRecord` or their
+    ``records``: the last job's stage records (:class:`~lib_vram.core.tracker.StageRecord` or their
     ``to_dict()``); a stage that ran several times is merged (highest peak, summed time).
     """
     cpu_only = memory.backend == "cpu"

@@ -310,7 +310,7 @@ def _worker(spec: dict) -> dict:
     import numpy as np
     import torch
 
-    from lib_vram.tracker import StageTracker
+    from lib_vram.core.tracker import StageTracker
     from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
 
     if spec.get("threads"):
@@ -413,7 +413,7 @@ def _device_counter(device):
     GPU: None (``torch.cuda.max_memory_allocated`` is the measurement)."""
     if device.type != "cpu":
         return None
-    from lib_vram.predict import LiveBytesCounter
+    from lib_vram.core.predict import LiveBytesCounter
     from lib_vram.vae import parked_bytes
 
     class DeviceBytes(LiveBytesCounter):
@@ -433,7 +433,7 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lib_vram.predict import fake_state, new_fake_mode
+    from lib_vram.core.predict import fake_state, new_fake_mode
     from lib_vram.vae import TiledVAEConfig, tiled_decode
 
     with torch.device("meta"):

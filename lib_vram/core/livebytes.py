@@ -5,7 +5,7 @@ registered once (views and in-place results share a storage and are not counted 
 ``weakref.finalize`` on each storage subtracts its bytes when Python frees it. The running total
 and its high-water mark are kept by a :class:`Ledger`. It works the same on fake tensors (the
 planner's dry runs), on real tensors (per-model calibration, benchmarks) and under an emulated
-device memory (:mod:`lib_vram.emulate`, whose ledger refuses an allocation that would cross the
+device memory (:mod:`lib_vram.core.emulate`, whose ledger refuses an allocation that would cross the
 card's capacity).
 
 Dispatch modes are per thread: a counter sees the operators of the thread that entered it. The
@@ -162,7 +162,7 @@ class LiveBytesCounter(TorchDispatchMode):
         self.ledger = ledger if ledger is not None else Ledger()
         self.workspace = workspace
         self.paused = False
-        """While True (:func:`lib_vram.emulate.host_work`), nothing is counted: host-side work."""
+        """While True (:func:`lib_vram.core.emulate.host_work`), nothing is counted: host-side work."""
         self.real_only = real_only
         """Count only real tensors: skip meta and fake ones (a planner's dry run inside an emulated
         card allocates nothing)."""

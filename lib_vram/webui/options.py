@@ -2,7 +2,7 @@
 
 :class:`VRAMGuardOptions` is what a generation runs with. :data:`FIELDS` describes every option
 once (label, default, kind, choices or range, settings key, infotext group, tooltip); the gradio
-accordion (:mod:`lib_vram.ui`), the Settings page (registered by the host adapter), the infotext and
+accordion (:mod:`lib_vram.webui.ui`), the Settings page (registered by the host adapter), the infotext and
 the API (``alwayson_scripts``) are all built from it, so they cannot drift apart.
 
 Pure: no gradio, no WebUI imports.
@@ -50,7 +50,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 PRESET_NAMES: tuple[str, ...] = ("Auto", "4GB", "6GB", "8GB", "12GB", "16GB", "24GB+")
-"""Names of the memory presets (``lib_vram.presets.PRESETS`` has the same names, tested)."""
+"""Names of the memory presets (``lib_vram.planning.presets.PRESETS`` has the same names, tested)."""
 PRESET_CHOICES: tuple[str, ...] = (*PRESET_NAMES, "Custom")
 """What the preset control offers: the presets plus ``"Custom"`` (only the controls count)."""
 VAE_TILING_CHOICES: tuple[str, ...] = ("Auto", "Always", "Off")

@@ -1,6 +1,6 @@
 """Reference architectures for predictions made without the user's model (the ``plan`` CLI).
 
-The predictor (:mod:`lib_vram.predict`) runs a model's own code on fake tensors. Inside the WebUI
+The predictor (:mod:`lib_vram.core.predict`) runs a model's own code on fake tensors. Inside the WebUI
 that is the loaded VAE/upscaler itself. Standalone, there is no model, and the core may not import
 ``ldm``/``sgm``; so this module describes the networks' layer sequences in plain ``torch.nn``,
 in the same operator order as the WebUI's code (the ldm/sgm KL autoencoder, whose activation is

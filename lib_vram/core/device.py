@@ -97,7 +97,7 @@ class MemoryInfo:
     system_total: int
     system_available: int
     emulated: str | None = None
-    """The emulated card's label when ``total``/``free`` describe one (:mod:`lib_vram.emulate`)."""
+    """The emulated card's label when ``total``/``free`` describe one (:mod:`lib_vram.core.emulate`)."""
 
     @property
     def used(self) -> int:

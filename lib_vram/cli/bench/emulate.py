@@ -1,6 +1,6 @@
 """``python -m lib_vram bench emulate``: each stage, plain vs VRAM Guard, on emulated 4/6/8 GB cards.
 
-The card is :class:`lib_vram.emulate.EmulatedCard`: device memory counted in software, CUDA's
+The card is :class:`lib_vram.core.emulate.EmulatedCard`: device memory counted in software, CUDA's
 out-of-memory error at its capacity. The stages are the real modules (ldm ``Decoder``/``Encoder``
 of the SD1.x layout, a spandrel ESRGAN ``RRDBNet`` loaded from a file) with random weights.
 
@@ -74,7 +74,7 @@ def _ldm(kind: str, cfg: dict):
 
 
 def _image(px: int, channels: int = 3, seed: int = 0):
-    from lib_vram.bench._synthetic import image_like
+    from ._synthetic import image_like
 
     return image_like(px, px, channels, seed)
 
@@ -91,7 +91,7 @@ def _rrdb(tmp: str, full: bool = False):
     import torch
     from safetensors.torch import save_file
 
-    from lib_vram.bench._synthetic import make_imagelike_rrdb, rrdb_class
+    from ._synthetic import make_imagelike_rrdb, rrdb_class
 
     torch.manual_seed(0)
     nf, nb = (64, 23) if full else (16, 6)
@@ -123,7 +123,7 @@ def _stage_fns(stage: str, px: int, tmp: str):
     """(module whose weights are on the card, plain(), guarded(report_list), data range)."""
     import torch
 
-    from lib_vram import planner
+    from lib_vram.planning import planner
     from lib_vram.upscale import UpscaleReport, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
 
@@ -169,8 +169,8 @@ def _plan_of(rep) -> str:
 def run_stage(stage: str, px: int, cards: list[int], tmp: str) -> list[dict]:
     import torch
 
-    from lib_vram.device import is_oom_error, release
-    from lib_vram.emulate import EmulatedCard, install
+    from lib_vram.core.device import is_oom_error, release
+    from lib_vram.core.emulate import EmulatedCard, install
 
     module, plain, guarded, data_range = _stage_fns(stage, px, tmp)
     ref, _, ref_cpu = _timed(plain)
@@ -223,7 +223,7 @@ def overhead(tmp: str) -> list[dict]:
     """The emulation's own CPU cost: the same plain forward with and without a card that never refuses."""
     import torch
 
-    from lib_vram.emulate import EmulatedCard
+    from lib_vram.core.emulate import EmulatedCard
 
     dec = _ldm("decoder", VAE_FULL)
     z = _latent(512)

@@ -9,7 +9,8 @@ fake run in this (parent) process. Error = predicted / measured - 1.
 
 Models: the real ldm ``Decoder``/``Encoder`` classes (untiled cases; full SD width where the CPU
 allows, narrower ``ch`` for large sizes - same code, fewer channels), the reference decoder/encoder
-of :mod:`lib_vram.reference` for the tiled plans (run by :mod:`lib_vram.stageplan`'s tiled loops),
+of :mod:`lib_vram.planning.reference` for the tiled plans (run by
+:mod:`lib_vram.cli.stageplan`'s tiled loops),
 and spandrel's RRDBNet (ESRGAN; 2 blocks instead of 23: the peak depends on the width, not the
 depth) and SRVGGNetCompact. ``ldm`` is imported only inside the benchmark functions (it is a test
 dependency, never needed by the core).
@@ -107,7 +108,7 @@ def _ldm_config(ch: int) -> dict:
 
 def _build(case: Case):
     """The model and the input shape of ``case`` (build under a device/fake context as needed)."""
-    from lib_vram import reference
+    from lib_vram.planning import reference
 
     if case.engine in ("vae", "vae-engine"):
         lat = case.size // 8
@@ -132,7 +133,7 @@ def _build(case: Case):
 def _runner(case: Case, model, *, dedupe: bool):
     import torch
 
-    from lib_vram import stageplan
+    from lib_vram.cli import stageplan
 
     if case.engine == "vae-engine":
         from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
@@ -173,8 +174,9 @@ def predict(case: Case) -> dict:
     """The predictor's numbers for ``case`` (fake run; the model is built on the meta device)."""
     import torch
 
-    from lib_vram import predict as P
-    from lib_vram import reference, stageplan
+    from lib_vram.cli import stageplan
+    from lib_vram.core import predict as P
+    from lib_vram.planning import reference
 
     with torch.device("meta"):
         model, shape = _build(case)
@@ -206,7 +208,7 @@ def measure(case: Case) -> dict:
     """Run ``case`` for real (call in a fresh process) and measure its peak RSS above the start."""
     import torch
 
-    from lib_vram.tracker import StageTracker
+    from lib_vram.core.tracker import StageTracker
 
     torch.manual_seed(0)
     model, shape = _build(case)

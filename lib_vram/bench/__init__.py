@@ -1,1 +1,0 @@
-"""Benchmark targets of ``python -m lib_vram bench`` (CLI modules: they may print)."""
