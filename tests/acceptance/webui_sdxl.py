@@ -74,6 +74,9 @@ def main() -> int:
     ap.add_argument("--overflow-cmd", default=None, help="builds the overflow VAE: CMD LATENT OUT")
     ap.add_argument("--vae-dir", default="/work/webui/models/VAE")
     ap.add_argument("--only", default="")
+    ap.add_argument(
+        "--fp16-whole", action="store_true", help="also FP16 with tiling Off (one tile; slow on a CPU)"
+    )
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     reqs = jobs(a.size, a.hires_size, a.steps, a.upscaler)
@@ -129,24 +132,6 @@ def main() -> int:
         p = psnr(r["image"], b)
         record("SDXL txt2img, VRAM Guard exact t16 >= 80 dB vs no extension", p >= 80, seconds=r["seconds"], psnr=p,
                infotext=r["infotext"].split("\n")[-1], stages=stages(), **memory())  # fmt: skip
-    if want("hires"):
-        r = run(a.url, "hires", "/sdapi/v1/txt2img", with_vg(reqs["hires"], [False]))
-        b = load("base-hires")
-        record("SDXL hires x2, VRAM Guard off = no extension", bool(np.array_equal(r["image"], b)),
-               seconds=r["seconds"], psnr=psnr(r["image"], b))  # fmt: skip
-        # VAE stages tiled (exact), the WebUI's own upscale: the final image is comparable.
-        r = run(a.url, "hires", "/sdapi/v1/txt2img", with_vg(reqs["hires"], on_exact))
-        save("on-hires", r["image"])
-        p = psnr(r["image"], b)
-        record("SDXL hires x2, VRAM Guard exact t16 (all VAE stages), WebUI upscale", p >= 80, seconds=r["seconds"],
-               psnr=p, infotext=r["infotext"].split("\n")[-1], stages=stages())  # fmt: skip
-        # VRAM Guard's upscale too: the upscale stage differs from the WebUI's (192-px padded tile),
-        # so only the stages are reported; the routes' own comparison is in webui_upscale_routes.py.
-        r = run(a.url, "hires", "/sdapi/v1/txt2img",
-                with_vg(reqs["hires"], [dict(on_exact[0], upscale_tiling=True, upscale_tile=32)]))  # fmt: skip
-        save("on-hires-upscale", r["image"])
-        record("SDXL hires x2, VRAM Guard VAE t16 + tiled upscale t32 (stages)", True, seconds=r["seconds"],
-               psnr_vs_plain=psnr(r["image"], b), infotext=r["infotext"].split("\n")[-1], stages=stages())  # fmt: skip
     if want("fp16"):
         if not (a.latent and os.path.exists(a.latent) and a.overflow_cmd):
             record("fp16 overflow: needs --latent (from the txt2img job) and --overflow-cmd", False)
@@ -167,7 +152,7 @@ def main() -> int:
                 seconds=r32["seconds"],
                 std=float(r32["image"].std()),
             )
-            for tile in (16, 0):
+            for tile in (16,) if not a.fp16_whole else (16, 0):
                 args = [dict(on_exact[0], precision_vae="FP16", vae_tile=tile)]
                 if tile == 0:
                     args = [dict(on_exact[0], precision_vae="FP16", vae_tiling="Off")]
@@ -187,6 +172,17 @@ def main() -> int:
                        p >= 30 and bool(guard), seconds=round(time.time() - t0, 1), psnr_vs_fp32=p,
                        recomputed_segments=len(guard), recomputed_tiles=tiles, guard_lines=guard[:12],
                        infotext=r["infotext"].split("\n")[-1], stages=stages())  # fmt: skip
+    if want("hires"):
+        r = run(a.url, "hires", "/sdapi/v1/txt2img", with_vg(reqs["hires"], [False]))
+        b = load("base-hires")
+        record("SDXL hires x2, VRAM Guard off = no extension", bool(np.array_equal(r["image"], b)),
+               seconds=r["seconds"], psnr=psnr(r["image"], b))  # fmt: skip
+        # VAE stages tiled (exact), the WebUI's own upscale: the final image is comparable.
+        r = run(a.url, "hires", "/sdapi/v1/txt2img", with_vg(reqs["hires"], on_exact))
+        save("on-hires", r["image"])
+        p = psnr(r["image"], b)
+        record("SDXL hires x2, VRAM Guard exact t16 (all VAE stages), WebUI upscale", p >= 80, seconds=r["seconds"],
+               psnr=p, infotext=r["infotext"].split("\n")[-1], stages=stages())  # fmt: skip
     if a.log:
         text = log_since(a.log, 0)
         errs = [ln for ln in text.splitlines() if re.search(r"Error|Traceback", ln)]
