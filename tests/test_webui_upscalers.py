@@ -3,7 +3,6 @@ result cache, and models built while the host has torch.nn's constructors patche
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -189,7 +188,6 @@ def test_forge_memory_preparation_runs_before_the_routed_upscale(tmp_path):
     events: list[str] = []
     host = FakeHost(fake_sd_model())
     host.prepare_upscale_memory = lambda: events.append("prepare")
-    host.replay_upscaler_load = lambda p: events.append(f"replay {os.path.basename(p)}")
     scaler = UpscalerESRGAN()
     host.scalers = [scaler]
     jobs = ScriptJobs(Session(host=host), kind="extras")
@@ -204,8 +202,7 @@ def test_forge_memory_preparation_runs_before_the_routed_upscale(tmp_path):
     jobs.job.stage = staged
     scaler.do_upscale(_image(), str(path))
     jobs.postprocess(p)
-    assert events[:3] == ["prepare", "replay rrdb-x2.safetensors", "stage upscale"]
-    assert events.count("prepare") == 1 and events.count("replay rrdb-x2.safetensors") == 1
+    assert events[:2] == ["prepare", "stage upscale"] and events.count("prepare") == 1
     assert scaler.calls == 0
 
 
@@ -216,33 +213,3 @@ def test_host_prepare_upscale_memory_is_a_no_op_without_forge(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "modules_forge", None)  # "import modules_forge" -> ImportError
     real_host.prepare_upscale_memory()  # A1111: nothing to do, no error
-
-
-def test_forge_route_leaves_the_global_rng_where_forges_own_model_load_leaves_it(tmp_path, monkeypatch):
-    """Forge loads the upscaler from its file at every upscale (spandrel's random init draws from the
-    global generator) and its hires re-encode then samples from that generator: the route's replay
-    makes exactly those draws on Forge, and none on A1111."""
-    import sys
-    import types
-
-    import spandrel
-
-    from lib_vram.webui import host as real_host
-
-    path = tmp_path / "rrdb-x2.safetensors"
-    save_and_load(build("rrdb-x2"), path)
-    torch.manual_seed(123)
-    start = torch.get_rng_state()
-    spandrel.ModelLoader().load_from_file(str(path))  # what Forge's do_upscale does
-    forge_state = torch.get_rng_state()
-    assert not torch.equal(forge_state, start)  # the load does draw: the check below can fail
-
-    monkeypatch.setitem(sys.modules, "modules_forge", types.ModuleType("modules_forge"))
-    torch.set_rng_state(start)
-    real_host.replay_upscaler_load(str(path))
-    assert torch.equal(torch.get_rng_state(), forge_state)
-
-    monkeypatch.setitem(sys.modules, "modules_forge", None)  # A1111
-    torch.set_rng_state(start)
-    real_host.replay_upscaler_load(str(path))
-    assert torch.equal(torch.get_rng_state(), start)

@@ -168,25 +168,6 @@ def prepare_upscale_memory() -> None:
     prepare_free_memory()
 
 
-def replay_upscaler_load(path: str) -> None:
-    """Forge: leave torch's global random generator where Forge's own upscale leaves it.
-
-    Forge's ESRGAN/RealESRGAN ``do_upscale`` builds the model from its file at every call
-    (``modelloader.load_spandrel_model``), and the architecture's random weight initialisation draws
-    from the global CPU generator; Forge's hires re-encode then samples the latent posterior from
-    that generator (``backend/nn/vae.py``). VRAM Guard upscales with its cached model, so without
-    these draws the hires pass would start from other noise than Forge's own (a different picture).
-    This builds the model the way Forge does and drops it: the same draws, at the same point. A1111
-    needs nothing (nothing happens there)."""
-    try:
-        import modules_forge  # noqa: F401  (Forge only)
-    except ImportError:
-        return
-    import spandrel
-
-    spandrel.ModelLoader().load_from_file(str(path))
-
-
 # -- precision -----------------------------------------------------------------------------------
 def dtype_vae() -> torch.dtype | None:
     from modules import devices

@@ -139,11 +139,6 @@ def upscale(
     prepare = getattr(job.host, "prepare_upscale_memory", None)
     if callable(prepare):
         prepare()
-    # Forge's own do_upscale then loads the model from its file, which draws from torch's global
-    # RNG (its hires re-encode samples from that RNG afterwards): the same draws here.
-    replay = getattr(job.host, "replay_upscaler_load", None)
-    if callable(replay):
-        replay(path)
     with job.stage(job.upscale_stage_name()):
         try:
             out = engine.upscale_image(
