@@ -173,3 +173,44 @@ def test_engines_run_on_fake_tensors_and_tiles_predict_less():
     assert min(whole.activation_bytes, tiles.activation_bytes) >= 3 * 512 * 512 * 4
     with pytest.raises(ValueError, match="`kind`"):
         stageplan.predict_engine_vae(dec, "both", (1, 4, 8, 8))
+
+
+@pytest.mark.parametrize(
+    ("kind", "scale", "width", "blocks", "dtype"),
+    [
+        ("rrdb", 4, 16, 2, torch.float32),
+        ("rrdb", 2, 8, 1, torch.float16),
+        ("rrdb", 1, 8, 1, torch.float32),
+        ("compact", 4, 16, 3, torch.float32),
+        ("compact", 2, 24, 2, torch.bfloat16),
+    ],
+)
+def test_reference_upscalers_are_spandrels_operator_for_operator(kind, scale, width, blocks, dtype):
+    """``plan`` builds its reference upscalers without importing spandrel (seconds of import);
+    they must cost what spandrel's classes cost: the same parameter shapes, and the same fake
+    peak at several sizes (odd ones included)."""
+    from spandrel.architectures.Compact import SRVGGNetCompact
+    from spandrel.architectures.ESRGAN import RRDBNet
+
+    from lib_vram.core.predict import count_peak, fake_call, fake_state, new_fake_mode
+
+    with torch.device("meta"):
+        ours = reference.build_upscaler(kind, scale, num_filters=width, num_blocks=blocks)
+        if kind == "rrdb":
+            theirs = RRDBNet(num_filters=width, num_blocks=blocks, scale=scale)
+        else:
+            theirs = SRVGGNetCompact(num_feat=width, num_conv=blocks, upscale=scale)
+    assert [p.shape for p in ours.parameters()] == [p.shape for p in theirs.parameters()]
+    for h, w in ((16, 16), (23, 37)):
+        peaks = []
+        for net in (ours, theirs):
+            mode = new_fake_mode()
+            call = fake_call(net, fake_state(net, mode, dtype))
+            with mode:
+                x = torch.empty(1, 3, h, w, dtype=dtype)
+            peak, _ = count_peak(call, x, fake_mode=mode)
+            with mode:
+                out_shape = tuple(call(x).shape)
+            peaks.append((peak, out_shape))
+        assert peaks[0] == peaks[1], (h, w, peaks)
+        assert peaks[0][1] == (1, 3, h * scale, w * scale)

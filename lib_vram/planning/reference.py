@@ -4,9 +4,11 @@ The predictor (:mod:`lib_vram.core.predict`) runs a model's own code on fake ten
 that is the loaded VAE/upscaler itself. Standalone, there is no model, and the core may not import
 ``ldm``/``sgm``; so this module describes the networks' layer sequences in plain ``torch.nn``,
 in the same operator order as the WebUI's code (the ldm/sgm KL autoencoder, whose activation is
-``x * sigmoid(x)`` - two tensors, not one), and builds the upscalers with spandrel (which the WebUI
-itself uses). ``tests/test_predict.py`` checks that the reference decoder and encoder produce the
-same fake peak as the real ldm classes, operator for operator.
+``x * sigmoid(x)`` - two tensors, not one), and the upscalers in the operator order of spandrel's
+classes (which the WebUI itself uses) without importing spandrel (its import alone costs seconds:
+it pulls in torchvision). ``tests/test_predict.py`` checks that the reference decoder and encoder
+produce the same fake peak as the real ldm classes, and the reference upscalers the same as
+spandrel's, operator for operator.
 
 Build them inside a ``FakeTensorMode`` (see :func:`build_vae_decoder`): no weight memory is used.
 """
@@ -289,21 +291,98 @@ def vae_arch(name: str) -> VAEArch:
 UPSCALERS: tuple[str, ...] = ("rrdb", "compact")
 
 
+class _RDB(nn.Module):
+    """ESRGAN's residual dense block: five convolutions over the growing concatenation."""
+
+    def __init__(self, nf: int, gc: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(nf, gc, 3, padding=1)
+        self.conv2 = nn.Conv2d(nf + gc, gc, 3, padding=1)
+        self.conv3 = nn.Conv2d(nf + 2 * gc, gc, 3, padding=1)
+        self.conv4 = nn.Conv2d(nf + 3 * gc, gc, 3, padding=1)
+        self.conv5 = nn.Conv2d(nf + 4 * gc, nf, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1 = F.leaky_relu_(self.conv1(x), 0.2)
+        x2 = F.leaky_relu_(self.conv2(torch.cat((x, x1), 1)), 0.2)
+        x3 = F.leaky_relu_(self.conv3(torch.cat((x, x1, x2), 1)), 0.2)
+        x4 = F.leaky_relu_(self.conv4(torch.cat((x, x1, x2, x3), 1)), 0.2)
+        x5 = self.conv5(torch.cat((x, x1, x2, x3, x4), 1))
+        return x5 * 0.2 + x
+
+
+class _RRDB(nn.Module):
+    def __init__(self, nf: int, gc: int) -> None:
+        super().__init__()
+        self.rdb1, self.rdb2, self.rdb3 = _RDB(nf, gc), _RDB(nf, gc), _RDB(nf, gc)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rdb3(self.rdb2(self.rdb1(x))) * 0.2 + x
+
+
+class RRDBNet(nn.Module):
+    """ESRGAN (spandrel's old-arch ``RRDBNet``: nearest-upsample + conv upsampler, LeakyReLU 0.2,
+    growth 32): the same parameters and operators, in the same order."""
+
+    def __init__(self, num_filters: int = 64, num_blocks: int = 23, scale: int = 4, gc: int = 32) -> None:
+        super().__init__()
+        nf = num_filters
+        self.scale = scale
+        self.conv_first = nn.Conv2d(3, nf, 3, padding=1)
+        self.body = nn.Sequential(*[_RRDB(nf, gc) for _ in range(num_blocks)])
+        self.conv_body = nn.Conv2d(nf, nf, 3, padding=1)
+        self.up_factor = 3 if scale == 3 else 2
+        n_up = 1 if scale == 3 else max(scale.bit_length() - 1, 0)
+        self.ups = nn.ModuleList(nn.Conv2d(nf, nf, 3, padding=1) for _ in range(n_up))
+        self.conv_hr = nn.Conv2d(nf, nf, 3, padding=1)
+        self.conv_last = nn.Conv2d(nf, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fea = self.conv_first(x)
+        fea = fea + self.conv_body(self.body(fea))
+        # One rebinding per layer, as spandrel's flat nn.Sequential does: the tensor before an
+        # upsample is free while the convolution after it runs.
+        for conv in self.ups:
+            fea = F.interpolate(fea, scale_factor=self.up_factor, mode="nearest")
+            fea = F.leaky_relu_(conv(fea), 0.2)
+        fea = F.leaky_relu_(self.conv_hr(fea), 0.2)
+        return self.conv_last(fea)
+
+
+class SRVGGNetCompact(nn.Module):
+    """Real-ESRGAN's compact network (spandrel's ``SRVGGNetCompact``, PReLU): convolutions at the
+    input size, a pixel shuffle, plus the nearest-upsampled input."""
+
+    def __init__(self, num_feat: int = 64, num_conv: int = 16, upscale: int = 4) -> None:
+        super().__init__()
+        self.upscale = self.scale = upscale
+        layers: list[nn.Module] = [nn.Conv2d(3, num_feat, 3, 1, 1), nn.PReLU(num_parameters=num_feat)]
+        for _ in range(num_conv):
+            layers += [nn.Conv2d(num_feat, num_feat, 3, 1, 1), nn.PReLU(num_parameters=num_feat)]
+        layers.append(nn.Conv2d(num_feat, 3 * upscale * upscale, 3, 1, 1))
+        self.body = nn.ModuleList(layers)
+        self.upsampler = nn.PixelShuffle(upscale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x
+        for layer in self.body:
+            out = layer(out)
+        out = self.upsampler(out)
+        out += F.interpolate(x, scale_factor=self.upscale, mode="nearest")
+        return out
+
+
 def build_upscaler(kind: str, scale: int = 4, *, num_filters: int = 64, num_blocks: int | None = None):
-    """A spandrel upscaler network: ``"rrdb"`` (ESRGAN / RealESRGAN x4plus, 23 blocks of 64
+    """A reference upscaler network: ``"rrdb"`` (ESRGAN / RealESRGAN x4plus, 23 blocks of 64
     filters) or ``"compact"`` (RealESRGAN general/anime compact, 16 convs of 64 filters).
 
-    Call inside a fake mode to build it without weight memory.
+    Call inside a fake mode or on the meta device to build it without weight memory.
     """
     if kind == "rrdb":
-        from spandrel.architectures.ESRGAN import RRDBNet
-
         return RRDBNet(
             num_filters=num_filters, num_blocks=23 if num_blocks is None else num_blocks, scale=scale
         )
     if kind == "compact":
-        from spandrel.architectures.Compact import SRVGGNetCompact
-
         return SRVGGNetCompact(
             num_feat=num_filters, num_conv=16 if num_blocks is None else num_blocks, upscale=scale
         )
