@@ -18,14 +18,14 @@ File handling (README, "Upscaling your own images"):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from lib_vram.core.files import write_atomic
 
 from .common import UsageError, check_device, positive_finite
 
@@ -286,48 +286,22 @@ def _for_format(img, fmt: str, notes: list[str]):
     return img
 
 
-_UMASK: int | None = None
-
-
-def _umask() -> int:
-    global _UMASK
-    if _UMASK is None:
-        _UMASK = os.umask(0o022)
-        os.umask(_UMASK)
-    return _UMASK
-
-
 def save_atomic(img, dst: Path, fmt: str, *, overwrite: bool, **params) -> None:
-    """Write ``img`` to a temporary file beside ``dst``, then rename it into place.
+    """Write ``img`` to a temporary file beside ``dst``, then rename it into place
+    (:func:`lib_vram.core.files.write_atomic`).
 
     Without ``overwrite`` an output that appeared meanwhile is not replaced (``FileExistsError``).
     Whatever goes wrong (also Ctrl-C), the temporary file is removed and ``dst`` is untouched.
     """
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".part", dir=dst.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def fill(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
             img.save(f, format=fmt, **params)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        if overwrite:
-            os.replace(tmp, dst)
-            return
-        try:
-            os.link(tmp, dst)  # fails if dst exists: no race with another writer
-        except FileExistsError:
-            raise FileExistsError(f"{dst} appeared while upscaling; left as it is") from None
-        except OSError:  # no hard links on this file system
-            if os.path.lexists(dst):
-                raise FileExistsError(f"{dst} appeared while upscaling; left as it is") from None
-            os.replace(tmp, dst)
-            return
-        tmp.unlink()
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+
+    try:
+        write_atomic(dst, fill, overwrite=overwrite)
+    except FileExistsError:
+        raise FileExistsError(f"{dst} appeared while upscaling; left as it is") from None
 
 
 def _reason(exc: BaseException) -> str:

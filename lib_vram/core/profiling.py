@@ -25,16 +25,15 @@ import bisect
 import contextlib
 import json
 import logging
-import os
 import pickle
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +267,7 @@ class StageProfiler:
 
         with StageProfiler("vae_decode", device) as prof:
             decode(...)
-        print(prof.summary.table())
+        logger.info("%s", prof.summary.table())
         prof.save(folder, "decode")
 
     Raises ``RuntimeError`` on entry when another profiler is running. The profiler and the CUDA
@@ -379,37 +378,3 @@ class StageProfiler:
 def _pickle(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         pickle.dump(obj, f)
-
-
-def write_atomic(dst: Path, fill: Callable[[Path], None], *, overwrite: bool = False) -> None:
-    """Have ``fill(tmp)`` write a temporary file beside ``dst``, then move it to ``dst``.
-
-    Without ``overwrite`` an existing ``dst`` is never replaced (``FileExistsError``, also when it
-    appeared meanwhile). Whatever goes wrong, the temporary file is removed and ``dst`` untouched.
-    """
-    dst = Path(dst)
-    fd, name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".part", dir=dst.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        fill(tmp)
-        mask = os.umask(0o022)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        if overwrite:
-            os.replace(tmp, dst)
-            return
-        try:
-            os.link(tmp, dst)  # fails when dst exists: no race with another writer
-        except FileExistsError:
-            raise FileExistsError(f"{dst} exists; not replaced") from None
-        except OSError:  # no hard links here
-            if os.path.lexists(dst):
-                raise FileExistsError(f"{dst} exists; not replaced") from None
-            os.replace(tmp, dst)
-            return
-        tmp.unlink()
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
