@@ -48,7 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from webui_acceptance import PROMPT, call, compare_stages, psnr, run  # noqa: E402
 
 VG = "VRAM Guard"
-VAE_NAME = "sdxl-random-overflow.safetensors"
+# not "sdxl-random…": v1.10.1's VAE "Automatic" picks any file in models/VAE whose name starts with
+# the checkpoint's name ("VAE weights found near the checkpoint"), for every job of every later start
+VAE_NAME = "vg-overflow-vae-for-sdxl.safetensors"
 FALLBACK = "A tensor with all NaNs was produced in VAE"
 RETRY = "Web UI will now convert VAE into 32-bit float and retry"
 GUARD = re.compile(r"precision guard: (\w+) tile (\d+) step (\d+) overflowed in (\S+), recomputed in (\S+)")
@@ -59,7 +61,7 @@ ON = {"enabled": True, "vae_tiling": "Always", "vae_mode": "exact", "vae_tile": 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("phase", choices=["plain", "extension"])
-    ap.add_argument("--url", default="http://127.0.0.1:7886")
+    ap.add_argument("--url", default="http://127.0.0.1:7946")
     ap.add_argument("--out", required=True)
     ap.add_argument("--stage-dump", required=True, help="the probe's VG_STAGE_DUMP folder")
     ap.add_argument("--log", required=True, help="the WebUI's log file")
