@@ -84,6 +84,7 @@ def main() -> int:
     results: list[dict] = []
 
     def record(check: str, ok: bool, **data) -> None:
+        ok = bool(ok)  # numpy comparisons give numpy bools (not JSON)
         results.append({"check": check, "ok": ok, **data})
         print(f"{'PASS' if ok else 'FAIL'} {check} {json.dumps(data)}", flush=True)
 
@@ -125,11 +126,14 @@ def main() -> int:
     def load_png(label: str) -> np.ndarray:
         return np.asarray(Image.open(out / f"{label}.png").convert("RGB"))
 
+    # a latent upscaler has no first-pass decode, upscale or encode: only the final decode's call
+    latent_up = a.upscaler.startswith("Latent")
+    stage_job = "hires-latent" if latent_up else "hires"  # (compare_stages names the 6 ESRGAN calls)
     if a.phase == "plain":
         if "hires" in only:
             r, _ = job("plain-hires", hires, None)
             n = len(list((out / "stages" / "plain-hires").glob("*.npy")))
-            record("plain hires fix (no VRAM Guard)", n == 6, seconds=r["seconds"], shape=list(r["image"].shape),
+            record(f"plain hires fix (no VRAM Guard), {a.upscaler}", n == (2 if latent_up else 6), seconds=r["seconds"], shape=list(r["image"].shape),
                    std=float(r["image"].std()), probe_files=n)  # fmt: skip
         if "fp16" in only:
             state = dtype_state()
@@ -169,14 +173,14 @@ def main() -> int:
         if "hires" in only:
             b = load_png("plain-hires")
             r, text = job("off-hires", hires, False)
-            st = compare_stages("hires", out / "stages" / "plain-hires", out / "stages" / "off-hires")
+            st = compare_stages(stage_job, out / "stages" / "plain-hires", out / "stages" / "off-hires")
             ok = bool(np.array_equal(r["image"], b)) and all(e.get("max_abs") == 0 for e in st)
-            record("SDXL hires, VRAM Guard off = plain (image and every stage)", ok and f"{VG}:" not in r["infotext"],
+            record(f"SDXL hires ({a.upscaler}), VRAM Guard off = plain (image and every stage)", ok and f"{VG}:" not in r["infotext"],
                    seconds=r["seconds"], psnr=psnr(r["image"], b), stages=st)  # fmt: skip
             r, text = job("on-hires", hires, ON)
-            st = compare_stages("hires", out / "stages" / "plain-hires", out / "stages" / "on-hires")
+            st = compare_stages(stage_job, out / "stages" / "plain-hires", out / "stages" / "on-hires")
             p = psnr(r["image"], b)
-            record("SDXL hires, VRAM Guard exact t16 on every VAE stage >= 80 dB vs plain", p >= 80,
+            record(f"SDXL hires ({a.upscaler}), VRAM Guard exact t16 on every VAE stage >= 80 dB vs plain", p >= 80,
                    seconds=r["seconds"], psnr=p, max_lsb=int(np.abs(r["image"].astype(int) - b).max()),
                    stages=st, infotext=r["infotext"].split("\n")[-1], vg_stages=vg_stages())  # fmt: skip
         if "fp16" in only:
@@ -191,7 +195,7 @@ def main() -> int:
             after = dtype_state()
             dtype_state("float32")
             guard = GUARD.findall(text)
-            tiles = sorted({int(t) for kind, t, *_ in guard if kind == "decode"})
+            tiles = sorted({int(t) for part, t, *_ in guard if part == "tiles"})  # part: "global" or "tiles"
             ref_img, ref = load_png("plain-overflow-fp32"), stage("plain-overflow-fp32", 1)
             got = stage("vg-overflow-fp16", 1)
             finite = bool(np.isfinite(got).all())
