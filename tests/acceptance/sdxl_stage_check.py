@@ -100,6 +100,11 @@ def main() -> int:
             row["vg_vs_host_same_input_max_abs"] = float(np.abs(v_out - h_v).max())
             row["vg_vs_host_same_input_max_lsb"] = int(np.abs(lsb(v_out).astype(int) - lsb(h_v)).max())
             row["vg_vs_host_same_input_psnr8"] = psnr8(lsb(v_out), lsb(h_v))
+            # what the input's difference alone does: the host on both inputs
+            row["host_vg_input_vs_host_plain_input_max_lsb"] = int(
+                np.abs(lsb(h_v).astype(int) - lsb(h_p)).max()
+            )
+            row["host_vg_input_vs_host_plain_input_psnr8"] = psnr8(lsb(h_v), lsb(h_p))
         else:
             m_p, s_p = moments(p_in)
             eps = (torch.from_numpy(p_out) / SCALE - m_p) / s_p
