@@ -439,33 +439,6 @@ def smaller(tile: int) -> int | None:
     return None
 
 
-def choose_tile(
-    spec: VAESpec,
-    input_shape: tuple[int, ...],
-    dtype: torch.dtype,
-    budget: int,
-    *,
-    mode: str,
-    state_on_device: bool,
-    backend: str = "cpu",
-) -> tuple[int, int]:
-    """Largest tile (latent px) whose estimate fits ``budget``; (tile, estimate). Falls back to
-    the smallest candidate when nothing fits."""
-    b, c, h, w = input_shape
-    f = spec.factor if spec.kind == "encoder" else 1
-    lat_max = math.ceil(max(h, w) / f)
-    best = None
-    for t in candidates(lat_max):
-        est = estimate_spec_bytes(
-            spec, input_shape, dtype, tile=t, mode=mode, state_on_device=state_on_device, backend=backend
-        )
-        best = (t, est)
-        if est <= budget:
-            return best
-    assert best is not None
-    return best
-
-
 # -- the one planning path: what the engine runs, and its predicted peak ------------------------
 
 FAST_SAMPLE_SIDE = 32
