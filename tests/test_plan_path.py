@@ -3,7 +3,8 @@ auto mode runs under the same budget, and its predicted peak matches the engine'
 run of that plan (the validator) within 10 %.
 
 Cases are drawn from a fixed seed over architectures (real ldm decoders/encoders of several widths
-and depths, spandrel Compact and ESRGAN models loaded from files), sizes, budgets and dtypes.
+and depths, diffusers' AutoencoderKL with 4- and 16-channel latents, spandrel Compact and ESRGAN
+models loaded from files), sizes, budgets, dtypes and (VAE) auto and fast modes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import random
 import pytest
 import torch
 from conftest import compact_class, image_like, rrdb_class, save_and_load
-from vae_models import ldm_decoder, ldm_encoder
+from vae_models import diffusers_vae, ldm_decoder, ldm_encoder
 
 from lib_vram.cli.stageplan import predict_engine_upscale, predict_engine_vae
 from lib_vram.core.predict import new_fake_mode
@@ -75,6 +76,43 @@ def test_vae_plans_peak_is_the_engines_fake_tensor_peak(mode, i, kind, ch_mult, 
     if mode == "fast":  # the user's fast mode under the same budget
         plan = plan_vae(module, shape, dtype, budget, mode="fast", backend="cpu", memory=planner.PlanMemory())
     # The validator: the engine itself on fake tensors, at that plan.
+    pred = predict_engine_vae(module, kind, shape, dtype, tile=plan.tile, mode=plan.mode, backend="cpu")
+    ref = pred.input_bytes + pred.activation_bytes
+    assert abs(plan.raw_peak_bytes / ref - 1) <= TOLERANCE, (plan.plan, plan.raw_peak_bytes, ref)
+
+
+def _diffusers_cases(n: int, seed: int = 99) -> list[tuple]:
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        kind = rng.choice(("decode", "encode"))
+        latent = rng.choice((4, 16))
+        blocks = rng.choice((2, 3))
+        side = rng.choice((16, 24, 40)) if kind == "decode" else rng.choice((48, 64, 96))
+        other = side + 8 * rng.choice((0, 1, -1))
+        cases.append((i, kind, latent, blocks, side, other, rng.uniform(0.15, 1.3), rng.choice(DTYPES)))
+    return cases
+
+
+@pytest.mark.parametrize(("i", "kind", "latent", "blocks", "h", "w", "frac", "dtype"), _diffusers_cases(8))
+def test_diffusers_vae_plan_is_the_engines_choice_and_peak(i, kind, latent, blocks, h, w, frac, dtype):
+    """Another layout (diffusers' AutoencoderKL, 4- and 16-channel latents, 2-3 levels, a mid
+    attention): the same two checks as for the ldm classes."""
+    vae = diffusers_vae(latent, seed=i, blocks=blocks)
+    module = vae.decoder if kind == "decode" else vae.encoder
+    shape = (1, latent, h, w) if kind == "decode" else (1, 3, h, w)
+    untiled = plan_vae(module, shape, dtype, 2**50).peak_bytes
+    budget = max(1, int(untiled * frac))
+    plan = plan_vae(module, shape, dtype, budget, backend="cpu", memory=planner.PlanMemory())
+    rep = VAEReport()
+    mode = new_fake_mode()
+    with mode:
+        x = torch.empty(shape, dtype=dtype)
+    run = tiled_decode if kind == "decode" else tiled_encode
+    cfg = TiledVAEConfig(mode="auto", budget_bytes=budget, dtype=dtype, guard=False, state_offload="device")
+    with mode, torch.no_grad():
+        run(module, x, config=cfg, report=rep, memory=planner.PlanMemory())
+    assert (plan.mode, plan.tile) == (rep.mode, None if rep.mode == "untiled" else rep.tile), plan
     pred = predict_engine_vae(module, kind, shape, dtype, tile=plan.tile, mode=plan.mode, backend="cpu")
     ref = pred.input_bytes + pred.activation_bytes
     assert abs(plan.raw_peak_bytes / ref - 1) <= TOLERANCE, (plan.plan, plan.raw_peak_bytes, ref)
