@@ -325,6 +325,11 @@ def decide(
         b0 = learned_batch
     else:
         b0 = int(max(1, min(MAX_AUTO_BATCH, n_tiles, tile_budget // max(1.0, area0 * per_px))))
+        # the sizing rule counts the forward only; the batch's blend (its float32 output and the
+        # cross-faded cores) can be larger: a batch this plan's own peak says does not fit is
+        # made smaller (one tile at a time is the floor; the tile itself is the OOM path's)
+        while b0 > 1 and candidate(t0, b0, halo).peak_bytes > budget:
+            b0 -= 1
     raw_peak = candidate(t0, b0, halo).peak_bytes
     return UpscalePlan(
         tile=t0,
