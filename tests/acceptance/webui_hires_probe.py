@@ -35,8 +35,10 @@ JOBS = {
     "off": [False],
     "off2": [False],
     "on": [{"vae_tiling": "Always", "vae_tile": 16, "upscale_tile": 32}],
+    "on2": [{"vae_tiling": "Always", "vae_tile": 16, "upscale_tile": 32}],
     "vae-only": [{"vae_tiling": "Always", "vae_tile": 16, "upscale_tiling": False}],
     "upscale-only": [{"vae_tiling": "Off", "upscale_tile": 32}],
+    "upscale-only2": [{"vae_tiling": "Off", "upscale_tile": 32}],
     "auto": [{"vae_tiling": "Auto"}],
 }
 
