@@ -8,7 +8,7 @@ img2img request with VRAM Guard's arguments), moves what the probe wrote for eac
 ``off``) and prints JSON::
 
     python tests/acceptance/webui_hires_probe.py --url URL --dump DUMP --out OUT [--forge] \\
-        [--jobs off,on,vae-only,upscale-only,off2] [--kind hires|img2img]
+        [--jobs off,on,vae-only,upscale-only,off2] [--kind hires|img2img|sdupscale]
 
 Per stage: the max abs difference of the float tensor, PSNR in 8 bits for pictures, and whether
 torch's global generator state was the same at that point (the encode samples from it).
@@ -47,6 +47,10 @@ def payload(kind: str, forge: bool, upscaler: str, size: int) -> tuple[str, dict
     base = dict(PROMPT, steps=2, width=size, height=size)
     if kind == "img2img":
         return "/sdapi/v1/img2img", dict(base, init_images=[init_image(size)], denoising_strength=0.6)
+    if kind == "sdupscale":  # the "SD upscale" script: upscale x2, then img2img over 2*size tiles
+        return "/sdapi/v1/img2img", dict(base, width=2 * size, height=2 * size, init_images=[init_image(size)],
+                                         denoising_strength=0.3, script_name="sd upscale",
+                                         script_args=["", 64, upscaler, 2.0])  # fmt: skip
     hires = dict(base, enable_hr=True, hr_scale=2, hr_upscaler=upscaler, hr_second_pass_steps=1,
                  denoising_strength=0.5)  # fmt: skip
     if forge:
@@ -95,7 +99,7 @@ def main() -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--forge", action="store_true")
     ap.add_argument("--jobs", default="off,on,vae-only,upscale-only,off2")
-    ap.add_argument("--kind", default="hires", choices=["hires", "img2img"])
+    ap.add_argument("--kind", default="hires", choices=["hires", "img2img", "sdupscale"])
     ap.add_argument("--upscaler", default="ESRGAN_x4-tiny-random")
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--esrgan-tile", type=int, default=0,
