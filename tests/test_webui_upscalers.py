@@ -257,7 +257,8 @@ def test_routed_upscale_leaves_the_global_generator_where_the_hosts_own_upscale_
     cls = _reloading_host_class(cls_name)
     own = cls()
     host = FakeHost(fake_sd_model())
-    host.replay_upscaler_load = real_host.replay_upscaler_load
+    # (None before the fix: the route then had no replay and the check below fails at the cache hit)
+    host.replay_upscaler_load = getattr(real_host, "replay_upscaler_load", None)
     routed = cls()
     host.scalers = [routed]
     img = _image()
