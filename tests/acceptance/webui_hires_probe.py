@@ -102,6 +102,11 @@ def main() -> int:
     ap.add_argument("--kind", default="hires", choices=["hires", "img2img", "sdupscale"])
     ap.add_argument("--upscaler", default="ESRGAN_x4-tiny-random")
     ap.add_argument("--size", type=int, default=128)
+    ap.add_argument("--prime", action="store_true",
+                    help="run the first job once, unrecorded, before the compared ones: the host's img2img "
+                         "encode samples from torch's global generator before the job seeds it, so its "
+                         "picture depends on the previous job; after a job with the same seed every "
+                         "compared job starts from the same generator state")  # fmt: skip
     ap.add_argument("--esrgan-tile", type=int, default=0,
                     help="the host's ESRGAN tile for every job (0 = untiled: the model's own picture; put back after)")  # fmt: skip
     a = ap.parse_args()
@@ -117,6 +122,11 @@ def run(a: argparse.Namespace) -> int:
     path, body = payload(a.kind, a.forge, a.upscaler, a.size)
     results: dict = {"kind": a.kind, "esrgan_tile": a.esrgan_tile, "jobs": {}}
     images = {}
+    if a.prime:
+        args = JOBS[a.jobs.split(",")[0]]
+        call(a.url, path, dict(body, alwayson_scripts={"VRAM Guard": {"args": args}}))
+        for f in [*files(a.dump), *files(a.dump / "detail")]:
+            f.unlink()
     for job in a.jobs.split(","):
         args = JOBS[job]
         t0 = time.time()
