@@ -11,7 +11,6 @@ from lib_vram.planning.planner import (
     choose,
     choose_learned,
     order,
-    tile_ladder,
 )
 
 MiB = 2**20
@@ -61,17 +60,6 @@ def test_bad_arguments_name_themselves():
         choose(LADDER, 1, -1)
     with pytest.raises(ValueError, match="`batch`"):
         Candidate("x", 1, 64, 0)
-    with pytest.raises(ValueError, match="`tile_min`"):
-        tile_ladder(64, 32)
-
-
-def test_tile_ladder_is_descending_and_bounded():
-    assert tile_ladder(24, 64) == [64, 48, 40, 32, 24]
-    assert tile_ladder(64, 64) == [64]
-    for lo, hi in [(24, 64), (32, 256), (64, 1024), (8, 9)]:
-        lad = tile_ladder(lo, hi)
-        assert lad[0] == hi and lad[-1] == lo
-        assert all(a > b for a, b in zip(lad, lad[1:]))
 
 
 # A candidate set whose peak grows with the tile (as real predictions do).

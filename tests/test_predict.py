@@ -214,3 +214,36 @@ def test_reference_upscalers_are_spandrels_operator_for_operator(kind, scale, wi
             peaks.append((peak, out_shape))
         assert peaks[0] == peaks[1], (h, w, peaks)
         assert peaks[0][1] == (1, 3, h * scale, w * scale)
+
+
+@pytest.mark.parametrize(
+    ("kind", "scale", "width", "blocks", "dtype"),
+    [
+        ("rrdb", 4, 64, 23, torch.float32),
+        ("rrdb", 4, 16, 1, torch.float16),
+        ("rrdb", 2, 32, 2, torch.float32),
+        ("rrdb", 3, 24, 2, torch.bfloat16),
+        ("rrdb", 1, 64, 3, torch.float32),
+        ("rrdb", 2, 8, 0, torch.float32),
+        ("compact", 4, 64, 16, torch.float32),
+        ("compact", 4, 8, 1, torch.float16),
+        ("compact", 2, 16, 2, torch.float32),
+        ("compact", 1, 24, 3, torch.bfloat16),
+    ],
+)
+def test_reference_upscalers_own_count_is_the_fake_runs(kind, scale, width, blocks, dtype):
+    """``plan`` takes a reference upscaler's forward bytes per pixel from the architecture's own
+    count (no fake run: a torch dispatch mode imports ``torch._dynamo``, a second of every plan);
+    it must be what the live-byte counter counts on fake tensors, at any size."""
+    from lib_vram.core.predict import count_peak, fake_call, fake_state, new_fake_mode
+
+    with torch.device("meta"):
+        net = reference.build_upscaler(kind, scale, num_filters=width, num_blocks=blocks)
+    per_px = net.peak_bytes_per_px(torch.empty((), dtype=dtype).element_size())
+    for h, w in ((16, 16), (23, 37), (64, 40)):
+        mode = new_fake_mode()
+        call = fake_call(net, fake_state(net, mode, dtype))
+        with mode:
+            x = torch.empty(1, 3, h, w, dtype=dtype)
+        peak, _ = count_peak(call, x, fake_mode=mode)
+        assert per_px * h * w == peak, (h, w, per_px * h * w, peak)

@@ -213,3 +213,101 @@ def test_host_prepare_upscale_memory_is_a_no_op_without_forge(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "modules_forge", None)  # "import modules_forge" -> ImportError
     real_host.prepare_upscale_memory()  # A1111: nothing to do, no error
+
+
+# -- the global generator after a routed upscale (Forge hires fix, issue 14) ---------------------
+
+
+def _reloading_host_class(name: str):
+    """A host upscaler class as WebUI v1.10.1 / Forge write ESRGAN, HAT, ScuNET: ``do_upscale``
+    builds the model from its file at every call (``modelloader.load_spandrel_model`` ->
+    ``spandrel.ModelLoader(device=None).load_from_file``), then runs it."""
+    import spandrel
+
+    def do_upscale(self, img, selected_model):
+        self.calls += 1
+        model = spandrel.ModelLoader(device=None).load_from_file(str(selected_model))
+        return Image.fromarray(_webui_reference(model.model.eval(), img))
+
+    return type(name, (UpscalerESRGAN,), {"do_upscale": do_upscale})
+
+
+def _route(host, scaler, img, path, notes=None):
+    jobs = ScriptJobs(Session(host=host), kind="txt2img")
+    p = FakeP()
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off", upscale_tile=32))
+    try:
+        return scaler.do_upscale(img, str(path))
+    finally:
+        if notes is not None:
+            notes.extend(jobs.job.notes)
+        jobs.postprocess(p)
+
+
+@pytest.mark.parametrize("cls_name", ["UpscalerESRGAN", "UpscalerScuNET"])
+def test_routed_upscale_leaves_the_global_generator_where_the_hosts_own_upscale_does(tmp_path, cls_name):
+    """The hires re-encode after the upscale samples the latent posterior from torch's global
+    generator (``torch.randn`` in ``DiagonalGaussianDistribution.sample``). The host's own upscale
+    builds the model at every call (its random init draws); with VRAM Guard's cached model the
+    generator was elsewhere and the hires fix on Forge came out 14.2 dB from Forge's own. Both the
+    first routed upscale (our cache loads the file) and a later one (cache hit) must leave the
+    generator, and so the encode's noise, exactly where the host's own upscale leaves it."""
+    from lib_vram.webui import host as real_host
+
+    path = tmp_path / "rrdb-x2.safetensors"
+    save_and_load(build("rrdb-x2"), path)
+    cls = _reloading_host_class(cls_name)
+    own = cls()
+    host = FakeHost(fake_sd_model())
+    # (None before the fix: the route then had no replay and the check below fails at the cache hit)
+    host.replay_upscaler_load = getattr(real_host, "replay_upscaler_load", None)
+    routed = cls()
+    host.scalers = [routed]
+    img = _image()
+    for call in ("cache miss", "cache hit"):
+        torch.manual_seed(1234)
+        start = torch.get_rng_state()
+        ref = np.asarray(own.do_upscale(img, str(path)))
+        ref_noise = torch.randn(4, 16, 16)  # the encode's posterior noise after the host's upscale
+        torch.set_rng_state(start)
+        out = np.asarray(_route(host, routed, img, path))
+        noise = torch.randn(4, 16, 16)
+        assert routed.calls == 0  # it was routed
+        assert np.abs(out.astype(int) - ref).max() <= 1, call
+        assert torch.equal(noise, ref_noise), f"{call}: the encode would draw other noise"
+    # The check can fail: without the host's build the generator is elsewhere.
+    torch.set_rng_state(start)
+    torch.randn(4, 16, 16)
+    assert not torch.equal(torch.randn(4, 16, 16), ref_noise)
+
+
+def test_swinir_keeps_its_model_so_its_loads_are_not_replayed(tmp_path):
+    """``UpscalerSwinIR`` caches its model in the host as we do: no replay, our load as it was."""
+    path = tmp_path / "swinir.safetensors"
+    save_and_load(build("swinir"), path)
+    replays: list[str] = []
+    host = FakeHost(fake_sd_model())
+    host.replay_upscaler_load = replays.append
+    scaler = UpscalerSwinIR()
+    host.scalers = [scaler]
+    _route(host, scaler, _image(), path)
+    assert scaler.calls == 0 and replays == []
+
+
+def test_a_failed_replay_keeps_the_upscaled_picture_and_says_so(tmp_path):
+    path = tmp_path / "rrdb-x2.safetensors"
+    model = save_and_load(build("rrdb-x2"), path)
+    host = FakeHost(fake_sd_model())
+
+    def replay(p):
+        raise OSError(f"{p}: read error")
+
+    host.replay_upscaler_load = replay
+    scaler = UpscalerESRGAN()
+    host.scalers = [scaler]
+    img = _image()
+    notes: list[str] = []
+    out = _route(host, scaler, img, path, notes)
+    assert scaler.calls == 0
+    assert np.abs(np.asarray(out).astype(int) - _webui_reference(model, img)).max() <= 1
+    assert any("could not rebuild rrdb-x2.safetensors" in n for n in notes)

@@ -117,30 +117,6 @@ def choose(candidates: Sequence[Candidate], free_bytes: int, safety_margin_bytes
     return Choice(smallest, False, budget, free_bytes, safety_margin_bytes, warning)
 
 
-def tile_ladder(tile_min: int, tile_max: int, step: int = 8, *, factor: float = 0.8) -> list[int]:
-    """Tile sizes from ``tile_max`` down to ``tile_min``, each ~``factor`` of the one before,
-    rounded down to a multiple of ``step`` (both bounds included)."""
-    if step < 1:
-        raise ValueError(f"`step` must be >= 1, got {step}")
-    if not (0 < tile_min <= tile_max):
-        raise ValueError(f"`tile_min`/`tile_max` must satisfy 0 < min <= max, got {tile_min}, {tile_max}")
-    if not (0.0 < factor < 1.0):
-        raise ValueError(f"`factor` must be in (0, 1), got {factor}")
-    sizes = [tile_max]
-    t = float(tile_max)
-    while True:
-        t *= factor
-        s = max(tile_min, int(t) // step * step)
-        if s >= sizes[-1]:
-            s = sizes[-1] - step
-        if s <= tile_min:
-            break
-        sizes.append(s)
-    if sizes[-1] != tile_min:
-        sizes.append(tile_min)
-    return sizes
-
-
 def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 

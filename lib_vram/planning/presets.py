@@ -1,27 +1,26 @@
 """Memory presets: one table of data, one place.
 
-A preset bundles every memory-related choice VRAM Guard makes for one class of card: how the VAE is
-tiled, how the upscaler is tiled and batched, which precision each stage runs in, where memory is
-released between stages, whether the UNet and text encoder leave the device while the VAE or the
-upscaler runs, how much memory is kept in reserve, and the CUDA caching-allocator settings.
+A preset bundles the memory-related choices VRAM Guard makes for one class of card: the VAE
+tiling mode, which precision each stage runs in, where memory is released between stages, whether
+the UNet and text encoder leave the device while the VAE or the upscaler runs, how much memory is
+kept in reserve, and the CUDA caching-allocator settings.
 
 The presets are named after nominal card sizes ("4GB" ... "24GB+") plus **Auto**. Auto is not a
 preset of its own: :func:`resolve_preset` turns it into the tier preset of the device the job runs
 on, at generation time (the WebUI's Settings page would overwrite values copied by an ``onchange``
 callback, see ``host-api.md`` §7.1, so nothing is ever copied into other options).
 
-The tile bounds are *bounds*: the planner (:mod:`lib_vram.planning.planner`) predicts each stage's peak and
-picks the largest tile/batch inside them that fits the free memory; the preset only keeps it from
-going below a size where tiling overhead dominates or above a size that a card of this class never
-benefits from.
+Tile sizes and batches are not in a preset: the engines choose them from the stage's budget (free
+memory minus the preset's safety margin and what it keeps on the device) with their own planning
+functions (:func:`lib_vram.vae.plan_vae`, :func:`lib_vram.upscale.plan_upscale`), the same ones
+``plan`` reports. A fixed per-card bound would only override the prediction with a guess.
 
 This module is pure data + pure functions: it imports neither torch nor the WebUI, so the UI and
 the settings page can import it cheaply.
 
-Where the numbers come from (measured in this project, see ``docs/benchmarks.md``): the untiled SD
-VAE decoder needs ~4.1 KB per output pixel in fp32 (~2 KB in fp16); an ESRGAN (RRDB) ~577 B per
-output pixel in fp32. A VAE tile of ``t`` latent pixels decodes ``(8t)²`` output pixels, so a 64-px
-tile works on 512² output pixels (~0.5 GiB in fp16), a 128-px tile on 1024² (~2 GiB in fp16).
+Where the numbers come from (measured in this project, see ``docs/benchmarks.md``): SDXL's UNet is
+~5 GB in fp16, SD1.5's ~1.7 GB; SDXL's text encoders ~1.6 GB; the untiled SD VAE decoder needs
+~4.1 KB per output pixel in fp32 (~2 KB in fp16).
 """
 
 from __future__ import annotations
@@ -67,16 +66,6 @@ class Preset:
     """Nominal card size in GB this preset is for (``None`` only for the unresolved Auto entry)."""
     vae_mode: str
     """VAE tiling mode, one of :data:`VAE_MODES`."""
-    vae_tile_min: int
-    """Smallest VAE tile side in latent pixels the planner may choose (8 image px per latent px)."""
-    vae_tile_max: int
-    """Largest VAE tile side in latent pixels; untiled is still chosen when the whole latent fits."""
-    upscale_tile_min: int
-    """Smallest upscaler input tile side in image pixels."""
-    upscale_tile_max: int
-    """Largest upscaler input tile side in image pixels."""
-    upscale_batch_max: int
-    """Most tiles per upscaler forward pass."""
     precision_vae: str
     """VAE precision, one of :data:`PRECISIONS`."""
     precision_upscale: str
@@ -110,11 +99,6 @@ class Preset:
             "name": self.name,
             "tier_gb": self.tier_gb,
             "vae_mode": self.vae_mode,
-            "vae_tile_min": self.vae_tile_min,
-            "vae_tile_max": self.vae_tile_max,
-            "upscale_tile_min": self.upscale_tile_min,
-            "upscale_tile_max": self.upscale_tile_max,
-            "upscale_batch_max": self.upscale_batch_max,
             "precision_vae": self.precision_vae,
             "precision_upscale": self.precision_upscale,
             "release_at": sorted(self.release_at, key=RELEASE_POINTS.index),
@@ -134,7 +118,7 @@ _MINIMAL_RELEASES = frozenset({"job_end", "failure"})
 
 
 # The table. One row per tier; the reasons for each value are in the comments and in the README's
-# "Presets" table. Tile sizes: VAE in latent px, upscaler in input image px.
+# "Presets" table. Tile sizes and batches are not here: the engines choose them from the budget.
 PRESETS: Mapping[str, Preset] = types.MappingProxyType(
     {
         "4GB": Preset(
@@ -142,15 +126,6 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             tier_gb=4,
             # Exact tiling whenever the untiled decode does not fit; fast only as the last resort.
             vae_mode="auto",
-            # 24 latent px is the floor: below it the ~13-px halo makes each tile mostly overlap.
-            # 64 px = 512² output px per tile, ~0.5 GiB of fp16 activations: fits next to nothing else.
-            vae_tile_min=24,
-            vae_tile_max=64,
-            # RRDB 4x at fp16: a 192-px input tile is 768² output px (~0.2 GiB); 64 px is the floor
-            # where the overlap would cost more than the tile.
-            upscale_tile_min=64,
-            upscale_tile_max=192,
-            upscale_batch_max=1,
             # Half precision halves activations; the guard recomputes overflowing tiles wider.
             precision_vae="auto",
             precision_upscale="auto",
@@ -170,12 +145,6 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             name="6GB",
             tier_gb=6,
             vae_mode="auto",
-            vae_tile_min=32,
-            # 96 px = 768² output px per tile, ~1.1 GiB of fp16 activations.
-            vae_tile_max=96,
-            upscale_tile_min=64,
-            upscale_tile_max=256,
-            upscale_batch_max=2,
             precision_vae="auto",
             precision_upscale="auto",
             release_at=_ALL_RELEASES,
@@ -190,12 +159,6 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             name="8GB",
             tier_gb=8,
             vae_mode="auto",
-            vae_tile_min=32,
-            # 128 px = 1024² output px per tile, ~2 GiB of fp16 activations.
-            vae_tile_max=128,
-            upscale_tile_min=96,
-            upscale_tile_max=384,
-            upscale_batch_max=2,
             precision_vae="auto",
             precision_upscale="auto",
             # postprocess_batch and process releases matter little once the VAE is tiled.
@@ -212,12 +175,6 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             name="12GB",
             tier_gb=12,
             vae_mode="auto",
-            vae_tile_min=48,
-            # 160 px = 1280² output px per tile, ~3.2 GiB of fp16 activations.
-            vae_tile_max=160,
-            upscale_tile_min=128,
-            upscale_tile_max=512,
-            upscale_batch_max=4,
             precision_vae="auto",
             precision_upscale="auto",
             release_at=_LIGHT_RELEASES,
@@ -231,12 +188,6 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             name="16GB",
             tier_gb=16,
             vae_mode="auto",
-            vae_tile_min=64,
-            # 192 px = 1536² output px per tile, ~4.5 GiB of fp16 activations.
-            vae_tile_max=192,
-            upscale_tile_min=128,
-            upscale_tile_max=768,
-            upscale_batch_max=4,
             precision_vae="auto",
             precision_upscale="auto",
             release_at=_LIGHT_RELEASES,
@@ -250,12 +201,6 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             name="24GB+",
             tier_gb=24,
             vae_mode="auto",
-            vae_tile_min=64,
-            # 256 px = 2048² output px per tile: a 2048² image decodes untiled when it fits.
-            vae_tile_max=256,
-            upscale_tile_min=256,
-            upscale_tile_max=1024,
-            upscale_batch_max=8,
             # fp32 VAE: memory is plentiful, so skip the guard's recomputes and keep reference output.
             precision_vae="fp32",
             precision_upscale="auto",
@@ -352,18 +297,6 @@ def validate_preset(preset: Preset) -> None:
     p = preset
     if p.vae_mode not in VAE_MODES:
         raise ValueError(f"`vae_mode` must be one of {VAE_MODES}, got {p.vae_mode!r}")
-    if not (8 <= p.vae_tile_min <= p.vae_tile_max):
-        raise ValueError(
-            "`vae_tile_min`/`vae_tile_max` must satisfy 8 <= min <= max, got "
-            f"{p.vae_tile_min}, {p.vae_tile_max}"
-        )
-    if not (16 <= p.upscale_tile_min <= p.upscale_tile_max):
-        raise ValueError(
-            f"`upscale_tile_min`/`upscale_tile_max` must satisfy 16 <= min <= max, got "
-            f"{p.upscale_tile_min}, {p.upscale_tile_max}"
-        )
-    if p.upscale_batch_max < 1:
-        raise ValueError(f"`upscale_batch_max` must be >= 1, got {p.upscale_batch_max}")
     for fname in ("precision_vae", "precision_upscale"):
         if getattr(p, fname) not in PRECISIONS:
             raise ValueError(f"`{fname}` must be one of {PRECISIONS}, got {getattr(p, fname)!r}")

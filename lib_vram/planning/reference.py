@@ -337,6 +337,27 @@ class RRDBNet(nn.Module):
         self.conv_hr = nn.Conv2d(nf, nf, 3, padding=1)
         self.conv_last = nn.Conv2d(nf, 3, 3, padding=1)
 
+    def peak_bytes_per_px(self, itemsize: int) -> float:
+        """The forward's peak tensor bytes per input pixel, the input not included, in the order
+        its operators allocate and free (what :class:`lib_vram.core.livebytes.LiveBytesCounter`
+        counts on fake tensors, without a fake run: ``tests/test_predict.py`` checks the two
+        agree). The largest of: the body (the stage input, a block's input, an RDB's input, its
+        four growth outputs, their concatenation and its last convolution's output), the body's
+        residual, each upsampling (the features and their nearest copy, then the copy and the
+        convolution's output) and the head."""
+        nf = self.conv_first.out_channels
+        gc = self.body[0].rdb1.conv1.out_channels if len(self.body) else 0
+        n = len(self.body)
+        body = (5 * nf + 8 * gc) if n >= 2 else (4 * nf + 8 * gc) if n == 1 else 0
+        terms = [body, 4 * nf]
+        px = 1
+        for _ in self.ups:
+            terms.append(px * nf * (1 + self.up_factor**2))
+            px *= self.up_factor**2
+            terms.append(2 * px * nf)
+        terms += [2 * px * nf, px * (nf + self.conv_last.out_channels)]
+        return float(max(terms) * itemsize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fea = self.conv_first(x)
         fea = fea + self.conv_body(self.body(fea))
@@ -362,6 +383,14 @@ class SRVGGNetCompact(nn.Module):
         layers.append(nn.Conv2d(num_feat, 3 * upscale * upscale, 3, 1, 1))
         self.body = nn.ModuleList(layers)
         self.upsampler = nn.PixelShuffle(upscale)
+
+    def peak_bytes_per_px(self, itemsize: int) -> float:
+        """The forward's peak tensor bytes per input pixel (as :meth:`RRDBNet.peak_bytes_per_px`):
+        a convolution's input and output (or a PReLU's), the last convolution's output beside
+        its input, the pixel shuffle's copy beside its input, then beside the upsampled input."""
+        nf = self.body[0].out_channels
+        last = self.body[-1].out_channels
+        return float(max(2 * nf, nf + last, 2 * last) * itemsize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x

@@ -325,6 +325,11 @@ def decide(
         b0 = learned_batch
     else:
         b0 = int(max(1, min(MAX_AUTO_BATCH, n_tiles, tile_budget // max(1.0, area0 * per_px))))
+        # the sizing rule counts the forward only; the batch's blend (its float32 output and the
+        # cross-faded cores) can be larger: a batch this plan's own peak says does not fit is
+        # made smaller (one tile at a time is the floor; the tile itself is the OOM path's)
+        while b0 > 1 and candidate(t0, b0, halo).peak_bytes > budget:
+            b0 -= 1
     raw_peak = candidate(t0, b0, halo).peak_bytes
     return UpscalePlan(
         tile=t0,
@@ -384,8 +389,9 @@ def plan_upscale(
     the same sizes, ``budget_bytes`` and ``dtype``, and its predicted peak, without running it.
 
     ``model``: what ``upscale_tensor`` takes (a spandrel descriptor, or an ``nn.Module`` with
-    ``scale``). A module on the meta device (a :mod:`lib_vram.planning.reference` upscaler) has
-    its forward bytes per px counted on fake tensors and the default overlap; a real one is
+    ``scale``). A module on the meta device has its forward bytes per px from its own count (a
+    :mod:`lib_vram.planning.reference` upscaler's ``peak_bytes_per_px``) or else counted on fake
+    tensors, and the default overlap; a real one is
     calibrated like the engine does (once per model, cached). ``host_apart``: host memory distinct
     from the device's (default: ``device`` is not the CPU).
     """
@@ -408,7 +414,11 @@ def plan_upscale(
         return ctx.halo, why
 
     if meta:
-        fwd = fake_bytes_per_px(spec.module, dtype, spec.input_channels or int(input_shape[1]))
+        count = getattr(spec.module, "peak_bytes_per_px", None)
+        if callable(count):  # a reference architecture knows its forward's count: no fake run
+            fwd = float(count(torch.empty((), dtype=dtype).element_size()))
+        else:
+            fwd = fake_bytes_per_px(spec.module, dtype, spec.input_channels or int(input_shape[1]))
         return decide(
             spec, tuple(input_shape), dtype, budget_bytes, fwd, halo, tile=tile, batch=batch,
             accumulate_on=accumulate_on, host_apart=apart, memory=memory,

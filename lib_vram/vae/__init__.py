@@ -30,7 +30,7 @@ from ._config import (
 )
 from ._engine import parked_bytes
 from ._layout import UnsupportedLayout, decoder_spec, encoder_spec
-from ._plan import VAEPlan, choose_tile, estimate_peak_bytes, plan_vae
+from ._plan import VAEPlan, estimate_peak_bytes, plan_vae
 
 __all__ = [
     "Interrupted",
@@ -41,7 +41,6 @@ __all__ = [
     "VAEPlan",
     "VAEReport",
     "attention",
-    "choose_tile",
     "decoder_spec",
     "encoder_spec",
     "estimate_peak_bytes",

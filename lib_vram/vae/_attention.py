@@ -33,14 +33,25 @@ def query_chunk(batch: int, heads: int, tokens: int, max_bytes: int = DEFAULT_SC
     return max(1, min(tokens, max_bytes // per_query))
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    parts = torch.__version__.split("+")[0].split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= (major, minor)
+    except (IndexError, ValueError):
+        return False
+
+
 def cpu_flash_kernel(dtype: torch.dtype) -> bool:
     """Whether torch runs CPU attention in ``dtype`` with its blocked flash kernel: a torch that
     has the kernel (2.2 and later), the flash backend not switched off
     (``torch.backends.cuda.enable_flash_sdp(False)`` applies to the CPU kernel too) and a dtype it
-    takes. The other conditions (4-D, no mask, no dropout, last-dim stride 1) hold for every call
-    :func:`attention` makes."""
+    takes (float32, bfloat16, float64; float16 from torch 2.3). The other conditions (4-D, no
+    mask, no dropout, last-dim stride 1) hold for every call :func:`attention` makes."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float64)
+    if _torch_at_least(2, 3):  # half precision joined the CPU flash kernel in torch 2.3
+        dtypes += (torch.float16,)
     return (
-        dtype in (torch.float32, torch.bfloat16, torch.float64)
+        dtype in dtypes
         and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
         and torch.backends.cuda.flash_sdp_enabled()
     )

@@ -43,11 +43,6 @@ def _resnet_units(blk: Resnet) -> tuple[int, int]:
     return max(seg_a, seg_b), parked
 
 
-def _mid_units(spec: VAESpec) -> int:
-    c = spec.mid_channels
-    return 6 * c
-
-
 def _levels(spec: VAESpec, h: int, w: int) -> list[tuple[int, int]]:
     """(H, W) at each level's blocks, in processing order, starting from the tiled input size."""
     sizes = []
@@ -93,12 +88,11 @@ def _overhead(h: int, w: int, core: int, halo: int) -> float:
     return sy * sx / float(h * w)
 
 
-def _window(n: int, core: int, need: int) -> int:
-    """The largest tile window along an axis of ``n`` pixels cut into cores of ``core``: the halo
-    is on both sides only for an inner tile (three tiles or more), on one side with two tiles, and
-    there is none with one."""
-    tiles = -(-n // max(1, core))
-    return min(n, core + need * min(2, tiles - 1))
+def _window(n: int, core: float, tiles: int, need: int) -> int:
+    """The largest tile window along an axis of ``n`` pixels cut into ``tiles`` cores of at most
+    ``core``: the halo is on both sides only for an inner tile (three tiles or more), on one side
+    with two tiles, and there is none with one."""
+    return min(n, int(math.ceil(core)) + need * min(2, tiles - 1))
 
 
 def _level_needs(spec: VAESpec) -> list[int]:
@@ -151,8 +145,7 @@ class Components:
     kind: str = "decoder"
     tiled: bool = True
     fast: bool = False
-    """Fast mode: the tiles of the main pass run one after another (nothing parked), their working
-    set is weighted by the ``work_fast`` factor."""
+    """Fast mode: the tiles of the main pass run one after another (nothing parked)."""
 
 
 def estimate_components(
@@ -165,7 +158,7 @@ def estimate_components(
     state_on_device: bool = True,
     out_dtype: torch.dtype | None = None,
     backend: str = "cpu",
-    fast_sample: int = 2,
+    fast_sample: int | None = None,
 ) -> Components:
     """The terms of the analytic estimate of one pass (see :class:`Components`)."""
     if len(input_shape) != 4:
@@ -173,15 +166,17 @@ def estimate_components(
     if mode not in ("untiled", "exact", "fast"):
         raise ValueError(f"`mode` must be 'untiled', 'exact' or 'fast', got {mode!r}")
     b, _, h, w = (int(v) for v in input_shape)
+    # fast mode's statistics subsampling: the engine's automatic one unless given
+    fast_sample = fast_sample_for(fast_sample, spec.kind, h, w)
     s = _itemsize(dtype)
     so = _itemsize(out_dtype or dtype)
     f = spec.factor
     ws_term = WORKSPACE_TERMS.get(backend)
 
-    def ws(cin: int, cout: int, k: int, px_in: int, px_out: int) -> int:
+    def ws(cin: int, cout: int, k: int, px_in: int, px_out: int, contiguous: bool = True) -> int:
         if ws_term is None:
             return 0
-        return ws_term((b, cin, px_in, 1), (cout, cin, k, k), (b, cout, px_out, 1), s, True)
+        return ws_term((b, cin, px_in, 1), (cout, cin, k, k), (b, cout, px_out, 1), s, contiguous)
 
     if spec.kind == "decoder":
         lat_h, lat_w = h, w
@@ -198,55 +193,120 @@ def estimate_components(
     # blocked flash kernel runs the attention in one call
     flash = backend == "cpu" and cpu_flash_kernel(dtype)
     scores = 0 if flash else 2 * min(DEFAULT_SCORE_BYTES, b * lat_px * lat_px * 4)
-    global_peak = b * lat_px * s * max(_mid_units(spec), 2 * mid_c + spec.in_channels) + scores
+    unit = b * lat_px * s
+    # the mid block on the whole latent: a ResNet's second convolution (its input, the residual,
+    # the normalised copy, the output), the attention's projections (the input and the
+    # normalised copy, q, k, v) and the attention itself (input, q, k, v, output; the math
+    # kernel's scores)
+    global_peak = max(
+        unit * 4 * mid_c + ws(mid_c, mid_c, 3, lat_px, lat_px),
+        unit * 5 * mid_c + ws(mid_c, mid_c, 1, lat_px, lat_px),
+        unit * 5 * mid_c + scores,
+        unit * (2 * mid_c + spec.in_channels) + ws(spec.in_channels, mid_c, 3, lat_px, lat_px),
+    )
     held_mid = b * mid_c * lat_px * s  # decoder: mid output; encoder: assembled features
-    ws_global = ws(mid_c, mid_c, 3, lat_px, lat_px)
 
     core = None if (tile is None or mode == "untiled") else int(tile) * (f if spec.kind == "encoder" else 1)
     lock_step = mode == "exact" and state_on_device and core is not None
-    offloaded = mode == "exact" and not state_on_device and core is not None
     # fast decode tiles only what follows the first level's ResNets (they run on the whole latent
     # with the mid block): a shorter path and a smaller halo
     tspec = split_first_level(spec)[1] if mode == "fast" and core is not None else spec
 
-    def walk(th: int, tw: int, parks: bool, share: float | None = None) -> tuple[Step, ...]:
+    def walk(
+        th: int,
+        tw: int,
+        parks: bool,
+        boxes: list[tuple[int, int, int, int]] | None = None,
+    ) -> tuple[Step, ...]:
         """The steps of the tiled path on a ``th`` x ``tw`` input (``parks``: lock-step tiles;
-        ``share``: the tiles' windows cover this share of the input, instead of the tile grid's
-        overhead)."""
+        ``boxes``: the tiles' cores on the input, instead of the engine's grid of ``core``)."""
         sizes = _levels(tspec, th, tw)
         lneeds = _level_needs(tspec)
+        start, after = needs(tspec)
+        op = 1 if spec.kind == "encoder" else 0  # index of the next op of the tiled path
+
+        def need_before(k: int) -> int:
+            return start if k == 0 else after[k - 1]
+
+        # the engine's grid on the input: balanced cores (the largest, and how many per axis)
+        if boxes is not None:
+            cy = max(y1 - y0 for y0, y1, _, _ in boxes)
+            cx = max(x1 - x0 for _, _, x0, x1 in boxes)
+            ny = nx = 3
+        elif core is not None:
+            align = f if spec.kind == "encoder" else 1
+            ys, xs = split_axis(th, core, 0, align=align), split_axis(tw, core, 0, align=align)
+            cy, cx = (max(sp.core_end - sp.core_start for sp in a) for a in (ys, xs))
+            ny, nx = len(ys), len(xs)
+        # convolution outputs of a tile with an inner edge are cropped views (not contiguous)
+        cropped = core is not None and max(ny, nx) > 1
         steps = []
         c_prev = mid_c if spec.kind == "decoder" else spec.in_channels
         for i, lv in enumerate(tspec.levels):
             lh, lw = sizes[i]
-            if core is None:
-                wh, ww, ov = lh, lw, 1.0
-            else:
+
+            def window(need: int, lh: int = lh, lw: int = lw) -> tuple[int, float]:
+                """(window pixels of the largest tile, tile-grid overhead) at this level when the
+                halo still needed is ``need``: the windows shrink op by op as convolutions use it."""
+                if core is None:
+                    return lh * lw, 1.0
+                if boxes is not None:
+                    # separate crops: each grown by the halo on both sides, clipped to the image
+                    ry, rx = lh / th, lw / tw
+                    wins = [
+                        (min(lh, math.ceil(y1 * ry) + need) - max(0, int(y0 * ry) - need))
+                        * (min(lw, math.ceil(x1 * rx) + need) - max(0, int(x0 * rx) - need))
+                        for y0, y1, x0, x1 in boxes
+                    ]
+                    return max(wins), sum(wins) / float(lh * lw)
                 c = max(1, int(round(core * lh / th)))
-                wh, ww = _window(lh, c, lneeds[i]), _window(lw, c, lneeds[i])
-                ov = _overhead(lh, lw, c, lneeds[i]) if share is None else share
-            px = wh * ww
-            work = parked = wsp = 0
+                ov = _overhead(lh, lw, c, need)
+                return _window(lh, cy * lh / th, ny, need) * _window(lw, cx * lw / tw, nx, need), ov
+
+            px, _ = window(lneeds[i])
+            parked = 0
+            # the moments of one tile's program at this level: (working set, convolution scratch);
+            # the level's step is the moment where their sum is largest
+            moments: list[tuple[int, int]] = []
             if i == 0 and spec.kind == "encoder":
-                wsp = ws(spec.in_channels, spec.conv_in.out_channels, 3, px, px)
+                moments.append((0, ws(spec.in_channels, spec.conv_in.out_channels, 3, px, px, not cropped)))
             for blk in lv.blocks:
+                bpx, ov = window(need_before(op))
+                op += 2
+                cin, cout = blk.in_channels, blk.out_channels
                 wu, pu = _resnet_units(blk)
-                work = max(work, b * px * s * wu)
+                unit = b * bpx * s
+                # norm1 + conv1 (the normalised copy is contiguous), norm2 + conv2 (+ residual)
+                moments.append((unit * (2 * cin + cout), ws(cin, cout, 3, bpx, bpx)))
+                moments.append((unit * wu, ws(cout, cout, 3, bpx, bpx)))
+                sc = blk.shortcut
+                if sc is not None:
+                    # the shortcut convolves the kept block input: a view of a cropped convolution
+                    # output, copied inside the operator
+                    k = sc.kernel_size[0]
+                    live = cin + 2 * cout if (k == 1 and cout < cin) else cin + 3 * cout
+                    moments.append((unit * live, ws(cin, cout, k, bpx, bpx, not cropped)))
                 if parks:
-                    parked = max(parked, int(b * lh * lw * ov * s * pu))
-                elif offloaded:
-                    # state parked off the device: the tile being worked on still holds its own
-                    parked = max(parked, int(b * px * s * pu))
-                wsp = max(wsp, ws(blk.in_channels, blk.out_channels, 3, px, px))
+                    # the other tiles' states (the working tile's own is in its working set)
+                    parked = max(parked, int(b * s * pu * max(0.0, lh * lw * ov - bpx)))
                 c_prev = blk.out_channels
             c_last = lv.blocks[-1].out_channels if lv.blocks else c_prev
             if lv.resample_kind == "up":
-                work = max(work, int(b * px * s * c_last * 2.25 * 4))
-                if lv.resample is not None:
-                    wsp = max(wsp, ws(c_last, c_last, 3, 4 * px, 4 * px))
+                rpx, _ = window(need_before(op))
+                # the 2x nearest copy of the window is cropped to the next level's window (its
+                # halo: what the next ops need), then convolved (or made contiguous)
+                nh, nw = sizes[i + 1]
+                upx, _ = window(after[op], nh, nw)
+                op += 1 + (1 if lv.resample is not None else 0)
+                # input, its 2x copy, the convolution's output on the crop (+ the crop's copy)
+                whole = upx >= 4 * rpx  # nothing cropped: the convolution's input is contiguous
+                up_ws = 0 if lv.resample is None else ws(c_last, c_last, 3, upx, upx, whole or not cropped)
+                moments.append((int(b * s * c_last * (5 * rpx + upx)), up_ws))
             elif lv.resample_kind == "down":
-                work = max(work, int(b * px * s * c_last * 2.25))
-                wsp = max(wsp, ws(c_last, c_last, 3, px, px // 4))
+                rpx, _ = window(need_before(op))
+                op += 1
+                moments.append((int(b * rpx * s * c_last * 2.25), ws(c_last, c_last, 3, rpx, rpx // 4)))
+            work, wsp = max(moments, key=sum, default=(0, 0))
             steps.append(Step(work, parked, wsp))
         if spec.kind == "decoder" and not spec.give_pre_end:
             lh, lw = sizes[-1]
@@ -254,8 +314,7 @@ def estimate_components(
             if core is None:
                 px = lh * lw
             else:
-                cc = core * lh // th
-                px = _window(lh, cc, lneeds[-1]) * _window(lw, cc, lneeds[-1])
+                px = _window(lh, cy * lh / th, ny, lneeds[-1]) * _window(lw, cx * lw / tw, nx, lneeds[-1])
             steps.append(
                 Step(b * px * s * (2 * c + spec.out_channels), 0, ws(c, spec.out_channels, 3, px, px))
             )
@@ -264,7 +323,11 @@ def estimate_components(
     steps = walk(h, w, lock_step)
     stats: tuple[Step, ...] = ()
     held = held_mid + out_bytes if spec.kind == "decoder" else in_bytes + held_mid
-    if mode == "fast" and core is not None:
+    align = f if spec.kind == "encoder" else 1
+    one_tile = core is not None and len(split_axis(h, core, 0, align=align)) == 1
+    one_tile = one_tile and len(split_axis(w, core, 0, align=align)) == 1
+    if mode == "fast" and core is not None and not one_tile:
+        # (a single tile runs in lock-step with itself: no statistics pass)
         k = max(1, fast_sample)
         if spec.kind == "decoder":
             # the first-level output subsampled k x per axis, decoded in lock-step into a scratch
@@ -272,17 +335,10 @@ def estimate_components(
             stats = walk(-(-h // k), -(-w // k), True)
             held += out_bytes // (k * k)
         else:
-            # sample crops in lock-step among themselves: their windows (core + halo) cover this
-            # share of the image
-            halo = needs(spec)[0]
-            crops = sample_boxes(h, w, k, f)
-            area = sum(
-                (min(h, y1 + halo) - max(0, y0 - halo)) * (min(w, x1 + halo) - max(0, x0 - halo))
-                for y0, y1, x0, x1 in crops
-            )
-            stats = walk(h, w, True, share=area / float(h * w))
+            # sample crops in lock-step among themselves
+            stats = walk(h, w, True, boxes=sample_boxes(h, w, k, f))
     return Components(
-        global_peak=(in_bytes if spec.kind == "decoder" else held_mid + out_bytes) + global_peak + ws_global,
+        global_peak=(in_bytes if spec.kind == "decoder" else held_mid + out_bytes) + global_peak,
         held=held,
         steps=steps,
         stats_steps=stats,
@@ -292,32 +348,15 @@ def estimate_components(
     )
 
 
-UNIT = {"work": 1.0, "parked": 1.0}
-
-FACTORS: dict[str, dict[str, float]] = {
-    "decoder": {"work": 0.6, "parked": 1.0, "work_fast": 1.0},
-    "encoder": {"work": 0.2, "parked": 1.15},
-}
-"""Factors of the tiled terms per VAE kind, fitted against the fake-tensor prediction of the engine
-(``python -m lib_vram bench vae-estimate --fit``; docs/benchmarks.md, "Planner"). The untiled pass
-needs none (its count matches the prediction)."""
-
-
-def factors_for(kind: str, comps: Components) -> dict[str, float]:
-    return FACTORS[kind] if comps.tiled else UNIT
-
-
-def combine(c: Components, factors: dict[str, float] | None = None) -> int:
+def combine(c: Components) -> int:
     """Peak bytes from the terms: the larger of the global stage and the tiled one, whose peak is
-    at the level where one tile's working set and scratch plus what the other tiles park is
-    largest."""
-    k = factors_for(c.kind, c) if factors is None else factors
+    at the moment of a tile's program where its working set and scratch plus what the other tiles
+    park is largest (each term counted as the engine holds it: no fitted factors)."""
 
-    def peak(steps: tuple[Step, ...], work: float) -> float:
-        return max((work * st.work + k["parked"] * st.parked + st.workspace for st in steps), default=0)
+    def peak(steps: tuple[Step, ...]) -> int:
+        return max((st.work + st.parked + st.workspace for st in steps), default=0)
 
-    main = peak(c.steps, k.get("work_fast", k["work"]) if c.fast else k["work"])
-    tiled = c.held + max(main, peak(c.stats_steps, k["work"]))
+    tiled = c.held + max(peak(c.steps), peak(c.stats_steps))
     return int(max(c.global_peak, tiled))
 
 
@@ -331,7 +370,7 @@ def estimate_spec_bytes(
     state_on_device: bool = True,
     out_dtype: torch.dtype | None = None,
     backend: str = "cpu",
-    fast_sample: int = 2,
+    fast_sample: int | None = None,
 ) -> int:
     """Peak bytes of one pass of ``spec`` on ``input_shape`` (see :func:`estimate_peak_bytes`)."""
     comps = estimate_components(
@@ -359,10 +398,11 @@ def estimate_peak_bytes(
 ) -> int:
     """Analytic peak bytes on the compute device of one decode/encode pass (milliseconds).
 
-    Tensor bytes counted along the engine's own structure (what a tile keeps, what the waiting
-    tiles park, what the tiled stage holds), the tiled terms scaled by factors fitted against the
-    fake-tensor prediction of the engine (:data:`FACTORS`), plus the backend's convolution scratch
-    (:data:`lib_vram.core.predict.WORKSPACE_TERMS`, the predictor's own term).
+    Tensor bytes counted along the engine's own structure (what a tile keeps at each moment of its
+    program, what the waiting tiles park, what the tiled stage holds), plus the backend's
+    convolution scratch (:data:`lib_vram.core.predict.WORKSPACE_TERMS`, the predictor's own term)
+    at the same moment; checked against the engine's fake-tensor run (``bench vae-estimate``,
+    ``tests/test_plan_path.py``).
 
     Args:
         module: a supported VAE decoder or encoder (see :func:`lib_vram.vae.is_supported_decoder`).
@@ -397,33 +437,6 @@ def smaller(tile: int) -> int | None:
         if t <= limit:
             return t
     return None
-
-
-def choose_tile(
-    spec: VAESpec,
-    input_shape: tuple[int, ...],
-    dtype: torch.dtype,
-    budget: int,
-    *,
-    mode: str,
-    state_on_device: bool,
-    backend: str = "cpu",
-) -> tuple[int, int]:
-    """Largest tile (latent px) whose estimate fits ``budget``; (tile, estimate). Falls back to
-    the smallest candidate when nothing fits."""
-    b, c, h, w = input_shape
-    f = spec.factor if spec.kind == "encoder" else 1
-    lat_max = math.ceil(max(h, w) / f)
-    best = None
-    for t in candidates(lat_max):
-        est = estimate_spec_bytes(
-            spec, input_shape, dtype, tile=t, mode=mode, state_on_device=state_on_device, backend=backend
-        )
-        best = (t, est)
-        if est <= budget:
-            return best
-    assert best is not None
-    return best
 
 
 # -- the one planning path: what the engine runs, and its predicted peak ------------------------

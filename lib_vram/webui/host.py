@@ -168,6 +168,23 @@ def prepare_upscale_memory() -> None:
     prepare_free_memory()
 
 
+def replay_upscaler_load(path: str) -> None:
+    """Make the draws from torch's global CPU generator that the host's own upscale makes.
+
+    The ESRGAN, RealESRGAN, HAT, DAT and ScuNET upscalers of WebUI v1.10.1 and Forge build their
+    model from its file at every ``do_upscale`` (``modelloader.load_spandrel_model`` ->
+    ``spandrel.ModelLoader(device=None).load_from_file``), and the architecture's random weight
+    initialisation draws from the global generator. The hires fix re-encode (and img2img's
+    encode after a resize with an upscaler) then samples the latent posterior from that generator
+    (``DiagonalGaussianDistribution.sample``: ``torch.randn``). VRAM Guard upscales with its cached
+    model, so without these draws the second pass starts from other noise than the host's own
+    (Forge, 128 px hires x2: 14.2 dB instead of identical). This builds the model the way the host
+    does, on the CPU, and drops it: the same draws, at the same point of the job."""
+    import spandrel
+
+    spandrel.ModelLoader(device=None).load_from_file(str(path))
+
+
 # -- precision -----------------------------------------------------------------------------------
 def dtype_vae() -> torch.dtype | None:
     from modules import devices

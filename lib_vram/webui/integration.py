@@ -50,7 +50,12 @@ def settings_options() -> list[tuple[str, dict]]:
 
 def presets_table_html() -> str:
     """The presets as a table (they are data in :mod:`lib_vram.planning.presets`; Auto resolves per job)."""
-    from lib_vram.planning.presets import PRESETS, RELEASE_POINTS
+    from lib_vram.planning.presets import PRESETS, RELEASE_POINTS, Preset
+
+    def offload(p: Preset) -> str:
+        parts = (("UNet", p.offload_unet_during_vae), ("text encoders", p.offload_text_encoder_during_vae))
+        moved = [n for n, on in parts if on]
+        return ", ".join(moved) or "nothing"
 
     rows = []
     for name, p in PRESETS.items():
@@ -62,11 +67,10 @@ def presets_table_html() -> str:
                 for v in (
                     name,
                     p.vae_mode,
-                    f"{p.vae_tile_min}-{p.vae_tile_max}",
-                    f"{p.upscale_tile_min}-{p.upscale_tile_max}",
-                    p.upscale_batch_max,
                     p.precision_vae,
                     p.precision_upscale,
+                    offload(p),
+                    f"max({p.safety_margin_bytes // 2**20} MiB, {p.safety_margin_fraction:.0%})",
                     release,
                 )
             )
@@ -77,18 +81,18 @@ def presets_table_html() -> str:
         for h in (
             "preset",
             "VAE",
-            "VAE tile (latent px)",
-            "upscale tile (px)",
-            "batch",
             "VAE prec.",
             "upscale prec.",
+            "off the card during VAE/upscale",
+            "safety margin",
             "release at",
         )
     )
     return (
         "<p>Memory presets. <b>Auto</b> picks the row for this card's total memory when a job starts; "
         "accordion controls left on Auto/0 follow the preset. <code>--vram-guard-preset NAME</code> "
-        "overrides the accordion's preset.</p>"
+        "overrides the accordion's preset. Tile sizes and batches are chosen per stage from the free "
+        "memory, not preset.</p>"
         f"<table class='vram-guard-presets'><tr>{head}</tr>{''.join(rows)}</table>"
     )
 

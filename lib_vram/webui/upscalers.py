@@ -20,6 +20,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .patching import patch_attr
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,13 @@ INFO_ARG = ("UpscalerRealESRGAN", "UpscalerDAT")
 FAMILY = PATH_ARG + INFO_ARG
 """Every spandrel upscaler of WebUI v1.10.1 (``modules/*_model.py`` and the built-in SwinIR and
 ScuNET extensions); LDSR is not a spandrel model and keeps its own path."""
+RELOADS_EACH_CALL = ("UpscalerESRGAN", "UpscalerRealESRGAN", "UpscalerHAT", "UpscalerDAT", "UpscalerScuNET")
+"""Classes whose own ``do_upscale`` builds the model from its file at every call (WebUI v1.10.1 and
+Forge). The build draws from torch's global generator, which the hires re-encode samples from next:
+the route hides its own (cached) loads from that generator and replays the host's build instead
+(``host.replay_upscaler_load``), so the generator is where the host's own upscale leaves it.
+``UpscalerSwinIR`` keeps its last model (``_cached_model``) like our cache: its loads are left as
+they are."""
 
 
 def model_path(scaler: Any, selected: Any) -> str | None:
@@ -116,8 +125,13 @@ def upscale(
         path = None
     if path is None:
         return original(img, selected)
+    reloads = type(scaler).__name__ in RELOADS_EACH_CALL
+    replay = getattr(job.host, "replay_upscaler_load", None) if reloads else None
     try:
-        model = engine.load_model(path, device=device, cache=cache())
+        # Our load (a cache miss) must not draw from the global generator where the host's replay
+        # below draws: the host's build happens once per upscale, hit or miss.
+        with torch.random.fork_rng(devices=[], enabled=callable(replay)):
+            model = engine.load_model(path, device=device, cache=cache())
     except engine.UpscaleError as exc:
         job.warn_once(
             f"upscale-load-{path}",
@@ -139,6 +153,15 @@ def upscale(
     prepare = getattr(job.host, "prepare_upscale_memory", None)
     if callable(prepare):
         prepare()
+    if callable(replay):
+        try:
+            replay(path)
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:  # the picture is unaffected
+            job.warn_once(
+                f"upscale-replay-{path}",
+                f"VRAM Guard: could not rebuild {os.path.basename(path)} as the WebUI does ({exc}); "
+                "a hires fix or img2img after this upscale may start from other noise than the WebUI's own",
+            )
     with job.stage(job.upscale_stage_name()):
         try:
             out = engine.upscale_image(
