@@ -53,10 +53,8 @@ def _vae_plan(i, kind, ch_mult, blocks, h, w, frac, dtype):
     return module, shape, budget, plan
 
 
-@pytest.mark.parametrize(("i", "kind", "ch_mult", "blocks", "h", "w", "frac", "dtype"), VAE_CASES)
-def test_vae_plan_is_what_the_engines_auto_mode_runs(i, kind, ch_mult, blocks, h, w, frac, dtype):
-    module, shape, budget, plan = _vae_plan(i, kind, ch_mult, blocks, h, w, frac, dtype)
-    # The engine's auto mode on fake tensors (same budget, dtype, device type): what it ran.
+def _auto_mode_ran(module, kind, shape, dtype, budget) -> VAEReport:
+    """The engine's auto mode on fake tensors (same budget, dtype, device type): what it ran."""
     rep = VAEReport()
     mode = new_fake_mode()
     with mode:
@@ -65,7 +63,24 @@ def test_vae_plan_is_what_the_engines_auto_mode_runs(i, kind, ch_mult, blocks, h
     cfg = TiledVAEConfig(mode="auto", budget_bytes=budget, dtype=dtype, guard=False, state_offload="device")
     with mode, torch.no_grad():
         run(module, x, config=cfg, report=rep, memory=planner.PlanMemory())
+    return rep
+
+
+def _assert_same_choice(plan, rep: VAEReport) -> None:
     assert (plan.mode, plan.tile) == (rep.mode, None if rep.mode == "untiled" else rep.tile), plan
+
+
+def _assert_engines_peak(module, kind, shape, dtype, plan) -> None:
+    """The validator: the engine itself on fake tensors, at that plan."""
+    pred = predict_engine_vae(module, kind, shape, dtype, tile=plan.tile, mode=plan.mode, backend="cpu")
+    ref = pred.input_bytes + pred.activation_bytes
+    assert abs(plan.raw_peak_bytes / ref - 1) <= TOLERANCE, (plan.plan, plan.raw_peak_bytes, ref)
+
+
+@pytest.mark.parametrize(("i", "kind", "ch_mult", "blocks", "h", "w", "frac", "dtype"), VAE_CASES)
+def test_vae_plan_is_what_the_engines_auto_mode_runs(i, kind, ch_mult, blocks, h, w, frac, dtype):
+    module, shape, budget, plan = _vae_plan(i, kind, ch_mult, blocks, h, w, frac, dtype)
+    _assert_same_choice(plan, _auto_mode_ran(module, kind, shape, dtype, budget))
     assert plan.fits == (plan.peak_bytes <= budget)
 
 
@@ -75,10 +90,7 @@ def test_vae_plans_peak_is_the_engines_fake_tensor_peak(mode, i, kind, ch_mult, 
     module, shape, budget, plan = _vae_plan(i, kind, ch_mult, blocks, h, w, frac, dtype)
     if mode == "fast":  # the user's fast mode under the same budget
         plan = plan_vae(module, shape, dtype, budget, mode="fast", backend="cpu", memory=planner.PlanMemory())
-    # The validator: the engine itself on fake tensors, at that plan.
-    pred = predict_engine_vae(module, kind, shape, dtype, tile=plan.tile, mode=plan.mode, backend="cpu")
-    ref = pred.input_bytes + pred.activation_bytes
-    assert abs(plan.raw_peak_bytes / ref - 1) <= TOLERANCE, (plan.plan, plan.raw_peak_bytes, ref)
+    _assert_engines_peak(module, kind, shape, dtype, plan)
 
 
 def _diffusers_cases(n: int, seed: int = 99) -> list[tuple]:
@@ -104,18 +116,8 @@ def test_diffusers_vae_plan_is_the_engines_choice_and_peak(i, kind, latent, bloc
     untiled = plan_vae(module, shape, dtype, 2**50).peak_bytes
     budget = max(1, int(untiled * frac))
     plan = plan_vae(module, shape, dtype, budget, backend="cpu", memory=planner.PlanMemory())
-    rep = VAEReport()
-    mode = new_fake_mode()
-    with mode:
-        x = torch.empty(shape, dtype=dtype)
-    run = tiled_decode if kind == "decode" else tiled_encode
-    cfg = TiledVAEConfig(mode="auto", budget_bytes=budget, dtype=dtype, guard=False, state_offload="device")
-    with mode, torch.no_grad():
-        run(module, x, config=cfg, report=rep, memory=planner.PlanMemory())
-    assert (plan.mode, plan.tile) == (rep.mode, None if rep.mode == "untiled" else rep.tile), plan
-    pred = predict_engine_vae(module, kind, shape, dtype, tile=plan.tile, mode=plan.mode, backend="cpu")
-    ref = pred.input_bytes + pred.activation_bytes
-    assert abs(plan.raw_peak_bytes / ref - 1) <= TOLERANCE, (plan.plan, plan.raw_peak_bytes, ref)
+    _assert_same_choice(plan, _auto_mode_ran(module, kind, shape, dtype, budget))
+    _assert_engines_peak(module, kind, shape, dtype, plan)
 
 
 def _upscale_cases(n: int, seed: int = 4321) -> list[tuple]:

@@ -175,6 +175,21 @@ def test_engines_run_on_fake_tensors_and_tiles_predict_less():
         stageplan.predict_engine_vae(dec, "both", (1, 4, 8, 8))
 
 
+def _fake_forward(net: torch.nn.Module, dtype: torch.dtype, h: int, w: int) -> tuple[int, tuple]:
+    """``net`` on a fake 3-channel ``h`` x ``w`` input: (peak counted by the live-byte counter,
+    output shape)."""
+    from lib_vram.core.predict import count_peak, fake_call, fake_state, new_fake_mode
+
+    mode = new_fake_mode()
+    call = fake_call(net, fake_state(net, mode, dtype))
+    with mode:
+        x = torch.empty(1, 3, h, w, dtype=dtype)
+    peak, _ = count_peak(call, x, fake_mode=mode)
+    with mode:
+        out_shape = tuple(call(x).shape)
+    return peak, out_shape
+
+
 @pytest.mark.parametrize(
     ("kind", "scale", "width", "blocks", "dtype"),
     [
@@ -192,8 +207,6 @@ def test_reference_upscalers_are_spandrels_operator_for_operator(kind, scale, wi
     from spandrel.architectures.Compact import SRVGGNetCompact
     from spandrel.architectures.ESRGAN import RRDBNet
 
-    from lib_vram.core.predict import count_peak, fake_call, fake_state, new_fake_mode
-
     with torch.device("meta"):
         ours = reference.build_upscaler(kind, scale, num_filters=width, num_blocks=blocks)
         if kind == "rrdb":
@@ -202,16 +215,7 @@ def test_reference_upscalers_are_spandrels_operator_for_operator(kind, scale, wi
             theirs = SRVGGNetCompact(num_feat=width, num_conv=blocks, upscale=scale)
     assert [p.shape for p in ours.parameters()] == [p.shape for p in theirs.parameters()]
     for h, w in ((16, 16), (23, 37)):
-        peaks = []
-        for net in (ours, theirs):
-            mode = new_fake_mode()
-            call = fake_call(net, fake_state(net, mode, dtype))
-            with mode:
-                x = torch.empty(1, 3, h, w, dtype=dtype)
-            peak, _ = count_peak(call, x, fake_mode=mode)
-            with mode:
-                out_shape = tuple(call(x).shape)
-            peaks.append((peak, out_shape))
+        peaks = [_fake_forward(net, dtype, h, w) for net in (ours, theirs)]
         assert peaks[0] == peaks[1], (h, w, peaks)
         assert peaks[0][1] == (1, 3, h * scale, w * scale)
 
@@ -235,15 +239,9 @@ def test_reference_upscalers_own_count_is_the_fake_runs(kind, scale, width, bloc
     """``plan`` takes a reference upscaler's forward bytes per pixel from the architecture's own
     count (no fake run: a torch dispatch mode imports ``torch._dynamo``, a second of every plan);
     it must be what the live-byte counter counts on fake tensors, at any size."""
-    from lib_vram.core.predict import count_peak, fake_call, fake_state, new_fake_mode
-
     with torch.device("meta"):
         net = reference.build_upscaler(kind, scale, num_filters=width, num_blocks=blocks)
     per_px = net.peak_bytes_per_px(torch.empty((), dtype=dtype).element_size())
     for h, w in ((16, 16), (23, 37), (64, 40)):
-        mode = new_fake_mode()
-        call = fake_call(net, fake_state(net, mode, dtype))
-        with mode:
-            x = torch.empty(1, 3, h, w, dtype=dtype)
-        peak, _ = count_peak(call, x, fake_mode=mode)
+        peak, _ = _fake_forward(net, dtype, h, w)
         assert per_px * h * w == peak, (h, w, per_px * h * w, peak)
