@@ -178,3 +178,38 @@ def test_bench_checks_the_device_first(capsys, target):
     assert main(["bench", target, "--device", "banana"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: `--device banana`: not a device name") and err.count("\n") == 1
+
+
+def _sdxl_6144(capsys, vram: str, *extra: str) -> tuple[int, dict]:
+    return _plan(capsys, "--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", vram, *extra)
+
+
+def test_a_decode_that_fits_only_without_the_idle_models_plans_them_off_the_card(capsys):
+    """8 GB, SDXL 6144²: the UNet and text encoders (6.3 GiB) stay on the card, and the decode's
+    whole-latent stage does not fit beside them: the plan moves them off for that pass, as the
+    WebUI does (lib_vram.webui.offload)."""
+    from lib_vram.planning.reference import vae_arch
+
+    rc, rep = _sdxl_6144(capsys, "8GB")
+    assert rc == 0 and rep["host_swaps_models"] is None
+    (dec,) = rep["stages"]
+    assert dec["moved_off_card"] == ["UNet", "text encoders"] and dec["fits"]
+    assert dec["resident_bytes"] == 0
+    # with them on the card the same pass would not fit
+    a = vae_arch("sdxl")
+    assert dec["predicted_peak_bytes"] + a.unet_bytes + a.text_encoder_bytes > dec["budget_bytes"]
+    # a smaller image fits beside them: nothing moves
+    rc, rep = _plan(capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "8GB")
+    (dec,) = rep["stages"]
+    assert dec["moved_off_card"] == [] and dec["resident_bytes"] == a.unet_bytes + a.text_encoder_bytes
+
+
+def test_a_card_the_models_alone_fill_is_planned_as_the_hosts_own_swapping(capsys):
+    rc, rep = _sdxl_6144(capsys, "4GB")
+    assert rep["host_swaps_models"] == "inferred"
+    assert all(s["resident_bytes"] == 0 and s["moved_off_card"] == [] for s in rep["stages"])
+    rc, rep = _sdxl_6144(capsys, "8GB", "--medvram")
+    assert rep["host_swaps_models"] == "flag"
+    assert all(s["resident_bytes"] == 0 for s in rep["stages"])
+    assert main(["plan", "--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", "4GB"]) == 0
+    assert "--medvram/--lowvram" in capsys.readouterr().out

@@ -9,7 +9,7 @@ import time
 from lib_vram.core.device import capabilities, free_bytes, memory_info, resolve_device
 from lib_vram.core.emulate import parse_size as emulate_parse_size
 from lib_vram.planning.presets import PRESET_NAMES, resolve_preset
-from lib_vram.planning.reference import ARCHS, UPSCALERS
+from lib_vram.planning.reference import ARCHS, UPSCALERS, vae_arch
 
 NAME = "plan"
 HELP = "Predict each stage's peak memory for a generation and choose tiles/batches that fit."
@@ -41,6 +41,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--safety-margin", default=None, help="override the preset's safety margin (e.g. 512MB)"
     )
     parser.add_argument("--device", default=None, help="device whose capabilities apply (default: best)")
+    parser.add_argument(
+        "--medvram",
+        action="store_true",
+        help="the WebUI runs with --medvram/--lowvram (it keeps the UNet and text encoders off the "
+        "card outside sampling); assumed anyway when they alone leave no room",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON: one record per stage")
 
 
@@ -80,6 +86,10 @@ def collect(args: argparse.Namespace) -> dict:
         if args.safety_margin is None
         else parse_size(args.safety_margin, "--safety-margin", allow_zero=True)
     )
+    arch = vae_arch(args.arch)
+    models = arch.unet_bytes + arch.text_encoder_bytes
+    room = free - (preset.safety_margin(total) if margin is None else margin)
+    swaps = "flag" if args.medvram else ("inferred" if models >= room else "")
     t0 = time.perf_counter()
     plans = plan_job(
         args.arch,
@@ -93,6 +103,7 @@ def collect(args: argparse.Namespace) -> dict:
         hires=args.hires,
         upscaler=args.upscaler,
         safety_margin_bytes=margin,
+        host_swaps=bool(swaps),
     )
     return {
         "schema": SCHEMA_VERSION,
@@ -108,6 +119,8 @@ def collect(args: argparse.Namespace) -> dict:
         "free_bytes": free,
         "emulated": args.vram is not None,
         "memory_fraction_set": emulated,
+        "host_swaps_models": swaps or None,
+        "models_bytes": models,
         "stages": [p.to_dict() for p in plans],
         "planning_seconds": round(time.perf_counter() - t0, 3),
     }
@@ -141,13 +154,26 @@ def format_table(report: dict) -> str:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [head, ""]
+    lines = [head]
+    if report.get("host_swaps_models") == "inferred":
+        lines.append(
+            f"the UNet and text encoders ({_gib(report['models_bytes'])}) leave no room on this card: "
+            "planned as the WebUI runs with --medvram/--lowvram (they stay off the card outside sampling)"
+        )
+    elif report.get("host_swaps_models") == "flag":
+        lines.append("--medvram: the UNet and text encoders stay off the card outside sampling")
+    lines.append("")
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for s in report["stages"]:
+        if s.get("moved_off_card"):
+            lines.append(
+                f"{s['stage']}: moves the {', '.join(s['moved_off_card'])} off the card for this pass "
+                "(its plan does not fit with them there)"
+            )
         if s["warning"]:
             lines.append(f"warning: {s['stage']}: {s['warning']}")
     lines.append(
-        "peak = stage model weights + resident weights not offloaded + input + predicted activations; "
+        "peak = stage model weights + resident weights still on the card + input + predicted activations; "
         "budget = free - safety margin"
     )
     return "\n".join(lines)

@@ -70,6 +70,9 @@ class StagePlan:
     """The planner-memory key the engine learns under for this stage."""
     warning: str | None = None
     candidates: list[planner.Candidate] = field(default_factory=list, compare=False)
+    moved_off: str = ""
+    """What leaves the card for this stage because its plan does not fit with it there (e.g.
+    ``"UNet, text encoders"``); empty when nothing moves."""
 
     def to_dict(self) -> dict:
         return {
@@ -87,6 +90,7 @@ class StagePlan:
             "batch": self.batch,
             "dtype": self.dtype,
             "warning": self.warning,
+            "moved_off_card": self.moved_off.split(", ") if self.moved_off else [],
             "candidates": [
                 {"plan": c.plan, "tile": c.tile, "batch": c.batch, "predicted_peak_bytes": c.peak_bytes}
                 for c in self.candidates
@@ -256,6 +260,7 @@ def plan_job(
     upscale_scale: int = 4,
     safety_margin_bytes: int | None = None,
     memory: planner.PlanMemory | None = None,
+    host_swaps: bool = False,
 ) -> list[StagePlan]:
     """Plans for every memory-heavy stage of a job (see the module docstring).
 
@@ -273,21 +278,36 @@ def plan_job(
     backend = getattr(caps, "backend", "cuda")
     vae_dtype = resolve_precision(preset.precision_vae, caps)
     up_dtype = resolve_precision(preset.precision_upscale, caps)
-    resident = 0
-    if not preset.offload_unet_during_vae:
-        resident += a.unet_bytes
-    if not preset.offload_text_encoder_during_vae:
-        resident += a.text_encoder_bytes
+    # The UNet and text encoders stay on the card; a VAE pass whose plan does not fit with them
+    # there moves the ones the preset allows off for that pass (lib_vram.webui.offload does it).
+    # With ``host_swaps`` (the WebUI's --medvram/--lowvram) the host keeps them off the card
+    # outside sampling itself.
+    resident = 0 if host_swaps else a.unet_bytes + a.text_encoder_bytes
+    movable = [
+        (name, n)
+        for name, n, ok in (
+            ("UNet", a.unet_bytes, preset.offload_unet_during_vae),
+            ("text encoders", a.text_encoder_bytes, preset.offload_text_encoder_during_vae),
+        )
+        if ok and n and not host_swaps
+    ]
     itemsize = dtype_of(vae_dtype).itemsize
 
     def waiting(w: int, h: int) -> int:
         return (batch - 1) * 3 * w * h * itemsize
 
     def vae(stage: str, kind: str, w: int, h: int) -> StagePlan:
-        return plan_vae_stage(
-            stage, kind, arch, w, h, preset, free_bytes, margin, dtype=vae_dtype,
-            resident_bytes=resident + waiting(w, h), backend=backend, memory=memory,
-        )  # fmt: skip
+        def at(on_card: int) -> StagePlan:
+            return plan_vae_stage(
+                stage, kind, arch, w, h, preset, free_bytes, margin, dtype=vae_dtype,
+                resident_bytes=on_card + waiting(w, h), backend=backend, memory=memory,
+            )  # fmt: skip
+
+        sp = at(resident)
+        if sp.fits or not movable:
+            return sp
+        off = at(resident - sum(n for _, n in movable))
+        return dataclasses.replace(off, moved_off=", ".join(name for name, _ in movable))
 
     plans = [vae("vae_decode", "decode", width, height)]
     final_w, final_h = width, height

@@ -40,9 +40,9 @@ DEFAULT_MAX_EVENTS = 32
 TEXT_CAP = 160
 """Longest event text, stage error or plan kept (characters): the payload stays bounded."""
 
-SAMPLE_KINDS = ("tile", "step", "stage", "release", "timer", "start")
+SAMPLE_KINDS = ("tile", "step", "stage", "release", "offload", "timer", "start")
 """Why a sample was taken: an engine's tile step, a sampling step, a stage boundary, after a
-release, the tracker's background sampler, the job's start."""
+release, after idle models left the card, the tracker's background sampler, the job's start."""
 
 
 @dataclass
@@ -217,7 +217,7 @@ class Timeline:
                     return
 
     def event(self, kind: str, text: str, **data: Any) -> None:
-        """Something VRAM Guard did at this moment (``"release"``, ``"oom"``), in one line."""
+        """Something VRAM Guard did at this moment (``"release"``, ``"oom"``, ``"offload"``), in one line."""
         with self._lock:
             if len(self._events) >= self.max_events:
                 self._dropped["events"] += 1
@@ -283,7 +283,7 @@ W, H = 480, 170
 _PAD_L, _PAD_R, _PAD_T, _PAD_B = 50, 8, 16, 22
 COLUMNS = 64
 """Hover columns: each carries a ``<title>`` with the highest values in its time range."""
-EVENT_LABELS = {"release": "released memory", "oom": "out of memory"}
+EVENT_LABELS = {"release": "released memory", "oom": "out of memory", "offload": "idle models off the card"}
 
 
 def _e(value: Any) -> str:

@@ -73,9 +73,11 @@ class Preset:
     release_at: frozenset[str]
     """Stage boundaries (subset of :data:`RELEASE_POINTS`) where memory is released."""
     offload_unet_during_vae: bool
-    """Move the UNet to the CPU while the VAE runs (and while the hires upscaler runs)."""
+    """The UNet may go to the CPU for a VAE pass whose plan does not fit with it on the card (or
+    that ran out of memory there), and comes back right after the pass (:mod:`lib_vram.webui.offload`;
+    never when the host swaps models itself, ``--medvram``/``--lowvram``, or on Forge)."""
     offload_text_encoder_during_vae: bool
-    """Move the text encoder(s) to the CPU while the VAE runs (and while the hires upscaler runs)."""
+    """The same for the text encoder(s)."""
     safety_margin_bytes: int
     """Memory kept free beyond every predicted peak: the larger of this and
     ``safety_margin_fraction`` of the device's total memory (see :meth:`safety_margin`)."""
@@ -131,7 +133,9 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             precision_upscale="auto",
             # Release at every boundary: the cost (~ms per gc.collect) is small next to an OOM.
             release_at=_ALL_RELEASES,
-            # SD1.5's UNet (1.7 GB fp16) alone is 40 % of the card; SDXL's (5 GB) does not fit at all.
+            # The idle UNet and text encoders leave the card only for a VAE pass whose plan does not
+            # fit with them there (and come back after it): every tier allows it, since the
+            # alternative is an out-of-memory error. SD1.5's UNet (1.7 GB fp16) is 40 % of this card.
             offload_unet_during_vae=True,
             offload_text_encoder_during_vae=True,
             # 256 MiB covers the CUDA context's growth, cuDNN workspaces and the display.
@@ -163,9 +167,8 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             precision_upscale="auto",
             # postprocess_batch and process releases matter little once the VAE is tiled.
             release_at=_TIGHT_RELEASES,
-            # SDXL's UNet (5 GB) plus a 2-GiB VAE tile is too close to 8 GB; SD1.5 is fine. The
-            # text encoders (SDXL: 1.6 GB fp16) are idle during the VAE and cheap to move.
-            offload_unet_during_vae=False,
+            # SDXL's UNet (5 GB) beside a 6144² decode's whole-latent stage (2.9 GiB) is over 8 GB.
+            offload_unet_during_vae=True,
             offload_text_encoder_during_vae=True,
             safety_margin_bytes=384 * MiB,
             safety_margin_fraction=0.05,
@@ -178,8 +181,8 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             precision_vae="auto",
             precision_upscale="auto",
             release_at=_LIGHT_RELEASES,
-            offload_unet_during_vae=False,
-            offload_text_encoder_during_vae=False,
+            offload_unet_during_vae=True,
+            offload_text_encoder_during_vae=True,
             safety_margin_bytes=512 * MiB,
             safety_margin_fraction=0.05,
             allocator=_frozen_map(garbage_collection_threshold=0.8, expandable_segments=True),
@@ -191,8 +194,8 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             precision_vae="auto",
             precision_upscale="auto",
             release_at=_LIGHT_RELEASES,
-            offload_unet_during_vae=False,
-            offload_text_encoder_during_vae=False,
+            offload_unet_during_vae=True,
+            offload_text_encoder_during_vae=True,
             safety_margin_bytes=640 * MiB,
             safety_margin_fraction=0.05,
             allocator=_frozen_map(garbage_collection_threshold=0.8, expandable_segments=True),
@@ -205,8 +208,8 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             precision_vae="fp32",
             precision_upscale="auto",
             release_at=_MINIMAL_RELEASES,
-            offload_unet_during_vae=False,
-            offload_text_encoder_during_vae=False,
+            offload_unet_during_vae=True,
+            offload_text_encoder_during_vae=True,
             safety_margin_bytes=1 * GiB,
             safety_margin_fraction=0.04,
             # Plenty of memory: let the allocator cache freely (no early GC threshold); expandable

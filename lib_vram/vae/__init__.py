@@ -19,7 +19,7 @@ names.
 
 from __future__ import annotations
 
-from ._api import is_supported_decoder, is_supported_encoder, tiled_decode, tiled_encode
+from ._api import is_supported_decoder, is_supported_encoder, plan_pass, tiled_decode, tiled_encode
 from ._attention import attention, query_chunk
 from ._config import (
     Interrupted,
@@ -47,6 +47,7 @@ __all__ = [
     "is_supported_decoder",
     "is_supported_encoder",
     "parked_bytes",
+    "plan_pass",
     "plan_vae",
     "query_chunk",
     "tiled_decode",

@@ -39,8 +39,10 @@ from ._engine import (
 from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec
 from ._plan import (
     PassPlanner,
+    VAEPlan,
     estimate_components,
     fast_sample_for,
+    plan_vae,
     sample_boxes,
     smaller,
 )
@@ -555,6 +557,50 @@ def _attempt(
     else:
         out = p.tiled(ran, tile)
     return out
+
+
+def plan_pass(
+    module: nn.Module,
+    x: torch.Tensor,
+    *,
+    config: TiledVAEConfig,
+    kind: str | None = None,
+    memory: planner.PlanMemory | None = None,
+) -> VAEPlan:
+    """The plan :func:`tiled_decode`/:func:`tiled_encode` would run for ``x`` with ``config`` if
+    called now (the free memory read now, as the call reads it), made without running anything.
+
+    A host adapter asks this before a pass to see whether it fits at all (``plan.fits``), e.g. to
+    move idle models off the device first. ``kind``: ``"decode"`` or ``"encode"`` (default: a
+    module with the decoder layout decodes).
+    """
+    if kind not in (None, "decode", "encode"):
+        raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
+    decode = _is_decoder(module) if kind is None else kind == "decode"
+    spec = decoder_spec(module) if decode else encoder_spec(module)
+    device = x.device
+    return plan_vae(
+        spec,
+        tuple(x.shape),
+        config.dtype or _module_dtype(spec),
+        _budget(config, device),
+        mode=config.mode,
+        tile=config.tile,
+        state_offload=config.state_offload,
+        out_dtype=x.dtype,
+        backend=backend_of(device).value,
+        host_apart=emulate.separate_host(device),
+        fast_sample=config.fast_sample,
+        memory=memory,
+    )
+
+
+def _is_decoder(module: nn.Module) -> bool:
+    try:
+        decoder_spec(module)
+    except UnsupportedLayout:
+        return False
+    return True
 
 
 def _fields(config: TiledVAEConfig) -> dict:

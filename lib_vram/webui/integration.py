@@ -83,7 +83,7 @@ def presets_table_html() -> str:
             "VAE",
             "VAE prec.",
             "upscale prec.",
-            "off the card during VAE/upscale",
+            "may leave the card for a VAE pass that needs the room",
             "safety margin",
             "release at",
         )

@@ -318,11 +318,29 @@ class Job:
         config = engine.TiledVAEConfig(mode=mode, tile=tile, dtype=s.vae_dtype)
         report = engine.VAEReport()
         run = engine.tiled_decode if kind == "decode" else engine.tiled_encode
+
+        def attempt(rep: Any) -> torch.Tensor:
+            return run(module, x, config=config, original_forward=call_next, tracker=self.tracker, report=rep)
+
         with self._vae_lock, self.stage(name):
             try:
-                out = run(
-                    module, x, config=config, original_forward=call_next, tracker=self.tracker, report=report
-                )
+                idle = self._idle_models(name, x.device)
+                if idle is not None and not engine.plan_pass(module, x, config=config, kind=kind).fits:
+                    with self._moved_off(idle, name, "its plan does not fit with them there"):
+                        out = attempt(report)
+                else:
+                    ran_out = False
+                    try:
+                        out = attempt(report)
+                    except engine.VAEOutOfMemory:
+                        if idle is None:
+                            raise
+                        ran_out = True
+                    if ran_out:
+                        # out of the except block (its traceback holds the failed pass's tensors)
+                        report = engine.VAEReport()
+                        with self._moved_off(idle, name, "it ran out of memory with them there"):
+                            out = attempt(report)
             except engine.VAEOutOfMemory as exc:
                 self.tracker.note(plan="out of memory")
                 self.note(f"VRAM Guard: {name.replace('_', ' ')}: {exc}", logging.WARNING)
@@ -335,6 +353,41 @@ class Job:
                 "were recomputed in a wider type"
             )
         return out
+
+    def _idle_models(self, stage: str, device: torch.device) -> Any:
+        """The checkpoint's parts that may leave the card for this VAE pass (None: none may)."""
+        from .offload import find_idle_models
+
+        s = self.settings
+        if stage in ("preview_decode", "other_encode") or not (s.offload_unet or s.offload_text_encoders):
+            return None  # another thread: the sampler may be using the UNet right now
+        p = self.p
+        model = getattr(p, "sd_model", None) if p is not None else None
+        if model is None:
+            model = self.host.loaded_sd_model()
+        return find_idle_models(
+            model, unet=s.offload_unet, text_encoders=s.offload_text_encoders, device=device
+        )
+
+    @contextlib.contextmanager
+    def _moved_off(self, idle: Any, stage: str, why: str) -> Iterator[None]:
+        """``idle``'s parts off the card for the ``with`` block (and back, also after an error)."""
+        t0 = time.perf_counter()
+        with idle.moved_off() as moved:
+            text = (
+                f"{stage.replace('_', ' ')}: moved the {idle.names} ({moved / 2**30:.2f} GiB) off the "
+                f"card for this pass: {why}"
+            )
+            self.note(f"VRAM Guard: {text}")
+            self.tracker.event("offload", text, at=stage, moved_bytes=moved)
+            self.tracker.sample("offload")
+            yield
+        logger.info(
+            "VRAM Guard: %s: the %s are back on the card (%.2f s with both moves)",
+            stage.replace("_", " "),
+            idle.names,
+            time.perf_counter() - t0,
+        )
 
     # -- closing -----------------------------------------------------------------------------
     def close(self, *, failed: bool = False) -> None:

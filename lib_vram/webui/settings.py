@@ -34,6 +34,10 @@ class JobSettings:
     upscale_precision: str
     """``"auto"``, ``"fp16"``, ``"bf16"`` or ``"fp32"`` (the upscale engine resolves ``auto``)."""
     release_at: frozenset[str] = field(default_factory=frozenset)
+    offload_unet: bool = True
+    """The UNet may leave the card for a VAE pass that does not fit with it there."""
+    offload_text_encoders: bool = True
+    """The same for the text encoders."""
 
     def describe(self) -> str:
         dtype = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(
@@ -112,4 +116,6 @@ def resolve(
         upscale_batch=options.upscale_batch or None,  # type: ignore[attr-defined]
         upscale_precision=up_precision,
         release_at=release_at,
+        offload_unet=preset.offload_unet_during_vae if preset is not None else True,
+        offload_text_encoders=preset.offload_text_encoder_during_vae if preset is not None else True,
     )
