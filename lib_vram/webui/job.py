@@ -325,7 +325,7 @@ class Job:
         with self._vae_lock, self.stage(name):
             try:
                 idle = self._idle_models(name, x.device)
-                if idle is not None and not engine.plan_pass(module, x, config=config, kind=kind).fits:
+                if idle is not None and not self._plan_fits(engine, module, x, config, kind):
                     with self._moved_off(idle, name, "its plan does not fit with them there"):
                         out = attempt(report)
                 else:
@@ -368,6 +368,15 @@ class Job:
         return find_idle_models(
             model, unet=s.offload_unet, text_encoders=s.offload_text_encoders, device=device
         )
+
+    def _plan_fits(self, engine: Any, module: Any, x: torch.Tensor, config: Any, kind: str) -> bool:
+        """Whether the engine's plan for this pass fits now; a planning error never fails the pass
+        (it then runs as planned by the engine, and an out-of-memory error still moves them)."""
+        try:
+            return bool(engine.plan_pass(module, x, config=config, kind=kind).fits)
+        except (ValueError, RuntimeError, engine.UnsupportedLayout) as exc:
+            logger.debug("VRAM Guard: no plan for the idle-model check: %s", exc)
+            return True
 
     @contextlib.contextmanager
     def _moved_off(self, idle: Any, stage: str, why: str) -> Iterator[None]:
