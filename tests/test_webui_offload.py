@@ -145,6 +145,8 @@ def test_a_pass_that_fits_only_without_the_idle_models_moves_them_off_and_back(k
     assert r.resident_during == [r.resident_before - IDLE_BYTES, r.resident_before]
     events = r.status["timeline"]["events"]
     assert any(e["kind"] == "offload" for e in events), events
+    plans = [st["plan"] for st in r.status["stages"] if st["stage"] in ("decode", "encode")]
+    assert plans and plans[-1].endswith(", UNet, text encoders off the card"), plans
     assert_clean(r)
 
 

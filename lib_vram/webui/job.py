@@ -325,7 +325,9 @@ class Job:
         with self._vae_lock, self.stage(name):
             try:
                 idle = self._idle_models(name, x.device)
+                moved = ""
                 if idle is not None and not self._plan_fits(engine, module, x, config, kind):
+                    moved = idle.names
                     with self._moved_off(idle, name, "its plan does not fit with them there"):
                         out = attempt(report)
                 else:
@@ -339,6 +341,7 @@ class Job:
                     if ran_out:
                         # out of the except block (its traceback holds the failed pass's tensors)
                         report = engine.VAEReport()
+                        moved = idle.names
                         with self._moved_off(idle, name, "it ran out of memory with them there"):
                             out = attempt(report)
             except engine.VAEOutOfMemory as exc:
@@ -346,7 +349,8 @@ class Job:
                 self.note(f"VRAM Guard: {name.replace('_', ' ')}: {exc}", logging.WARNING)
                 raise
             oom = self.oom_note(name, report.oom_retries, report.notes, report.plan)
-            self.tracker.note(plan=report.plan + (" after OOM" if oom else ""))
+            off = f", {moved} off the card" if moved else ""
+            self.tracker.note(plan=report.plan + (" after OOM" if oom else "") + off)
         if report.recomputed:
             self.note(
                 f"VRAM Guard: {len(report.recomputed)} {kind} segment(s) overflowed in {report.dtype} and "
