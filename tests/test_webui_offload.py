@@ -247,3 +247,34 @@ def test_the_parts_found_are_the_checkpoints_unet_and_text_encoders():
         found = find_idle_models(MODEL, unet=True, text_encoders=True, device=torch.device("cpu"))
         assert found is not None and found.nbytes == IDLE_BYTES
         assert find_idle_models(forge, unet=True, text_encoders=True, device=torch.device("cpu")) is None
+
+
+def test_the_move_back_after_an_out_of_memory_error_releases_and_tries_once_more(monkeypatch):
+    """The device path (a GPU: real copies, ``module.to``), run here with the CPU as the device:
+    the copy back that runs out of memory (what the failed pass left in the allocator's cache)
+    releases the cache and tries again, so the sampler gets its weights back."""
+    from lib_vram.webui import offload
+
+    unet = tiny_unet(seed=5)
+    calls: list[str] = []
+    real_to = unet.to
+
+    def to(device: Any) -> Any:
+        calls.append(str(device))
+        if len(calls) == 2:  # the first move back
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return real_to(device)
+
+    monkeypatch.setattr(unet, "to", to)
+    released: list[Any] = []
+    monkeypatch.setattr(offload, "release", lambda device: released.append(device))
+    idle = offload.IdleModels((("UNet", unet),), torch.device("cpu"))
+    with idle.moved_off() as n:
+        assert n == emulate.module_bytes([unet]) > 0
+    assert calls == ["cpu", "cpu", "cpu"] and released == [torch.device("cpu")]
+    # an error that is not out-of-memory is not hidden
+    calls.clear()
+    monkeypatch.setattr(unet, "to", lambda device: (calls.append(str(device)), real_to(device))[1])
+    with pytest.raises(RuntimeError, match="boom"), idle.moved_off():
+        raise RuntimeError("boom")
+    assert calls == ["cpu", "cpu"]  # moved back after the pass's own error
