@@ -7,6 +7,7 @@ set -uo pipefail
 OUT=${OUT:-/work/vg-sdxl2/out}
 PHASES=${PHASES:-"plain extension"}
 ONLY=${ONLY:-}
+SEEDS=${SEEDS:-}  # comma-separated seeds of the hires jobs (the client's default: 1234)
 FP16_SIZE=${FP16_SIZE:-256x64}
 BRANCH=${BRANCH:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}
 mkdir -p "$OUT"
@@ -57,7 +58,7 @@ for phase in $PHASES; do
   echo "ready after $((SECONDS - t0)) s"
   $PY "$OUT/snap/tests/acceptance/webui_sdxl_stages.py" "$phase" --url http://127.0.0.1:$PORT --out "$OUT" \
     --stage-dump "$VG_STAGE_DUMP" --log "$OUT/$phase.log" --fp16-size "$FP16_SIZE" --upscaler "${UPSCALER:-ESRGAN_x4-tiny-random}" \
-    --overflow-cmd "$PY /work/webui-tools/make_vae_sdxl_overflow.py" ${ONLY:+--only $ONLY} || rc=1
+    --overflow-cmd "$PY /work/webui-tools/make_vae_sdxl_overflow.py" ${ONLY:+--only $ONLY} ${SEEDS:+--seeds $SEEDS} || rc=1
   free -g; uptime
   grep -n "Model loaded\|Traceback\|Error" "$OUT/$phase.log" | tail -5
   /work/webui-tools/stop.sh

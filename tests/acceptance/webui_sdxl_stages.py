@@ -25,8 +25,13 @@ Phases (one WebUI start each):
   VAE precision Auto = the VAE's FP16): its guard's log lines name the recomputed tiles, the
   WebUI's fallback must not fire, the image must be finite and close to the plain FP32 one.
 
+``--seeds 1,2,...`` (default 1234) runs the hires part once per seed: images and the probe's files
+are named ``<plain|off|on>-hires-s<seed>`` (``off`` for the first seed only); the extension phase
+prints one summary line per seed (final image vs plain, and how many values of the first-pass 8-bit
+picture, the hires upscale's input, differ) and writes them to ``OUT/seeds-extension.json``.
+
 usage: webui_sdxl_stages.py plain|extension --url URL --out DIR --stage-dump DIR --log WEBUI_LOG
-        [--hires-size 128] [--fp16-size 256x64] [--steps 1] [--upscaler NAME]
+        [--hires-size 128] [--fp16-size 256x64] [--steps 1] [--upscaler NAME] [--seeds 1234]
         [--overflow-cmd CMD] [--only hires,fp16]
 """
 
@@ -45,7 +50,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from webui_acceptance import PROMPT, call, compare_stages, psnr, run  # noqa: E402
+from webui_acceptance import PROMPT, _to_8bit, call, compare_stages, psnr, run  # noqa: E402
 
 VG = "VRAM Guard"
 # not "sdxl-random…": v1.10.1's VAE "Automatic" picks any file in models/VAE whose name starts with
@@ -72,11 +77,13 @@ def main() -> int:
     ap.add_argument("--overflow-cmd", default=None, help="builds the overflow VAE: CMD LATENT.pt OUT")
     ap.add_argument("--vae-dir", default="/work/webui/models/VAE")
     ap.add_argument("--only", default="")
+    ap.add_argument("--seeds", default=str(PROMPT["seed"]), help="comma-separated seeds of the hires jobs")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     only = set(filter(None, a.only.split(","))) or {"hires", "fp16"}
     fw, fh = (int(v) for v in a.fp16_size.lower().split("x"))
+    seeds = [int(v) for v in a.seeds.split(",") if v.strip()]
     hires = dict(PROMPT, steps=a.steps, width=a.hires_size, height=a.hires_size, enable_hr=True, hr_scale=2,
                  hr_upscaler=a.upscaler, hr_second_pass_steps=1, denoising_strength=0.5)  # fmt: skip
     small = dict(PROMPT, steps=a.steps, width=fw, height=fh)
@@ -123,6 +130,10 @@ def main() -> int:
             return call(a.url, "/vg-accept/vae-dtype")[0]
         return call(a.url, "/vg-accept/vae-dtype", {"dtype": dtype})[0]
 
+    def flips(tag: str, x: np.ndarray, y: np.ndarray) -> int:
+        """How many values of the 8-bit pictures the WebUI makes of two probed stage outputs differ."""
+        return int((_to_8bit(tag, x) != _to_8bit(tag, y)).sum())
+
     def load_png(label: str) -> np.ndarray:
         return np.asarray(Image.open(out / f"{label}.png").convert("RGB"))
 
@@ -130,10 +141,10 @@ def main() -> int:
     latent_up = a.upscaler.startswith("Latent")
     stage_job = "hires-latent" if latent_up else "hires"  # (compare_stages names the 6 ESRGAN calls)
     if a.phase == "plain":
-        if "hires" in only:
-            r, _ = job("plain-hires", hires, None)
-            n = len(list((out / "stages" / "plain-hires").glob("*.npy")))
-            record(f"plain hires fix (no VRAM Guard), {a.upscaler}", n == (2 if latent_up else 6), seconds=r["seconds"], shape=list(r["image"].shape),
+        for seed in seeds if "hires" in only else []:
+            r, _ = job(f"plain-hires-s{seed}", dict(hires, seed=seed), None)
+            n = len(list((out / "stages" / f"plain-hires-s{seed}").glob("*.npy")))
+            record(f"plain hires fix (no VRAM Guard), {a.upscaler}, seed {seed}", n == (2 if latent_up else 6), seconds=r["seconds"], shape=list(r["image"].shape),
                    std=float(r["image"].std()), probe_files=n)  # fmt: skip
         if "fp16" in only:
             state = dtype_state()
@@ -170,19 +181,38 @@ def main() -> int:
                    state_after=after, image_equals_fp32=same, decode_max_abs_vs_fp32=float(np.abs(d16 - d32).max()))  # fmt: skip
             dtype_state("float32")
     else:
-        if "hires" in only:
-            b = load_png("plain-hires")
-            r, text = job("off-hires", hires, False)
-            st = compare_stages(stage_job, out / "stages" / "plain-hires", out / "stages" / "off-hires")
-            ok = bool(np.array_equal(r["image"], b)) and all(e.get("max_abs") == 0 for e in st)
-            record(f"SDXL hires ({a.upscaler}), VRAM Guard off = plain (image and every stage)", ok and f"{VG}:" not in r["infotext"],
-                   seconds=r["seconds"], psnr=psnr(r["image"], b), stages=st)  # fmt: skip
-            r, text = job("on-hires", hires, ON)
-            st = compare_stages(stage_job, out / "stages" / "plain-hires", out / "stages" / "on-hires")
+        summary: list[dict] = []
+        for seed in seeds if "hires" in only else []:
+            b, plain_dir = load_png(f"plain-hires-s{seed}"), out / "stages" / f"plain-hires-s{seed}"
+            if seed == seeds[0]:  # off = plain is seed-independent; once keeps the run short
+                r, text = job(f"off-hires-s{seed}", dict(hires, seed=seed), False)
+                st = compare_stages(stage_job, plain_dir, out / "stages" / f"off-hires-s{seed}")
+                ok = bool(np.array_equal(r["image"], b)) and all(e.get("max_abs") == 0 for e in st)
+                record(f"SDXL hires ({a.upscaler}), seed {seed}, VRAM Guard off = plain (image and every stage)", ok and f"{VG}:" not in r["infotext"],
+                       seconds=r["seconds"], psnr=psnr(r["image"], b), stages=st)  # fmt: skip
+            r, text = job(f"on-hires-s{seed}", dict(hires, seed=seed), ON)
+            st = compare_stages(stage_job, plain_dir, out / "stages" / f"on-hires-s{seed}")
             p = psnr(r["image"], b)
-            record(f"SDXL hires ({a.upscaler}), VRAM Guard exact t16 on every VAE stage >= 80 dB vs plain", p >= 80,
-                   seconds=r["seconds"], psnr=p, max_lsb=int(np.abs(r["image"].astype(int) - b).max()),
-                   stages=st, infotext=r["infotext"].split("\n")[-1], vg_stages=vg_stages())  # fmt: skip
+            row = {"seed": seed, "psnr": p, "max_lsb": int(np.abs(r["image"].astype(int) - b).max()),
+                   "differing_values": int((r["image"] != b).sum()), "values": int(b.size)}  # fmt: skip
+            if not latent_up:  # probe calls 1 and 2: first-pass decode out, hires upscale out (8-bit / 255)
+                x, y = stage(f"plain-hires-s{seed}", 1), stage(f"on-hires-s{seed}", 1)
+                row["first_pass_8bit_differing"] = flips("decode-out", x, y)
+                row["first_pass_values"] = int(x.size)
+                row["first_pass_decode_max_abs"] = float(np.abs(x.astype(np.float64) - y).max())
+                up = (stage(f"plain-hires-s{seed}", 2), stage(f"on-hires-s{seed}", 2))
+                row["upscale_out_8bit_differing"] = flips("encode-in", *up)
+            summary.append(row)
+            record(f"SDXL hires ({a.upscaler}), seed {seed}, VRAM Guard exact t16 on every VAE stage >= 80 dB vs plain", p >= 80,
+                   seconds=r["seconds"], **row, stages=st, infotext=r["infotext"].split("\n")[-1], vg_stages=vg_stages())  # fmt: skip
+        if summary:
+            (out / "seeds-extension.json").write_text(json.dumps(summary, indent=1))
+            print("seed | final on-vs-plain dB | max level | differing values | first-pass 8-bit values differing"
+                  " | first-pass decode max abs")  # fmt: skip
+            for row in summary:
+                print(f"{row['seed']} | {row['psnr']:.1f} | {row['max_lsb']} | {row['differing_values']} of {row['values']} | "
+                      f"{row.get('first_pass_8bit_differing', '-')} of {row.get('first_pass_values', '-')} | "
+                      f"{row.get('first_pass_decode_max_abs', float('nan')):.1e}", flush=True)  # fmt: skip
         if "fp16" in only:
             call(a.url, "/sdapi/v1/refresh-vae", {})
             state = dtype_state("float16")
