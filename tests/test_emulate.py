@@ -70,6 +70,25 @@ def test_resident_bytes_count_as_used_and_probes_report_the_card():
     assert emulate.current() is None
 
 
+def test_peak_across_a_resident_change_is_a_use_the_card_had():
+    # Idle models off the card for a pass (resident down), a pass that uses the room, the models
+    # back (resident up): the peak is the highest resident + live at any one time, never the live
+    # peak of the pass on top of the restored resident (which would exceed the capacity).
+    card = EmulatedCard(10 * MiB, resident=8 * MiB)
+    with card:
+        keep = torch.zeros(MiB // 4)  # 1 MiB under the full resident: 9 MiB used
+        card.set_resident(2 * MiB)
+        work = torch.zeros(6 * MiB // 4)  # 6 MiB while only 2 MiB are resident: 9 MiB used
+        del work
+        card.set_resident(8 * MiB)
+        assert card.peak_bytes == 9 * MiB <= card.capacity
+        more = torch.zeros(MiB // 8)  # 0.5 MiB with the models back: 9.5 MiB used
+    assert card.peak_bytes == 9 * MiB + MiB // 2 and card.ooms == 0
+    card.reset_peak()
+    assert card.peak_bytes == card.used_bytes == 8 * MiB + MiB + MiB // 2
+    del keep, more
+
+
 def test_installed_card_is_what_probes_see_in_every_thread():
     card = EmulatedCard("6GB")
     assert emulate.install(card) is None

@@ -150,6 +150,25 @@ def test_a_pass_that_fits_only_without_the_idle_models_moves_them_off_and_back(k
     assert_clean(r)
 
 
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_the_cards_peak_with_the_models_moved_off_is_a_use_the_card_had(kind):
+    """A card that holds the checkpoint and half the pass: the pass's live bytes sat on the smaller
+    resident, so the card's peak (status route, each stage) stays within its capacity. The real
+    WebUI run found it reported as the restored resident plus the pass's peak: 4296 MiB on a
+    4246 MiB card."""
+    ref = reference(kind)
+    need = ref.peak - ref.resident_before
+    cap = ref.resident_before + need // 2
+    assert ref.resident_before - IDLE_BYTES + need < cap, "the idle models are too small to matter here"
+    r = job(cap, kind=kind)
+    assert r.error is None, r.error
+    assert any("off the card for this pass" in n for n in r.notes), r.notes
+    assert r.peak <= cap and r.status["card"]["peak_bytes"] <= cap, (r.peak, cap)
+    assert all((s.get("peak_bytes") or 0) <= cap for s in r.status["stages"]), r.status["stages"]
+    assert r.status["card"]["ooms"] == 0
+    assert_clean(r)
+
+
 def test_a_pass_that_fits_with_them_moves_nothing():
     r = job(BIG)
     assert r.error is None

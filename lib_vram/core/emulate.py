@@ -188,8 +188,18 @@ class EmulatedCard:
         self.peak_used_bytes = self.used_bytes
 
     def set_resident(self, resident: int | Iterable[torch.nn.Module]) -> None:
-        """Replace the resident bytes (e.g. a new checkpoint was loaded between jobs)."""
-        self.resident_bytes = resident if isinstance(resident, int) else module_bytes(resident)
+        """Replace the resident bytes (a new checkpoint was loaded between jobs; idle models left
+        the card for a pass and came back).
+
+        The peak so far is kept as the card had it: the live peak reached under the old resident
+        bytes is folded in with those, and the live peak starts again from what is alive now, so
+        that live bytes reached while fewer bytes were resident are never added to the new resident
+        (a use the card never had: above its capacity, which it refuses)."""
+        new = resident if isinstance(resident, int) else module_bytes(resident)
+        if self.device.type != "cuda":
+            self.peak_used_bytes = max(self.peak_used_bytes, self.resident_bytes + self.ledger.peak_bytes)
+            self.ledger.reset_peak()
+        self.resident_bytes = new
 
     def _admit(self, live: int, nbytes: int, transient: bool) -> None:
         used = self.resident_bytes + live

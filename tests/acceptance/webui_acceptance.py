@@ -37,6 +37,14 @@ tile) and put the previous value back. With ``--stage-dump DIR`` and the stage p
 (``webui_stage_probe/``, linked into ``extensions/`` and started with ``VG_STAGE_DUMP=DIR``), each
 VAE stage's input and output (first-pass decode, the hires encode whose input is the hires
 upscale's output, the final decode) is compared call by call with the uncapped plain run's.
+
+``emulate`` with ``--only offload`` (run only when named): the txt2img job with VRAM Guard forcing one
+decode tile of ``--offload-tile`` latent px (32 = the whole latent of a 256² image: the untiled
+working set, which does not fit beside the resident checkpoint on that cap). VRAM Guard must move
+the idle UNet and text encoders off the card for that pass (a note on the status route, an
+``offload`` timeline event), finish with the uncapped plain picture (<= 1 level), and leave the
+card's resident bytes as they were. ``--only offload-medvram``: the same job on a WebUI started
+with ``--medvram`` (the host swaps models itself): nothing may move.
 """
 
 from __future__ import annotations
@@ -203,6 +211,8 @@ def main() -> int:
     ap.add_argument("--stage-dump", default=None,
                     help="emulate phases: the folder the WebUI's stage probe writes to (its VG_STAGE_DUMP, "
                     "tests/acceptance/webui_stage_probe); each job's files are moved to OUT/stages/<job>")  # fmt: skip
+    ap.add_argument("--offload-tile", type=int, default=32,
+                    help="emulate --only offload: the forced decode tile (latent px) of the idle-model check")  # fmt: skip
     a = ap.parse_args()
     if a.phase.startswith("emulate"):
         return emulate_phase(a)
@@ -734,9 +744,84 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                    used_after_job_mib=round((c.get("used_bytes") or 0) / mib, 1),
                    used_after_another_request_mib=round(used1 / mib, 1), used_after_gc_collect_mib=round(used2 / mib, 1),
                    resident_mib=round(resident / mib, 1), gc_collected_objects=fr.get("collected_objects"))  # fmt: skip
+    for check in ("offload", "offload-medvram"):
+        if check in only and "txt2img" in ref:
+            offload_check(a, check, job, record, cap)
     with open(f"{a.out}/emulate-results.json", "w") as fh:
         json.dump(results, fh, indent=1)
     return 0 if all(x["ok"] for x in results) else 1
+
+
+MOVED = "off the card for this pass"
+"""Words of VRAM Guard's note when it moves the idle UNet / text encoders for a VAE pass."""
+
+
+def _loaded_status(url: str, wait_s: float = 600) -> dict:
+    """The status route once the checkpoint is resident on the emulated card (the WebUI loads it
+    in a thread after the API answers)."""
+    deadline = time.time() + wait_s
+    while True:
+        st, _ = call(url, "/vram-guard/v1/status")
+        if (st.get("card") or {}).get("resident_bytes") or time.time() > deadline:
+            return st
+        time.sleep(3)
+
+
+def offload_check(a: argparse.Namespace, check: str, job, record, cap: int | None) -> None:  # noqa: ANN001
+    """``--only offload`` / ``offload-medvram`` of the ``emulate`` phase (module docstring)."""
+    mib = 2**20
+    host_swaps = check == "offload-medvram"
+    base_img = np.asarray(Image.open(f"{a.out}/emu-ref-txt2img.png").convert("RGB"))
+    before = _loaded_status(a.url)
+    resident0 = (before.get("card") or {}).get("resident_bytes") or 0
+    ooms0 = (before.get("card") or {}).get("ooms") or 0
+    log0 = Path(a.log).stat().st_size if a.log else 0
+    r, err, st = job("txt2img", {"vae_tiling": "Always", "vae_tile": a.offload_tile}, label=f"vg-{check}")
+    c = st.get("card") or {}
+    resident1 = c.get("resident_bytes") or 0
+    moved_notes = [n for n in st.get("notes", []) if MOVED in n]
+    events = [e for e in ((st.get("timeline") or {}).get("events") or []) if e.get("kind") == "offload"]
+    max_lsb = int(np.abs(r["image"].astype(int) - base_img).max()) if r is not None else None
+    log_lines: list[str] = []
+    bad_lines: list[str] = []
+    if a.log:
+        time.sleep(1)
+        with open(a.log, "rb") as fh:
+            fh.seek(log0)
+            text = fh.read().decode(errors="replace")
+        log_lines = [
+            ln for ln in text.splitlines() if "VRAM Guard" in ln and ("card" in ln or "decode" in ln)
+        ]
+        bad_lines = [ln for ln in text.splitlines() if re.search(r"Error|Traceback", ln)]
+    cmp = (
+        compare_stages("txt2img", Path(a.out, "stages", "ref-txt2img"), Path(a.out, "stages", f"vg-{check}"))
+        if a.stage_dump
+        else None
+    )
+    data = dict(error=(err or "")[:300], seconds=r and r["seconds"], max_lsb=max_lsb,
+                psnr_vs_uncapped_plain=psnr(r["image"], base_img) if r is not None else None,
+                notes_moved=moved_notes, offload_events=events,
+                resident_before_mib=round(resident0 / mib, 1), resident_after_mib=round(resident1 / mib, 1),
+                peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
+                new_ooms=(c.get("ooms") or 0) - ooms0, stages=[(s["stage"], s["plan"], round((s.get("peak_bytes") or 0) / mib, 1))
+                for s in st.get("stages", []) if not s.get("missing")],
+                log_vram_guard=log_lines[-8:], log_error_lines=bad_lines[:8], stage_vs_uncapped_plain=cmp)  # fmt: skip
+    if host_swaps:
+        ok = not moved_notes and not events and resident1 == resident0 and not bad_lines
+        record("--medvram (the host swaps models): VRAM Guard moves nothing off the card", ok, **data)
+        return
+    ok = (
+        r is not None
+        and max_lsb is not None
+        and max_lsb <= 1
+        and any("moved the UNet, text encoders (" in n for n in moved_notes)
+        and len(events) == 1
+        and resident1 == resident0 > 0
+        and (c.get("peak_bytes") or 0) <= (cap or 0)
+        and not bad_lines
+    )
+    record(f"VRAM Guard txt2img, one forced {a.offload_tile}-px decode tile on the capped card: the idle "
+           "UNet and text encoders leave the card for the decode and come back; uncapped plain picture", ok, **data)  # fmt: skip
 
 
 if __name__ == "__main__":
