@@ -385,7 +385,6 @@ class Job:
     @contextlib.contextmanager
     def _moved_off(self, idle: Any, stage: str, why: str) -> Iterator[None]:
         """``idle``'s parts off the card for the ``with`` block (and back, also after an error)."""
-        t0 = time.perf_counter()
         with idle.moved_off() as moved:
             text = (
                 f"{stage.replace('_', ' ')}: moved the {idle.names} ({moved / 2**30:.2f} GiB) off the "
@@ -396,10 +395,10 @@ class Job:
             self.tracker.sample("offload")
             yield
         logger.info(
-            "VRAM Guard: %s: the %s are back on the card (%.2f s with both moves)",
+            "VRAM Guard: %s: the %s are back on the card (the copies off and back took %.2f s)",
             stage.replace("_", " "),
             idle.names,
-            time.perf_counter() - t0,
+            idle.move_seconds,
         )
 
     # -- closing -----------------------------------------------------------------------------

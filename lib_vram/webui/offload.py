@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,8 @@ class IdleModels:
     """Where they are now (the compute device)."""
     card: emulate.EmulatedCard | None = None
     """The emulated card they count on (CPU emulation), if any."""
+    move_seconds: float = 0.0
+    """Time the copies off and back took in the last :meth:`moved_off` (0 on an emulated card)."""
 
     @property
     def names(self) -> str:
@@ -82,6 +85,7 @@ class IdleModels:
         """Move the parts to the CPU for the ``with`` block and back after it (also after an
         error); yields the bytes moved."""
         n = self.nbytes
+        self.move_seconds = 0.0
         if self.card is not None and self.device.type == "cpu":
             before = self.card.resident_bytes
             self.card.set_resident(max(0, before - n))
@@ -91,13 +95,17 @@ class IdleModels:
                 self.card.set_resident(before)
             return
         moved: list[torch.nn.Module] = []
+        t0 = time.perf_counter()
         try:
             for _, m in self.parts:
                 m.to("cpu")
                 moved.append(m)
+            self.move_seconds = time.perf_counter() - t0
             yield n
         finally:
+            t1 = time.perf_counter()
             self._back(moved)
+            self.move_seconds += time.perf_counter() - t1
 
     def _back(self, moved: list[torch.nn.Module]) -> None:
         for m in moved:
