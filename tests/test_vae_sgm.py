@@ -368,9 +368,12 @@ class _OOMAbove:
 
 def test_oom_in_the_sgm_forward_then_tiles_retry_smaller_exactly(sgm_model):
     dec = sgm_decoder(sgm_model)
-    z = smooth_latent(1, 4, 16, 16, seed=10)
+    # conv_out at 64x64 px fails, and so do tiles of 24 and 16 latent px (their conv_out inputs
+    # exceed 20x20 px); 8-px tiles pass. (On a 16x16 latent the first tiled try is already t8: a
+    # 16-px tile is the whole latent, which the untiled failure rules out.)
+    z = smooth_latent(1, 4, 32, 32, seed=10)
     ref = _ref(dec, z)
-    hook = _OOMAbove(limit_px=20 * 20)  # conv_out at 32x32 fails; tiles of a 16x16-px core pass
+    hook = _OOMAbove(limit_px=20 * 20)
     handle = dec.conv_out.register_forward_pre_hook(hook)
     try:
         rep = VAEReport()
