@@ -10,6 +10,9 @@ ONLY=${ONLY:-}
 SEEDS=${SEEDS:-}  # comma-separated seeds of the hires jobs (the client's default: 1234)
 FP16_SIZE=${FP16_SIZE:-256x64}
 BRANCH=${BRANCH:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}
+# extra WebUI flags of the plain phase only, e.g. PLAIN_ARGS=--opt-sdp-attention (another attention
+# implementation: the host's own float noise); the phase's log says which one it applied
+read -r -a PLAIN_EXTRA <<< "${PLAIN_ARGS:-}"
 mkdir -p "$OUT"
 exec 9>/work/webui-tools/lock
 echo "waiting for the lock $(date -u +%T)"
@@ -46,6 +49,7 @@ for phase in $PHASES; do
   EXTRA=()
   if [ "$phase" = plain ]; then
     rm -f "$L"
+    EXTRA=(${PLAIN_EXTRA[@]+"${PLAIN_EXTRA[@]}"})
   else
     ln -sfn "$OUT/snap" "$L"
     EXTRA=(--vram-guard-log-level INFO)
@@ -59,6 +63,7 @@ for phase in $PHASES; do
   $PY "$OUT/snap/tests/acceptance/webui_sdxl_stages.py" "$phase" --url http://127.0.0.1:$PORT --out "$OUT" \
     --stage-dump "$VG_STAGE_DUMP" --log "$OUT/$phase.log" --fp16-size "$FP16_SIZE" --upscaler "${UPSCALER:-ESRGAN_x4-tiny-random}" \
     --overflow-cmd "$PY /work/webui-tools/make_vae_sdxl_overflow.py" ${ONLY:+--only $ONLY} ${SEEDS:+--seeds $SEEDS} || rc=1
+  grep -m1 "Applying attention optimization" "$OUT/$phase.log"
   free -g; uptime
   grep -n "Model loaded\|Traceback\|Error" "$OUT/$phase.log" | tail -5
   /work/webui-tools/stop.sh
