@@ -6,10 +6,10 @@ For each seed: the final image (``OUT/plain-hires-s<seed>.png``) of ``--got`` ag
 (``OUT/stages/plain-hires-s<seed>/``, call order: first-pass decode in/out, hires encode in/out,
 final decode in/out) the first-pass latent's and first-pass decode's max abs difference, the
 first-pass 8-bit picture's and the hires upscale output's differing values, and the final latent's
-max abs difference. With ``--extension-summary`` (the extension phase's ``seeds-extension.json``
-of the ``--ref`` run) each row also shows VRAM Guard on vs the same reference.
+max abs difference. ``--got-label on`` reads ``on-hires-s<seed>`` of ``--got`` instead (the extension
+phase's VRAM Guard-on jobs), which gives VRAM Guard's row in the same columns.
 
-usage: compare_plain_runs.py --ref OUT_A --got OUT_B --seeds 1,2 [--extension-summary JSON] [--json F]
+usage: compare_plain_runs.py --ref OUT_A --got OUT_B --seeds 1,2 [--got-label plain|on] [--json F]
 """
 
 from __future__ import annotations
@@ -30,20 +30,21 @@ from webui_acceptance import _to_8bit, psnr  # noqa: E402
 LATENT, DECODE, UPSCALED, FINAL_LATENT = 0, 1, 2, 4
 
 
-def _stages(out: Path, seed: int) -> list[np.ndarray]:
-    return [np.load(f) for f in sorted((out / "stages" / f"plain-hires-s{seed}").glob("*.npy"))]
+def _stages(out: Path, label: str) -> list[np.ndarray]:
+    return [np.load(f) for f in sorted((out / "stages" / label).glob("*.npy"))]
 
 
 def _max_abs(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.abs(x.astype(np.float64) - y).max())
 
 
-def compare(ref: Path, got: Path, seed: int) -> dict:
-    a = np.asarray(Image.open(ref / f"plain-hires-s{seed}.png").convert("RGB"))
-    b = np.asarray(Image.open(got / f"plain-hires-s{seed}.png").convert("RGB"))
+def compare(ref: Path, got: Path, seed: int, got_label: str = "plain") -> dict:
+    ref_label, label = f"plain-hires-s{seed}", f"{got_label}-hires-s{seed}"
+    a = np.asarray(Image.open(ref / f"{ref_label}.png").convert("RGB"))
+    b = np.asarray(Image.open(got / f"{label}.png").convert("RGB"))
     row = {"seed": seed, "psnr": psnr(b, a), "max_lsb": int(np.abs(b.astype(int) - a).max()),
            "differing_values": int((a != b).sum()), "values": int(a.size)}  # fmt: skip
-    sa, sb = _stages(ref, seed), _stages(got, seed)
+    sa, sb = _stages(ref, ref_label), _stages(got, label)
     if len(sa) == len(sb) == 6:
         row["first_pass_latent_max_abs"] = _max_abs(sa[LATENT], sb[LATENT])
         row["first_pass_decode_max_abs"] = _max_abs(sa[DECODE], sb[DECODE])
@@ -65,24 +66,17 @@ def main() -> int:
     ap.add_argument("--ref", required=True, type=Path, help="OUT of the reference plain run")
     ap.add_argument("--got", required=True, type=Path, help="OUT of the other plain run")
     ap.add_argument("--seeds", required=True, help="comma-separated seeds")
-    ap.add_argument("--extension-summary", type=Path, help="seeds-extension.json of the --ref run")
+    ap.add_argument("--got-label", default="plain", help="plain, or on: --got's VRAM Guard-on jobs")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
-    ext = {}
-    if a.extension_summary:
-        ext = {r["seed"]: r for r in json.loads(a.extension_summary.read_text())}
-    rows = [compare(a.ref, a.got, int(s)) for s in a.seeds.split(",") if s.strip()]
+    rows = [compare(a.ref, a.got, int(s), a.got_label) for s in a.seeds.split(",") if s.strip()]
     print("seed | final dB | max level | differing values | first-pass latent max abs | first-pass decode max abs"
-          " | first-pass 8-bit differing | upscale out 8-bit differing | final latent max abs"
-          " | VRAM Guard on: dB / first-pass 8-bit differing")  # fmt: skip
+          " | first-pass 8-bit differing | upscale out 8-bit differing | final latent max abs")  # fmt: skip
     for r in rows:
-        e = ext.get(r["seed"])
-        vg = f"{e['psnr']:.1f} / {e['first_pass_8bit_differing']}" if e else "-"
-        r["extension"] = e
         print(f"{r['seed']} | {r['psnr']:.1f} | {r['max_lsb']} | {r['differing_values']} of {r['values']} | "
               f"{r.get('first_pass_latent_max_abs', float('nan')):.1e} | {r.get('first_pass_decode_max_abs', float('nan')):.1e} | "
               f"{r.get('first_pass_8bit_differing', '-')} of {r.get('first_pass_values', '-')} | "
-              f"{r.get('upscale_out_8bit_differing', '-')} | {r.get('final_latent_max_abs', float('nan')):.1e} | {vg}")  # fmt: skip
+              f"{r.get('upscale_out_8bit_differing', '-')} | {r.get('final_latent_max_abs', float('nan')):.1e}")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 0
