@@ -576,7 +576,7 @@ def plan_pass(
     """
     if kind not in (None, "decode", "encode"):
         raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
-    decode = _is_decoder(module) if kind is None else kind == "decode"
+    decode = is_supported_decoder(module) if kind is None else kind == "decode"
     spec = decoder_spec(module) if decode else encoder_spec(module)
     device = x.device
     return plan_vae(
@@ -593,14 +593,6 @@ def plan_pass(
         fast_sample=config.fast_sample,
         memory=memory,
     )
-
-
-def _is_decoder(module: nn.Module) -> bool:
-    try:
-        decoder_spec(module)
-    except UnsupportedLayout:
-        return False
-    return True
 
 
 def _fields(config: TiledVAEConfig) -> dict:
