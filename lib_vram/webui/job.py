@@ -325,25 +325,21 @@ class Job:
         with self._vae_lock, self.stage(name):
             try:
                 idle = self._idle_models(name, x.device)
-                moved = ""
+                why = None
                 if idle is not None and not self._plan_fits(engine, module, x, config, kind):
-                    moved = idle.names
-                    with self._moved_off(idle, name, "its plan does not fit with them there"):
-                        out = attempt(report)
+                    why = "its plan does not fit with them there"
                 else:
-                    ran_out = False
                     try:
                         out = attempt(report)
                     except engine.VAEOutOfMemory:
                         if idle is None:
                             raise
-                        ran_out = True
-                    if ran_out:
-                        # out of the except block (its traceback holds the failed pass's tensors)
+                        why = "it ran out of memory with them there"
                         report = engine.VAEReport()
-                        moved = idle.names
-                        with self._moved_off(idle, name, "it ran out of memory with them there"):
-                            out = attempt(report)
+                if why is not None:  # out of the except block (its traceback holds the failed pass)
+                    with self._moved_off(idle, name, why):
+                        out = attempt(report)
+                moved = idle.names if why is not None else ""
             except engine.VAEOutOfMemory as exc:
                 self.tracker.note(plan="out of memory")
                 self.note(f"VRAM Guard: {name.replace('_', ' ')}: {exc}", logging.WARNING)
