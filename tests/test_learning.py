@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import image_like
+from tolerances import UPSCALE_LSB, VAE_EXACT, lsb
 from vae_models import ldm_decoder, smooth_latent
 
 from lib_vram.core.tracker import StageRecord, StageTracker
@@ -17,7 +18,7 @@ from lib_vram.planning import planner
 from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
 from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode
 
-EXACT_TOL = 1e-4
+EXACT_TOL = VAE_EXACT
 
 
 class _OOMAbove:
@@ -206,7 +207,9 @@ def test_upscale_oom_is_recorded_and_the_next_call_starts_at_the_plan_that_worke
     assert rep2.ooms == 0 and hook.raised == raised
     assert (rep2.tile, rep2.batch) == (32, 1)
     assert rep2.events == ["learned for this model and shape: tiled t32 o16 b1"]
-    assert (out2 - out).abs().max().item() < 1e-5  # same tiles' cores, blended alike
+    # t32 from the start vs t64 split into t32 after the OOM: other tile borders, so not the same
+    # operations; each is within the upscaler's bound of the untiled model, so within twice that
+    assert lsb(out2, out) <= 2 * UPSCALE_LSB
 
 
 def test_upscale_learning_does_not_leak_across_shapes(tiny_compact):

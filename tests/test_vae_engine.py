@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import VAE_EXACT, reduced_precision, rounding
 from vae_models import diffusers_vae, ldm_decoder, ldm_encoder, smooth_latent
 
 from lib_vram.core.tracker import StageTracker
@@ -21,7 +22,7 @@ from lib_vram.vae import (
     tiled_encode,
 )
 
-EXACT_TOL = 1e-4
+EXACT_TOL = VAE_EXACT
 
 
 def _ref(module, x):
@@ -189,7 +190,8 @@ def test_fp16_overflow_is_recomputed_in_the_wider_dtype():
         handle.remove()
     assert not torch.isfinite(unguarded).all()  # the hook really overflows fp16
     assert torch.isfinite(out).all()
-    assert (out - ref).abs().max().item() < 2e-2
+    # fp16 everywhere but the recomputed segment: fp16 rounding of the output's magnitude
+    assert (out - ref).abs().max().item() <= reduced_precision(torch.float16, ref.abs().max().item())
     assert rep.recomputed, "the guard did not report a recompute"
     assert {r.step for r in rep.recomputed} == {rep.recomputed[0].step}  # only that segment
     assert len(rep.recomputed) == rep.tiles  # once per tile, nothing else
@@ -221,7 +223,7 @@ def test_bf16_guard_default_and_bf16_compute():
     ref = _ref(dec, z)
     out = tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=5, dtype=torch.bfloat16))
     assert out.dtype == torch.float32
-    assert (out - ref).abs().max().item() < 0.1
+    assert (out - ref).abs().max().item() <= reduced_precision(torch.bfloat16, ref.abs().max().item())
     handle = dec.up[0].block[0].conv1.register_forward_hook(_overflow_hook)
     try:
         rep = VAEReport()
@@ -544,7 +546,9 @@ def test_attention_matches_reference_when_chunked(transposed):
         q, k, v = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k, v))
     with _OpLog() as log:
         out = attention(q, k, v, max_bytes=2 * 300 * 4 * 7, fused=False)  # chunks of 7 queries
-    assert (out - ref).abs().max().item() < 1e-5
+    # each output is a softmax-weighted mean of 300 values: summed in any order, the scores (8 terms)
+    # and the normalisation (300) and the weighted sum (300) are within that many roundings of |v|
+    assert (out - ref).abs().max().item() <= rounding(8 + 2 * 300, v.abs().max().item())
     assert log.kernels() == -(-300 // 7)
 
 
@@ -557,7 +561,8 @@ def test_attention_runs_the_cpu_flash_kernel_in_one_call_where_torch_has_it():
     ref = attention(q, k, v, fused=False)
     with _OpLog() as log:
         out = attention(q, k, v, max_bytes=2000 * 4 * 16)  # the math kernel would take 125 chunks
-    assert (out - ref).abs().max().item() < 1e-5
+    # flash (blocked, online softmax) vs math: other summation orders over 2000 keys, 8 channels
+    assert (out - ref).abs().max().item() <= rounding(8 + 2 * 2000, v.abs().max().item())
     flash = [n for n in log.names if "flash_attention_for_cpu" in n]
     if not cpu_flash_available(q):
         pytest.skip(f"torch {torch.__version__} has no CPU flash attention kernel")
@@ -590,8 +595,11 @@ def test_channel_stats_match_float64_on_crops_batches_and_constant_channels():
         mean, var = channel_stats(x)
         rv, rm = torch.var_mean(x.double(), dim=(2, 3), correction=0)
         assert mean.dtype == var.dtype == torch.float64 and mean.shape == var.shape == x.shape[:2]
-        assert (mean - rm).abs().max().item() < 1e-5
-        assert (var - rv).abs().max().item() < 1e-5 * rv.max().item()
+        # a float32 sum of n values in any order is within n roundings of their magnitude (mean: of
+        # |x|; variance: of the squared deviations, plus the mean's own error twice)
+        n, big = x.shape[-2] * x.shape[-1], x.double().abs().max().item()
+        assert (mean - rm).abs().max().item() <= rounding(n, big)
+        assert (var - rv).abs().max().item() <= rounding(n, rv.max().item()) + 2 * rounding(n, big) * big
     assert channel_stats(views[0])[1][1, 5].item() == 0.0
 
 
@@ -607,7 +615,9 @@ def test_channel_stats_fall_back_to_var_mean_without_the_cpu_kernel(monkeypatch)
     x = torch.randn(2, 8, 9, 11, generator=torch.Generator().manual_seed(23))[..., 1:8, 2:10]
     mean, var = _engine.channel_stats(x)
     rv, rm = torch.var_mean(x.double(), dim=(2, 3), correction=0)
-    assert (mean - rm).abs().max().item() < 1e-6 and (var - rv).abs().max().item() < 1e-6
+    n, big = x.shape[-2] * x.shape[-1], x.abs().max().item()
+    assert (mean - rm).abs().max().item() <= rounding(n, big)
+    assert (var - rv).abs().max().item() <= rounding(n, rv.max().item()) + 2 * rounding(n, big) * big
     assert _engine._BN_STATS is None  # asked once, not at every GroupNorm
 
 

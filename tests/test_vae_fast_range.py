@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from tolerances import VAE_EXACT
 from vae_models import diffusers_vae, ldm_decoder, smooth_latent
 
 from lib_vram.vae import TiledVAEConfig, tiled_decode
@@ -46,9 +47,9 @@ def test_fast_decode_is_seamless_and_within_the_stated_range(layout, kind):
     a = tiled_decode(dec, z, config=TiledVAEConfig(mode="fast", tile=8))
     other = tiled_decode(dec, z, config=TiledVAEConfig(mode="fast", tile=12))
     # Seamless: another tiling gives the same picture (float rounding only).
-    assert float((a - other).abs().max()) < 1e-4
+    assert float((a - other).abs().max()) <= VAE_EXACT
     # Not exact, but within the stated range; the error is the statistics estimate:
     db = _psnr(a, ref)
     assert FAST_DB_FLOOR <= db < 100, db
     full = tiled_decode(dec, z, config=TiledVAEConfig(mode="fast", tile=8, fast_sample=1))
-    assert _psnr(full, ref) > 100
+    assert float((full - ref).abs().max()) <= VAE_EXACT  # whole-image statistics: exact

@@ -27,9 +27,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tolerances import VAE_EXACT
 
 FORGE_ENV = "VRAM_GUARD_FORGE_PATH"
-EXACT_TOL = 1e-4
+EXACT_TOL = VAE_EXACT
 
 
 def _forge_root() -> Path | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from tolerances import VAE_EXACT
 from webui_fakes import FakeHost, FakeP, tiny_decoder, tiny_encoder
 
 from lib_vram.core.hooks import HookRegistry
@@ -84,7 +85,9 @@ def test_forge_wrappers_installed_used_and_removed():
         lat = vae.encode(pix)
     assert vae.inner_calls == 0  # Forge's own decode_inner (its 3-pass OOM fallback) is bypassed
     assert out.shape == plain.shape == (2, 16, 16, 3)
-    assert torch.allclose(out, plain, atol=1e-6)
+    # exact tiles vs Forge's untiled decode_inner: the engine's bound (on the decoder's output;
+    # (x + 1) / 2 and the clamp only shrink a difference)
+    assert (out - plain).abs().max() <= VAE_EXACT
     assert lat.shape == (1, 4, 8, 8) and torch.isfinite(lat).all()
     assert host.loaded == [vae, vae]  # the VAE was put on its device through Forge's manager
     jobs.postprocess(p)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tolerances import VAE_EXACT
 from webui_fakes import FakeHost, FakeP, fake_sd_model, tiny_unet
 
 import lib_vram.vae as engine
@@ -139,7 +140,7 @@ def test_a_pass_that_fits_only_without_the_idle_models_moves_them_off_and_back(k
     assert plain.error is not None and "out of memory" in str(plain.error).lower()
     r = job(cap, kind=kind)
     assert r.error is None, r.error
-    assert np.abs((r.out - ref.out).numpy()).max() <= 1e-5
+    assert np.abs((r.out - ref.out).numpy()).max() <= VAE_EXACT  # tiled on the small card, or not
     moved = [n for n in r.notes if "off the card for this pass" in n]
     assert len(moved) == 1 and "UNet, text encoders" in moved[0] and "plan does not fit" in moved[0]
     assert r.resident_during == [r.resident_before - IDLE_BYTES, r.resident_before]
@@ -184,7 +185,7 @@ def test_an_out_of_memory_error_the_plan_did_not_foresee_is_retried_with_them_of
     monkeypatch.setattr(engine, "plan_pass", lambda *a, **k: SimpleNamespace(fits=True))
     r = job(cap)
     assert r.error is None, r.error
-    assert np.abs((r.out - ref.out).numpy()).max() <= 1e-5
+    assert np.abs((r.out - ref.out).numpy()).max() <= VAE_EXACT  # tiled on the small card, or not
     assert any("ran out of memory with them there" in n for n in r.notes), r.notes
     assert_clean(r)
 

@@ -9,6 +9,13 @@ import torch
 PRECISIONS = ("auto", "fp16", "bf16", "fp32")
 ACCUMULATE = ("auto", "device", "cpu")
 
+EXACT_MAX_LSB = 1
+"""The tiled upscaler's promise when :attr:`UpscaleReport.exact` is True: the output, as 8-bit
+levels (``round(x * 255)``), differs from the model's own untiled output by at most this many levels.
+Only float rounding separates them (a tile's convolutions sum over its own extent; the cross-fade
+weights sum to one up to rounding), and a value that sits on a rounding edge can land one level
+either side. The tests compare against this constant."""
+
 
 class UpscaleError(RuntimeError):
     """An upscale that cannot be done: unreadable/unsupported model file, unusable model, OOM even

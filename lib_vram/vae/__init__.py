@@ -3,7 +3,7 @@
 Public API (see ``README.md``, "Tiled VAE"):
 
 * :func:`tiled_decode`, :func:`tiled_encode` with a :class:`TiledVAEConfig`; what ran is written
-  into a :class:`VAEReport`.
+  into a :class:`VAEReport`. Exact mode's promise: :data:`EXACT_MAX_ABS_ERR` (max abs, float32).
 * :func:`is_supported_decoder`, :func:`is_supported_encoder`: layout checks (ldm/sgm, diffusers).
 * :func:`plan_vae`: the plan a pass runs (what ``mode="auto"`` decides) and its predicted peak,
   without running it; :func:`estimate_peak_bytes`: the analytic peak of one plan.
@@ -22,6 +22,7 @@ from __future__ import annotations
 from ._api import is_supported_decoder, is_supported_encoder, plan_pass, tiled_decode, tiled_encode
 from ._attention import attention, query_chunk
 from ._config import (
+    EXACT_MAX_ABS_ERR,
     Interrupted,
     Recompute,
     TiledVAEConfig,
@@ -33,6 +34,7 @@ from ._layout import UnsupportedLayout, decoder_spec, encoder_spec
 from ._plan import VAEPlan, estimate_peak_bytes, plan_vae
 
 __all__ = [
+    "EXACT_MAX_ABS_ERR",
     "Interrupted",
     "Recompute",
     "TiledVAEConfig",

@@ -11,6 +11,17 @@ OFFLOAD = ("auto", "device", "cpu")
 _REDUCED = (torch.float16, torch.bfloat16)
 _ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
+EXACT_MAX_ABS_ERR = 1e-4
+"""Exact mode's promise in float32: the tiled output differs from the untiled pass of the same
+module by at most this (max abs), on the decoder's image (about [-1, 1]) and the encoder's moments.
+Only float rounding separates them: a tile sums each convolution over its own extent, the GroupNorm
+statistics are combined from per-tile sums (in float64), and the CPU's kernels (AVX2, AVX-512, the
+portable ones) and thread count pick their own summation orders. Measured 1e-6 to 9e-6 on small and
+full-size SD/SDXL decoders (docs/sgm-run.md); 1e-4 is 1/78 of an 8-bit step of the [-1, 1] image
+(2/255), so an exact tile can move a saved pixel by at most one level, and only where the untiled
+value sits on a rounding edge. The tests compare against this constant; do not loosen it to fit a
+machine."""
+
 
 class Interrupted(RuntimeError):
     """Raised between tiles when ``should_interrupt()`` returned True.
