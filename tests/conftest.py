@@ -19,6 +19,41 @@ from lib_vram.cli.bench._synthetic import compact_class, image_like, make_imagel
 settings.register_profile("vram_guard", deadline=None)
 settings.load_profile("vram_guard")
 
+NUMERIC_MODULES = frozenset(
+    {
+        "test_cli_emulate",
+        "test_emulate",
+        "test_hooks",
+        "test_learning",
+        "test_upscale",
+        "test_upscale_archs",
+        "test_upscale_io",
+        "test_vae_engine",
+        "test_vae_fast_range",
+        "test_vae_forge",
+        "test_vae_sgm",
+        "test_webui_emulate",
+        "test_webui_engines",
+        "test_webui_forge",
+        "test_webui_job",
+        "test_webui_offload",
+        "test_webui_unet",
+        "test_webui_upscalers",
+    }
+)
+"""Test modules that compare computed tensors or images: against a bound of ``tests/tolerances.py``,
+or bit for bit where both sides run the same operations. Their tests are marked ``numeric``; CI
+runs them a second time under another CPU kernel set and one thread (docs/development.md). A new
+module with such comparisons belongs here."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    numeric = pytest.mark.numeric
+    for item in items:
+        if item.path.stem in NUMERIC_MODULES:
+            item.add_marker(numeric)
+
+
 __all__ = ["compact_class", "image_like", "make_imagelike_rrdb", "rrdb_class", "save_and_load"]
 
 
