@@ -72,7 +72,8 @@ def test_bad_size_names_the_option(tmp_path, capsys, value):
 
 def test_bench_emulate_records_plain_and_guarded(capsys):
     assert main(["bench", "emulate", "--quick", "--stages", "vae_encode", "--cards", "4", "--json"]) == 0
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    # --json: JSON only on stdout (no table after the records)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert len(lines) == 1
     rec = lines[0]
     for key in ("stage", "card_bytes", "plain_ok", "guarded_ok", "plan", "peak_bytes", "psnr_db", "max_err",

@@ -70,7 +70,10 @@ def _no_partials(folder: Path) -> bool:
 
 
 def _up(*argv) -> int:
-    return main(["upscale", *map(str, argv)])
+    try:
+        return main(["upscale", *map(str, argv)])
+    except SystemExit as exc:  # argparse's own checks (type=): one line, exit 2
+        return int(exc.code)
 
 
 # -- basics -----------------------------------------------------------------------------------------

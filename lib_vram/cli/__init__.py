@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 import traceback
 
@@ -32,6 +33,10 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (``prog: error: ...``) and exit code 2."""
 
     def error(self, message: str):  # type: ignore[override]
+        # "argument --width: must be <= ..." -> "`--width` must be <= ...", as the run-time checks say it
+        m = re.match(r"argument ([^:]+?): (.*)$", message, re.DOTALL)
+        if m and not m.group(2).startswith(("expected", "invalid")):
+            message = f"`{m.group(1).split('/')[0]}` {m.group(2)}"
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -72,10 +77,10 @@ def add_emulate_argument(parser: argparse.ArgumentParser) -> None:
         "--emulate-vram",
         metavar="SIZE",
         default=None,
-        help="run on an emulated card of this size (e.g. 4GB): device memory is counted in software "
-        "and an allocation past SIZE raises CUDA's out-of-memory error; on CUDA, caps this process "
-        "at SIZE (torch.cuda.set_per_process_memory_fraction). For seeing what a small card does on "
-        "any machine.",
+        help="run on an emulated card of this size (e.g. 4GB; at most 1024GB): device memory is "
+        "counted in software and an allocation past SIZE raises CUDA's out-of-memory error; on CUDA, "
+        "caps this process at SIZE (torch.cuda.set_per_process_memory_fraction). For seeing what a "
+        "small card does on any machine.",
     )
 
 
@@ -84,14 +89,18 @@ def emulated_card(args: argparse.Namespace):  # noqa: ANN201
     Raises ValueError naming the option for a bad size or device."""
     import os
 
-    size = getattr(args, "emulate_vram", None) or os.environ.get(EMULATE_ENV)
-    if not size:
-        return None
+    size = getattr(args, "emulate_vram", None)
+    if size is None:
+        size = os.environ.get(EMULATE_ENV) or None
+    if size is None:
+        return None  # an empty --emulate-vram is an error (card_size), not "no card"
     import torch
 
-    from lib_vram.core.emulate import EmulatedCard, parse_size
+    from lib_vram.core.emulate import EmulatedCard
 
-    capacity = parse_size(size, "--emulate-vram")
+    from .common import card_size
+
+    capacity = card_size(size, "--emulate-vram")
     device = getattr(args, "device", None)
     kind = torch.device(device).type if device else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind not in ("cpu", "cuda"):
@@ -114,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     debug = bool(getattr(args, "debug", False))
     log = logging.getLogger("lib_vram")
+    from .common import warnings_filtered
+
+    with warnings_filtered():
+        return _main(args, debug, log)
+
+
+def _main(args: argparse.Namespace, debug: bool, log: logging.Logger) -> int:
     try:
         from .common import check_device
 

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
+import re
+import sys
+import warnings
+
+logger = logging.getLogger(__name__)
 
 DEVICE_HINT = "use cpu, cuda, cuda:N, mps or xpu"
 
@@ -74,3 +82,238 @@ def positive_finite(option: str):
 
     parse.__name__ = option.lstrip("-")
     return parse
+
+
+# -- bounds on every size/count option (docs/cli.md) ------------------------------------------------
+
+GiB = 2**30
+
+MAX_SIDE = 16384
+"""Largest image side (px) a command plans, makes or profiles: 8x the WebUI's 2048 px width/height
+sliders, 4x its largest hires-fix output (2048 x 4 = 8192), and the Extras tab's 8x of a 2048 px
+image. The planner answers for 16384² (and the 65536² output of a 4x upscaler on it) in a few
+seconds; beyond, a plan walks ever more tiles while no card holds even the smallest tile's image."""
+
+MAX_PIXELS = MAX_SIDE * MAX_SIDE
+"""Largest image (px) an upscale writes, any pass included: 268 Mpx, a float32 accumulator of 3 GiB."""
+
+MAX_CARD_BYTES = 1024 * GiB
+"""Largest card (``--vram``, ``--emulate-vram``, ``--safety-margin``, ``--budget-mb``): 1 TiB, more
+than 5x the largest accelerator sold (192 GB)."""
+
+MAX_IMAGES = 64
+"""Images per batch a plan takes: 8x the WebUI's batch-size slider (8)."""
+
+MAX_TILE_BATCH = 256
+"""Tiles per forward pass: 256 tiles of 64 px are a 1024² image in one pass."""
+
+MAX_OVERLAP = 512
+"""Context px beyond a tile core: 5x the calibration's largest (96 px)."""
+
+MAX_UPSCALE = 16
+"""``upscale --scale``: 16x (two passes of a 4x model); the output is bounded by MAX_PIXELS too."""
+
+MAX_COUNT = 1000
+"""Repetitions and list lengths (``--top``, ``--reps``)."""
+
+MAX_THREADS = 1024
+"""CPU threads (``--threads``)."""
+
+MAX_SECONDS = 86400.0
+"""Time limits (``--timeout``, ``--budget-s``): one day."""
+
+
+def _fail(message: str):
+    import argparse
+
+    raise argparse.ArgumentTypeError(message)
+
+
+def _int(value: str) -> int:
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        _fail(f"expected an integer, got {value!r}")
+        raise  # unreachable
+
+
+def check_int(
+    value: int, option: str, lo: int, hi: int, *, why: str = "", multiple_of: int = 1, unit: str = ""
+) -> int:
+    """``value`` within ``[lo, hi]`` (and a multiple of ``multiple_of``), else :class:`UsageError`
+    naming ``option`` and the bound."""
+    unit = f" {unit}" if unit else ""
+    if value < lo:
+        raise UsageError(f"`{option}` must be >= {lo}{unit}, got {value}")
+    if value > hi:
+        raise UsageError(f"`{option}` must be <= {hi}{unit}{f' ({why})' if why else ''}, got {value}")
+    if multiple_of > 1 and value % multiple_of:
+        raise UsageError(f"`{option}` must be a multiple of {multiple_of}, got {value}")
+    return value
+
+
+def bounded_int(
+    option: str, lo: int, hi: int, *, why: str = "", multiple_of: int = 1, unit: str = "", auto: bool = False
+):
+    """An argparse ``type=`` for an integer in ``[lo, hi]``: beyond it, one line naming the option and
+    the bound (exit 2), before any work. ``auto``: ``"auto"`` is accepted as ``None``."""
+    import argparse
+
+    def parse(value: str) -> int | None:
+        if auto and value == "auto":
+            return None
+        if auto:
+            try:
+                n = int(str(value).strip())
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {value!r}") from None
+        else:
+            n = _int(value)
+        try:
+            return check_int(n, option, lo, hi, why=why, multiple_of=multiple_of, unit=unit)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(" ", 1)[1]) from None
+
+    parse.__name__ = option.lstrip("-")
+    return parse
+
+
+def bounded_float(option: str, lo: float, hi: float, *, why: str = "", unit: str = ""):
+    """An argparse ``type=`` for a finite number ``lo < x <= hi`` (``inf``/``nan`` refused)."""
+    import argparse
+
+    unit = f" {unit}" if unit else ""
+
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if not math.isfinite(x) or x <= lo:
+            raise argparse.ArgumentTypeError(f"must be a finite number > {lo:g}{unit}, got {value!r}")
+        if x > hi:
+            raise argparse.ArgumentTypeError(
+                f"must be <= {hi:g}{unit}{f' ({why})' if why else ''}, got {value!r}"
+            )
+        return x
+
+    parse.__name__ = option.lstrip("-")
+    return parse
+
+
+def int_list(
+    option: str,
+    lo: int,
+    hi: int,
+    *,
+    why: str = "",
+    unit: str = "",
+    max_items: int = MAX_COUNT,
+    multiple_of: int = 1,
+):
+    """An argparse ``type=`` for a comma-separated list of integers, each in ``[lo, hi]``; the value
+    stays the text (normalised: ``"512,1024"``) for the code that splits it."""
+    import argparse
+
+    def parse(value: str) -> str:
+        parts = [p.strip() for p in str(value).split(",")]
+        if not value.strip() or any(not p for p in parts):
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}")
+        if len(parts) > max_items:
+            raise argparse.ArgumentTypeError(f"at most {max_items} values, got {len(parts)}")
+        out = []
+        for p in parts:
+            try:
+                n = int(p)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {p!r}") from None
+            try:
+                out.append(check_int(n, option, lo, hi, why=why, unit=unit, multiple_of=multiple_of))
+            except UsageError as exc:
+                raise argparse.ArgumentTypeError(str(exc).split(" ", 1)[1]) from None
+        return ",".join(str(n) for n in out)
+
+    parse.__name__ = option.lstrip("-")
+    return parse
+
+
+def card_size(text: str, option: str, *, allow_zero: bool = False) -> int:
+    """A card/memory size (``6GB``, ``4096MB``) up to :data:`MAX_CARD_BYTES`; :class:`UsageError`
+    naming ``option`` otherwise (an empty value included)."""
+    from lib_vram.core.emulate import parse_size
+
+    if not str(text).strip():
+        raise UsageError(f"`{option}` is empty; give a size such as 6GB or 4096MB")
+    try:
+        n = parse_size(text, option, allow_zero=allow_zero)
+    except (ValueError, OverflowError) as exc:
+        raise UsageError(str(exc) if isinstance(exc, ValueError) else f"`{option}` is too large") from None
+    if n > MAX_CARD_BYTES:
+        raise UsageError(f"`{option}` must be <= 1024GB (1 TiB), got {text!r}")
+    return n
+
+
+# -- torch's own noise on a CPU run ------------------------------------------------------------------
+
+WARNING_NOISE: tuple[tuple[type[Warning], re.Pattern[str]], ...] = (
+    # spandrel's loader tries TorchScript on .pt/.pth files; torch 2.14 deprecates torch.jit.load
+    (FutureWarning, re.compile(r"`torch\.jit\.load` is deprecated")),
+)
+"""Python warnings torch (or spandrel through it) raises on a normal run that are no problem of the
+user's: logged at debug instead of printed."""
+
+NATIVE_NOISE = re.compile(
+    r"^[A-Z]+:\d{4}-\d\d-\d\d [\d:.]+ \d+:\d+ \w+\.cpp:\d+\] "
+    r"(?:profiler_start|profiler_stop|gpuGetDeviceCount failed with code \d+|Completed Stage: .*)$"
+)
+"""Lines torch's profiler (Kineto) writes to the process's stderr on a CPU run: its start/stop
+markers and the CUDA device count it cannot read without a GPU (printed as ``ERROR:``)."""
+
+
+@contextlib.contextmanager
+def warnings_filtered():
+    """Route :data:`WARNING_NOISE` to the debug log; every other warning is shown as before."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        if any(issubclass(category, c) and p.search(str(message)) for c, p in WARNING_NOISE):
+            logger.debug("%s (%s:%s): %s", category.__name__, filename, lineno, message)
+            return
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show:
+            warnings.showwarning = shown
+
+
+@contextlib.contextmanager
+def native_stderr_filtered():
+    """Capture what native code writes to the process's stderr (file descriptor 2) while the block
+    runs, then pass it on without the :data:`NATIVE_NOISE` lines (those go to the debug log). Where
+    stderr has no file descriptor (a test's captured stream), nothing is captured."""
+    import tempfile
+
+    try:
+        sys.stderr.flush()
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines():
+                if NATIVE_NOISE.match(line):
+                    logger.debug("torch (native): %s", line)
+                else:
+                    print(line, file=sys.stderr)

@@ -11,6 +11,10 @@ from lib_vram.core.emulate import parse_size as emulate_parse_size
 from lib_vram.planning.presets import PRESET_NAMES, resolve_preset
 from lib_vram.planning.reference import ARCHS, UPSCALERS, vae_arch
 
+from .common import MAX_IMAGES, MAX_SIDE, bounded_float, bounded_int
+
+SIDE_WHY = "the largest image side VAE Guard plans; see docs/cli.md"
+
 NAME = "plan"
 HELP = "Predict each stage's peak memory for a generation and choose tiles/batches that fit."
 
@@ -25,20 +29,37 @@ def parse_size(text: str, option: str = "--vram", *, allow_zero: bool = False) -
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", required=True, choices=sorted(ARCHS), help="model family")
-    parser.add_argument("--width", type=int, required=True, help="image width in px (multiple of 8)")
-    parser.add_argument("--height", type=int, required=True, help="image height in px (multiple of 8)")
-    parser.add_argument("--batch", type=int, default=1, help="images per batch (default 1)")
-    parser.add_argument("--hires", type=float, default=None, help="hires fix scale, e.g. 2")
+    for name in ("width", "height"):
+        parser.add_argument(
+            f"--{name}",
+            type=bounded_int(f"--{name}", 8, MAX_SIDE, why=SIDE_WHY, multiple_of=8, unit="px"),
+            required=True,
+            help=f"image {name} in px (a multiple of 8, at most {MAX_SIDE})",
+        )
+    parser.add_argument(
+        "--batch",
+        type=bounded_int("--batch", 1, MAX_IMAGES, why="8x the WebUI's batch-size slider"),
+        default=1,
+        help=f"images per batch (default 1, at most {MAX_IMAGES})",
+    )
+    parser.add_argument(
+        "--hires",
+        type=bounded_float("--hires", 1.0, 8.0, why="hires fix scale"),
+        default=None,
+        help=f"hires fix scale in (1, 8], e.g. 2; the hires image's sides at most {MAX_SIDE} px",
+    )
     parser.add_argument("--upscaler", choices=UPSCALERS, default=None, help="4x upscaler (hires or final)")
     parser.add_argument(
         "--vram",
         default=None,
-        help="plan for a card of this size (e.g. 6GB) instead of this device; on CUDA also caps "
-        "this process at that size (torch.cuda.set_per_process_memory_fraction)",
+        help="plan for a card of this size (e.g. 6GB; at most 1024GB) instead of this device; on CUDA "
+        "also caps this process at that size (torch.cuda.set_per_process_memory_fraction)",
     )
     parser.add_argument("--preset", default="Auto", choices=PRESET_NAMES, help="preset (default Auto)")
     parser.add_argument(
-        "--safety-margin", default=None, help="override the preset's safety margin (e.g. 512MB)"
+        "--safety-margin",
+        default=None,
+        help="override the preset's safety margin (e.g. 512MB; at most 1024GB)",
     )
     parser.add_argument("--device", default=None, help="device whose capabilities apply (default: best)")
     parser.add_argument(
@@ -183,21 +204,25 @@ def check_options(args: argparse.Namespace) -> None:
     """Refuse bad options before any work, one line naming the option."""
     import math
 
-    from .common import UsageError, check_device
+    from .common import UsageError, card_size, check_device, check_int
 
     check_device(args.device)
-    for name in ("width", "height"):
-        v = getattr(args, name)
-        if v < 8 or v % 8:
-            raise UsageError(f"`--{name}` must be a multiple of 8 and >= 8, got {v}")
-    if args.batch < 1:
-        raise UsageError(f"`--batch` must be >= 1, got {args.batch}")
-    if args.hires is not None and (not math.isfinite(args.hires) or not 1 < args.hires <= 8):
-        raise UsageError(f"`--hires` must be a scale in (1, 8], got {args.hires}")
+    for name in ("width", "height"):  # also for a caller that built the namespace itself
+        check_int(getattr(args, name), f"--{name}", 8, MAX_SIDE, why=SIDE_WHY, multiple_of=8, unit="px")
+    check_int(args.batch, "--batch", 1, MAX_IMAGES, why="8x the WebUI's batch-size slider")
+    if args.hires is not None:
+        if not math.isfinite(args.hires) or not 1 < args.hires <= 8:
+            raise UsageError(f"`--hires` must be a scale in (1, 8], got {args.hires}")
+        side = max(args.width, args.height) * args.hires
+        if side > MAX_SIDE:
+            raise UsageError(
+                f"`--hires {args.hires:g}` makes a {side:.0f} px side; the hires image's sides must be "
+                f"<= {MAX_SIDE} px ({SIDE_WHY})"
+            )
     if args.vram is not None:
-        parse_size(args.vram, "--vram")
+        card_size(args.vram, "--vram")
     if args.safety_margin is not None:
-        parse_size(args.safety_margin, "--safety-margin", allow_zero=True)
+        card_size(args.safety_margin, "--safety-margin", allow_zero=True)
 
 
 PROGRESS_AFTER_S = 2.0

@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from lib_vram.cli import add_emulate_argument
-from lib_vram.cli.common import UsageError, check_device
+from lib_vram.cli.common import (
+    MAX_COUNT,
+    MAX_SIDE,
+    MAX_TILE_BATCH,
+    UsageError,
+    bounded_int,
+    check_device,
+    native_stderr_filtered,
+)
 
 NAME = "profile"
 HELP = "Profile one stage (VAE decode/encode, upscale): the operators that took the memory, and its peak."
@@ -31,25 +39,24 @@ LAYOUTS = ("sd", "small")
 """``sd``: the SD1.x/2.x VAE (ch 128); ``small``: the same layout at 1/4 of the channels (ch 32)."""
 
 
-def _positive(option: str, minimum: int = 1):
-    def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
-        return n
-
-    parse.__name__ = option.lstrip("-")
-    return parse
+SIZE_WHY = "the largest image side VAE Guard makes; see docs/cli.md"
 
 
-def _common(p: argparse.ArgumentParser, size_help: str, default_size: int) -> None:
+def _common(p: argparse.ArgumentParser, size_help: str, default_size: int, multiple_of: int) -> None:
     add_emulate_argument(p)
-    p.add_argument("--size", type=_positive("--size"), default=default_size, help=size_help)
+    p.add_argument(
+        "--size",
+        type=bounded_int("--size", multiple_of, MAX_SIDE, why=SIZE_WHY, multiple_of=multiple_of, unit="px"),
+        default=default_size,
+        help=size_help,
+    )
     p.add_argument("--device", default=None, help="device (default: the best available)")
-    p.add_argument("--top", type=_positive("--top"), default=10, help="operators to list (default 10)")
+    p.add_argument(
+        "--top",
+        type=bounded_int("--top", 1, MAX_COUNT),
+        default=10,
+        help=f"operators to list (default 10, at most {MAX_COUNT})",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(
         "--out",
@@ -67,10 +74,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     v = sub.add_parser(
         "vae", help="a VAE decode (or --encode)", description="Profile a VAE decode or encode."
     )
-    _common(v, "image size in px, a multiple of 8 (default 256)", 256)
+    _common(v, f"image size in px, a multiple of 8 (default 256, at most {MAX_SIDE})", 256, 8)
     v.add_argument("--encode", action="store_true", help="profile the encoder (default: the decoder)")
     v.add_argument("--mode", choices=("exact", "fast", "untiled"), default="exact")
-    v.add_argument("--tile", type=_positive("--tile"), default=None, help="tile in latent px (default: auto)")
+    v.add_argument(
+        "--tile",
+        type=bounded_int("--tile", 1, MAX_SIDE // 8, why="the largest image's latent side", unit="latent px"),
+        default=None,
+        help=f"tile in latent px (default: auto; at most {MAX_SIDE // 8})",
+    )
     v.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
     v.add_argument(
         "--layout",
@@ -92,10 +104,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     v.set_defaults(_profile=_run_vae)
     u = sub.add_parser("upscale", help="an upscale with a model file", description="Profile an upscale.")
     u.add_argument("model", type=Path, help="model file (.pth, .pt, .safetensors)")
-    _common(u, "input image size in px (default 128)", 128)
-    u.add_argument("--tile", type=_positive("--tile"), default=None, help="tile core size (default: auto)")
+    _common(u, f"input image size in px (default 128); the output's side at most {MAX_SIDE}", 128, 1)
     u.add_argument(
-        "--batch", type=_positive("--batch"), default=None, help="tiles per forward (default: auto)"
+        "--tile",
+        type=bounded_int("--tile", 8, MAX_SIDE, why=SIZE_WHY, unit="px"),
+        default=None,
+        help=f"tile core size (default: auto; 8 to {MAX_SIDE})",
+    )
+    u.add_argument(
+        "--batch",
+        type=bounded_int("--batch", 1, MAX_TILE_BATCH),
+        default=None,
+        help=f"tiles per forward (default: auto; at most {MAX_TILE_BATCH})",
     )
     u.add_argument("--precision", choices=("auto", "fp16", "bf16", "fp32"), default="fp32")
     u.set_defaults(_profile=_run_upscale)
@@ -117,7 +137,22 @@ def _check_out(args: argparse.Namespace, stem: str, history: bool) -> dict[str, 
     there = [str(p) for p in paths.values() if p.exists() or p.is_symlink()]
     if there and not args.overwrite:
         raise UsageError(f"`--out`: {there[0]} exists; pass --overwrite to replace it")
+    _check_writable(out)
     return paths
+
+
+def _check_writable(out: Path) -> None:
+    """``--out`` can take files: created if missing, a probe file written and removed (before the
+    profiled run, not after it)."""
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".vram-guard-probe-"):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UsageError(f"`--out` {out}: cannot write there ({reason})") from None
 
 
 def _device(args: argparse.Namespace):
@@ -259,10 +294,15 @@ def _run_vae(args: argparse.Namespace) -> int:
     else:
         module = _random_vae(kind, layout, args.family)
         what = f"{args.family} {layout} layout, random weights"
+    z_channels = module.conv_in.in_channels if kind == "decode" else 3
+    shape = (
+        (1, z_channels, args.size // 8, args.size // 8) if kind == "decode" else (1, 3, args.size, args.size)
+    )
+    _check_memory(module, shape, dtype, device, args)
     from lib_vram.cli.bench._synthetic import image_like
 
     if kind == "decode":
-        x = image_like(args.size // 8, args.size // 8, 4, 0) * 4 - 2
+        x = image_like(args.size // 8, args.size // 8, z_channels, 0) * 4 - 2
     else:
         x = image_like(args.size, args.size, 3, 0) * 2 - 1
     from lib_vram import vae as engine
@@ -291,6 +331,28 @@ def _run_vae(args: argparse.Namespace) -> int:
     return _profile(args, stage, device, call, head, paths, stem, lambda: report.plan or args.mode)
 
 
+def _check_memory(module, shape: tuple, dtype, device, args: argparse.Namespace) -> None:
+    """Refuse, before the run, a pass whose predicted peak (the engine's own plan) does not fit the
+    device's free memory (the CPU's: available RAM): one line, not an allocator error or a
+    process killed for memory."""
+    from lib_vram.core.device import free_bytes
+    from lib_vram.vae import estimate_peak_bytes, plan_vae
+
+    free = free_bytes(device)
+    if args.mode == "untiled":
+        need = estimate_peak_bytes(module, shape, dtype, tile=None, mode="untiled", backend=device.type)
+        fits = need <= free
+    else:
+        plan = plan_vae(module, shape, dtype, free, mode=args.mode, tile=args.tile, backend=device.type)
+        need, fits = plan.peak_bytes, plan.fits
+    if not fits:
+        hint = "--mode exact (tiles) or " if args.mode == "untiled" else ""
+        raise UsageError(
+            f"`--size {args.size}`: the {args.mode} pass needs about {need / 2**30:.1f} GiB, "
+            f"{free / 2**30:.1f} GiB is free on {device.type}; use {hint}a smaller --size"
+        )
+
+
 # -- upscale -------------------------------------------------------------------------------------
 
 
@@ -310,6 +372,12 @@ def _run_upscale(args: argparse.Namespace) -> int:
         model = load_model(args.model, device=device)
     except UpscaleError as exc:
         raise UsageError(f"`model` {exc}") from None
+    scale = int(getattr(model, "scale", 1) or 1)
+    if args.size * scale > MAX_SIDE:
+        raise UsageError(
+            f"`--size {args.size}`: the x{scale} output would be {args.size * scale} px; its side must be "
+            f"<= {MAX_SIDE} px ({SIZE_WHY})"
+        )
     from lib_vram.cli.bench._synthetic import image_like
 
     x = image_like(args.size, args.size, 3, 0)
@@ -334,13 +402,14 @@ def _profile(args, stage: str, device, call, head: str, paths: dict, stem: str, 
 
     tracker = StageTracker(device, owns_peak_counters=True)
     prof = StageProfiler(stage, device)
-    with torch.no_grad(), prof, tracker.stage(f"profile:{stage}") as rec:
-        out = call(tracker)
-        del out
-    summary = prof.summary
-    written = {}
-    if paths:
-        written = prof.save(args.out, stem, overwrite=args.overwrite, top=max(args.top, 20))
+    with native_stderr_filtered():  # the profiler's own start/stop lines and, on a CPU, its device count
+        with torch.no_grad(), prof, tracker.stage(f"profile:{stage}") as rec:
+            out = call(tracker)
+            del out
+        summary = prof.summary
+        written = {}
+        if paths:
+            written = prof.save(args.out, stem, overwrite=args.overwrite, top=max(args.top, 20))
     record = {
         "schema": SCHEMA,
         "stage": stage,

@@ -27,7 +27,18 @@ from pathlib import Path
 
 from lib_vram.core.files import write_atomic
 
-from .common import UsageError, check_device, positive_finite
+from .common import (
+    MAX_CARD_BYTES,
+    MAX_OVERLAP,
+    MAX_PIXELS,
+    MAX_SIDE,
+    MAX_TILE_BATCH,
+    MAX_UPSCALE,
+    UsageError,
+    bounded_float,
+    bounded_int,
+    check_device,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +62,6 @@ OUTPUT_FORMATS = {
 MAX_PASSES = 3
 
 
-def _auto_int(value: str) -> int | None:
-    if value == "auto":
-        return None
-    try:
-        n = int(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {value!r}") from exc
-    return n
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", type=Path, help="an image file, or a folder of images")
     parser.add_argument(
@@ -71,25 +72,45 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", type=Path, required=True, help="model file (.pth, .pt, .safetensors)")
     parser.add_argument(
-        "--tile", type=_auto_int, default=None, metavar="auto|N", help="tile core size (input px)"
+        "--tile",
+        type=bounded_int("--tile", 8, MAX_SIDE, why="the largest image side", unit="px", auto=True),
+        default=None,
+        metavar="auto|N",
+        help=f"tile core size (input px, 8 to {MAX_SIDE})",
     )
     parser.add_argument(
-        "--batch", type=_auto_int, default=None, metavar="auto|N", help="tiles per forward pass"
+        "--batch",
+        type=bounded_int("--batch", 1, MAX_TILE_BATCH, auto=True),
+        default=None,
+        metavar="auto|N",
+        help=f"tiles per forward pass (at most {MAX_TILE_BATCH})",
     )
     parser.add_argument(
-        "--overlap", type=_auto_int, default=None, metavar="auto|N", help="context px beyond each tile core"
+        "--overlap",
+        type=bounded_int(
+            "--overlap", 0, MAX_OVERLAP, why="5x the calibration's largest", unit="px", auto=True
+        ),
+        default=None,
+        metavar="auto|N",
+        help=f"context px beyond each tile core (0 to {MAX_OVERLAP})",
     )
     parser.add_argument("--precision", choices=("auto", "fp16", "bf16", "fp32"), default="auto")
     parser.add_argument(
         "--scale",
-        type=positive_finite("--scale"),
+        type=bounded_float("--scale", 0.0, MAX_UPSCALE),
         default=None,
-        help="output scale (default: the model's); reached by repeated "
-        f"passes (at most {MAX_PASSES}) and a final Lanczos resize",
+        help=f"output scale (default: the model's; at most {MAX_UPSCALE}); reached by repeated "
+        f"passes (at most {MAX_PASSES}) and a final Lanczos resize; no pass may make an image above "
+        f"{MAX_PIXELS // 2**20} Mpx ({MAX_SIDE}²)",
     )
     parser.add_argument("--device", default=None, help="device (default: the best available)")
     parser.add_argument("--alpha", choices=("model", "resize"), default="model", help="how to upscale alpha")
-    parser.add_argument("--budget-mb", type=int, default=None, help="memory budget for the upscale, MiB")
+    parser.add_argument(
+        "--budget-mb",
+        type=bounded_int("--budget-mb", 1, MAX_CARD_BYTES // 2**20, why="1 TiB", unit="MiB"),
+        default=None,
+        help="memory budget for the upscale, MiB (at most 1048576: 1 TiB)",
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -247,6 +268,44 @@ def _plan(args: argparse.Namespace, notes: list[str]) -> tuple[list[_Job], bool]
     return jobs, folder
 
 
+def largest_pass(w: int, h: int, target: float, model_scale: int) -> tuple[int, int]:
+    """The largest image (w, h) an upscale of a ``w`` x ``h`` image to ``target`` makes: the last
+    model pass (``model_scale`` per pass, as :func:`_upscale_one` repeats them) or the final resize."""
+    passes, reached = 0, 1.0
+    while passes == 0 or (reached < target and passes < MAX_PASSES):
+        passes += 1
+        reached *= model_scale
+    k = max(reached, target)
+    return max(1, round(w * k)), max(1, round(h * k))
+
+
+def _check_sizes(jobs: list[_Job], folder: bool, args: argparse.Namespace, model_scale: int) -> None:
+    """Every image's largest pass within MAX_PIXELS, from the file headers, before any upscale: a
+    single file is a usage error; in a folder that file fails with one line."""
+    from PIL import Image
+
+    target = args.scale if args.scale is not None else float(model_scale)
+    for job in jobs:
+        if job.error or job.skip:
+            continue
+        try:
+            with Image.open(job.src) as im:
+                w, h = im.size
+        except (OSError, ValueError, Image.DecompressionBombError):
+            continue  # not readable: the upscale itself says why, in one line
+        pw, ph = largest_pass(w, h, target, model_scale)
+        if pw * ph <= MAX_PIXELS:
+            continue
+        what = f"--scale {target:g}" if args.scale is not None else f"the model's x{model_scale}"
+        why = (
+            f"{w}x{h} with {what} makes a {pw}x{ph} image ({pw * ph / 1e6:.0f} Mpx); an upscale may "
+            f"make at most {MAX_PIXELS / 1e6:.0f} Mpx ({MAX_SIDE}²): use a smaller --scale or input"
+        )
+        if not folder:
+            raise UsageError(f"`input` {job.src}: {why}")
+        job.error = why
+
+
 def _open(src: Path, notes: list[str]):
     """Read ``src`` as one upright still image; notes say what was done to it."""
     from PIL import Image, ImageOps
@@ -361,8 +420,6 @@ def run(args: argparse.Namespace) -> int:
     from lib_vram.upscale import UpscaleConfig, load_model
 
     check_device(args.device)
-    if args.budget_mb is not None and args.budget_mb < 1:
-        raise UsageError(f"`--budget-mb` must be >= 1, got {args.budget_mb}")
     try:
         config = UpscaleConfig(
             tile=args.tile,
@@ -389,6 +446,7 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(args.model, device=args.device)
     except UpscaleError as exc:
         raise UsageError(f"`--model` {exc}") from None
+    _check_sizes(jobs, folder, args, int(model.scale))
     tally = _Tally()
     debug = getattr(args, "debug", False)
     try:

@@ -30,7 +30,11 @@ import json
 import math
 import time
 
+from lib_vram.cli.common import MAX_CARD_BYTES, int_list
+
 from .vae import SD_VAE
+
+MAX_CARD_GB = MAX_CARD_BYTES // 2**30
 
 HELP = "Emulated 4/6/8 GB cards: each stage plain vs VRAM Guard (OK/OOM, plan, peak/cap, fidelity, CPU time)."
 
@@ -50,7 +54,12 @@ QUICK = {"vae_decode": (512, 1024), "vae_encode": (1024,), "upscale": (768,)}
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller images (a few minutes)")
     parser.add_argument("--json", action="store_true", help="print one JSON record per case")
-    parser.add_argument("--cards", default="4,6,8", help="card sizes in GB (default 4,6,8)")
+    parser.add_argument(
+        "--cards",
+        type=int_list("--cards", 1, MAX_CARD_GB, why="1 TiB", unit="GB"),
+        default="4,6,8",
+        help=f"card sizes in GB (default 4,6,8; each 1 to {MAX_CARD_GB})",
+    )
     parser.add_argument("--stages", default=None, help="comma-separated: vae_decode,vae_encode,upscale")
     parser.add_argument(
         "--overhead", action="store_true", help="also measure the emulation's own CPU cost (full-size models)"
@@ -294,5 +303,6 @@ def run(args: argparse.Namespace) -> int:
                 records.append(rec)
                 if args.json:
                     print(json.dumps(rec), flush=True)
-    print(_table(records))
+    if not args.json:  # --json: the records only, one per line
+        print(_table(records))
     return 0

@@ -27,7 +27,21 @@ import json
 import time
 from pathlib import Path
 
-from .emulate import GB, RESIDENT_REAL, VAE_FULL, VAE_NARROW, _fidelity, _image, _latent, _ldm, _rrdb, _timed
+from lib_vram.cli.common import MAX_SECONDS, bounded_float, int_list
+
+from .emulate import (
+    GB,
+    MAX_CARD_GB,
+    RESIDENT_REAL,
+    VAE_FULL,
+    VAE_NARROW,
+    _fidelity,
+    _image,
+    _latent,
+    _ldm,
+    _rrdb,
+    _timed,
+)
 
 HELP = "One prepared GPU run (< 8 min): capped 4/6/8 GB matrix, fp16 2048² decode, upscale batching, cuDNN."
 
@@ -36,8 +50,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("vram_guard_gpu.json"), help="the JSON file to write"
     )
-    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new parts after this")
-    parser.add_argument("--cards", default="4,6,8", help="card sizes in GB (default 4,6,8)")
+    parser.add_argument(
+        "--budget-s",
+        type=bounded_float("--budget-s", 0.0, MAX_SECONDS, why="one day", unit="s"),
+        default=420.0,
+        help="stop starting new parts after this many seconds (default 420, at most 86400)",
+    )
+    parser.add_argument(
+        "--cards",
+        type=int_list("--cards", 1, MAX_CARD_GB, why="1 TiB", unit="GB"),
+        default="4,6,8",
+        help=f"card sizes in GB (default 4,6,8; each 1 to {MAX_CARD_GB})",
+    )
 
 
 class _Clock:

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lib_vram.cli.common import MAX_SECONDS, bounded_float
+
 HELP = "Predicted vs measured peak memory (CPU RSS) for VAE and upscaler stages, untiled and tiled."
 
 
@@ -219,7 +221,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the cases with glibc's default malloc thresholds (RSS then also holds freed heap chunks)",
     )
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case (default 900)")
+    parser.add_argument(
+        "--timeout",
+        type=bounded_float("--timeout", 0.0, MAX_SECONDS, why="one day", unit="s"),
+        default=900.0,
+        help="seconds per case (default 900, at most 86400)",
+    )
 
 
 def _select(args: argparse.Namespace) -> list[Case]:

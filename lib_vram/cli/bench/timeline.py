@@ -26,16 +26,26 @@ import statistics
 import tempfile
 import time
 
+from lib_vram.cli.common import MAX_COUNT, MAX_THREADS, bounded_int
+
 HELP = "Memory timeline overhead: a job with and without sampling, side by side (VAE decode, upscale)."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--reps", type=int, default=5, help="runs per variant (default 5)")
+    parser.add_argument(
+        "--reps",
+        type=bounded_int("--reps", 1, MAX_COUNT),
+        default=5,
+        help=f"runs per variant (default 5, at most {MAX_COUNT})",
+    )
     parser.add_argument("--quick", action="store_true", help="smaller jobs (under a minute)")
     parser.add_argument("--json", action="store_true", help="print one JSON record per job")
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 = least noise)"
+        "--threads",
+        type=bounded_int("--threads", 1, MAX_THREADS),
+        default=None,
+        help=f"torch CPU threads (default: torch's; 1 = least noise; at most {MAX_THREADS})",
     )
 
 

@@ -27,6 +27,13 @@ import sys
 import time
 from pathlib import Path
 
+from lib_vram.cli.common import MAX_SIDE, MAX_THREADS, bounded_int, int_list
+
+SIDE_WHY = "the largest image side VAE Guard makes; see docs/cli.md"
+MAX_FAST_SAMPLE = 256
+"""``--fast-sample``: subsampling per axis; 256 leaves a 16384 px image's 2048 px latent 8 px."""
+MAX_PREDICT = MAX_SIDE
+
 HELP = "Tiled VAE: untiled vs exact vs fast vs diffusers tiled_decode (full-size SD VAE, random weights)."
 
 SD_VAE = {
@@ -75,13 +82,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON record per case")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
-    parser.add_argument("--sizes", default=None, help="comma-separated image sizes to keep (e.g. 512,1024)")
+    parser.add_argument(
+        "--sizes",
+        type=int_list("--sizes", 8, MAX_SIDE, why=SIDE_WHY, unit="px", multiple_of=8),
+        default=None,
+        help=f"comma-separated image sizes to keep (e.g. 512,1024; each a multiple of 8, at most {MAX_SIDE})",
+    )
     parser.add_argument(
         "--modes", default=None, help="comma-separated modes to keep (untiled,exact,fast,diffusers)"
     )
     parser.add_argument("--workdir", default=".bench/vae", help="where references and images go")
     parser.add_argument("--diff-image", default=None, help="write the fast-mode |diff| image here (PNG)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per case (0 = default)")
+    parser.add_argument(
+        "--threads",
+        type=bounded_int("--threads", 0, MAX_THREADS),
+        default=0,
+        help=f"torch threads per case (0 = default; at most {MAX_THREADS})",
+    )
     parser.add_argument(
         "--state-offload",
         default="cpu",
@@ -89,14 +106,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="where exact-mode tiles park their state (default cpu: on a GPU pinned CPU memory; on the "
         "CPU nothing moves but the parked bytes are left out of the device peak)",
     )
-    parser.add_argument("--fast-sample", type=int, default=None, help="fast mode's statistics subsampling")
+    parser.add_argument(
+        "--fast-sample",
+        type=bounded_int("--fast-sample", 1, MAX_FAST_SAMPLE),
+        default=None,
+        help=f"fast mode's statistics subsampling per axis (1 to {MAX_FAST_SAMPLE})",
+    )
     parser.add_argument(
         "--predict",
+        type=int_list(
+            "--predict", 8, MAX_PREDICT, why="fake-tensor decodes walk every tile", unit="px", multiple_of=8
+        ),
         default=None,
         help="comma-separated image sizes: instead of running, count the device peak of untiled, exact and "
-        "fast decodes on fake tensors (same code, no memory; for sizes this machine cannot run)",
+        "fast decodes on fake tensors (same code, no memory; for sizes this machine cannot run; each a "
+        f"multiple of 8, at most {MAX_PREDICT})",
     )
-    parser.add_argument("--tile", type=int, default=64, help="tile for --predict (latent px)")
+    parser.add_argument(
+        "--tile",
+        type=bounded_int("--tile", 1, MAX_SIDE // 8, why="the largest image's latent side", unit="latent px"),
+        default=64,
+        help=f"tile for --predict (latent px, at most {MAX_SIDE // 8})",
+    )
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
 
 
