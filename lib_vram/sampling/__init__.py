@@ -11,6 +11,9 @@ Public API:
 * :func:`plan_sampling` -> :class:`SamplingPlan`: the largest micro-batch that fits a budget,
   through :data:`lib_vram.planning.planner.MEMORY`; a one-line suggestion when nothing fits.
 * :func:`micro_batched`: a forward that splits its batch, halving it on an out-of-memory error.
+* :func:`plan_stream` -> :class:`StreamPlan`, :class:`StreamedUNet`: when the step does not fit
+  even at micro-batch 1, keep the largest UNet units resident within the budget and stream the
+  others with prefetch (``_stream.py``); :func:`unit_bytes`, :func:`lowvram_bytes_per_forward`.
 
 The package never imports ``ldm``, ``sgm`` or the WebUI.
 """
@@ -22,6 +25,17 @@ from ._estimate import MAX_BATCH, MAX_LATENT_SIDE, SamplingEstimate, estimate_sa
 from ._micro import MicroBatched, micro_batched
 from ._plan import SamplingPlan, plan_sampling, sampling_key, suggest
 from ._spec import REFERENCES, UNetSpec, param_count, reference_spec, unet_spec
+from ._stream import (
+    StreamedUNet,
+    StreamPlan,
+    StreamStats,
+    choose_resident,
+    lowvram_bytes_per_forward,
+    lowvram_step_seconds,
+    plan_stream,
+    unet_units,
+    unit_bytes,
+)
 
 __all__ = [
     "ATTENTIONS",
@@ -31,8 +45,17 @@ __all__ = [
     "MicroBatched",
     "SamplingEstimate",
     "SamplingPlan",
+    "StreamPlan",
+    "StreamStats",
+    "StreamedUNet",
     "UNetSpec",
     "attention_of",
+    "choose_resident",
+    "lowvram_bytes_per_forward",
+    "lowvram_step_seconds",
+    "plan_stream",
+    "unet_units",
+    "unit_bytes",
     "estimate_sampling",
     "micro_batched",
     "param_count",
