@@ -484,6 +484,7 @@ class StreamedUNet:
         self._resident_before: int | None = None
         self._cuda = self.device.type == "cuda"
         self._reported = False
+        self._open = 0
 
     # -- setup / teardown ---------------------------------------------------------------------
     @property
@@ -513,6 +514,8 @@ class StreamedUNet:
             for u in self._units:
                 self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
                 self._hooks.append(u.module.register_forward_hook(self._make_post(u)))
+            self._hooks.append(self.unet.register_forward_pre_hook(self._started))
+            self._hooks.append(self.unet.register_forward_hook(self._finished))
         except BaseException:
             self.restore()
             raise
@@ -553,11 +556,18 @@ class StreamedUNet:
                 s.origin = None  # the device copy is freed; the move back makes a new one
         return unit
 
+    def _started(self, module: torch.nn.Module, args: Any) -> None:
+        self._open += 1
+
+    def _finished(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._open -= 1
+        self.stats.forwards += 1
+
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is not None and is_oom_error(exc):
-            self._report(oom=True)
-        elif exc is None:
-            self._report(oom=False)
+            self.report(oom=True)
+        elif exc is None and self._open == 0 and self.stats.forwards:
+            self.report(oom=False)  # (a forward cut short by an error that did not reach here: no report)
         self.restore()
 
     def restore(self) -> None:
@@ -606,6 +616,12 @@ class StreamedUNet:
                 for t in admitted:
                     self.card.to_host(t)
             self.card.set_resident(self._resident_before or 0)
+        elif self._cuda and self._model_device().type == "cpu":
+            # the host moved the rest of the UNet to the CPU meanwhile (a Refiner or checkpoint
+            # switch unloaded this model): the streamed units stay with it, in host memory
+            for u in self._units:
+                for s in u.slots:
+                    s.put(s.host)
         elif self._cuda:
             for u in self._units:
                 for s in u.slots:
@@ -618,6 +634,14 @@ class StreamedUNet:
         if self.card is not None:
             self.stats.trace.append(("back", "*", first + 1, self.card.allocations))
         self._units.clear()
+
+    def _model_device(self) -> torch.device:
+        """Where the UNet's resident weights are now."""
+        streamed = {s.host.data_ptr() for u in self._units for s in u.slots}
+        for t in self.unet.parameters():
+            if t.device.type != "meta" and t.data_ptr() not in streamed:
+                return t.device
+        return self.device
 
     # -- hooks --------------------------------------------------------------------------------
     def _make_pre(self, unit: _Unit):  # noqa: ANN202
@@ -642,8 +666,6 @@ class StreamedUNet:
     def _make_post(self, unit: _Unit):  # noqa: ANN202
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
             self._leave(unit)
-            if unit is self._units[-1]:
-                self.stats.forwards += 1
 
         return post
 
@@ -710,7 +732,10 @@ class StreamedUNet:
         unit.state = "away"
 
     # -- learning -----------------------------------------------------------------------------
-    def _report(self, *, oom: bool) -> None:
+    def report(self, *, oom: bool) -> None:
+        """Tell the planner memory how the plan did (once): an out-of-memory error rules out this
+        resident set and larger ones for the step's key. The ``with`` exit reports by itself; a
+        caller that sees the error where the exit does not (the WebUI's forward wrapper) calls it."""
         plan = self.plan
         if plan is None or not plan.key or self._reported:
             return
