@@ -67,30 +67,60 @@ keeps the rest of the diffusion model, ``label_emb`` and ``out``, on the device)
 # -- the units -----------------------------------------------------------------------------------
 
 
-def unet_units(unet: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The top-level units of an ldm/sgm ``UNetModel`` in the order its forward runs them
-    (duck-typed by attribute names; nothing of ldm or sgm is imported). One clear error when
-    ``unet`` does not have the layout."""
+UNIT_PARTS = 64
+"""A unit larger than 1/64 of the UNet is split into its children (in the order the forward calls
+them) where the layout allows: SDXL's 10-deep transformer stacks stream one transformer block at
+a time instead of 760 MiB at once, which keeps the streaming buffers small."""
+
+
+def unet_units(unet: torch.nn.Module, parts: int = UNIT_PARTS) -> list[tuple[str, torch.nn.Module]]:
+    """The units of an ldm/sgm ``UNetModel`` in the order its forward runs them: the top-level
+    ones (``time_embed``, ``label_emb``, ``input_blocks.i``, ``middle_block``, ``output_blocks.i``,
+    ``out``), each larger than ``1/parts`` of the UNet split into its weighted children in their
+    registration order (ldm's and sgm's blocks call their children in that order), recursively;
+    a container that is never called (``ModuleList``) is always split; a module with weights of
+    its own stays whole. ``parts=1``: the top level only. Duck-typed by attribute names (nothing
+    of ldm or sgm is imported); one clear error when ``unet`` does not have the layout."""
     if not isinstance(unet, torch.nn.Module):
         raise ValueError(f"`unet` must be a torch.nn.Module, got {type(unet).__name__}")
-    missing = [
-        n
-        for n in ("time_embed", "input_blocks", "middle_block", "output_blocks", "out")
-        if not hasattr(unet, n)
-    ]
+    if not isinstance(parts, int) or not 1 <= parts <= 4096:
+        raise ValueError(f"`parts` must be an integer in 1..4096, got {parts!r}")
+    names = ("time_embed", "input_blocks", "middle_block", "output_blocks", "out")
+    missing = [n for n in names if not hasattr(unet, n)]
     if missing:
         raise ValueError(
             f"`unet` must be an ldm/sgm UNetModel (time_embed, input_blocks, middle_block, "
             f"output_blocks, out); {type(unet).__name__} lacks {', '.join(missing)}"
         )
-    units: list[tuple[str, torch.nn.Module]] = [("time_embed", unet.time_embed)]
+    top: list[tuple[str, torch.nn.Module]] = [("time_embed", unet.time_embed)]
     if isinstance(getattr(unet, "label_emb", None), torch.nn.Module):
-        units.append(("label_emb", unet.label_emb))
-    units += [(f"input_blocks.{i}", m) for i, m in enumerate(unet.input_blocks)]
-    units.append(("middle_block", unet.middle_block))
-    units += [(f"output_blocks.{i}", m) for i, m in enumerate(unet.output_blocks)]
-    units.append(("out", unet.out))
-    return units
+        top.append(("label_emb", unet.label_emb))
+    top += [(f"input_blocks.{i}", m) for i, m in enumerate(unet.input_blocks)]
+    top.append(("middle_block", unet.middle_block))
+    top += [(f"output_blocks.{i}", m) for i, m in enumerate(unet.output_blocks)]
+    top.append(("out", unet.out))
+    if parts == 1:
+        return top
+    limit = sum(_module_bytes(m) for _, m in top) // parts
+    out: list[tuple[str, torch.nn.Module]] = []
+
+    def visit(name: str, m: torch.nn.Module) -> None:
+        own = any(t is not None for t in (*m._parameters.values(), *m._buffers.values()))
+        kids = [(f"{name}.{n}", c) for n, c in m.named_children() if _module_bytes(c) > 0]
+        never_called = isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        if kids and not own and (never_called or _module_bytes(m) > limit):
+            for n, c in kids:
+                visit(n, c)
+        else:
+            out.append((name, m))
+
+    for name, m in top:
+        visit(name, m)
+    return out
+
+
+def _module_bytes(m: torch.nn.Module) -> int:
+    return sum(_nbytes(getattr(o, n)) for o, n, _ in _tensors(m))
 
 
 def _tensors(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, bool]]:
@@ -110,9 +140,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def unit_bytes(unet: torch.nn.Module) -> list[tuple[str, int]]:
-    """(name, bytes of its parameters and buffers) of each unit of ``unet``, in forward order."""
-    return [(name, sum(_nbytes(getattr(o, n)) for o, n, _ in _tensors(m))) for name, m in unet_units(unet)]
+def unit_bytes(unet: torch.nn.Module, parts: int = UNIT_PARTS) -> list[tuple[str, int]]:
+    """(name, bytes of its parameters and buffers) of each unit of ``unet`` (:func:`unet_units`),
+    in forward order."""
+    return [(name, _module_bytes(m)) for name, m in unet_units(unet, parts)]
 
 
 def lowvram_bytes_per_forward(units: Sequence[tuple[str, int]]) -> int:
@@ -126,14 +157,11 @@ def lowvram_bytes_per_forward(units: Sequence[tuple[str, int]]) -> int:
 
 
 def _buffer_bytes(units: Sequence[tuple[str, int]], resident: set[str]) -> int:
-    """The streaming buffers at prefetch depth 1: the largest pair of consecutive streamed units in
-    forward order (cyclic: the last streamed unit of a forward prefetches the first of the next)."""
-    streamed = [b for n, b in units if n not in resident]
-    if not streamed:
-        return 0
-    if len(streamed) == 1:
-        return streamed[0]
-    return max(streamed[i] + streamed[(i + 1) % len(streamed)] for i in range(len(streamed)))
+    """The streaming buffers at prefetch depth 1: the unit computing and the one arriving, bounded
+    by the two largest streamed units (whatever order the forward calls them in: a transformer
+    block registers ``attn1, ff, attn2, norm1..3`` but calls them interleaved)."""
+    streamed = sorted((b for n, b in units if n not in resident), reverse=True)
+    return sum(streamed[:2])
 
 
 # -- the plan ------------------------------------------------------------------------------------
@@ -375,7 +403,7 @@ def _with_notes(plan: StreamPlan, notes: list[str]) -> StreamPlan:
 # -- the streamer --------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
     """One tensor of a streamed unit."""
 
@@ -402,7 +430,7 @@ class _Slot:
         return int(self.current()._version)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Unit:
     name: str
     module: torch.nn.Module
@@ -426,10 +454,13 @@ class StreamStats:
     """Arrivals issued ahead (prefetch) ..."""
     on_demand: int = 0
     """... and arrivals loaded when the unit's forward began (nothing was prefetched)."""
+    most_units_here: int = 0
+    """The most streamed units on the device at once (2 at prefetch depth 1)."""
     prefetch_ooms: int = 0
     """Prefetches that ran out of memory (the unit then came on demand, after the current left)."""
     trace: list[tuple[str, str, int, int]] = field(default_factory=list)
-    """(what, unit, first allocation, last allocation) on an emulated card: ``fetch``/``back``
+    """(what, unit, first allocation, last allocation) on an emulated card: ``fetch`` (on
+    demand), ``prefetch``, ``back``
     with the card's allocation counter around it (how the tests aim an out-of-memory error)."""
 
 
@@ -466,12 +497,16 @@ class StreamedUNet:
         self.device = torch.device(device)
         self.plan = plan if isinstance(plan, StreamPlan) else None
         names = plan.streamed if isinstance(plan, StreamPlan) else tuple(plan)
-        known = dict(unet_units(unet))
-        bad = [n for n in names if n not in known]
+        order = {n: i for i, (n, _) in enumerate(unet.named_modules())}
+        bad = [n for n in names if n not in order]
         if bad:
             raise ValueError(f"`plan` streams units the UNet does not have: {', '.join(bad)}")
-        self._names = tuple(n for n, _ in unet_units(unet) if n in set(names))
-        self._known = known
+        # forward order: the modules' registration order (ldm/sgm call their children in it)
+        self._names = tuple(sorted(set(names), key=order.__getitem__))
+        self._known = {n: unet.get_submodule(n) for n in self._names}
+        nested = [a for a in self._names for b in self._names if a != b and a.startswith(b + ".")]
+        if nested:
+            raise ValueError(f"`plan` streams a unit inside another: {', '.join(nested)}")
         self._card_arg = card
         self.card: emulate.EmulatedCard | None = None
         self.prefetch = bool(prefetch)
@@ -485,6 +520,10 @@ class StreamedUNet:
         self._cuda = self.device.type == "cuda"
         self._reported = False
         self._open = 0
+        self._seen: list[_Unit] = []
+        self._cycle: list[_Unit] | None = None
+        self._pos: dict[str, int] = {}
+        self._ahead: _Unit | None = None
 
     # -- setup / teardown ---------------------------------------------------------------------
     @property
@@ -497,7 +536,7 @@ class StreamedUNet:
             self.card = emulate.running_here(self.device)
         seen: set[int] = set()
         shared = set()
-        for _, m in unet_units(self.unet):
+        for m in [self.unet]:
             for o, n, _ in _tensors(m):
                 k = id(getattr(o, n))
                 if k in seen:
@@ -523,7 +562,7 @@ class StreamedUNet:
             "VRAM Guard streams %d UNet units (%.0f MiB), %.0f MiB stay resident",
             len(self._units),
             self.streamed_bytes / MiB,
-            (sum(b for _, b in unit_bytes(self.unet)) - self.streamed_bytes) / MiB,
+            (_module_bytes(self.unet) - self.streamed_bytes) / MiB,
         )
         return self
 
@@ -562,6 +601,15 @@ class StreamedUNet:
     def _finished(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._open -= 1
         self.stats.forwards += 1
+        if self._cycle is None:
+            # the order the forward called the streamed units in (the first call of each): what
+            # prefetch follows from the next forward on (the first runs on demand)
+            order: list[_Unit] = []
+            for u in self._seen:
+                if u not in order:
+                    order.append(u)
+            self._cycle = order
+            self._pos = {u.name: i for i, u in enumerate(order)}
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is not None and is_oom_error(exc):
@@ -580,6 +628,7 @@ class StreamedUNet:
             self._side.synchronize()
         for u in self._units:
             self._leave(u)
+        self._ahead = None
         try:
             self._move_back()
         except BaseException as exc:
@@ -646,12 +695,20 @@ class StreamedUNet:
     # -- hooks --------------------------------------------------------------------------------
     def _make_pre(self, unit: _Unit):  # noqa: ANN202
         def pre(module: torch.nn.Module, args: Any) -> None:
+            if self._ahead is not None and self._ahead is not unit:
+                # the prediction missed (a unit called out of the learned order): drop it, so no
+                # more than two units are on the device at once
+                self._leave(self._ahead)
+            self._ahead = None
             self._arrive(unit)
-            if self.prefetch:
+            if self._cycle is None:
+                self._seen.append(unit)
+            elif self.prefetch:
                 nxt = self._next(unit)
                 if nxt is not None and nxt.state == "away":
                     try:
                         self._fetch(nxt, ahead=True)
+                        self._ahead = nxt
                     except BaseException as exc:
                         if not is_oom_error(exc):
                             raise
@@ -670,10 +727,11 @@ class StreamedUNet:
         return post
 
     def _next(self, unit: _Unit) -> _Unit | None:
-        if len(self._units) < 2:
+        """The unit after ``unit`` in the order the first forward called them (cyclic)."""
+        cycle = self._cycle or []
+        if len(cycle) < 2 or unit.name not in self._pos:
             return None
-        i = self._units.index(unit)
-        return self._units[(i + 1) % len(self._units)]
+        return cycle[(self._pos[unit.name] + 1) % len(cycle)]
 
     def _arrive(self, unit: _Unit) -> None:
         if unit.state == "away":
@@ -709,12 +767,15 @@ class StreamedUNet:
                 d.copy_(s.host)
                 s.dev = d
         self.stats.bytes_in += unit.nbytes
+        here = sum(u.state != "away" for u in self._units)
+        self.stats.most_units_here = max(self.stats.most_units_here, here)
         if ahead:
             self.stats.prefetched += 1
         else:
             self.stats.on_demand += 1
         if self.card is not None:
-            self.stats.trace.append(("fetch", unit.name, first + 1, self.card.allocations))
+            what = "prefetch" if ahead else "fetch"
+            self.stats.trace.append((what, unit.name, first + 1, self.card.allocations))
 
     def _leave(self, unit: _Unit) -> None:
         """Put the host copies back in place; a weight changed on the device is written back first."""

@@ -4,7 +4,9 @@ Two parts (CLI module: it may print):
 
 * **run** on an emulated card (CPU): a real ldm ``UNetModel`` at reduced width (SD1.5-shaped:
   channel_mult 1,2,4,4, cross-attention at the first three levels; the full run adds an
-  SDXL-shaped one: channel_mult 1,2,4, attention at levels 2 and 3, two transformer blocks deep),
+  SDXL-shaped one: channel_mult 1,2,4, attention at levels 2 and 3, linear projections; one
+  transformer block per level: this ldm's SpatialTransformer indexes its context per block, so a
+  deeper stack needs a list context the UNet's forward does not pass),
   on cards that hold about 1/3, 1/2 and 2/3 of its UNet beside the step's activations. Plain: the
   whole UNet resident (``plain_ok``); guarded: :func:`plan_stream` + :class:`StreamedUNet`, re-planned
   from the planner memory after an out-of-memory error (``attempts``). Bytes moved are counted by
@@ -95,7 +97,6 @@ def _config(shape: str, mc: int, context_dim: int) -> dict:
             attention_resolutions=[2, 4],
             channel_mult=(1, 2, 4),
             num_head_channels=min(64, mc),
-            transformer_depth=2,
             use_linear_in_transformer=True,
         )
     raise ValueError(f"`shape` must be sd15 or sdxl, got {shape!r}")
