@@ -26,6 +26,7 @@ from ._micro import MicroBatched, micro_batched
 from ._plan import SamplingPlan, plan_sampling, sampling_key, suggest
 from ._spec import REFERENCES, UNetSpec, param_count, reference_spec, unet_spec
 from ._stream import (
+    UNIT_PARTS,
     StreamedUNet,
     StreamPlan,
     StreamStats,
@@ -45,6 +46,7 @@ __all__ = [
     "MicroBatched",
     "SamplingEstimate",
     "SamplingPlan",
+    "UNIT_PARTS",
     "StreamPlan",
     "StreamStats",
     "StreamedUNet",

@@ -36,6 +36,7 @@ import torch
 from lib_vram.core.emulate import EmulatedCard
 from lib_vram.planning import planner
 from lib_vram.sampling import (
+    UNIT_PARTS,
     StreamedUNet,
     lowvram_bytes_per_forward,
     micro_batched,
@@ -43,7 +44,6 @@ from lib_vram.sampling import (
     plan_stream,
     reference_spec,
     unet_spec,
-    unet_units,
     unit_bytes,
 )
 
@@ -131,18 +131,31 @@ def full_size_units(arch: str, itemsize: int = 2) -> list[tuple[str, int]]:
     cfg = dict(_config("sdxl", 320, 2048), transformer_depth=1)
     with _ldm_without_omegaconf(), torch.device("meta"):
         unet = UNetModel(**cfg)
-    out = []
-    mods = dict(unet_units(unet))
-    for name, b in unit_bytes(unet):
-        extra = 0
-        for sub in mods[name].modules():
-            blocks = getattr(sub, "transformer_blocks", None)
-            if blocks is not None:
-                per = sum(p.numel() * 4 for p in blocks[0].parameters())
-                width = blocks[0].attn1.to_q.in_features
-                depth = 2 if width == 640 else 10
-                extra += (depth - 1) * per
-        out.append((name, (b + extra) // 4 * itemsize))
+    depths = {}
+    for name, m in unet.named_modules():
+        blocks = getattr(m, "transformer_blocks", None)
+        if blocks is not None:
+            width = blocks[0].attn1.to_q.in_features
+            per = sum(p.numel() * 4 for p in blocks[0].parameters())
+            depths[name] = (2 if width == 640 else 10, per)
+    # split the shallow model at 1/64 of *its* size (a little finer than the full-size UNet's
+    # 1/64: each transformer block splits, which the full model's split does too)
+    out: list[tuple[str, int]] = []
+    for name, b in unit_bytes(unet, UNIT_PARTS):
+        st = next((t for t in depths if name == t or name.startswith(t + ".")), None)
+        if st is None:
+            out.append((name, b))
+            continue
+        d, per = depths[st]
+        head = f"{st}.transformer_blocks.0"
+        if name == st:  # the whole transformer is one unit
+            out.append((name, b + (d - 1) * per))
+        elif name == head or name.startswith(head + "."):
+            out.append((name, b))
+            out.extend((name.replace(head, f"{st}.transformer_blocks.{k}", 1) + "*", b) for k in range(1, d))
+        else:
+            out.append((name, b))
+    out = [(n, b // 4 * itemsize) for n, b in out]
     label = (2816 * 1280 + 1280 + 1280 * 1280 + 1280) * itemsize
     out.insert(1, ("label_emb", label))
     return out
@@ -281,9 +294,9 @@ def stream_cases(quick: bool = False, bandwidth_gb_s: float = DEFAULT_BANDWIDTH_
             for fraction in (1 / 3, 1 / 2, 2 / 3):
                 rows.append(run_case(shape, mc, side, fraction))
         f32, f16 = torch.float32, torch.float16
-        plans = [("sd15", 4.0, 1024, f32), ("sdxl", 4.0, 1024, f16)]
+        plans = [("sd15", 3.0, 512, f32), ("sdxl", 4.0, 1024, f16)]
         if not quick:
-            plans += [("sd15", 3.5, 768, f32), ("sdxl", 6.0, 1024, f16), ("sdxl", 4.0, 768, f16)]
+            plans += [("sd15", 4.0, 1536, f32), ("sdxl", 6.0, 1024, f16), ("sdxl", 4.0, 768, f16)]
         for arch, gib, px, dt in plans:
             rows.append(plan_case(arch, gib, px, bandwidth_gb_s, dt))
         return rows
