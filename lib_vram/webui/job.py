@@ -107,6 +107,8 @@ class Job:
         self.info: dict | None = None
         """Extras: the image's ``pp.info`` (the plan goes there: Extras has no ``p``)."""
         """The job's :class:`~lib_vram.webui.unet.UNetFP16` when 'FP16 UNet' is on."""
+        self.sampling: Any = None
+        """The job's :class:`~lib_vram.webui.sampling.SamplingGuard` (created at the first pass)."""
         self.profiler: Any = None
         """'Profile the next job': this job's :class:`~lib_vram.webui.profiling.JobProfiler`, or None."""
 
@@ -147,8 +149,19 @@ class Job:
 
     def end_span(self) -> None:
         cm, self._span = self._span, None
-        if cm is not None:
-            cm.__exit__(None, None, None)
+        try:
+            if self.sampling is not None:
+                self.sampling.end()  # the pass is over: its patch goes, moved parts come back
+        finally:
+            if cm is not None:
+                cm.__exit__(None, None, None)
+
+    def sampling_guard(self) -> Any:
+        from .sampling import SamplingGuard
+
+        if self.sampling is None:
+            self.sampling = SamplingGuard(self)
+        return self.sampling
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[Any]:
@@ -425,7 +438,11 @@ class Job:
                 cm, self._span = self._span, None
                 if cm is not None and failed:
                     # The job failed while this span (e.g. sampling) was open: record it so.
-                    err = JobFailed("the job stopped with an error in this stage (outside VRAM Guard)")
+                    stopped = self.sampling.current if self.sampling is not None else None
+                    if stopped is not None and stopped.error is not None:
+                        err = JobFailed(stopped.error)
+                    else:
+                        err = JobFailed("the job stopped with an error in this stage (outside VRAM Guard)")
                     cm.__exit__(JobFailed, err, None)
                 elif cm is not None:
                     cm.__exit__(None, None, None)
