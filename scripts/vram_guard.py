@@ -77,7 +77,7 @@ class VRAMGuardScript(scripts.Script):
 
     def process_before_every_sampling(self, p, *args, **kwargs):
         if self.jobs.job is not None:
-            self.jobs.before_sampling(p)
+            self.jobs.before_sampling(p, x=kwargs.get("x"), c=kwargs.get("c"), uc=kwargs.get("uc"))
 
     def before_hr(self, p, *args):
         if self.jobs.job is not None:

@@ -54,6 +54,7 @@ options_strategy = st.builds(
     precision_upscale=st.sampled_from(O.PRECISION_CHOICES),
     unet_fp16=st.booleans(),
     release_between_stages=st.booleans(),
+    guard_sampling=st.booleans(),
 )
 
 
@@ -88,7 +89,7 @@ def test_table_matches_dataclass():
         f.coerce(f.default)
         assert f.settings_key == f"vram_guard_{f.name}"
         assert f.tooltip and f.label
-        assert f.infotext in ("VRAM Guard", "preset", "VAE", "upscale", "UNet", "release")
+        assert f.infotext in ("VRAM Guard", "preset", "VAE", "upscale", "UNet", "release", "sampling")
     labels = [f.label for f in FIELDS]
     assert len(set(labels)) == len(labels), "labels key ui-config.json: they must be unique"
 
@@ -191,6 +192,8 @@ def test_infotext_example_and_absent_key():
     # A real bool, not the string "True" (the API infotext path needs it).
     assert O.infotext_getter("enabled")({"VRAM Guard": "preset Auto"}) is True
     assert O.infotext_getter("release_between_stages")({"VRAM Guard": "preset Auto, release off"}) is False
+    assert O.infotext_getter("guard_sampling")({"VRAM Guard": "preset Auto, sampling off"}) is False
+    assert O.infotext_getter("guard_sampling")({"VRAM Guard": "preset Auto"}) is True
 
 
 def test_infotext_unknown_words_are_skipped_not_fatal(options_log):

@@ -29,6 +29,7 @@ NON_DEFAULT = VRAMGuardOptions(
     precision_upscale="FP16",
     unet_fp16=True,
     release_between_stages=False,
+    guard_sampling=False,
 )
 
 
@@ -89,7 +90,7 @@ def ancestors(block):
 
 def test_inputs_in_documented_order_with_defaults_choices_ranges_and_ids():
     _demo, w = build()
-    assert len(w.inputs) == len(O.API_ARG_ORDER) == 12
+    assert len(w.inputs) == len(O.API_ARG_ORDER) == 13
     assert [type(c).__name__ for c in w.inputs] == [
         "Checkbox",
         "Dropdown",
@@ -101,6 +102,7 @@ def test_inputs_in_documented_order_with_defaults_choices_ranges_and_ids():
         "Slider",
         "Dropdown",
         "Dropdown",
+        "Checkbox",
         "Checkbox",
         "Checkbox",
     ]
@@ -291,7 +293,7 @@ def test_ui_called_three_times_is_side_effect_free(tmp_path, monkeypatch):
         ([c.value for c in w.inputs], [c.elem_id for c in w.inputs], len(demo.dependencies))
         for demo, w in builds
     ]
-    assert len(builds[0][1].inputs) == 12 and shapes[0][0] == NON_DEFAULT.args()
+    assert len(builds[0][1].inputs) == 13 and shapes[0][0] == NON_DEFAULT.args()
     assert shapes[1] == shapes[0] and shapes[2] == shapes[0]
     # Each build's events point at its own components only (nothing leaks between Blocks).
     for demo, _w in builds:

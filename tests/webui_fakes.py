@@ -69,6 +69,51 @@ def tiny_unet(seed: int = 2, *, fp16_exact: bool = False) -> UNetModel:
     return unet
 
 
+def tiny_xattn_unet(seed: int = 3, *, context_dim: int = 48) -> UNetModel:
+    """The WebUI's SD1 UNet class with cross-attention (SpatialTransformers on both levels), tiny:
+    32 channels, 2 and 4 heads of 16, a ``context_dim``-wide context. ldm's constructor checks
+    whether ``context_dim`` is an omegaconf ``ListConfig``; without omegaconf installed that type
+    check gets a stand-in type (nothing of the model comes from it), removed again after."""
+    import sys
+    import types
+
+    added = []
+    if "omegaconf.listconfig" not in sys.modules:
+        try:
+            import omegaconf.listconfig  # noqa: F401
+        except ImportError:
+            om, lc = types.ModuleType("omegaconf"), types.ModuleType("omegaconf.listconfig")
+            lc.ListConfig = type("ListConfig", (list,), {})
+            om.listconfig = lc
+            for name, mod in (("omegaconf", om), ("omegaconf.listconfig", lc)):
+                if name not in sys.modules:
+                    sys.modules[name] = mod
+                    added.append(name)
+    try:
+        torch.manual_seed(seed)
+        unet = UNetModel(
+            image_size=8,
+            in_channels=4,
+            model_channels=32,
+            out_channels=4,
+            num_res_blocks=1,
+            attention_resolutions=[1, 2],
+            channel_mult=(1, 2),
+            num_head_channels=16,
+            use_spatial_transformer=True,
+            transformer_depth=1,
+            context_dim=context_dim,
+        ).eval()
+    finally:
+        for name in added:
+            del sys.modules[name]
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in unet.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    return unet
+
+
 def fake_sd_model(
     decoder: torch.nn.Module | None = None,
     encoder: torch.nn.Module | None = None,
@@ -169,6 +214,15 @@ class FakeHost:
 
     def upcast_attn(self) -> bool:
         return bool(self.opts.get("upcast_attn", False))
+
+    def batch_cond_uncond(self) -> bool:
+        return bool(self.opts.get("batch_cond_uncond", True))
+
+    def cross_attention(self) -> str | None:
+        return self.opts.get("cross_attention", "")  # ldm's own attention (none applied)
+
+    def live_previews_full(self) -> bool:
+        return self.opts.get("show_progress_type") == "Full"
 
     def upscaler_instances(self) -> list[Any]:
         return list(self.scalers)

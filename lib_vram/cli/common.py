@@ -101,8 +101,9 @@ MAX_CARD_BYTES = 1024 * GiB
 """Largest card (``--vram``, ``--emulate-vram``, ``--safety-margin``, ``--budget-mb``): 1 TiB, more
 than 5x the largest accelerator sold (192 GB)."""
 
-MAX_IMAGES = 64
-"""Images per batch a plan takes: 8x the WebUI's batch-size slider (8)."""
+MAX_IMAGES = 32
+"""Images per batch a plan takes: 4x the WebUI's batch-size slider (8); the sampling stage's UNet
+holds twice as many (cond and uncond), :data:`lib_vram.sampling.MAX_BATCH`."""
 
 MAX_TILE_BATCH = 256
 """Tiles per forward pass: 256 tiles of 64 px are a 1024² image in one pass."""

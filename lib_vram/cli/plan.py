@@ -14,6 +14,7 @@ from lib_vram.planning.reference import ARCHS, UPSCALERS, vae_arch
 from .common import MAX_IMAGES, MAX_SIDE, bounded_float, bounded_int
 
 SIDE_WHY = "the largest image side VAE Guard plans; see docs/cli.md"
+IMAGES_WHY = "the sampling stage plans a UNet batch of at most 2 x 32 (cond and uncond)"
 
 NAME = "plan"
 HELP = "Predict each stage's peak memory for a generation and choose tiles/batches that fit."
@@ -38,9 +39,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         )
     parser.add_argument(
         "--batch",
-        type=bounded_int("--batch", 1, MAX_IMAGES, why="8x the WebUI's batch-size slider"),
+        "--batch-size",
+        dest="batch",
+        type=bounded_int("--batch", 1, MAX_IMAGES, why=IMAGES_WHY),
         default=1,
-        help=f"images per batch (default 1, at most {MAX_IMAGES})",
+        help=f"images per batch (default 1, at most {MAX_IMAGES}); the UNet's forward holds twice as many",
+    )
+    parser.add_argument(
+        "--attention",
+        default="Automatic",
+        help="the WebUI's cross-attention optimization for the sampling stages: Automatic (what "
+        "v1.10.1 picks with no flags: Doggettx on CUDA), sdp, sdp-no-mem, xformers, sub-quadratic, "
+        "Doggettx, InvokeAI, V1, None",
     )
     parser.add_argument(
         "--hires",
@@ -125,6 +135,7 @@ def collect(args: argparse.Namespace) -> dict:
         upscaler=args.upscaler,
         safety_margin_bytes=margin,
         host_swaps=bool(swaps),
+        attention=args.attention,
     )
     return {
         "schema": SCHEMA_VERSION,
@@ -162,14 +173,15 @@ def format_table(report: dict) -> str:
         + f"; {_gib(report['free_bytes'])} free of {_gib(report['total_bytes'])}"
         + (" (emulated)" if report["emulated"] else "")
     )
-    rows = [("stage", "plan", "dtype", "predicted peak", "budget", "fits")]
+    rows = [("stage", "plan", "dtype", "predicted peak", "activations", "budget", "fits")]
     for s in report["stages"]:
         rows.append(
             (
                 s["stage"],
-                s["plan"],
+                s["plan"] + (f" ({s['attention']})" if s.get("attention") else ""),
                 s["dtype"],
                 _gib(s["predicted_peak_bytes"]),
+                _gib(s["activation_bytes"]),
                 _gib(s["budget_bytes"]),
                 "yes" if s["fits"] else "NO",
             )
@@ -191,7 +203,9 @@ def format_table(report: dict) -> str:
                 f"{s['stage']}: moves the {', '.join(s['moved_off_card'])} off the card for this pass "
                 "(its plan does not fit with them there)"
             )
-        if s["warning"]:
+        if s.get("suggestion"):
+            lines.append(f"does not fit: {s['stage']}: {s['suggestion']}")
+        elif s["warning"]:
             lines.append(f"warning: {s['stage']}: {s['warning']}")
     lines.append(
         "peak = stage model weights + resident weights still on the card + input + predicted activations; "
@@ -209,7 +223,7 @@ def check_options(args: argparse.Namespace) -> None:
     check_device(args.device)
     for name in ("width", "height"):  # also for a caller that built the namespace itself
         check_int(getattr(args, name), f"--{name}", 8, MAX_SIDE, why=SIDE_WHY, multiple_of=8, unit="px")
-    check_int(args.batch, "--batch", 1, MAX_IMAGES, why="8x the WebUI's batch-size slider")
+    check_int(args.batch, "--batch", 1, MAX_IMAGES, why=IMAGES_WHY)
     if args.hires is not None:
         if not math.isfinite(args.hires) or not 1 < args.hires <= 8:
             raise UsageError(f"`--hires` must be a scale in (1, 8], got {args.hires}")
@@ -219,6 +233,12 @@ def check_options(args: argparse.Namespace) -> None:
                 f"`--hires {args.hires:g}` makes a {side:.0f} px side; the hires image's sides must be "
                 f"<= {MAX_SIDE} px ({SIDE_WHY})"
             )
+    from lib_vram.sampling import attention_of
+
+    try:
+        attention_of(args.attention)
+    except ValueError as exc:
+        raise UsageError(f"`--attention {args.attention}`: {exc}") from None
     if args.vram is not None:
         card_size(args.vram, "--vram")
     if args.safety_margin is not None:

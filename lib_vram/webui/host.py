@@ -285,6 +285,35 @@ def upcast_attn() -> bool:
     return bool(opts_get("upcast_attn", False))
 
 
+# -- sampling ------------------------------------------------------------------------------------
+def batch_cond_uncond() -> bool:
+    """Settings -> Optimizations -> "Batch cond/uncond together" (``opts.batch_cond_uncond``,
+    default on): the sampler runs the cond and uncond halves in one UNet forward."""
+    return bool(opts_get("batch_cond_uncond", True))
+
+
+def cross_attention() -> str | None:
+    """The cross-attention optimization the WebUI applied: ``sd_hijack.model_hijack
+    .optimization_method`` (v1.10.1: the optimizer's ``name``, ``""`` when none is applied), or
+    None when the host does not record it."""
+    from modules import sd_hijack
+
+    name = getattr(getattr(sd_hijack, "model_hijack", None), "optimization_method", None)
+    return None if name is None else str(name)
+
+
+def live_previews_full() -> bool:
+    """Live previews decode with the full VAE (``opts.show_progress_type == "Full"``, previews
+    on): they run on the progress request's thread *during* sampling, so the VAE must stay on the
+    card then. With ``--medvram``/``--lowvram`` the WebUI downgrades them unless
+    ``live_preview_allow_lowvram_full``; VRAM Guard moves nothing there anyway."""
+    if not bool(opts_get("live_previews_enable", True)):
+        return False
+    if int(opts_get("show_progress_every_n_steps", 10) or 0) == 0:
+        return False
+    return str(opts_get("show_progress_type", "Approx NN")) == "Full"
+
+
 # -- upscalers -----------------------------------------------------------------------------------
 def upscaler_instances() -> list[Any]:
     """The distinct ``Upscaler`` objects behind ``shared.sd_upscalers`` (host-api §5.1)."""

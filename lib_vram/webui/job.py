@@ -107,6 +107,8 @@ class Job:
         self.info: dict | None = None
         """Extras: the image's ``pp.info`` (the plan goes there: Extras has no ``p``)."""
         """The job's :class:`~lib_vram.webui.unet.UNetFP16` when 'FP16 UNet' is on."""
+        self.sampling: Any = None
+        """The job's :class:`~lib_vram.webui.sampling.SamplingGuard` (created at the first pass)."""
         self.profiler: Any = None
         """'Profile the next job': this job's :class:`~lib_vram.webui.profiling.JobProfiler`, or None."""
 
@@ -147,8 +149,19 @@ class Job:
 
     def end_span(self) -> None:
         cm, self._span = self._span, None
-        if cm is not None:
-            cm.__exit__(None, None, None)
+        try:
+            if self.sampling is not None:
+                self.sampling.end()  # the pass is over: its patch goes, moved parts come back
+        finally:
+            if cm is not None:
+                cm.__exit__(None, None, None)
+
+    def sampling_guard(self) -> Any:
+        from .sampling import SamplingGuard
+
+        if self.sampling is None:
+            self.sampling = SamplingGuard(self)
+        return self.sampling
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[Any]:
@@ -324,7 +337,7 @@ class Job:
 
         with self._vae_lock, self.stage(name):
             try:
-                idle = self._idle_models(name, x.device)
+                idle = self.idle_models(name, x.device, unet=True, text_encoders=True)
                 why = None
                 if idle is not None and not self._plan_fits(engine, module, x, config, kind):
                     why = "its plan does not fit with them there"
@@ -337,7 +350,7 @@ class Job:
                         why = "it ran out of memory with them there"
                         report = engine.VAEReport()
                 if why is not None:  # out of the except block (its traceback holds the failed pass)
-                    with self._moved_off(idle, name, why):
+                    with self.moved_off(idle, name, why):
                         out = attempt(report)
                 moved = idle.names if why is not None else ""
             except engine.VAEOutOfMemory as exc:
@@ -354,20 +367,35 @@ class Job:
             )
         return out
 
-    def _idle_models(self, stage: str, device: torch.device) -> Any:
-        """The checkpoint's parts that may leave the card for this VAE pass (None: none may)."""
+    def idle_models(
+        self, stage: str, device: torch.device, *, unet: bool, text_encoders: bool, vae: bool = False
+    ) -> Any:
+        """The checkpoint's parts that may leave the card for this stage (None: none may): only
+        on the job's own thread (a live preview runs on another one while the sampler may use
+        them), and only the kinds the preset lets move (``offload_unet``/``offload_text_encoders``;
+        the VAE follows ``offload_unet``: both are the preset's "weights may leave the card")."""
         from .offload import find_idle_models
 
         s = self.settings
-        if stage in ("preview_decode", "other_encode") or not (s.offload_unet or s.offload_text_encoders):
+        if stage in ("preview_decode", "other_encode") or threading.get_ident() != self.thread:
             return None  # another thread: the sampler may be using the UNet right now
+        unet, text_encoders = unet and s.offload_unet, text_encoders and s.offload_text_encoders
+        vae = vae and s.offload_unet
+        if not (unet or text_encoders or vae):
+            return None
+        model = self.current_model()
+        idle = find_idle_models(model, unet=unet, text_encoders=text_encoders, vae=vae, device=device)
+        if idle is not None:
+            idle.still_current = lambda: self.host.loaded_sd_model() is model
+        return idle
+
+    def current_model(self) -> Any:
+        """The checkpoint the WebUI runs this job with now."""
         p = self.p
         model = getattr(p, "sd_model", None) if p is not None else None
         if model is None:
             model = self.host.loaded_sd_model()
-        return find_idle_models(
-            model, unet=s.offload_unet, text_encoders=s.offload_text_encoders, device=device
-        )
+        return model
 
     def _plan_fits(self, engine: Any, module: Any, x: torch.Tensor, config: Any, kind: str) -> bool:
         """Whether the engine's plan for this pass fits now; a planning error never fails the pass
@@ -379,7 +407,7 @@ class Job:
             return True
 
     @contextlib.contextmanager
-    def _moved_off(self, idle: Any, stage: str, why: str) -> Iterator[None]:
+    def moved_off(self, idle: Any, stage: str, why: str) -> Iterator[None]:
         """``idle``'s parts off the card for the ``with`` block (and back, also after an error)."""
         with idle.moved_off() as moved:
             text = (
@@ -410,7 +438,11 @@ class Job:
                 cm, self._span = self._span, None
                 if cm is not None and failed:
                     # The job failed while this span (e.g. sampling) was open: record it so.
-                    err = JobFailed("the job stopped with an error in this stage (outside VRAM Guard)")
+                    stopped = self.sampling.current if self.sampling is not None else None
+                    if stopped is not None and stopped.error is not None:
+                        err = JobFailed(stopped.error)
+                    else:
+                        err = JobFailed("the job stopped with an error in this stage (outside VRAM Guard)")
                     cm.__exit__(JobFailed, err, None)
                 elif cm is not None:
                     cm.__exit__(None, None, None)

@@ -24,10 +24,12 @@ segment     words                                               fields
                                                                 ``precision_upscale``
 ``UNet``    ``fp16``                                            ``unet_fp16``
 ``release`` ``off``                                             ``release_between_stages``
+``sampling`` ``off``                                            ``guard_sampling``
 =========== =================================================== ===============================
 
 Inside a written segment a missing ``t``/``b``/precision word means Auto (0 / ``"Auto"``); a missing
-``UNet`` segment means ``unet_fp16=False`` and a missing ``release`` segment means release on. The
+``UNet`` segment means ``unet_fp16=False``, a missing ``release`` segment means release on and a
+missing ``sampling`` segment means 'Guard sampling' on. The
 entry therefore states every option, independent of anybody's defaults. The value contains commas,
 so the WebUI JSON-quotes it on write and unquotes it on read. The optional ``VRAM Guard plan``
 entry records the plan each stage used (informational; never pasted back).
@@ -278,6 +280,16 @@ FIELDS: tuple[OptionField, ...] = (
         tooltip="Collect garbage and return cached GPU memory between sampling, hires fix, decode and "
         "postprocessing.",
     ),
+    OptionField(
+        "guard_sampling",
+        "Guard sampling",
+        True,
+        BOOL,
+        infotext="sampling",
+        tooltip="Before each sampling pass, check that it fits: when it does not, run the batch in "
+        "smaller pieces (same picture) or move the VAE and text encoders off the card for the pass; "
+        "when nothing fits, stop before sampling with what would fit instead of running out of memory.",
+    ),
 )
 
 FIELDS_BY_NAME: dict[str, OptionField] = {f.name: f for f in FIELDS}
@@ -311,6 +323,7 @@ class VRAMGuardOptions:
     precision_upscale: str = "Auto"
     unet_fp16: bool = False
     release_between_stages: bool = True
+    guard_sampling: bool = True
 
     def __post_init__(self) -> None:
         for f in FIELDS:
@@ -428,6 +441,8 @@ def summary(opts: VRAMGuardOptions) -> str:
         parts.append("UNet fp16")
     if not opts.release_between_stages:
         parts.append("release off")
+    if not opts.guard_sampling:
+        parts.append("sampling off")
     return ", ".join(parts)
 
 
@@ -436,6 +451,7 @@ INFOTEXT_KEY_RE = re.compile(r"^\w[\w \-/]+$")
 
 _STAGE_LABELS = {
     "sampling": "sampling",
+    "hires_sampling": "hires sampling",
     "hires_upscale": "hires upscale",
     "hires_encode": "hires encode",
     "vae_encode": "encode",
@@ -500,10 +516,13 @@ def from_infotext(params: Mapping[str, Any]) -> dict[str, Any]:
             out["unet_fp16"] = True
         elif group == "release" and len(rest) == 1 and rest[0] in ("on", "off"):
             out["release_between_stages"] = rest[0] == "on"
+        elif group == "sampling" and len(rest) == 1 and rest[0] in ("on", "off"):
+            out["guard_sampling"] = rest[0] == "on"
         else:
             bad.append(segment.strip())
     out.setdefault("unet_fp16", False)
     out.setdefault("release_between_stages", True)
+    out.setdefault("guard_sampling", True)
     if bad:
         logger.warning("VRAM Guard: infotext words not understood, skipped: %s", bad)
     return out

@@ -98,6 +98,9 @@ class Session:
         jobs = self.open_jobs()
         for job in jobs:
             job.close(failed=failed)
+        from .stream import restore_pending
+
+        restore_pending()  # a streamed UNet still waiting for room to move back
         return len(jobs)
 
     def model_changed(self, sd_model: Any) -> None:
@@ -419,13 +422,18 @@ class ScriptJobs:
         if job.unet is not None and not job.closed:
             job.unet.ensure(self.host.sd_model())
 
-    def before_sampling(self, p: Any) -> None:
+    def before_sampling(self, p: Any, *, x: Any = None, c: Any = None, uc: Any = None) -> None:
+        """``process_before_every_sampling`` (first pass, hires pass, img2img): the pass's stage
+        opens, and the sampling guard plans it (:mod:`.sampling`); ``x``, ``c``, ``uc``: the
+        latent the pass starts from and its conditioning, as the host passes them."""
         job = self.job
         if job is not None and not job.closed:
             self.refresh(p)
             self._ensure_unet(job)
             job.sampled = False
-            job.begin_span("hires_sampling" if getattr(p, "is_hr_pass", False) else "sampling")
+            stage = "hires_sampling" if getattr(p, "is_hr_pass", False) else "sampling"
+            job.begin_span(stage)
+            job.sampling_guard().before(p, stage, x=x, c=c, uc=uc)
 
     def before_hr(self, p: Any) -> None:
         job = self.job

@@ -38,6 +38,14 @@ class JobSettings:
     """The UNet may leave the card for a VAE pass that does not fit with it there."""
     offload_text_encoders: bool = True
     """The same for the text encoders."""
+    guard_sampling: bool = True
+    """'Guard sampling': plan each sampling pass, make room, micro-batch, stop early
+    (:mod:`lib_vram.webui.sampling`)."""
+    sampling_margin_bytes: int = 0
+    """Memory a sampling plan keeps free (the preset's safety margin for this card)."""
+    stream_unet: bool = True
+    """A sampling pass that does not fit even at micro-batch 1 streams the UNet
+    (:mod:`lib_vram.webui.stream`) instead of stopping with the named error."""
 
     def describe(self) -> str:
         dtype = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(
@@ -118,4 +126,6 @@ def resolve(
         release_at=release_at,
         offload_unet=preset.offload_unet_during_vae if preset is not None else True,
         offload_text_encoders=preset.offload_text_encoder_during_vae if preset is not None else True,
+        guard_sampling=bool(getattr(options, "guard_sampling", True)),
+        sampling_margin_bytes=preset.safety_margin(total_bytes) if preset is not None else 0,
     )

@@ -53,7 +53,7 @@ LAYOUT: tuple[tuple[str, ...], ...] = (
     ("preset", "precision_vae", "precision_upscale"),
     ("vae_tiling", "vae_mode", "vae_tile"),
     ("upscale_tiling", "upscale_tile", "upscale_batch"),
-    ("release_between_stages", "unet_fp16"),
+    ("release_between_stages", "unet_fp16", "guard_sampling"),
 )
 """Rows of the accordion (display only; the input order is always ``API_ARG_ORDER``)."""
 

@@ -162,16 +162,38 @@ def upscale(
                 f"VRAM Guard: could not rebuild {os.path.basename(path)} as the WebUI does ({exc}); "
                 "a hires fix or img2img after this upscale may start from other noise than the WebUI's own",
             )
-    with job.stage(job.upscale_stage_name()):
-        try:
-            out = engine.upscale_image(
+    stage = job.upscale_stage_name()
+    with job.stage(stage):
+
+        def attempt(rep: Any) -> Any:
+            return engine.upscale_image(
                 model,
                 bgr,
                 config=config,
                 should_interrupt=job.host.interrupted,
                 tracker=job.tracker,
-                report=report,
+                report=rep,
             )
+
+        moved = ""
+        try:
+            idle = job.idle_models(stage, torch.device(device), unet=True, text_encoders=True)
+            why = None
+            if idle is not None and not smallest_plan_fits(engine, model, bgr, config):
+                why = "the upscaler's model and its smallest plan do not fit with them there"
+            else:
+                try:
+                    out = attempt(report)
+                except (engine.UpscaleError, torch.OutOfMemoryError) as exc:
+                    if idle is None or not _out_of_memory(exc):
+                        raise
+                    why = "it ran out of memory with them there, even with the smallest tile"
+                    logger.info("VRAM Guard: %s: %s", stage.replace("_", " "), exc)
+                    report = engine.UpscaleReport()
+            if why is not None:  # out of the except block (its traceback holds the failed upscale)
+                with job.moved_off(idle, stage, why):
+                    out = attempt(report)
+                moved = idle.names
         except engine.Interrupted:
             # What the WebUI's own tiled upscale does when interrupted: hand back the input.
             job.tracker.note(plan="interrupted")
@@ -180,12 +202,80 @@ def upscale(
         plan = plan if isinstance(plan, str) else None
         if report.ooms:
             job.note(
-                f"VRAM Guard: {job.upscale_stage_name().replace('_', ' ')}: {report.ooms} out of memory "
+                f"VRAM Guard: {stage.replace('_', ' ')}: {report.ooms} out of memory "
                 f"error(s); finished with {report.tile}px tiles ({plan})",
                 logging.WARNING,
             )
             plan = f"{plan or 'tiled'} after OOM"
+        if moved:
+            plan = f"{plan or 'tiled'}, {moved} off the card"
         job.tracker.note(plan=plan)
         for note in getattr(report, "notes", None) or []:
             job.warn_once(f"upscale-inexact-{path}", f"VRAM Guard: {note}")
     return _swap_rb(out)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An upscale that ran out of memory where no smaller tile helps (the engine's last word), or
+    an out-of-memory error outside its tile loop (placing the model)."""
+    from lib_vram.core.device import is_oom_error
+
+    return is_oom_error(exc) or "out of memory" in str(exc).lower()
+
+
+def smallest_plan_fits(engine: Any, model: Any, img: Any, config: Any) -> bool:
+    """Whether the upscaler's weights (where they are not on the device yet in the dtype it runs
+    in) plus its smallest plan (the engine's smallest tile, one tile per batch) fit the free memory
+    now. A planning error never fails the upscale: it then runs, and an out-of-memory error still
+    moves the idle models."""
+    from lib_vram.core import emulate
+    from lib_vram.core.device import free_bytes, is_oom_error
+    from lib_vram.upscale._plan import MIN_TILE
+
+    try:
+        spec = engine.as_spec(model)
+        dev = torch.device(config.device) if config.device is not None else torch.device("cpu")
+        dtype = engine.choose_dtype(config.precision, spec, dev)
+        extra = 0
+        if spec.module is not None:
+            first = next(spec.module.parameters(), None)
+            if first is not None and (first.device != dev or first.dtype != dtype):
+                extra = emulate.module_bytes([spec.module]) * torch.empty((), dtype=dtype).element_size()
+                extra //= max(1, first.element_size())
+        free = free_bytes(dev)
+        budget = max(1, int((free - extra) * engine_budget_fraction()))
+        w, h = img.size
+        plan = engine.plan_upscale(
+            model,
+            (1, 3, int(h), int(w)),
+            dtype,
+            budget,
+            tile=MIN_TILE,
+            batch=1,
+            device=dev,
+            host_apart=emulate.separate_host(dev),
+        )
+    except Exception as exc:
+        if is_oom_error(exc):
+            return False  # planning itself (the calibration's probes) ran out of memory
+        if isinstance(exc, (ValueError, RuntimeError)):
+            logger.debug("VRAM Guard: no upscale plan for the idle-model check: %s", exc)
+            return True
+        raise
+    fits = extra < free and plan.fits
+    logger.debug(
+        "VRAM Guard: smallest upscale plan %s: %d bytes + %d bytes of weights, %d free: %s",
+        plan.plan,
+        plan.peak_bytes,
+        extra,
+        free,
+        "fits" if fits else "does not fit",
+    )
+    return fits
+
+
+def engine_budget_fraction() -> float:
+    """The share of the free memory the upscale engine budgets for itself."""
+    from lib_vram.upscale._engine import BUDGET_FRACTION
+
+    return BUDGET_FRACTION

@@ -1,0 +1,357 @@
+"""``python -m lib_vram bench sampling-stream [--quick] [--json]``: the streamed UNet's cases.
+
+Two parts (CLI module: it may print):
+
+* **run** on an emulated card (CPU): a real ldm ``UNetModel`` at reduced width (SD1.5-shaped:
+  channel_mult 1,2,4,4, cross-attention at the first three levels; the full run adds an
+  SDXL-shaped one: channel_mult 1,2,4, attention at levels 2 and 3, linear projections; one
+  transformer block per level: this ldm's SpatialTransformer indexes its context per block, so a
+  deeper stack needs a list context the UNet's forward does not pass),
+  on cards that hold about 1/3, 1/2 and 2/3 of its UNet beside the step's activations. Plain: the
+  whole UNet resident (``plain_ok``); guarded: :func:`plan_stream` + :class:`StreamedUNet`, re-planned
+  from the planner memory after an out-of-memory error (``attempts``). Bytes moved are counted by
+  the streamer; ``--lowvram``'s bytes are its behaviour modelled on the same unit list
+  (:func:`lowvram_bytes_per_forward`); the output is compared bit for bit with the uncapped one.
+* **plan** for the full-size UNets (SD1.5, SDXL; FP16) on 4 and 6 GB cards at 512/1024 px: the
+  same planner on the real unit sizes (SD1.5: ldm's ``UNetModel`` built on the meta device; SDXL:
+  ldm at depth 1 plus the deeper transformer blocks counted from one real block, and ``label_emb``
+  in closed form). Nothing runs; the copy time per step is a **model** at a stated host<->device
+  bandwidth (default 12 GB/s: PCIe 3.0 x16 from pinned memory), not a measurement.
+
+:func:`stream_cases` is what ``bench sampling`` calls for its streamed rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+import types
+from collections.abc import Iterator
+
+import torch
+
+from lib_vram.core.emulate import EmulatedCard
+from lib_vram.planning import planner
+from lib_vram.sampling import (
+    UNIT_PARTS,
+    StreamedUNet,
+    lowvram_bytes_per_forward,
+    micro_batched,
+    plan_sampling,
+    plan_stream,
+    reference_spec,
+    unet_spec,
+    unit_bytes,
+)
+
+HELP = "Streamed UNet (budgeted residency): bytes per step vs --lowvram, plain vs guarded (emulated card)."
+MiB = 1 << 20
+GB = 1e9
+DEFAULT_BANDWIDTH_GB_S = 12.0
+
+
+@contextlib.contextmanager
+def _ldm_without_omegaconf() -> Iterator[None]:
+    """ldm's ``UNetModel.__init__`` imports ``omegaconf.listconfig.ListConfig`` only to convert a
+    ``context_dim`` list; without omegaconf installed a placeholder stands in for the constructor."""
+    if "omegaconf.listconfig" in sys.modules:
+        yield
+        return
+    try:
+        import omegaconf.listconfig  # noqa: F401
+
+        yield
+        return
+    except ImportError:
+        pass
+    om, lc = types.ModuleType("omegaconf"), types.ModuleType("omegaconf.listconfig")
+    lc.ListConfig = type("ListConfig", (list,), {})
+    om.listconfig = lc
+    sys.modules["omegaconf"], sys.modules["omegaconf.listconfig"] = om, lc
+    try:
+        yield
+    finally:
+        sys.modules.pop("omegaconf", None)
+        sys.modules.pop("omegaconf.listconfig", None)
+
+
+def _config(shape: str, mc: int, context_dim: int) -> dict:
+    common = dict(
+        image_size=32,
+        in_channels=4,
+        out_channels=4,
+        model_channels=mc,
+        num_res_blocks=2,
+        use_spatial_transformer=True,
+        context_dim=context_dim,
+        legacy=False,
+    )
+    if shape == "sd15":
+        return dict(common, attention_resolutions=[1, 2, 4], channel_mult=(1, 2, 4, 4), num_heads=8)
+    if shape == "sdxl":
+        return dict(
+            common,
+            attention_resolutions=[2, 4],
+            channel_mult=(1, 2, 4),
+            num_head_channels=min(64, mc),
+            use_linear_in_transformer=True,
+        )
+    raise ValueError(f"`shape` must be sd15 or sdxl, got {shape!r}")
+
+
+def build_unet(shape: str, mc: int, *, context_dim: int = 64, seed: int = 0, meta: bool = False):
+    """A real ldm ``UNetModel`` of ``shape`` at ``mc`` model channels (random weights, eval)."""
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    torch.manual_seed(seed)
+    with _ldm_without_omegaconf(), torch.device("meta") if meta else contextlib.nullcontext():
+        unet = UNetModel(**_config(shape, mc, context_dim)).eval()
+    if not meta:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in unet.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return unet
+
+
+def full_size_units(arch: str, itemsize: int = 2) -> list[tuple[str, int]]:
+    """The unit sizes of the full-size SD1.5 or SDXL UNet at ``itemsize`` bytes per weight."""
+    if arch == "sd15":
+        unet = build_unet("sd15", 320, context_dim=768, meta=True)
+        return [(n, b // 4 * itemsize) for n, b in unit_bytes(unet)]
+    if arch != "sdxl":
+        raise ValueError(f"`arch` must be sd15 or sdxl, got {arch!r}")
+    # ldm's transformer_depth is one number: build at depth 1 (levels 2-3, the middle block), then
+    # add SDXL's deeper stacks (2 at level 2, 10 at level 3 and in the middle) from one real block
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    cfg = dict(_config("sdxl", 320, 2048), transformer_depth=1)
+    with _ldm_without_omegaconf(), torch.device("meta"):
+        unet = UNetModel(**cfg)
+    depths = {}
+    for name, m in unet.named_modules():
+        blocks = getattr(m, "transformer_blocks", None)
+        if blocks is not None:
+            width = blocks[0].attn1.to_q.in_features
+            per = sum(p.numel() * 4 for p in blocks[0].parameters())
+            depths[name] = (2 if width == 640 else 10, per)
+    # split the shallow model at 1/64 of *its* size (a little finer than the full-size UNet's
+    # 1/64: each transformer block splits, which the full model's split does too)
+    out: list[tuple[str, int]] = []
+    for name, b in unit_bytes(unet, UNIT_PARTS):
+        st = next((t for t in depths if name == t or name.startswith(t + ".")), None)
+        if st is None:
+            out.append((name, b))
+            continue
+        d, per = depths[st]
+        head = f"{st}.transformer_blocks.0"
+        if name == st:  # the whole transformer is one unit
+            out.append((name, b + (d - 1) * per))
+        elif name == head or name.startswith(head + "."):
+            out.append((name, b))
+            out.extend((name.replace(head, f"{st}.transformer_blocks.{k}", 1) + "*", b) for k in range(1, d))
+        else:
+            out.append((name, b))
+    out = [(n, b // 4 * itemsize) for n, b in out]
+    label = (2816 * 1280 + 1280 + 1280 * 1280 + 1280) * itemsize
+    out.insert(1, ("label_emb", label))
+    return out
+
+
+# -- the run on an emulated card -------------------------------------------------------------------
+
+
+def _forward(unet, kw) -> torch.Tensor:
+    with torch.no_grad():
+        return unet(**kw)
+
+
+def _activations(unet, kw) -> int:
+    card = EmulatedCard(1 << 40, resident=[unet])
+    with card:
+        _forward(unet, kw)
+    return card.peak_bytes - card.resident_bytes
+
+
+def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2, attempts: int = 4) -> dict:
+    """One emulated-card case: a card that holds about ``fraction`` of the UNet beside one
+    micro-batch's activations, and at least the whole UNet beside the step's output (it was
+    resident before the pass: the move back needs that room). Each step is the WebUI's batched
+    cond/uncond forward (batch 2), micro-batched as the sampling plan says."""
+    unet = build_unet(shape, mc)
+    g = torch.Generator().manual_seed(1)
+    kw = {
+        "x": torch.randn(2, 4, side, side, generator=g),
+        "timesteps": torch.tensor([10, 700]),
+        "context": torch.randn(2, 77, 64, generator=g),
+    }
+    units = unit_bytes(unet)
+    total = sum(b for _, b in units)
+    act1 = _activations(unet, {k: v[:1] for k, v in kw.items()})
+    out_bytes = kw["x"].numel() * kw["x"].element_size()
+    capacity = max(int(act1 + fraction * total + 2 * max(b for _, b in units)), total + 4 * out_bytes)
+    spec = unet_spec(unet)
+    step = dict(batch=2, latent_hw=(side, side), context_tokens=77, attention="none", dtype=torch.float32)
+    mem = planner.PlanMemory()
+    sp = plan_sampling(spec, budget_bytes=capacity, backend="cpu", memory=mem, **step)
+
+    def forward(**k):
+        return unet(**k)
+
+    fwd = micro_batched(forward, sp.micro_batch, memory=planner.PlanMemory())
+    t0 = time.process_time()
+    ref = _forward(fwd, kw)
+    plain_cpu = time.process_time() - t0
+    plain_ok = True
+    try:
+        with EmulatedCard(capacity, resident=[unet]):
+            _forward(micro_batched(forward, sp.micro_batch, memory=planner.PlanMemory()), kw)
+    except torch.OutOfMemoryError:
+        plain_ok = False
+    guarded_ok, identical, tries, plan, s, cpu, peak = False, False, 0, None, None, 0.0, 0
+    while tries < attempts:
+        tries += 1
+        plan = plan_stream(unet, spec, budget_bytes=capacity, backend="cpu", memory=mem, **step)
+        card = EmulatedCard(capacity, resident=[unet])
+        try:
+            t0 = time.process_time()
+            with card, StreamedUNet(unet, plan, "cpu", memory=mem) as s:
+                outs = [_forward(fwd, kw) for _ in range(steps)]
+            cpu = (time.process_time() - t0) / steps
+        except torch.OutOfMemoryError:
+            continue
+        guarded_ok = True
+        identical = all(torch.equal(o.view(torch.int32), ref.view(torch.int32)) for o in outs)
+        peak = card.peak_bytes
+        break
+    assert plan is not None
+    first = next((b for n, b in units if plan.streamed and n == plan.streamed[0]), 0)
+    moved = (s.stats.bytes_in - first) // steps if guarded_ok and s is not None else None
+    return {
+        "stage": "sampling_stream",
+        "shape": f"{shape} mc{mc}",
+        "latent": side,
+        "card_bytes": capacity,
+        "card_holds": round(plan.resident_bytes / total, 3),
+        "plain_ok": plain_ok,
+        "guarded_ok": guarded_ok,
+        "identical": identical,
+        "attempts": tries,
+        "plan": f"{plan.label}, {sp.label}",
+        "unet_bytes": total,
+        "resident_bytes": plan.resident_bytes,
+        "buffer_bytes": plan.buffer_bytes,
+        "bytes_moved_per_step": moved,
+        "planned_bytes_per_step": plan.bytes_moved_per_step,
+        "lowvram_bytes_per_step": lowvram_bytes_per_forward(units) * plan.forwards_per_step,
+        "peak_bytes": peak,
+        "predicted_bytes": plan.predicted_peak_bytes + sp.input_bytes,
+        "cpu_ratio": round(cpu / plain_cpu, 2) if plain_cpu > 0 and guarded_ok else None,
+    }
+
+
+def plan_case(arch: str, card_gib: float, px: int, bandwidth_gb_s: float, dtype=torch.float16) -> dict:
+    """A full-size plan (nothing runs): batch 2 (cond/uncond), SDP attention."""
+    units = full_size_units(arch, torch.empty(0, dtype=dtype).element_size())
+    spec = reference_spec(arch)
+    capacity = int(card_gib * (1 << 30))
+    budget = capacity - 300 * MiB  # the WebUI's context and the VAE/text encoders moved off
+    lat = (px // 8, px // 8)
+    step = dict(batch=2, latent_hw=lat, context_tokens=77, attention="sdp", dtype=dtype)
+    mem = planner.PlanMemory()
+    sp = plan_sampling(spec, budget_bytes=budget, memory=mem, **step)
+    plan = plan_stream(units, spec, budget_bytes=budget, sampling=sp, memory=mem, **step)
+    bw = bandwidth_gb_s * GB
+    return {
+        "stage": "sampling_stream_plan",
+        "shape": f"{arch} {str(dtype).replace('torch.', '')}",
+        "px": px,
+        "card_bytes": capacity,
+        "plain_ok": sp.fits,
+        "guarded_ok": plan.fits,
+        "plan": plan.label if not sp.fits else "whole UNet resident",
+        "unet_bytes": plan.unet_bytes,
+        "resident_bytes": plan.resident_bytes if not sp.fits else plan.unet_bytes,
+        "bytes_moved_per_step": plan.bytes_moved_per_step if not sp.fits else 0,
+        "lowvram_bytes_per_step": plan.lowvram_bytes_per_step,
+        "bandwidth_gb_s": bandwidth_gb_s,
+        "modelled_copy_s_per_step": round((plan.bytes_moved_per_step if not sp.fits else 0) / bw, 3),
+        "lowvram_modelled_copy_s_per_step": round(plan.lowvram_bytes_per_step / bw, 3),
+    }
+
+
+def stream_cases(quick: bool = False, bandwidth_gb_s: float = DEFAULT_BANDWIDTH_GB_S) -> list[dict]:
+    """The streamed cases (what ``bench sampling`` adds): runs on the emulated card, then plans."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared small machine: more threads only thrash (same results)
+    try:
+        rows = []
+        runs = [("sd15", 32, 32)] if quick else [("sd15", 32, 32), ("sd15", 64, 32), ("sdxl", 64, 32)]
+        for shape, mc, side in runs:
+            for fraction in (1 / 3, 1 / 2, 2 / 3):
+                rows.append(run_case(shape, mc, side, fraction))
+        f32, f16 = torch.float32, torch.float16
+        plans = [("sd15", 3.0, 512, f32), ("sdxl", 4.0, 1024, f16)]
+        if not quick:
+            plans += [("sd15", 4.0, 1536, f32), ("sdxl", 6.0, 1024, f16), ("sdxl", 4.0, 768, f16)]
+        for arch, gib, px, dt in plans:
+            rows.append(plan_case(arch, gib, px, bandwidth_gb_s, dt))
+        return rows
+    finally:
+        torch.set_num_threads(n)
+
+
+def _mib(v) -> str:
+    return "-" if v is None else f"{v / MiB:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        "| case | card MiB | plain | guarded | bit-identical | UNet MiB | resident MiB | "
+        "MiB/step | --lowvram MiB/step | ratio | note |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        moved, low = r["bytes_moved_per_step"], r["lowvram_bytes_per_step"]
+        ratio = "-" if moved is None or not low else f"{moved / low:.2f}"
+        case = f"{r['shape']} {r.get('latent', r.get('px'))}" + ("" if "latent" not in r else " lat")
+        if "card_holds" in r:
+            note = f"{r['attempts']} attempt(s); CPU x{r['cpu_ratio']}"
+        else:
+            note = (
+                f"copies {r['modelled_copy_s_per_step']} s vs {r['lowvram_modelled_copy_s_per_step']} s "
+                f"per step at {r['bandwidth_gb_s']:g} GB/s (model)"
+            )
+        lines.append(
+            f"| {case} | {r['card_bytes'] / MiB:.0f} | {'ok' if r['plain_ok'] else 'OOM'} | "
+            f"{'ok' if r['guarded_ok'] else 'OOM'} | {r.get('identical', '-')} | {_mib(r['unet_bytes'])} | "
+            f"{_mib(r['resident_bytes'])} | {_mib(moved)} | {_mib(low)} | {ratio} | {note} |"
+        )
+    return "\n".join(lines)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="one reduced UNet, two plans (a few minutes)")
+    parser.add_argument("--json", action="store_true", help="print one JSON record per case")
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        default=DEFAULT_BANDWIDTH_GB_S,
+        help="host<->device GB/s for the modelled copy time (default 12: PCIe 3.0 x16, pinned)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0.1 <= args.bandwidth <= 1000:
+        print(f"`--bandwidth` must be in 0.1..1000 GB/s, got {args.bandwidth}", file=sys.stderr)
+        return 2
+    rows = stream_cases(args.quick, args.bandwidth)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    else:
+        print(table(rows))
+    return 0

@@ -1,0 +1,69 @@
+"""The sampling stage: the memory of the UNet's forward, its plan, and micro-batching.
+
+Public API:
+
+* :class:`UNetSpec`, :func:`unet_spec` (from a live ldm/sgm ``UNetModel``, duck-typed),
+  :func:`reference_spec` (``"sd15"``, ``"sd2"``, ``"sdxl"``: no weights, no ldm).
+* :data:`ATTENTIONS`, :func:`attention_of`: the WebUI's cross-attention optimizations.
+* :func:`estimate_sampling` -> :class:`SamplingEstimate`: closed-form weights, activations and
+  peak of one UNet forward (no fitted factors; checked against the real ldm ``UNetModel`` on fake
+  tensors in ``tests/test_sampling_estimate.py``).
+* :func:`plan_sampling` -> :class:`SamplingPlan`: the largest micro-batch that fits a budget,
+  through :data:`lib_vram.planning.planner.MEMORY`; a one-line suggestion when nothing fits.
+* :func:`micro_batched`: a forward that splits its batch, halving it on an out-of-memory error.
+* :func:`plan_stream` -> :class:`StreamPlan`, :class:`StreamedUNet`: when the step does not fit
+  even at micro-batch 1, keep the largest UNet units resident within the budget and stream the
+  others with prefetch (``_stream.py``); :func:`unit_bytes`, :func:`lowvram_bytes_per_forward`.
+
+The package never imports ``ldm``, ``sgm`` or the WebUI.
+"""
+
+from __future__ import annotations
+
+from ._attention import ATTENTIONS, attention_of
+from ._estimate import MAX_BATCH, MAX_LATENT_SIDE, SamplingEstimate, estimate_sampling
+from ._micro import MicroBatched, micro_batched
+from ._plan import SamplingPlan, plan_sampling, sampling_key, suggest
+from ._spec import REFERENCES, UNetSpec, param_count, reference_spec, unet_spec
+from ._stream import (
+    UNIT_PARTS,
+    StreamedUNet,
+    StreamPlan,
+    StreamStats,
+    choose_resident,
+    lowvram_bytes_per_forward,
+    lowvram_step_seconds,
+    plan_stream,
+    unet_units,
+    unit_bytes,
+)
+
+__all__ = [
+    "ATTENTIONS",
+    "MAX_BATCH",
+    "MAX_LATENT_SIDE",
+    "REFERENCES",
+    "MicroBatched",
+    "SamplingEstimate",
+    "SamplingPlan",
+    "UNIT_PARTS",
+    "StreamPlan",
+    "StreamStats",
+    "StreamedUNet",
+    "UNetSpec",
+    "attention_of",
+    "choose_resident",
+    "lowvram_bytes_per_forward",
+    "lowvram_step_seconds",
+    "plan_stream",
+    "unet_units",
+    "unit_bytes",
+    "estimate_sampling",
+    "micro_batched",
+    "param_count",
+    "plan_sampling",
+    "reference_spec",
+    "sampling_key",
+    "suggest",
+    "unet_spec",
+]

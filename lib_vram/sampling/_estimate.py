@@ -1,0 +1,317 @@
+"""Closed-form memory of one UNet forward (the sampling stage's step).
+
+The walk follows ldm's ``UNetModel.forward`` (openaimodel layout; sgm's is the same) and counts each
+tensor as the forward holds it at each moment: the timestep embedding; every input block's output
+(the skip connections, held until the up path pops them); inside a block, its input (held by the
+caller) and its temporaries (a ResBlock's normalised copy, SiLU, convolutions, the embedding sum and
+the skip branch; a SpatialTransformer's normalised copy, projections and contiguous copies; each
+BasicTransformerBlock's LayerNorm outputs, residual sums and the GEGLU feed-forward's 8x/4x/4x
+temporaries; the attention as :mod:`._attention` models it); on the up path the concatenation
+with the popped skip; upsampling's 2x copy. No fitted factors.
+
+Not counted: tensors of a few bytes per sample (the embedding's temporaries, LayerNorm/GroupNorm
+statistics), framework workspaces besides the convolution term of
+:data:`lib_vram.core.predict.WORKSPACE_TERMS`, allocator rounding. In half precision ldm's
+``GroupNorm32`` normalises a float32 copy (counted); autocast's float32 outputs of LayerNorm and
+softmax are not (the model is counted at its own dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lib_vram.core.livebytes import itemsize
+from lib_vram.core.predict import WORKSPACE_TERMS
+
+from ._attention import ATTENTIONS, Walk, attend
+from ._spec import UNetSpec
+
+MAX_BATCH = 64
+"""The largest UNet batch estimated or planned (the WebUI's batch size x batch count bound is 8 x
+2 for cond/uncond... a larger value is certainly a mistake)."""
+MAX_LATENT_SIDE = 2048
+"""The largest latent side (16384 px, the CLI's largest image side) estimated."""
+MAX_CONTEXT_TOKENS = 77 * 64
+
+
+@dataclass(frozen=True)
+class SamplingEstimate:
+    """The predicted memory of one UNet forward, in bytes."""
+
+    weights_bytes: int
+    """The UNet's parameters at the compute dtype (resident before the stage)."""
+    activation_bytes: int
+    """Peak of what the forward allocates above the weights and its inputs (output included)."""
+    peak_bytes: int
+    """``weights_bytes + input_bytes + activation_bytes``."""
+    input_bytes: int = 0
+    """The forward's inputs: the latent batch, the timesteps, the context (and ``y``)."""
+    refused: str | None = None
+    """Set when the host's attention would refuse at this size (Doggettx: over 64 slices)."""
+
+
+def _check(batch: int, latent_hw: tuple[int, int], context_tokens: int, attention: str) -> tuple[int, int]:
+    if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= MAX_BATCH:
+        raise ValueError(f"`batch` must be an integer in 1..{MAX_BATCH}, got {batch!r}")
+    try:
+        h, w = (int(v) for v in latent_hw)
+    except (TypeError, ValueError):
+        raise ValueError(f"`latent_hw` must be (height, width) in latent pixels, got {latent_hw!r}") from None
+    if not (1 <= h <= MAX_LATENT_SIDE and 1 <= w <= MAX_LATENT_SIDE):
+        raise ValueError(f"`latent_hw` sides must be in 1..{MAX_LATENT_SIDE}, got {latent_hw!r}")
+    if not isinstance(context_tokens, int) or not 1 <= context_tokens <= MAX_CONTEXT_TOKENS:
+        raise ValueError(
+            f"`context_tokens` must be an integer in 1..{MAX_CONTEXT_TOKENS}, got {context_tokens!r}"
+        )
+    if attention not in ATTENTIONS:
+        raise ValueError(f"`attention` must be one of {ATTENTIONS}, got {attention!r}")
+    return h, w
+
+
+class _UNetWalk:
+    def __init__(self, spec: UNetSpec, b: int, m: int, attention: str, s: int, backend: str, w: Walk) -> None:
+        self.spec, self.b, self.m, self.attention, self.s, self.backend, self.w = (
+            spec,
+            b,
+            m,
+            attention,
+            s,
+            backend,
+            w,
+        )
+        self.ws_term = WORKSPACE_TERMS.get(backend)
+
+    def conv(self, cin: int, cout: int, k: int, hw_in: tuple[int, int], hw_out: tuple[int, int]) -> int:
+        b, s = self.b, self.s
+        out = self.w.hold(b * cout * hw_out[0] * hw_out[1] * s)
+        if self.ws_term is not None:
+            ws = self.ws_term(
+                (b, cin, hw_in[0], hw_in[1]), (cout, cin, k, k), (b, cout, hw_out[0], hw_out[1]), s, True
+            )
+            self.w.moment(ws)
+        return out
+
+    def groupnorm(self, c: int, px: int) -> int:
+        """ldm's GroupNorm32: ``group_norm(x.float()).type(x.dtype)``."""
+        w, u = self.w, self.b * px
+        if self.s == 4:
+            return w.hold(c * u * 4)
+        f = w.hold(c * u * 4)
+        o = w.hold(c * u * 4)
+        w.drop(f)
+        t = w.hold(c * u * self.s)
+        w.drop(o)
+        return t
+
+    def resblock(self, cin: int, cout: int, hw: tuple[int, int]) -> int:
+        w, u, s = self.w, self.b * hw[0] * hw[1], self.s
+        n1 = self.groupnorm(cin, hw[0] * hw[1])
+        a1 = w.hold(cin * u * s)
+        w.drop(n1)
+        c1 = self.conv(cin, cout, 3, hw, hw)
+        w.drop(a1)
+        h2 = w.hold(cout * u * s)  # h + emb_out
+        w.drop(c1)
+        n2 = self.groupnorm(cout, hw[0] * hw[1])
+        a2 = w.hold(cout * u * s)
+        w.drop(n2)
+        c2 = self.conv(cout, cout, 3, hw, hw)
+        w.drop(a2, h2)
+        sk = self.conv(cin, cout, 1, hw, hw) if cin != cout else 0
+        out = w.hold(cout * u * s)
+        w.drop(sk, c2)
+        return out
+
+    def transformer(self, c: int, depth: int, heads: int, hw: tuple[int, int]) -> int:
+        if depth == 0:
+            return 0
+        w, s, px = self.w, self.s, hw[0] * hw[1]
+        u = self.b * px
+        n = self.groupnorm(c, px)
+        if self.spec.use_linear:
+            cc = w.hold(c * u * s)  # b c h w -> b (h w) c, contiguous
+            w.drop(n)
+            x = w.hold(c * u * s)  # proj_in
+            w.drop(cc)
+        else:
+            p = self.conv(c, c, 1, hw, hw)
+            w.drop(n)
+            x = w.hold(c * u * s)
+            w.drop(p)
+        for _ in range(depth):
+            x2 = self.block(c, heads, px, x)
+            w.drop(x)
+            x = x2
+        if self.spec.use_linear:
+            o = w.hold(c * u * s)
+            w.drop(x)
+            r = w.hold(c * u * s)
+            w.drop(o)
+        else:
+            cc = w.hold(c * u * s)
+            w.drop(x)
+            r = self.conv(c, c, 1, hw, hw)
+            w.drop(cc)
+        out = w.hold(c * u * s)  # x + x_in
+        w.drop(r)
+        return out
+
+    def block(self, d: int, heads: int, n: int, x0: int) -> int:
+        """One BasicTransformerBlock on tokens of width ``d`` (its input ``x0`` is held by the
+        caller throughout). Returns its output's bytes (held)."""
+        w, s, u = self.w, self.s, self.b * n
+        t = d * u * s
+        kw = dict(batch=self.b, tokens=n, query_dim=d, heads=heads, s=s, backend=self.backend)
+        n1 = w.hold(t)
+        a1 = attend(w, self.attention, ctx_tokens=n, ctx_dim=d, self_attn=True, **kw)
+        w.drop(n1)
+        x1 = w.hold(t)
+        w.drop(a1)
+        n2 = w.hold(t)
+        a2 = attend(
+            w, self.attention, ctx_tokens=self.m, ctx_dim=self.spec.context_dim, self_attn=False, **kw
+        )
+        w.drop(n2)
+        x2 = w.hold(t)
+        w.drop(a2, x1)
+        n3 = w.hold(t)
+        p = w.hold(8 * t)  # GEGLU's projection (value and gate)
+        g = w.hold(4 * t)  # gelu(gate)
+        o = w.hold(4 * t)  # value * gelu(gate)
+        w.drop(p, g)
+        f = w.hold(t)
+        w.drop(o, n3)
+        x3 = w.hold(t)
+        w.drop(f, x2)
+        del x0
+        return x3
+
+    def forward(self, hw: tuple[int, int]) -> None:
+        spec, w, b, s = self.spec, self.w, self.b, self.s
+        mc = spec.model_channels
+        emb = w.hold(b * 4 * mc * s)
+        h0, w0 = hw
+        cur = (h0, w0)
+        skips: list[tuple[int, int]] = []  # (bytes, channels)
+        hcur = self.conv(spec.in_channels, mc, 3, cur, cur)
+        skips.append((hcur, mc))
+        ch = mc
+        for lv in range(spec.levels):
+            for _ in range(spec.num_res_blocks[lv]):
+                r = self.resblock(ch, spec.channels(lv), cur)
+                ch = spec.channels(lv)
+                t = self.transformer(ch, spec.depth[lv], spec.heads[lv], cur)
+                if t:
+                    w.drop(r)
+                    r = t
+                skips.append((r, ch))
+            if lv != spec.levels - 1:
+                nxt = ((cur[0] + 1) // 2, (cur[1] + 1) // 2)
+                d = self.conv(ch, ch, 3, cur, nxt)
+                cur = nxt
+                skips.append((d, ch))
+        # middle block: its input is the last skip (held)
+        r1 = self.resblock(ch, ch, cur)
+        t = self.transformer(ch, spec.depth_middle, spec.heads_middle, cur)
+        if t:
+            w.drop(r1)
+            r1 = t
+        r2 = self.resblock(ch, ch, cur)
+        w.drop(r1)
+        h = r2
+        for lv in reversed(range(spec.levels)):
+            for i in range(spec.num_res_blocks[lv] + 1):
+                sk, skc = skips.pop()
+                cat = w.hold(b * (ch + skc) * cur[0] * cur[1] * s)
+                w.drop(h, sk)
+                r = self.resblock(ch + skc, spec.channels(lv), cur)
+                ch = spec.channels(lv)
+                t = self.transformer(ch, spec.depth[lv], spec.heads[lv], cur)
+                if t:
+                    w.drop(r)
+                    r = t
+                if lv and i == spec.num_res_blocks[lv]:
+                    up = (cur[0] * 2, cur[1] * 2)
+                    x2 = w.hold(b * ch * up[0] * up[1] * s)  # nearest 2x
+                    c = self.conv(ch, ch, 3, up, up)
+                    w.drop(x2, r)
+                    cur = up
+                    r = c
+                w.drop(cat)
+                h = r
+        n = self.groupnorm(mc, cur[0] * cur[1])
+        a = w.hold(b * mc * cur[0] * cur[1] * s)
+        w.drop(n)
+        out = self.conv(mc, spec.out_channels, 3, cur, cur)
+        w.drop(a, h, emb)
+        del out
+
+
+def activation_bytes(
+    spec: UNetSpec,
+    *,
+    batch: int,
+    latent_hw: tuple[int, int],
+    context_tokens: int,
+    attention: str,
+    dtype: torch.dtype,
+    free_bytes: int | None = None,
+    backend: str = "cuda",
+) -> tuple[int, str | None]:
+    """Peak bytes one UNet forward allocates (its output included), and the attention's refusal."""
+    h, w = _check(batch, latent_hw, context_tokens, attention)
+    walk = Walk(free_bytes)
+    _UNetWalk(spec, batch, context_tokens, attention, itemsize(dtype), backend, walk).forward((h, w))
+    return walk.peak, walk.refused
+
+
+def weights_bytes(spec: UNetSpec, dtype: torch.dtype) -> int:
+    return spec.params * itemsize(dtype)
+
+
+def input_bytes(
+    spec: UNetSpec, batch: int, latent_hw: tuple[int, int], context_tokens: int, dtype: torch.dtype
+) -> int:
+    s = itemsize(dtype)
+    h, w = latent_hw
+    x = batch * spec.in_channels * h * w * s
+    ctx = batch * context_tokens * spec.context_dim * s
+    return x + ctx + batch * 4 + batch * spec.adm_in_channels * s
+
+
+def estimate_sampling(
+    spec: UNetSpec,
+    *,
+    batch: int,
+    latent_hw: tuple[int, int],
+    context_tokens: int,
+    attention: str,
+    dtype: torch.dtype,
+    free_bytes: int | None = None,
+    backend: str = "cuda",
+) -> SamplingEstimate:
+    """The memory of one UNet forward of ``batch`` samples (the WebUI batches cond and uncond and
+    the images into one forward: ``batch = 2 x images`` by default) on a ``latent_hw`` latent with
+    ``context_tokens`` context tokens (77 per prompt chunk), at ``dtype``, with ``attention`` as the
+    WebUI applies it (see :data:`ATTENTIONS`).
+
+    ``free_bytes``: the free memory when the forward starts (weights resident), which Doggettx,
+    InvokeAI (CUDA) and sub-quadratic size their slices from (``None``: unlimited, one slice).
+    ``backend``: ``"cuda"`` (default: the WebUI's target; no convolution scratch counted, SDP on
+    flash/memory-efficient kernels, see :func:`._attention.flash_kernel`) or ``"cpu"`` (oneDNN's
+    convolution scratch, InvokeAI's fixed 32 MiB slices)."""
+    act, refused = activation_bytes(
+        spec,
+        batch=batch,
+        latent_hw=latent_hw,
+        context_tokens=context_tokens,
+        attention=attention,
+        dtype=dtype,
+        free_bytes=free_bytes,
+        backend=backend,
+    )
+    wb = weights_bytes(spec, dtype)
+    ib = input_bytes(spec, batch, latent_hw, context_tokens, dtype)
+    return SamplingEstimate(wb, act, wb + ib + act, ib, refused)

@@ -1,0 +1,290 @@
+"""The sampling stage's plan: the largest UNet micro-batch whose predicted peak fits the budget.
+
+Candidates are the micro-batches ``m = B .. 1`` of one forward; the peak of each is the UNet's
+weights, what else is resident, the forward's inputs (the whole batch: the sampler holds it), the
+activations of a forward of ``m`` samples (:func:`estimate_sampling`) and the outputs of the
+chunks done so far plus their concatenation. The choice goes through
+:data:`lib_vram.planning.planner.MEMORY` (keyed by the UNet's signature, the input shape, the
+attention, the dtype and a budget bucket): a micro-batch that ran out of memory is not chosen
+again for that key (:func:`micro_batched` reports it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from lib_vram.core.livebytes import itemsize
+from lib_vram.planning import planner
+
+from ._estimate import SamplingEstimate, estimate_sampling, input_bytes, weights_bytes
+from ._spec import UNetSpec
+
+MiB = 1 << 20
+BUDGET_BUCKET = 256 * MiB
+"""Budgets within one bucket share what the planner memory learned."""
+MAX_BUDGET = 1 << 50
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """How one sampling step's UNet forward runs, and its predicted peak."""
+
+    micro_batch: int
+    """Samples per UNet forward (``batch`` when the whole batch runs at once)."""
+    predicted_peak_bytes: int
+    """Weights + resident + inputs + activations at ``micro_batch`` (learned corrections applied)."""
+    activation_bytes: int
+    """The forward's activations at ``micro_batch`` plus the chunks' outputs held (above weights,
+    resident bytes and inputs)."""
+    weights_bytes: int
+    fits: bool
+    label: str
+    """``"micro-batch 2 of 4"``, or ``"batch 4 in one forward"``."""
+    suggestion: str | None
+    """When nothing fits: one line with the largest image size that fits and the largest batch at
+    the asked size (or none)."""
+    key: tuple
+    """The planner-memory key :func:`micro_batched` reports under."""
+    batch: int = 1
+    budget_bytes: int = 0
+    resident_bytes: int = 0
+    input_bytes: int = 0
+    attention: str = ""
+    candidates: tuple[planner.Candidate, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def sampling_key(
+    spec: UNetSpec,
+    batch: int,
+    latent_hw: tuple[int, int],
+    context_tokens: int,
+    attention: str,
+    dtype: torch.dtype,
+    budget_bytes: int,
+) -> tuple:
+    """The planner-memory key of a sampling step (one per budget bucket of :data:`BUDGET_BUCKET`)."""
+    h, w = latent_hw
+    shape = (batch, spec.in_channels, h, w)
+    return planner.plan_key(
+        "sample",
+        spec.signature(),
+        shape,
+        dtype,
+        attention,
+        int(context_tokens),
+        int(budget_bytes) // BUDGET_BUCKET,
+    )
+
+
+_PEAKS: OrderedDict[Hashable, dict[int, int]] = OrderedDict()
+_PEAKS_LOCK = threading.Lock()
+
+
+def _remember(key: Hashable, peaks: dict[int, int]) -> None:
+    with _PEAKS_LOCK:
+        _PEAKS[key] = peaks
+        _PEAKS.move_to_end(key)
+        while len(_PEAKS) > 64:
+            _PEAKS.popitem(last=False)
+
+
+def candidate_for(key: Hashable, micro_batch: int) -> planner.Candidate | None:
+    """The candidate a recent :func:`plan_sampling` made for ``micro_batch`` under ``key``."""
+    with _PEAKS_LOCK:
+        peak = _PEAKS.get(key, {}).get(micro_batch)
+    return None if peak is None else _candidate(micro_batch, peak)
+
+
+def _candidate(m: int, peak: int) -> planner.Candidate:
+    return planner.Candidate(f"micro-batch {m}", int(peak), None, m)
+
+
+def _outputs(spec: UNetSpec, batch: int, m: int, latent_hw: tuple[int, int], s: int) -> int:
+    """The chunks' outputs held while the last chunk runs, or during their concatenation."""
+    if m >= batch:
+        return 0
+    one = spec.out_channels * latent_hw[0] * latent_hw[1] * s
+    return max((batch - m) * one, 2 * batch * one)
+
+
+def _peaks(
+    spec: UNetSpec,
+    batch: int,
+    latent_hw: tuple[int, int],
+    context_tokens: int,
+    attention: str,
+    dtype: torch.dtype,
+    budget: int,
+    resident: int,
+    backend: str,
+) -> tuple[dict[int, int], dict[int, SamplingEstimate], int, int]:
+    wb = weights_bytes(spec, dtype)
+    ib = input_bytes(spec, batch, latent_hw, context_tokens, dtype)
+    free = max(0, budget - wb - resident - ib)
+    s = itemsize(dtype)
+    peaks, ests = {}, {}
+    for m in range(batch, 0, -1):
+        est = estimate_sampling(
+            spec,
+            batch=m,
+            latent_hw=latent_hw,
+            context_tokens=context_tokens,
+            attention=attention,
+            dtype=dtype,
+            free_bytes=free,
+            backend=backend,
+        )
+        act = est.activation_bytes + _outputs(spec, batch, m, latent_hw, s)
+        peak = wb + resident + ib + act
+        if est.refused:
+            peak = max(peak, budget + 1)  # the host's attention raises: never a fitting plan
+        peaks[m] = peak
+        ests[m] = est
+    return peaks, ests, wb, ib
+
+
+def _label(m: int, batch: int) -> str:
+    return f"batch {batch} in one forward" if m >= batch else f"micro-batch {m} of {batch}"
+
+
+def plan_sampling(
+    spec: UNetSpec,
+    *,
+    batch: int,
+    latent_hw: tuple[int, int],
+    context_tokens: int,
+    attention: str,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    resident_bytes: int = 0,
+    backend: str = "cuda",
+    memory: planner.PlanMemory | None = None,
+) -> SamplingPlan:
+    """The micro-batch one sampling step runs and its predicted peak (see the module docstring).
+
+    Args:
+        batch: samples of the host's UNet forward (``2 x images`` with CFG: cond and uncond).
+        budget_bytes: device memory the stage may use in all (the card's free memory with nothing
+            of the job on it, minus the safety margin): the UNet's weights, ``resident_bytes``
+            (other models left on the card) and the step's inputs and activations.
+        backend: see :func:`estimate_sampling`.
+        memory: the planner memory consulted (default :data:`lib_vram.planning.planner.MEMORY`).
+    """
+    if not isinstance(budget_bytes, int) or not 0 <= budget_bytes <= MAX_BUDGET:
+        raise ValueError(f"`budget_bytes` must be an integer in 0..{MAX_BUDGET}, got {budget_bytes!r}")
+    if not isinstance(resident_bytes, int) or not 0 <= resident_bytes <= MAX_BUDGET:
+        raise ValueError(f"`resident_bytes` must be an integer in 0..{MAX_BUDGET}, got {resident_bytes!r}")
+    mem = planner.MEMORY if memory is None else memory
+    peaks, ests, wb, ib = _peaks(
+        spec, batch, latent_hw, context_tokens, attention, dtype, budget_bytes, resident_bytes, backend
+    )
+    key = sampling_key(spec, batch, latent_hw, context_tokens, attention, dtype, budget_bytes)
+    _remember(key, peaks)
+    cands = [_candidate(m, p) for m, p in peaks.items()]
+    adjusted = mem.adjust(key, cands)
+    choice = planner.choose(adjusted, budget_bytes, 0)
+    notes: list[str] = []
+    if choice.fits:
+        m = choice.candidate.batch
+        naive = planner.choose(cands, budget_bytes, 0).candidate.batch
+        if naive != m:
+            notes.append(f"micro-batch {m} instead of {naive}: learned from an earlier out-of-memory error")
+    else:
+        # nothing fits: the smallest micro-batch is the step's best chance
+        m = 1
+    peak = int(peaks[m] * mem.ratio(key))
+    act = peak - wb - resident_bytes - ib
+    fits = choice.fits
+    suggestion = None
+    if not fits:
+        suggestion = suggest(
+            spec,
+            batch=batch,
+            latent_hw=latent_hw,
+            context_tokens=context_tokens,
+            attention=attention,
+            dtype=dtype,
+            budget_bytes=budget_bytes,
+            resident_bytes=resident_bytes,
+            backend=backend,
+        )
+        if ests[m].refused:
+            notes.append(ests[m].refused)
+    return SamplingPlan(
+        micro_batch=m,
+        predicted_peak_bytes=peak,
+        activation_bytes=act,
+        weights_bytes=wb,
+        fits=fits,
+        label=_label(m, batch),
+        suggestion=suggestion,
+        key=key,
+        batch=batch,
+        budget_bytes=budget_bytes,
+        resident_bytes=resident_bytes,
+        input_bytes=ib,
+        attention=attention,
+        candidates=tuple(cands),
+        notes=tuple(notes),
+    )
+
+
+def _fits_at(spec: UNetSpec, batch: int, hw: tuple[int, int], kw: dict, budget: int, resident: int) -> bool:
+    peaks, _, _, _ = _peaks(
+        spec, batch, hw, kw["context_tokens"], kw["attention"], kw["dtype"], budget, resident, kw["backend"]
+    )
+    return peaks[1] <= budget
+
+
+def suggest(
+    spec: UNetSpec,
+    *,
+    batch: int,
+    latent_hw: tuple[int, int],
+    context_tokens: int,
+    attention: str,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    resident_bytes: int = 0,
+    backend: str = "cuda",
+) -> str:
+    """One line for a step that does not fit: what it needs and has, the largest image (pixels,
+    multiples of 64, the same aspect) that fits at micro-batch 1, and the largest batch that fits
+    at the asked size (or that none does)."""
+    kw = dict(context_tokens=context_tokens, attention=attention, dtype=dtype, backend=backend)
+    h, w = latent_hw
+    peaks, _, wb, _ = _peaks(
+        spec, batch, latent_hw, context_tokens, attention, dtype, budget_bytes, resident_bytes, backend
+    )
+    need = peaks[1]
+    head = (
+        f"sampling {w * 8}x{h * 8} px needs {need / MiB:.0f} MiB at micro-batch 1 "
+        f"(UNet weights {wb / MiB:.0f} MiB), the card offers {budget_bytes / MiB:.0f} MiB"
+    )
+    if wb + resident_bytes >= budget_bytes:
+        return head + ": the UNet's weights alone do not fit; no size or batch does"
+    size = None
+    side = max(h, w)
+    # the longer side in steps of 8 latent px (64 px); the shorter keeps the aspect
+    for long_lat in range((side // 8) * 8, 7, -8):
+        if long_lat >= side:
+            continue
+        short = max(8, int(round(min(h, w) * long_lat / side / 8)) * 8)
+        hw = (long_lat, short) if h >= w else (short, long_lat)
+        if _fits_at(spec, 1, hw, kw, budget_bytes, resident_bytes):
+            size = hw
+            break
+    best_b = None
+    for b in range(batch - 1, 0, -1):
+        if _fits_at(spec, b, latent_hw, kw, budget_bytes, resident_bytes):
+            best_b = b
+            break
+    size_txt = f"{size[1] * 8}x{size[0] * 8} px fits at batch 1" if size else "no size fits"
+    batch_txt = f"a batch of {best_b} fits at this size" if best_b else "no batch fits at this size"
+    return f"{head}: {size_txt}; {batch_txt}"

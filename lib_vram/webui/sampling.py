@@ -1,0 +1,487 @@
+"""The sampling stage inside the WebUI: plan each pass, make room, micro-batch, or stop early.
+
+Before each sampling pass (``process_before_every_sampling``: the first pass, the hires pass,
+img2img) :meth:`SamplingGuard.before` plans the pass with :func:`lib_vram.sampling.plan_sampling`
+from the live UNet (:func:`~lib_vram.sampling.unet_spec`), the batch the sampler feeds it (the
+images of the batch, twice with ``opts.batch_cond_uncond``: cond and uncond in one forward), the
+latent the pass starts from, the conditioning's tokens, the cross-attention optimization the
+WebUI applied (``sd_hijack.model_hijack.optimization_method``), the UNet's dtype and the free
+memory now. Then, in this order:
+
+1. the whole batch fits with everything where it is: nothing changes (the UNet's forward is
+   wrapped, but calls straight through; see 4);
+2. it fits only in micro-batches: the UNet's forward (an instance attribute on
+   ``sd_model.model.diffusion_model``) runs the batch in chunks
+   (:func:`~lib_vram.sampling.micro_batched`): each sample's result is the one of the whole batch
+   (every layer of the UNet computes each sample from that sample alone);
+3. it does not fit even at micro-batch 1 with them there: the VAE (not while live previews decode
+   with the full VAE on another thread during sampling: it stays) and the text encoders (the
+   conditioning is computed by now; not with a Refiner or a hires checkpoint, which switch models
+   and compute new conditioning mid-job) leave the card for the pass, when the plan then fits.
+   They come back at the pass's end, on an error, and as soon as anything runs one of their
+   modules (the hires pass's conditioning, an inpainting model's image conditioning, a decode);
+4. nothing fits: the first call of the UNet raises :class:`SamplingOutOfMemory` (the WebUI
+   swallows errors raised in ``process_before_every_sampling`` itself), whose one line says what
+   the pass needs, what the card has and what would fit; nothing is moved or left patched.
+
+The wrapper also reacts to an out-of-memory error the plan did not foresee: the micro-batch halves
+(:func:`~lib_vram.sampling.micro_batched`), and an error even at micro-batch 1 in the pass's first
+step moves the VAE and text encoders off (when they may move) and runs the step again.
+
+Nothing happens with ``--medvram``/``--lowvram`` (``sd_model.lowvram``: the host moves the UNet
+itself), on Forge (its memory manager owns the UNet), for a UNet that is not an ldm/sgm
+``UNetModel``, or when 'Guard sampling' is off.
+
+The patch is undone at the end of the pass (the job's next stage or boundary), on an error (the
+job's close), at the next run and on script unload; when another extension wrapped the same
+forward after us (ControlNet does), ours turns into a pass-through under theirs and a warning says
+so once.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lib_vram.core import emulate
+from lib_vram.core.device import free_bytes, is_oom_error, release
+
+from .patching import patch_attr
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+DEFAULT_TOKENS = 77
+"""Context tokens when the conditioning does not tell (one prompt chunk: 75 + 2)."""
+
+
+class SamplingOutOfMemory(RuntimeError):
+    """Nothing VRAM Guard can do fits the sampling pass: one line saying what it needs, what the
+    card has and what would fit. Contains "out of memory" so that
+    :func:`lib_vram.core.device.is_oom_error` (and a user searching the log) recognise it."""
+
+
+@dataclass
+class PassPlan:
+    """What :meth:`SamplingGuard.before` decided for one pass (readout, infotext, tests)."""
+
+    stage: str
+    batch: int
+    latent_hw: tuple[int, int]
+    context_tokens: int
+    attention: str
+    dtype: torch.dtype
+    budget_bytes: int
+    plan: Any
+    """The :class:`lib_vram.sampling.SamplingPlan` in force."""
+    moved: str = ""
+    """Names of the parts moved off the card for the pass ("" when none)."""
+    error: str | None = None
+    """The named error's line when nothing fits."""
+    stream: Any = None
+    """The :class:`lib_vram.webui.stream.StreamPass` when the UNet streams for this pass."""
+
+    @property
+    def changed(self) -> bool:
+        """VRAM Guard changed how the pass runs (micro-batches, moves or streaming)."""
+        return self.plan.micro_batch < self.batch or bool(self.moved) or self.stream is not None
+
+    def label(self) -> str:
+        parts = [self.plan.label if self.plan.micro_batch < self.batch else f"batch {self.batch}"]
+        if self.moved:
+            parts.append(f"{self.moved} off the card")
+        if self.stream is not None:
+            parts.append(self.stream.label)
+        return ", ".join(parts)
+
+
+def context_tokens(*conds: Any) -> int:
+    """The longest token count of the WebUI's conditioning objects (``c``/``uc`` of
+    ``process_before_every_sampling``: a ``MulticondLearnedConditioning`` or a list of
+    ``ScheduledPromptConditioning`` schedules; SD1/2: a ``[tokens, dim]`` tensor, SDXL: a dict
+    with ``crossattn``). :data:`DEFAULT_TOKENS` when none is found."""
+    best = 0
+    for c in conds:
+        n = _tokens(c, depth=0)
+        best = max(best, n or 0)
+    return best or DEFAULT_TOKENS
+
+
+def _tokens(obj: Any, depth: int) -> int | None:
+    if depth > 6 or obj is None:
+        return None
+    if isinstance(obj, torch.Tensor):
+        return int(obj.shape[-2]) if obj.dim() >= 2 else None
+    if isinstance(obj, dict):
+        if "crossattn" in obj:
+            return _tokens(obj["crossattn"], depth + 1)
+        return None
+    if isinstance(obj, (list, tuple)):
+        found = [_tokens(o, depth + 1) for o in obj[:8]]
+        found = [n for n in found if n]
+        return max(found) if found else None
+    for attr in ("batch", "schedules", "cond"):
+        if hasattr(obj, attr):
+            return _tokens(getattr(obj, attr), depth + 1)
+    return None
+
+
+class SamplingGuard:
+    """The sampling stage of one :class:`~lib_vram.webui.job.Job` (see the module docstring)."""
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self.stack: ExitStack | None = None
+        self.current: PassPlan | None = None
+        self.passes: list[PassPlan] = []
+        self._patch: Any = None
+        self._dm: Any = None
+        self._idle: Any = None
+
+    # -- the pass ----------------------------------------------------------------------------
+    def before(self, p: Any, stage: str, *, x: Any = None, c: Any = None, uc: Any = None) -> PassPlan | None:
+        """Plan the pass that starts now; make room, install the wrapper (see the module
+        docstring). Never raises for a planning problem: the pass then runs as the WebUI runs it."""
+        self.end()
+        from .stream import restore_pending
+
+        restore_pending()  # a streamed UNet whose move back could not fit at its pass's end
+        job = self.job
+        model = job.current_model()
+        skip = self._skip_reason(model)
+        if skip is not None:
+            logger.debug("VRAM Guard: %s not guarded: %s", stage, skip)
+            return None
+        dm = job.host.unet_of(model).diffusion_model
+        try:
+            planned = self._plan(p, stage, model, dm, x, c, uc)
+        except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
+            if is_oom_error(exc):
+                raise
+            job.warn_once(
+                f"sampling-plan-{type(exc).__name__}", f"VRAM Guard: {stage}: no sampling plan ({exc})"
+            )
+            return None
+        self.current = planned
+        self.passes.append(planned)
+        self.stack = ExitStack()
+        job.stack.callback(self.end)
+        try:
+            if planned.moved and self._idle is not None:
+                self._move_off(stage, "the sampling plan does not fit with them there")
+            if planned.stream is not None:
+                planned.stream.enter(self.stack)
+                job.note(f"VRAM Guard: {stage.replace('_', ' ')}: {planned.stream.describe()}")
+            self._install(dm, planned)
+        except BaseException:
+            self.end()
+            raise
+        self._record(planned)
+        return planned
+
+    def end(self) -> None:
+        """Undo the pass's patch and bring moved parts back (idempotent; the job's next stage or
+        boundary, its close, the next pass)."""
+        patch, dm = self._patch, self._dm
+        stack, self.stack = self.stack, None
+        self._patch = self._dm = None
+        try:
+            if patch is not None and dm is not None and dm.__dict__.get("forward") is not patch:
+                self.job.warn_once(
+                    "sampling-foreign-forward",
+                    "VRAM Guard: another extension wrapped the UNet's forward after VRAM Guard "
+                    "(ControlNet?); VRAM Guard's wrapper stays under it as a pass-through",
+                )
+            if stack is not None:
+                stack.close()
+        finally:
+            idle, self._idle = self._idle, None
+            if idle is not None and idle.is_off:
+                idle.back()
+                logger.info(
+                    "VRAM Guard: sampling: the %s are back on the card (the copies off and back took %.2f s)",
+                    idle.names,
+                    idle.move_seconds,
+                )
+
+    # -- deciding ----------------------------------------------------------------------------
+    def _skip_reason(self, model: Any) -> str | None:
+        job = self.job
+        if not getattr(job.settings, "guard_sampling", True):
+            return "'Guard sampling' is off"
+        if model is None:
+            return "no model"
+        if getattr(model, "forge_objects", None) is not None:
+            return "Forge"
+        if getattr(model, "lowvram", False):
+            return "--medvram/--lowvram"
+        handle = job.host.unet_of(model)
+        if handle is None or handle.kind != "ldm":
+            return "not an ldm/sgm UNet"
+        where = next(handle.diffusion_model.parameters(), None)
+        if where is None or where.device.type == "meta":
+            return "no weights"
+        if where.device.type == "cpu" and emulate.running_here("cpu") is None:
+            return "the UNet runs on the CPU"
+        return None
+
+    def _plan(self, p: Any, stage: str, model: Any, dm: Any, x: Any, c: Any, uc: Any) -> PassPlan:
+        from lib_vram import sampling
+
+        job = self.job
+        host = job.host
+        spec = sampling.unet_spec(dm)
+        images, hw = _latent_of(p, x)
+        cond_uncond = bool(_call(host, "batch_cond_uncond", True))
+        batch = images * (2 if cond_uncond else 1)
+        tokens = context_tokens(c, uc)
+        device = next(dm.parameters()).device
+        backend = "cpu" if device.type == "cpu" else "cuda"
+        attention = _attention(host, backend)
+        dtype = _dtype_of(host, dm)
+        free = free_bytes(device)
+        unet_bytes = emulate.module_bytes([dm])
+        idle = self._movable(p, stage, model, device)
+        from .offload import idle_parts
+
+        parts = idle_parts(model, unet=False, text_encoders=True, vae=True)
+        on_card = [m for _, m in parts if _on(m, device)]
+        others = emulate.module_bytes(on_card)
+        margin = int(getattr(job.settings, "sampling_margin_bytes", 0))
+        budget = max(0, free + unet_bytes + others - margin)
+        kw = dict(
+            batch=batch, latent_hw=hw, context_tokens=tokens, attention=attention, dtype=dtype,
+            budget_bytes=budget, backend=backend,
+        )  # fmt: skip
+        plan = sampling.plan_sampling(spec, resident_bytes=others, **kw)
+        moved = ""
+        if not plan.fits and idle is not None:
+            without = sampling.plan_sampling(spec, resident_bytes=max(0, others - idle.nbytes), **kw)
+            if without.fits:
+                plan, moved = without, idle.names
+                self._idle = idle
+        error = streamed = None
+        if not plan.fits:
+            # the last rung before the named error: stream the UNet (lib_vram.webui.stream)
+            from .stream import plan_pass
+
+            base, rest = plan, others
+            if idle is not None and not moved:
+                base = sampling.plan_sampling(spec, resident_bytes=max(0, others - idle.nbytes), **kw)
+                rest = max(0, others - idle.nbytes)
+            streamed = plan_pass(
+                model, dm, spec, base, latent_hw=hw, context_tokens=tokens, attention=attention,
+                dtype=dtype, budget_bytes=budget, resident_bytes=rest, backend=backend, settings=job.settings,
+            )  # fmt: skip
+            if streamed is not None:
+                plan = base
+                if idle is not None and not moved:
+                    moved, self._idle = idle.names, idle
+        if not plan.fits and streamed is None:
+            error = _error_line(stage, plan, idle)
+        return PassPlan(stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, streamed)
+
+    def _movable(self, p: Any, stage: str, model: Any, device: torch.device) -> Any:
+        """The VAE and text encoders that may leave the card for this pass (None: none may)."""
+        job = self.job
+        vae = not bool(_call(job.host, "live_previews_full", False))
+        switches = bool(getattr(p, "refiner_checkpoint", None)) or (
+            stage == "sampling" and bool(getattr(p, "hr_checkpoint_name", None))
+        )
+        idle = job.idle_models(stage, device, unet=False, text_encoders=not switches, vae=vae)
+        return idle
+
+    # -- acting ------------------------------------------------------------------------------
+    def _move_off(self, stage: str, why: str) -> None:
+        idle = self._idle
+        try:
+            moved = idle.off(wake_on_use=True)
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            moved = None
+        if moved is None:  # out of the except block: what the failed copy held is gone
+            release(idle.device)
+            self.job.warn_once(
+                "sampling-move-failed",
+                f"VRAM Guard: {stage.replace('_', ' ')}: moving the {idle.names} off the card ran out "
+                "of memory; they stay (the pass may run out of memory)",
+            )
+            self._idle = None
+            return
+        text = (
+            f"{stage.replace('_', ' ')}: moved the {idle.names} ({moved / 2**30:.2f} GiB) off the card "
+            f"for this pass: {why}"
+        )
+        self.job.note(f"VRAM Guard: {text}")
+        self.job.tracker.event("offload", text, at=stage, moved_bytes=moved)
+        self.job.tracker.sample("offload")
+
+    def _install(self, dm: Any, planned: PassPlan) -> None:
+        from lib_vram.sampling import micro_batched
+
+        assert self.stack is not None
+        if "forward" in dm.__dict__:
+            other = dm.__dict__["forward"]
+            self.job.warn_once(
+                "sampling-wrapped-before",
+                "VRAM Guard: another extension wraps the UNet's forward "
+                f"({getattr(other, '__qualname__', type(other).__name__)}); VRAM Guard's micro-batches "
+                "run through it",
+            )
+        guard = self
+        state = {"calls": 0, "mb": None}
+
+        def forward(previous: Any, *args: Any, **kwargs: Any) -> Any:
+            first = state["calls"] == 0
+            state["calls"] += 1
+            if planned.error is not None:
+                raise SamplingOutOfMemory(planned.error)
+            if state["mb"] is None:
+                state["mb"] = micro_batched(previous, planned.plan.micro_batch, key=planned.plan.key)
+            mb = state["mb"]
+            try:
+                return mb(*args, **kwargs)
+            except Exception as exc:
+                streamer = planned.stream.streamer if planned.stream is not None else None
+                if streamer is not None and is_oom_error(exc):
+                    streamer.report(oom=True)  # the next plan for this step keeps fewer units
+                if not (first and is_oom_error(exc) and guard._react(planned)):
+                    raise
+            # out of the except block: the failed step's tensors are gone with its traceback
+            release(dm_device(dm))
+            return mb(*args, **kwargs)
+
+        self._patch = patch_attr(dm, "forward", forward, self.stack)
+        self._dm = dm
+
+    def _react(self, planned: PassPlan) -> bool:
+        """An out-of-memory error in the pass's first step even at micro-batch 1: move the parts
+        that may move off the card (once); True when something moved."""
+        if self._idle is not None and self._idle.is_off:
+            return False
+        job = self.job
+        model = job.current_model()
+        device = dm_device(self._dm) if self._dm is not None else job.device
+        idle = self._movable(job.p, planned.stage, model, device)
+        if idle is None:
+            return False
+        self._idle = idle
+        self._move_off(planned.stage, "its first step ran out of memory with them there")
+        if self._idle is None:
+            return False
+        planned.moved = idle.names
+        job.tracker.note(plan=f"{planned.label()} after OOM")
+        return True
+
+    def _record(self, planned: PassPlan) -> None:
+        """The prediction onto the pass's stage (the readout shows it next to the measured peak),
+        a note, and the infotext's plan entry when VRAM Guard changed something."""
+        job = self.job
+        plan = planned.plan
+        stage = planned.stage
+        what = stage.replace("_", " ")
+        predicted = f"predicted {plan.predicted_peak_bytes / MiB:.0f} MiB"
+        job.tracker.note(
+            plan=f"{planned.label()} ({predicted})" if planned.error is None else f"stopped: {predicted}",
+            predicted_bytes=plan.predicted_peak_bytes,
+            predicted_activation_bytes=plan.activation_bytes,
+            micro_batch=plan.micro_batch,
+            batch=planned.batch,
+        )
+        job.tracker.event(
+            "plan",
+            f"{what}: predicted peak {plan.predicted_peak_bytes / MiB:.0f} MiB ({planned.label()})",
+            at=stage,
+            predicted_bytes=plan.predicted_peak_bytes,
+        )
+        h, w = planned.latent_hw
+        job.note(
+            f"VRAM Guard: {what}: predicted peak {plan.predicted_peak_bytes / MiB:.0f} MiB "
+            f"(UNet {plan.weights_bytes / MiB:.0f} MiB, activations {plan.activation_bytes / MiB:.0f} MiB) "
+            f"for {planned.batch} sample(s) of {w * 8}x{h * 8} px, {planned.attention} attention: "
+            + (planned.label() if planned.error is None else "does not fit")
+        )
+        if planned.changed and planned.error is None:
+            job.plans[stage] = planned.label()
+        if planned.error is not None:
+            job.note(f"VRAM Guard: {planned.error}", logging.WARNING)
+
+
+def dm_device(dm: Any) -> torch.device:
+    first = next(dm.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _on(module: torch.nn.Module, device: torch.device) -> bool:
+    first = next(module.parameters(), None)
+    if first is None:
+        return False
+    where = first.device
+    return where.type == device.type and (where.index == device.index or device.index is None)
+
+
+def _call(host: Any, name: str, default: Any) -> Any:
+    fn = getattr(host, name, None)
+    if not callable(fn):
+        return default
+    try:
+        return fn()
+    except (ImportError, AttributeError) as exc:
+        logger.debug("host.%s unavailable: %s", name, exc)
+        return default
+
+
+def _attention(host: Any, backend: str) -> str:
+    """The modelled attention for the optimization the WebUI applied (``none`` when it applied
+    none; ``Automatic`` resolved as the WebUI does when the host cannot tell)."""
+    from lib_vram.sampling import attention_of
+
+    name = _call(host, "cross_attention", None)
+    if name is None:
+        return attention_of("Automatic", backend=backend)
+    if not str(name).strip():
+        return "none"
+    try:
+        return attention_of(str(name), backend=backend)
+    except ValueError:
+        logger.info("VRAM Guard: unknown cross-attention optimization %r: planned as sdp", name)
+        return "sdp"
+
+
+def _dtype_of(host: Any, dm: Any) -> torch.dtype:
+    """The dtype the UNet computes in: the WebUI's ``devices.dtype_unet`` (what ``apply_model``
+    casts its inputs to) where it is a float type, else the UNet's weights'."""
+    state = _call(host, "unet_state", None)
+    dtype = getattr(state, "dtype_unet", None)
+    if dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return dtype
+    first = next(dm.parameters(), None)
+    return first.dtype if first is not None and first.is_floating_point() else torch.float16
+
+
+def _latent_of(p: Any, x: Any) -> tuple[int, tuple[int, int]]:
+    """Images of the batch and the latent size of the pass: from the latent the pass starts from
+    (``x`` of ``process_before_every_sampling``), else from ``p``."""
+    if isinstance(x, torch.Tensor) and x.dim() == 4:
+        return int(x.shape[0]), (int(x.shape[-2]), int(x.shape[-1]))
+    images = int(getattr(p, "batch_size", 1) or 1)
+    if getattr(p, "is_hr_pass", False):
+        h = int(getattr(p, "hr_upscale_to_y", 0) or getattr(p, "height", 512))
+        w = int(getattr(p, "hr_upscale_to_x", 0) or getattr(p, "width", 512))
+    else:
+        h, w = int(getattr(p, "height", 512)), int(getattr(p, "width", 512))
+    return images, (max(1, h // 8), max(1, w // 8))
+
+
+def _error_line(stage: str, plan: Any, idle: Any) -> str:
+    what = "the hires pass" if stage == "hires_sampling" else "sampling"
+    tried = "with micro-batch 1" + (f" and the {idle.names} off the card" if idle is not None else "")
+    text = plan.suggestion or (
+        f"needs {plan.predicted_peak_bytes / MiB:.0f} MiB, the card offers {plan.budget_bytes / MiB:.0f} MiB"
+    )
+    return f"VRAM Guard stopped {what} before it ran out of memory ({tried}): {text}"

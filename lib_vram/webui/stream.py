@@ -1,0 +1,157 @@
+"""The sampling ladder's last rung in the WebUI: stream the UNet for a pass that does not fit.
+
+The sampling guard (:mod:`lib_vram.webui.sampling`, issue 21) plans each pass, moves the idle parts
+(VAE, text encoders) off the card and micro-batches the UNet's forward. When even that does not
+fit at micro-batch 1, it would stop the pass with its named error. Before that, it asks
+:func:`plan_pass` here: a :class:`~lib_vram.sampling.StreamPlan` that keeps as much of the UNet on
+the card as the budget allows (the sampling plan's own activations, not a second estimate) and
+streams the rest. When that fits, :meth:`StreamPass.enter` puts a
+:class:`~lib_vram.sampling.StreamedUNet` on the pass's ``ExitStack``: the streamed units' weights
+leave the card for the pass and come back at its end, on an error (the job's close), at the next
+run (the WebUI skips ``postprocess`` after an error; the next job closes the old one) and at
+script unload (:meth:`Session.close_all`). A move back that itself could not fit stays pending and
+is retried by :func:`restore_pending` (next job, unload).
+
+Never with ``--medvram``/``--lowvram`` (``sd_model.lowvram``: the host swaps the UNet's blocks
+itself), never on Forge (its memory manager owns placement), never when 'Stream the UNet' is off.
+The readout and the infotext say ``"UNet streamed: X of Y MiB resident"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lib_vram.sampling import SamplingPlan, StreamedUNet, StreamPlan, UNetSpec, plan_stream
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+_PENDING: list[StreamedUNet] = []
+_LOCK = threading.Lock()
+
+
+def skip_reason(sd_model: Any, settings: Any = None) -> str | None:
+    """Why the UNet may not stream for this model (None: it may)."""
+    if settings is not None and not getattr(settings, "stream_unet", True):
+        return "'Stream the UNet' is off"
+    if sd_model is None:
+        return "no model"
+    if getattr(sd_model, "forge_objects", None) is not None:
+        return "Forge"
+    if getattr(sd_model, "lowvram", False):
+        return "--medvram/--lowvram"
+    return None
+
+
+@dataclass
+class StreamPass:
+    """A streamed plan for one sampling pass, not yet in force."""
+
+    plan: StreamPlan
+    unet: torch.nn.Module
+    device: torch.device
+    streamer: StreamedUNet | None = None
+
+    @property
+    def label(self) -> str:
+        """``"UNet streamed: X of Y MiB resident"`` (readout, infotext)."""
+        return self.plan.label
+
+    def describe(self) -> str:
+        p = self.plan
+        return (
+            f"{p.label}: {len(p.streamed)} of {len(p.streamed) + len(p.resident)} blocks stream in for their "
+            f"forward ({p.bytes_moved_per_step / MiB:.0f} MiB per step; --lowvram would move "
+            f"{p.lowvram_bytes_per_step / MiB:.0f} MiB)"
+        )
+
+    def enter(self, stack: ExitStack) -> StreamedUNet:
+        """Stream the UNet until ``stack`` closes (the pass's end, an error, the next run, unload).
+        A move back that cannot fit then does not raise out of the job's close: it warns, and the
+        weights wait in host memory for :func:`restore_pending`."""
+        s = StreamedUNet(self.unet, self.plan, self.device)
+        s.__enter__()
+
+        def close(exc_type: Any, exc: Any, tb: Any) -> bool:
+            try:
+                s.__exit__(exc_type, exc, tb)
+            except RuntimeError as err:
+                if not s.pending:
+                    raise
+                logger.warning("%s", err)
+                with _LOCK:
+                    if s not in _PENDING:
+                        _PENDING.append(s)
+            return False
+
+        stack.push(close)
+        self.streamer = s
+        return s
+
+
+def restore_pending() -> int:
+    """Retry the moves back that could not fit when their pass ended (next job, script unload);
+    returns how many are still pending."""
+    with _LOCK:
+        todo = list(_PENDING)
+    left = 0
+    for s in todo:
+        try:
+            s.restore()
+        except RuntimeError as exc:
+            logger.warning("%s", exc)
+        with _LOCK:
+            if not s.pending and s in _PENDING:
+                _PENDING.remove(s)
+            elif s.pending:
+                left += 1
+    return left
+
+
+def plan_pass(
+    sd_model: Any,
+    unet: torch.nn.Module,
+    spec: UNetSpec,
+    sampling: SamplingPlan,
+    *,
+    latent_hw: tuple[int, int],
+    context_tokens: int,
+    attention: str,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    resident_bytes: int = 0,
+    backend: str = "cuda",
+    settings: Any = None,
+) -> StreamPass | None:
+    """The streamed plan for a pass whose ``sampling`` plan does not fit (None when streaming may
+    not be used, see :func:`skip_reason`, or does not fit either). The arguments are the sampling
+    guard's for the same pass (``resident_bytes``: what stays on the card beside the UNet after
+    the idle parts moved)."""
+    why = skip_reason(sd_model, settings)
+    if why is not None:
+        logger.debug("VRAM Guard: the UNet does not stream: %s", why)
+        return None
+    plan = plan_stream(
+        unet,
+        spec,
+        batch=sampling.batch,
+        latent_hw=latent_hw,
+        context_tokens=context_tokens,
+        attention=attention,
+        dtype=dtype,
+        budget_bytes=budget_bytes,
+        resident_bytes=resident_bytes,
+        backend=backend,
+        sampling=sampling,
+    )
+    if not plan.fits or not plan.streamed:
+        return None
+    device = next(unet.parameters()).device
+    return StreamPass(plan, unet, device)

@@ -1,0 +1,645 @@
+"""The sampling stage inside the WebUI, and room made for every stage (lib_vram.webui.sampling,
+lib_vram.webui.offload, the upscale route).
+
+Real ldm UNet and VAE (the WebUI's classes), a real spandrel upscaler loaded from a file; host
+state faked (webui_fakes). The card is the emulated one (``--vram-guard-emulate-vram``): the
+checkpoint's weights count as resident, moving idle parts off the card is the card's resident
+bytes going down by theirs, and an allocation beyond the card raises the real out-of-memory error.
+
+A sampling pass is driven the way the WebUI drives it: ``process_before_every_sampling`` (the
+script's ``before_sampling``), then the UNet called as the sampler calls it (the cond/uncond pair
+and the images of the batch in one forward, ``opts.batch_cond_uncond``), one ``on_cfg_denoiser``
+per step, then ``post_sample`` and the decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import image_like
+from PIL import Image
+from webui_fakes import FakeHost, FakeP, fake_sd_model, tiny_xattn_unet
+
+from lib_vram.cli.bench._archs import build, save_and_load
+from lib_vram.core import emulate
+from lib_vram.planning import planner
+from lib_vram.webui import ScriptJobs, Session
+from lib_vram.webui.emulation import WebUICard
+from lib_vram.webui.options import VRAMGuardOptions
+
+BIG = 2**34
+
+
+class TextEncoder(torch.nn.Module):
+    """Stands for ``cond_stage_model`` (its weights are what matters here: idle during sampling
+    once the conditioning is computed, and during an upscale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(512, 64)
+
+
+class FirstStage(torch.nn.Module):
+    """``first_stage_model`` as the WebUI has it: one module holding the VAE's decoder and encoder
+    (the unit the VAE moves as)."""
+
+    def __init__(self, decoder: torch.nn.Module, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.decoder, self.encoder = decoder, encoder
+
+
+MODEL = fake_sd_model(unet=tiny_xattn_unet())
+MODEL.cond_stage_model = TextEncoder()
+MODEL.first_stage_model = FirstStage(MODEL.first_stage_model.decoder, MODEL.first_stage_model.encoder)
+UNET = MODEL.model.diffusion_model
+UNET_BYTES = emulate.module_bytes([UNET])
+TE_BYTES = emulate.module_bytes([MODEL.cond_stage_model])
+VAE_BYTES = emulate.module_bytes([MODEL.first_stage_model.decoder, MODEL.first_stage_model.encoder])
+
+
+class UpscalerESRGAN:
+    """Host-state fake of the WebUI's ESRGAN upscaler object (``do_upscale(img, path)``)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def do_upscale(self, img: Any, selected_model: Any) -> Any:
+        self.calls += 1
+        return img
+
+
+@dataclass
+class Run:
+    out: Any
+    error: BaseException | None
+    notes: list[str]
+    status: dict
+    resident_before: int
+    resident_after: int
+    peak: int
+    p: Any
+
+
+def run_job(
+    capacity: int,
+    body: Any,
+    *,
+    kind: str = "txt2img",
+    settings: dict | None = None,
+    host: FakeHost | None = None,
+    p: Any = None,
+    inject_oom_at: int | None = None,
+    **options: Any,
+) -> Run:
+    """One job on a card of ``capacity`` bytes with the checkpoint resident; ``body(jobs, p)``
+    is what the host does inside it."""
+    planner.MEMORY.clear()
+    o = VRAMGuardOptions(**{"enabled": True, "release_between_stages": False, "vae_tiling": "Off", **options})
+    host = host if host is not None else FakeHost(MODEL)
+    session = Session(host=host)
+    wc = WebUICard(capacity, host=host)
+    wc.install()
+    session.emulation = wc
+    before = wc.card.resident_bytes
+    jobs = ScriptJobs(session, kind=kind)
+    host.state.begin()
+    p = p if p is not None else FakeP()
+    out = error = None
+    try:
+        jobs.setup(p, o)
+        jobs.process(p, o)
+        if settings and jobs.job is not None:
+            jobs.job.settings = dataclasses.replace(jobs.job.settings, **settings)
+        wc.card.inject_oom_at = None if inject_oom_at is None else wc.card.allocations + inject_oom_at
+        try:
+            with torch.no_grad():
+                out = body(jobs, p)
+        except Exception as exc:
+            error = exc
+        peak = wc.card.peak_bytes
+        status = session.status()
+        notes = list(status["notes"])
+        if error is None:
+            jobs.postprocess(p)
+    finally:
+        p.close()
+        jobs.close(failed=True)
+        host.state.end()
+        after = wc.card.resident_bytes
+        wc.close()
+    return Run(out, error, notes, status, before, after, peak, p)
+
+
+def assert_clean(r: Run) -> None:
+    """Nothing left moved or patched, the card gone."""
+    assert r.resident_after == r.resident_before
+    assert "forward" not in UNET.__dict__, UNET.__dict__.get("forward")
+    for m in (UNET, MODEL.cond_stage_model, MODEL.first_stage_model.decoder, MODEL.first_stage_model.encoder):
+        assert all(not mod._forward_pre_hooks for mod in m.modules())
+    assert emulate.installed() is None and torch._C._len_torch_dispatch_stack() == 0
+
+
+# -- the upscale stage: the UNet and text encoders off the card when the upscaler needs the room ---
+
+
+@pytest.fixture(scope="module")
+def rrdb(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "rrdb-x2.safetensors"
+    model = save_and_load(build("rrdb-x2"), path)
+    return path, model
+
+
+def _picture(h: int = 40, w: int = 48) -> Image.Image:
+    x = image_like(h, w, seed=4)
+    return Image.fromarray((x[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8), "RGB")
+
+
+PICTURE = _picture()
+"""The first pass's picture (host memory: made before the job)."""
+
+
+def _upscale_body(path: Any, scaler: UpscalerESRGAN) -> Any:
+    def body(jobs: ScriptJobs, p: Any) -> Any:
+        return scaler.do_upscale(PICTURE, str(path))
+
+    return body
+
+
+def _upscale_run(capacity: int, path: Any, **kw: Any) -> Run:
+    host = FakeHost(MODEL)
+    scaler = UpscalerESRGAN()
+    host.scalers = [scaler]
+    return run_job(capacity, _upscale_body(path, scaler), host=host, **kw)
+
+
+def _tight_upscale_cap(path: Any) -> tuple[Run, int]:
+    """The reference upscale (whole image) on a big card, and a card with 64 KiB free beside the
+    checkpoint: not even the smallest tile fits there, while the UNet and text encoders (2.8 MiB)
+    make room for a tiled upscale."""
+    _upscale_run(BIG, path)  # calibrates the model once (cached for the process), as a first job does
+    ref = _upscale_run(BIG, path)
+    assert ref.error is None
+    cap = ref.resident_before + 64 * 1024
+    assert ref.peak > cap, "the upscale fits beside the checkpoint: nothing to show here"
+    return ref, cap
+
+
+def _same_picture(got: Any, ref: Any) -> None:
+    """The tiled upscale against the whole-image one: the engine's tiles carry the model's whole
+    receptive field as overlap, so every output pixel comes from the same inputs and weights; only
+    the convolutions' summation order differs (other spatial blocking), a float rounding that can
+    flip one 8-bit level."""
+    diff = np.abs(np.asarray(got).astype(int) - np.asarray(ref).astype(int))
+    assert diff.max() <= 1, diff.max()
+
+
+def test_an_upscale_that_fits_only_without_the_unet_moves_it_off_and_back(rrdb):
+    path, _ = rrdb
+    ref, cap = _tight_upscale_cap(path)
+    off = _upscale_run(cap, path, settings={"offload_unet": False, "offload_text_encoders": False})
+    assert off.error is not None and "out of memory" in str(off.error).lower(), off.error
+    r = _upscale_run(cap, path)
+    assert r.error is None, r.error
+    _same_picture(r.out, ref.out)
+    moved = [n for n in r.notes if "off the card" in n]
+    assert len(moved) == 1 and "UNet, text encoders" in moved[0] and "smallest plan" in moved[0], r.notes
+    plans = [st["plan"] for st in r.status["stages"] if st["stage"] == "hires_upscale"]
+    assert plans and plans[-1].endswith("UNet, text encoders off the card"), plans
+    assert r.peak <= cap
+    assert_clean(r)
+    assert_clean(off)
+
+
+def test_an_upscale_that_runs_out_of_memory_where_no_tile_helps_is_retried_with_them_off(rrdb, monkeypatch):
+    """The smallest plan said it fits (here: forced), the upscale ran out of memory even at the
+    smallest tile: the same upscale runs again with the idle models off the card."""
+    from lib_vram.webui import upscalers
+
+    path, _ = rrdb
+    ref, cap = _tight_upscale_cap(path)
+    monkeypatch.setattr(upscalers, "smallest_plan_fits", lambda *a, **k: True)
+    r = _upscale_run(cap, path)
+    assert r.error is None, r.error
+    _same_picture(r.out, ref.out)
+    assert any("ran out of memory with them there" in n for n in r.notes), r.notes
+    assert_clean(r)
+
+
+def test_an_upscale_that_fits_beside_them_moves_nothing(rrdb):
+    path, _ = rrdb
+    r = _upscale_run(BIG, path)
+    assert r.error is None
+    assert not any("off the card" in n for n in r.notes)
+    assert_clean(r)
+
+
+# -- sampling -------------------------------------------------------------------------------------
+
+IMAGES = 2
+HW = (32, 32)
+CTX = 48
+_g = torch.Generator().manual_seed(31)
+X = torch.randn(IMAGES, 4, *HW, generator=_g)
+COND = torch.randn(IMAGES, 77, CTX, generator=_g)
+UNCOND = torch.randn(IMAGES, 77, CTX, generator=_g)
+SIGMAS = (torch.full((2 * IMAGES,), 700.0), torch.full((2 * IMAGES,), 300.0))
+NO_MARGIN = {"sampling_margin_bytes": 0, "stream_unet": False}
+"""The tests' cards are a few MiB: the presets' safety margin (256 MiB and up) is left out. The
+UNet does not stream here (the rung after these: tests/test_webui_stream.py)."""
+
+
+class Step:
+    """Counts the card's allocations of the UNet forwards of a pass (what the fault matrix
+    injects into) and can inject an out-of-memory error at the n-th of them."""
+
+    def __init__(self, inject_at: int | None = None) -> None:
+        self.inject_at = inject_at
+        self.counts: list[int] = []
+
+    def __call__(self, x_in: Any, t: Any, ctx: Any) -> Any:
+        card = emulate.installed()
+        first = not self.counts
+        if first and self.inject_at is not None:
+            card.inject_oom_at = card.allocations + self.inject_at
+        start = card.allocations
+        out = UNET(x_in, t, context=ctx)
+        self.counts.append(card.allocations - start)
+        return out
+
+
+def sample_pass(jobs: ScriptJobs, p: Any, *, step: Step | None = None, hr: bool = False, wake: bool = False):
+    """One pass as the WebUI runs it: ``process_before_every_sampling``, then per step one
+    ``on_cfg_denoiser`` and one UNet forward of the cond/uncond batch, then ``post_sample`` and
+    the final decode. ``wake``: the text encoder runs mid-pass (the hires conditioning)."""
+    step = step if step is not None else Step()
+    p.is_hr_pass = hr
+    x = X.clone()
+    jobs.before_sampling(p, x=x, c=[COND[0]], uc=[UNCOND[0]])
+    outs = []
+    for i, sigma in enumerate(SIGMAS):
+        jobs.session.sampling_step()
+        x_in = torch.cat([x, x])
+        ctx = torch.cat([COND, UNCOND])
+        outs.append(step(x_in, sigma, ctx))
+        if wake and i == 0:
+            MODEL.cond_stage_model.embedding(torch.zeros(1, 77, dtype=torch.long))
+    jobs.post_sample(p)
+    decoded = MODEL.first_stage_model.decoder(outs[-1][:1])
+    return torch.stack(outs), decoded
+
+
+def _sampling(
+    capacity: int, *, step: Step | None = None, settings: dict | None = None, wake: bool = False, **kw: Any
+) -> Run:
+    return run_job(
+        capacity,
+        lambda jobs, p: sample_pass(jobs, p, step=step, wake=wake),
+        settings={**NO_MARGIN, **(settings or {})},
+        **kw,
+    )
+
+
+def _same_samples(got: Any, ref: Any) -> None:
+    """Each sample's UNet output, micro-batched against the whole batch. Same layers, same inputs:
+    only the batch size of each kernel call differs, and oneDNN may block a convolution or a GEMM
+    differently for another batch size (another order of the sums of a dot product). Float32 sums
+    of length k differ then by at most ~k * eps * sum|w x| per layer; over this UNet's ~30 layers
+    with k <= 9 * 128 that stays far below 1e-4 of the output's scale. Bit-identity is not
+    promised (the library's docstring), so not asserted."""
+    scale = float(ref.abs().max())
+    assert float((got - ref).abs().max()) <= 1e-4 * scale, float((got - ref).abs().max())
+
+
+@functools.lru_cache(maxsize=1)
+def _reference() -> Run:
+    r = _sampling(BIG)
+    assert r.error is None, r.error
+    return r
+
+
+def _need(r: Run) -> int:
+    return r.peak - r.resident_before
+
+
+def test_a_pass_whose_activations_do_not_fit_runs_in_micro_batches_with_the_plain_result():
+    ref = _reference()
+    assert not any("off the card" in n for n in ref.notes)
+    plans = [st["plan"] for st in ref.status["stages"] if st["stage"] == "sampling"]
+    assert len(plans) == 1 and plans[0].startswith("batch 4 (predicted "), plans
+    cap = ref.resident_before + int(_need(ref) * 0.6)
+    off = _sampling(cap, guard_sampling=False)
+    assert off.error is not None and "out of memory" in str(off.error).lower(), off.error
+    r = _sampling(cap)
+    assert r.error is None, r.error
+    _same_samples(r.out[0], ref.out[0])
+    stages = [st for st in r.status["stages"] if st["stage"] == "sampling"]
+    assert stages and stages[0]["plan"].startswith("micro-batch "), stages
+    assert r.peak <= cap and r.status["card"]["ooms"] == 0
+    assert "sampling micro-batch" in r.p.extra_generation_params["VRAM Guard plan"]()
+    predicted = [n for n in r.notes if "predicted peak" in n]
+    assert predicted and "micro-batch" in predicted[0], r.notes
+    assert not any("off the card" in n for n in r.notes)
+    assert_clean(r)
+    assert_clean(off)
+
+
+@functools.lru_cache(maxsize=1)
+def _one_sample_need() -> int:
+    """What one UNet forward of a single sample needs above the resident checkpoint."""
+
+    def body(jobs: ScriptJobs, p: Any) -> Any:
+        return UNET(X[:1].clone(), SIGMAS[0][:1], context=COND[:1].clone())
+
+    one = run_job(BIG, body, guard_sampling=False)
+    assert one.error is None, one.error
+    return _need(one)
+
+
+def _cap_for_moves(ref: Run) -> tuple[int, int]:
+    """A card on which micro-batch 1 fits only with the VAE and text encoders off it: a single
+    sample's forward plus 512 KiB (the step's inputs and the outputs held), with the idle parts'
+    bytes less."""
+    idle = VAE_BYTES + TE_BYTES
+    assert idle > 2 * 512 * 1024, "the idle parts are too small to matter here"
+    return ref.resident_before - idle + _one_sample_need() + 512 * 1024, idle
+
+
+def _host(**opts: Any) -> FakeHost:
+    host = FakeHost(MODEL)
+    host.opts.update(opts)
+    return host
+
+
+def test_a_pass_that_fits_only_without_the_vae_and_text_encoders_moves_them_off_for_the_pass():
+    ref = _reference()
+    cap, idle = _cap_for_moves(ref)
+    off = _sampling(cap, settings={"offload_unet": False, "offload_text_encoders": False})
+    assert off.error is not None and "out of memory" in str(off.error).lower(), off.error
+    r = _sampling(cap)
+    assert r.error is None, r.error
+    _same_samples(r.out[0], ref.out[0])
+    moved = [n for n in r.notes if "off the card for this pass" in n]
+    assert len(moved) == 1 and "text encoders, VAE" in moved[0], r.notes
+    stages = [st for st in r.status["stages"] if st["stage"] == "sampling"]
+    assert "text encoders, VAE off the card (predicted" in stages[0]["plan"], stages
+    assert r.peak <= cap
+    assert_clean(r)
+
+
+def test_with_full_live_previews_the_vae_stays_and_a_part_needed_mid_pass_comes_back():
+    ref = _reference()
+    cap, _ = _cap_for_moves(ref)
+    r = _sampling(cap, host=_host(show_progress_type="Full"), wake=True)
+    moved = [n for n in r.notes if "off the card for this pass" in n]
+    # the VAE stays for the previews; the text encoders alone are not room enough here
+    assert not any("VAE" in n for n in moved), r.notes
+    assert isinstance(r.error, Exception) and "out of memory" in str(r.error).lower()
+    assert_clean(r)
+
+
+def test_a_text_encoder_run_mid_pass_brings_the_moved_parts_back():
+    """The hires pass's conditioning (or a Refiner's) runs the text encoder after the first pass
+    moved it off: the wake hook puts everything back first."""
+    ref = _reference()
+    cap, idle = _cap_for_moves(ref)
+    seen: list[int] = []
+
+    def body(jobs: ScriptJobs, p: Any) -> Any:
+        card = emulate.installed()
+        jobs.before_sampling(p, x=X.clone(), c=[COND[0]], uc=[UNCOND[0]])
+        seen.append(card.resident_bytes)
+        MODEL.cond_stage_model.embedding(torch.zeros(1, 77, dtype=torch.long))
+        seen.append(card.resident_bytes)
+        jobs.post_sample(p)
+
+    r = run_job(cap, body, settings=NO_MARGIN)
+    assert r.error is None, r.error
+    assert seen == [r.resident_before - idle, r.resident_before], seen
+    assert_clean(r)
+
+
+def test_a_card_too_small_for_any_plan_gets_the_named_error_before_the_unet_runs():
+    from lib_vram.webui.sampling import SamplingOutOfMemory
+
+    ran: list[int] = []
+    handle = UNET.input_blocks[0].register_forward_hook(lambda *a: ran.append(1))
+    try:
+        ref = _reference()
+        ran.clear()
+        r = _sampling(ref.resident_before + 512 * 1024)  # the sampler's own inputs fit, no forward does
+    finally:
+        handle.remove()
+    assert isinstance(r.error, SamplingOutOfMemory), r.error
+    text = str(r.error)
+    assert "\n" not in text and "out of memory" in text and "px" in text and "fits" in text, text
+    assert ran == []  # stopped before the UNet computed anything
+    assert not any("off the card for this pass" in n for n in r.notes)
+    failed = [st for st in r.status["stages"] if st["stage"] == "sampling"]
+    assert failed and failed[0]["ok"] is False and "VRAM Guard stopped" in (failed[0]["error"] or ""), failed
+    assert_clean(r)
+
+
+def test_guard_off_plans_nothing_and_patches_nothing():
+    seen: list[bool] = []
+
+    def step(x_in: Any, t: Any, ctx: Any) -> Any:
+        seen.append("forward" in UNET.__dict__)
+        return UNET(x_in, t, context=ctx)
+
+    r = _sampling(BIG, step=step, guard_sampling=False)
+    assert r.error is None and seen == [False, False]
+    assert not any("predicted peak" in n for n in r.notes)
+    assert_clean(r)
+
+
+def test_with_the_hosts_own_swapping_nothing_moves_and_nothing_is_patched():
+    """--medvram/--lowvram (``sd_model.lowvram``): the host moves the UNet itself."""
+    ref = _reference()
+    cap = ref.resident_before + int(_need(ref) * 0.6)
+    seen: list[bool] = []
+
+    def step(x_in: Any, t: Any, ctx: Any) -> Any:
+        seen.append("forward" in UNET.__dict__)
+        return UNET(x_in, t, context=ctx)
+
+    MODEL.lowvram = True
+    try:
+        r = _sampling(cap, step=step)
+    finally:
+        del MODEL.lowvram
+    assert r.error is not None and "out of memory" in str(r.error).lower()
+    assert seen == [False] and not any("off the card" in n for n in r.notes)
+    assert_clean(r)
+
+
+def test_forge_and_a_preview_thread_are_left_alone():
+    import threading
+    from types import SimpleNamespace
+
+    from lib_vram.webui.sampling import SamplingGuard
+
+    job = SimpleNamespace(settings=SimpleNamespace(guard_sampling=True), host=FakeHost(MODEL))
+    forge = SimpleNamespace(forge_objects=object(), model=MODEL.model)
+    assert SamplingGuard(job)._skip_reason(forge) == "Forge"
+    host = FakeHost(MODEL)
+    jobs = ScriptJobs(Session(host=host), kind="txt2img")
+    p = FakeP()
+    jobs.process(p, VRAMGuardOptions(enabled=True, vae_tiling="Off"))
+    got: list[Any] = []
+    with emulate.running_on(emulate.EmulatedCard(BIG)):
+        t = threading.Thread(
+            target=lambda: got.append(jobs.job.idle_models("sampling", torch.device("cpu"), unet=False,
+                                                           text_encoders=True, vae=True))
+        )  # fmt: skip
+        t.start()
+        t.join()
+        here = jobs.job.idle_models("sampling", torch.device("cpu"), unet=False, text_encoders=True, vae=True)
+    jobs.postprocess(p)
+    assert got == [None] and here is not None and here.names == "text encoders, VAE"
+
+
+def test_an_out_of_memory_error_the_plan_did_not_foresee_moves_them_off_in_the_first_step(monkeypatch):
+    """The plan said the whole batch fits with everything there (here: forced); the first step ran
+    out of memory even at micro-batch 1: the VAE and text encoders leave, the step runs again."""
+    import lib_vram.sampling as sampling
+
+    ref = _reference()
+    cap, _ = _cap_for_moves(ref)
+    real = sampling.plan_sampling
+
+    def optimistic(spec: Any, **kw: Any) -> Any:
+        plan = real(spec, **kw)
+        return dataclasses.replace(plan, fits=True, micro_batch=kw["batch"], suggestion=None)
+
+    monkeypatch.setattr(sampling, "plan_sampling", optimistic)
+    r = _sampling(cap)
+    assert r.error is None, r.error
+    _same_samples(r.out[0], ref.out[0])
+    assert any("first step ran out of memory with them there" in n for n in r.notes), r.notes
+    assert_clean(r)
+
+
+def _micro_cap() -> tuple[Run, int, list[int]]:
+    ref = _reference()
+    cap = ref.resident_before + int(_need(ref) * 0.6)
+    step = Step()
+    dry = _sampling(cap, step=step)
+    assert dry.error is None and step.counts[0] > 10, step.counts
+    return ref, cap, step.counts
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_an_out_of_memory_error_anywhere_in_a_micro_batched_step_is_absorbed(where):
+    """The card refuses the first, a middle or the last allocation of the first micro-batched
+    step once (another process took the memory for a moment): the micro-batch halves and the step
+    runs again from the chunk that failed; every sample's result is the plain one."""
+    ref, cap, counts = _micro_cap()
+    n = {"first": 1, "middle": counts[0] // 2, "last": counts[0]}[where]
+    r = _sampling(cap, step=Step(inject_at=n))
+    assert r.error is None, r.error
+    assert r.status["card"]["ooms"] == 1
+    _same_samples(r.out[0], ref.out[0])
+    assert_clean(r)
+
+
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_an_out_of_memory_error_moving_a_part_off_brings_the_others_back(at, monkeypatch):
+    """The device path (a GPU: real copies), run with the CPU as the device: the copy of the
+    first, middle or last part to the CPU fails; those moved before it come back, the error
+    propagates (the guard then leaves everything where it was, see below)."""
+    from lib_vram.webui import offload
+
+    parts = [
+        ("VAE", torch.nn.Linear(4, 4)),
+        ("text encoders", torch.nn.Linear(4, 4)),
+        ("x", torch.nn.Linear(4, 4)),
+    ]
+    calls: list[tuple[int, str]] = []
+    for i, (_, m) in enumerate(parts):
+        real_to = m.to
+
+        def to(device: Any, i: int = i, real_to: Any = real_to) -> Any:
+            calls.append((i, str(device)))
+            if i == at and str(device) == "cpu":
+                raise torch.OutOfMemoryError("out of memory (pinned host copy)")
+            return real_to(device)
+
+        monkeypatch.setattr(m, "to", to)
+    idle = offload.IdleModels(tuple(parts), torch.device("cpu"))
+    with pytest.raises(torch.OutOfMemoryError):
+        idle.off(wake_on_use=True)
+    assert not idle.is_off
+    back = [i for i, d in calls if d == "cpu"][at + 1 :]
+    assert len(back) == at  # each moved part went back once
+    assert all(not m._forward_pre_hooks for _, m in parts)
+
+
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_an_out_of_memory_error_moving_a_part_back_releases_and_retries(at, monkeypatch):
+    from lib_vram.webui import offload
+
+    parts = [(f"p{i}", torch.nn.Linear(4, 4)) for i in range(3)]
+    failed: list[int] = []
+    for i, (_, m) in enumerate(parts):
+        real_to = m.to
+        state = {"n": 0}
+
+        def to(device: Any, i: int = i, real_to: Any = real_to, state: dict = state) -> Any:
+            state["n"] += 1
+            if i == at and state["n"] == 2:  # its first move back
+                failed.append(i)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+            return real_to(device)
+
+        monkeypatch.setattr(m, "to", to)
+    released: list[Any] = []
+    monkeypatch.setattr(offload, "release", lambda device: released.append(device))
+    idle = offload.IdleModels(tuple(parts), torch.device("cpu"))
+    idle.off(wake_on_use=True)
+    parts[1][1](torch.zeros(1, 4))  # a module of theirs runs: the wake hook brings them back
+    assert failed == [at] and released == [torch.device("cpu")] and not idle.is_off
+    assert all(not m._forward_pre_hooks for _, mm in parts for m in mm.modules())
+
+
+def test_a_failed_move_off_leaves_everything_in_place_and_the_pass_fails_plainly(monkeypatch):
+    from lib_vram.webui import offload
+
+    ref = _reference()
+    cap, _ = _cap_for_moves(ref)
+
+    def refuse(self: Any, *, wake_on_use: bool = False) -> int:
+        raise torch.OutOfMemoryError("out of memory copying to the host")
+
+    monkeypatch.setattr(offload.IdleModels, "off", refuse)
+    r = _sampling(cap)
+    assert r.error is not None and "out of memory" in str(r.error).lower()
+    assert any("they stay" in n for n in r.notes), r.notes
+    assert_clean(r)
+
+
+def test_a_wrapper_another_extension_puts_over_ours_is_kept_and_ours_steps_aside():
+    """ControlNet wraps the UNet's forward as an instance attribute; if it does so after us, ours
+    cannot be taken out from under it: it becomes a pass-through, and a warning says so once."""
+
+    def body(jobs: ScriptJobs, p: Any) -> Any:
+        jobs.before_sampling(p, x=X.clone(), c=[COND[0]], uc=[UNCOND[0]])
+        ours = UNET.__dict__["forward"]
+        UNET.forward = lambda *a, **k: ours(*a, **k)  # the other extension's wrapper
+        out = UNET(torch.cat([X, X]), SIGMAS[0], context=torch.cat([COND, UNCOND]))
+        jobs.post_sample(p)
+        return ours, out
+
+    try:
+        r = run_job(BIG, body, settings=NO_MARGIN)
+        theirs = UNET.__dict__["forward"]
+        ours = r.out[0]
+    finally:
+        UNET.__dict__.pop("forward", None)
+    assert r.error is None and ours.active is False and theirs is not ours
+    assert sum("wrapped the UNet's forward after VRAM Guard" in n for n in r.notes) == 1, r.notes

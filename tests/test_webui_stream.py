@@ -1,0 +1,210 @@
+"""The WebUI's last sampling rung (lib_vram.webui.stream): stream the UNet for a pass that does not
+fit even at micro-batch 1, on the emulated card, with a real ldm UNetModel (reduced width)."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from types import SimpleNamespace
+
+import pytest
+import torch
+from webui_fakes import fake_sd_model
+
+from lib_vram.cli.bench.sampling_stream import build_unet
+from lib_vram.core.emulate import EmulatedCard
+from lib_vram.planning import planner
+from lib_vram.sampling import micro_batched, plan_sampling, unet_spec, unit_bytes
+from lib_vram.webui import stream
+
+SIDE = 32
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def unet():
+    return build_unet("sd15", 32)
+
+
+def _step(unet):
+    g = torch.Generator().manual_seed(1)
+    kw = {
+        "x": torch.randn(2, 4, SIDE, SIDE, generator=g),
+        "timesteps": torch.tensor([10, 700]),
+        "context": torch.randn(2, 77, 64, generator=g),
+    }
+    return kw
+
+
+def _card_bytes(unet, kw) -> int:
+    """Below the whole UNet plus one micro-batch's activations, above the UNet beside the output."""
+    card = EmulatedCard(1 << 40, resident=[unet])
+    with torch.no_grad(), card:
+        unet(**{k: v[:1] for k, v in kw.items()})
+    act1 = card.peak_bytes - card.resident_bytes
+    total = sum(b for _, b in unit_bytes(unet))
+    return int(act1 + 0.6 * total)
+
+
+def _plans(unet, capacity, sd_model, **extra):
+    spec = unet_spec(unet)
+    step = dict(
+        latent_hw=(SIDE, SIDE), context_tokens=77, attention="none", dtype=torch.float32, backend="cpu"
+    )
+    sp = plan_sampling(spec, batch=2, budget_bytes=capacity, memory=planner.PlanMemory(), **step)
+    return sp, stream.plan_pass(sd_model, unet, spec, sp, budget_bytes=capacity, **step, **extra)
+
+
+def _bits(unet):
+    return {n: t.detach().clone() for n, t in unet.state_dict().items()}
+
+
+def _same(unet, before):
+    return all(
+        torch.equal(t.view(torch.int32), before[n].view(torch.int32)) for n, t in unet.state_dict().items()
+    )
+
+
+def test_a_pass_that_does_not_fit_streams_and_gives_the_uncapped_output(unet):
+    kw = _step(unet)
+    capacity = _card_bytes(unet, kw)
+    sd_model = fake_sd_model(unet=unet)
+    sp, sp_stream = _plans(unet, capacity, sd_model)
+    assert not sp.fits  # the named error's case in issue 21's guard
+    assert sp_stream is not None
+    assert sp_stream.label.startswith("UNet streamed: ") and sp_stream.label.endswith(" MiB resident")
+    assert "per step" in sp_stream.describe()
+
+    def forward(**k):
+        return unet(**k)
+
+    with torch.no_grad():
+        ref = micro_batched(forward, sp.micro_batch, memory=planner.PlanMemory())(**kw)
+    before = _bits(unet)
+    # the plain pass: the whole UNet resident, micro-batch 1: out of memory
+    with torch.no_grad(), EmulatedCard(capacity, resident=[unet]), pytest.raises(torch.OutOfMemoryError):
+        micro_batched(forward, 1, memory=planner.PlanMemory())(**kw)
+    card = EmulatedCard(capacity, resident=[unet])
+    with torch.no_grad(), card:
+        stack = ExitStack()
+        s = sp_stream.enter(stack)
+        try:
+            outs = [
+                micro_batched(forward, sp.micro_batch, memory=planner.PlanMemory())(**kw) for _ in range(2)
+            ]
+        finally:
+            stack.close()
+    assert all(torch.equal(o, ref) for o in outs)
+    assert s.stats.forwards == 2 * sp_stream.plan.forwards_per_step
+    assert _same(unet, before)
+    assert card.resident_bytes == sp_stream.plan.unet_bytes
+    assert card.peak_bytes <= capacity
+
+
+@pytest.mark.parametrize(
+    "model_attrs, settings, why",
+    [
+        ({"lowvram": True}, None, "--medvram/--lowvram"),
+        ({"forge_objects": object()}, None, "Forge"),
+        ({}, SimpleNamespace(stream_unet=False), "'Stream the UNet' is off"),
+    ],
+)
+def test_never_with_lowvram_forge_or_when_off(unet, model_attrs, settings, why):
+    kw = _step(unet)
+    capacity = _card_bytes(unet, kw)
+    sd_model = fake_sd_model(unet=unet)
+    for k, v in model_attrs.items():
+        setattr(sd_model, k, v)
+    assert stream.skip_reason(sd_model, settings) == why
+    _, sp_stream = _plans(unet, capacity, sd_model, settings=settings)
+    assert sp_stream is None
+
+
+def test_an_error_in_the_pass_restores_the_unet(unet):
+    kw = _step(unet)
+    capacity = _card_bytes(unet, kw)
+    _, sp_stream = _plans(unet, capacity, fake_sd_model(unet=unet))
+    before = _bits(unet)
+    card = EmulatedCard(capacity, resident=[unet])
+
+    def boom(module, args):
+        raise RuntimeError("interrupted")
+
+    h = unet.output_blocks[1].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="interrupted"), torch.no_grad(), card, ExitStack() as stack:
+            sp_stream.enter(stack)
+            unet(**{k: v[:1] for k, v in kw.items()})
+    finally:
+        h.remove()
+    assert _same(unet, before)
+    assert card.resident_bytes == sp_stream.plan.unet_bytes
+    assert not unet._forward_hooks and not unet._forward_pre_hooks
+
+
+def test_a_move_back_that_cannot_fit_waits_for_the_next_job(unet, caplog):
+    kw = _step(unet)
+    capacity = _card_bytes(unet, kw)
+    _, sp_stream = _plans(unet, capacity, fake_sd_model(unet=unet))
+    before = _bits(unet)
+    card = EmulatedCard(capacity, resident=[unet])
+    with torch.no_grad(), card:
+        stack = ExitStack()
+        s = sp_stream.enter(stack)
+        unet(**{k: v[:1] for k, v in kw.items()})
+        card.capacity = card.resident_bytes  # another process took the card meanwhile
+        stack.close()  # the job's close: no error out of it, a warning
+    assert s.pending
+    assert any("could not move back" in r.getMessage() for r in caplog.records)
+    assert stream.restore_pending() == 1
+    card.capacity = capacity
+    assert stream.restore_pending() == 0
+    assert not s.pending
+    assert card.resident_bytes == sp_stream.plan.unet_bytes
+    assert _same(unet, before)
+
+
+# -- in the job: the guard's last rung (lib_vram.webui.sampling -> lib_vram.webui.stream) ----------
+
+
+def test_in_a_job_a_pass_the_guard_would_stop_streams_and_gives_the_plain_samples():
+    """A card where the pass does not fit even with the VAE and text encoders off at micro-batch 1
+    (the guard's named error with streaming off), but fits with half the UNet streamed: the pass
+    runs, the samples are the plain run's (the micro-batched forward's float rounding only: see
+    test_webui_sampling._same_samples; streaming itself changes no bit, test_sampling_stream.py),
+    the readout/infotext say how much stayed resident, and everything is back after the job."""
+    import test_webui_sampling as ws
+
+    from lib_vram.webui.sampling import _attention
+
+    ref = ws._reference()
+    spec = unet_spec(ws.UNET)
+    attention = _attention(ws.FakeHost(ws.MODEL), "cpu")
+    sp = plan_sampling(
+        spec, batch=2 * ws.IMAGES, latent_hw=ws.HW, context_tokens=77, attention=attention,
+        dtype=torch.float32, budget_bytes=1 << 40, backend="cpu", memory=planner.PlanMemory(),
+    )  # fmt: skip
+    peak1 = next(c.peak_bytes for c in sp.candidates if c.batch == 1)
+    capacity = peak1 - sp.weights_bytes // 2
+    assert capacity > ref.resident_before  # the checkpoint fits at load
+    before = _bits(ws.UNET)
+    off = ws._sampling(capacity)
+    assert off.error is not None and "out of memory" in str(off.error)  # streaming off: the named error
+    r = ws.run_job(
+        capacity, lambda jobs, p: ws.sample_pass(jobs, p), settings={**ws.NO_MARGIN, "stream_unet": True}
+    )
+    assert r.error is None, r.error
+    ws._same_samples(r.out[0], ref.out[0])
+    notes = " ".join(r.notes)
+    assert "UNet streamed: " in notes and " MiB resident" in notes and "--lowvram would move" in notes, notes
+    assert any("UNet streamed: " in str(st.get("plan")) for st in r.status["stages"]), r.status["stages"]
+    assert r.peak <= capacity
+    ws.assert_clean(r)
+    assert _same(ws.UNET, before)
+    assert all(not m._forward_hooks for m in ws.UNET.modules())
