@@ -1,6 +1,6 @@
 """``python -m lib_vram upscale``: files, folders, options and errors.
 
-The file-handling promises (README, "Upscaling your own images") are each tested by causing the
+The file-handling promises (docs/command-line.md, "`upscale`: your own images") are each tested by causing the
 situation: an output that is the input, an existing output, a symlink, a name collision, Ctrl-C in
 the middle of a write, a full disk, a read-only folder, a decompression bomb, EXIF orientation,
 animated and 16-bit images.

@@ -195,3 +195,30 @@ def test_css_is_scoped():
     for group in selectors:
         for sel in group.split(","):
             assert sel.strip().startswith(".vram-guard"), sel
+
+
+def test_notes_say_what_a_pass_did_in_words():
+    """The readout's notes about a pass: the stage by the name a user knows, the tiles in image
+    pixels, the memory it fitted in, what happened to the picture; nothing for a plain pass."""
+    note = R.vae_pass_note("decode", mode="exact", tiles=6, tile=64, budget_bytes=int(3.2 * 2**30))
+    assert note == (
+        "The VAE decode was done in 6 tiles of up to 512x512 px to fit in 3.2 GB (the free memory "
+        "less a safety margin); exact tiles: the same picture as untiled."
+    )
+    assert R.vae_pass_note("decode", mode="untiled", tiles=0, tile=None, budget_bytes=2**30) is None
+    assert R.vae_pass_note("decode", mode="exact", tiles=1, tile=512, budget_bytes=2**30) is None
+    oom = R.vae_pass_note(
+        "hires_encode", mode="fast", tiles=4, tile=16, budget_bytes=300 * 2**20, retries=[0, 32]
+    )
+    assert oom.startswith(
+        "The hires-fix VAE encode ran out of memory untiled and with 256x256-px tiles; then it was "
+        "done in 4 tiles of up to 128x128 px to fit in 300 MB"
+    ) and oom.endswith("not exactly the untiled picture.")
+    up = R.upscale_pass_note("upscale", tiled=True, tiles=9, tile=192, batch=4, budget_bytes=2**31, ooms=1)
+    assert up.startswith("The upscale ran out of memory 1 time; then it was done in 9 tiles of up to 192x192")
+    assert "4 at a time" in up and "2.0 GB" in up
+    assert R.upscale_pass_note("upscale", tiled=False, tiles=1, tile=0, batch=1, budget_bytes=1) is None
+    inexact = R.upscale_pass_note(
+        "hires_upscale", tiled=True, tiles=2, tile=64, batch=1, budget_bytes=1, exact=False
+    )
+    assert "not exactly the untiled picture" in inexact

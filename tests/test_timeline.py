@@ -88,7 +88,7 @@ def test_status_payload_size_is_bounded_for_a_long_job():
     assert len(d["points"]["t"]) <= tl.max_points
     payload = R.status_payload(_gpu(), [], job_running=True, timeline=d)
     body = json.dumps(payload)
-    # the README's bound (worst case: every cap reached, every text at its cap)
+    # the bound docs/webui.md states (worst case: every cap reached, every text at its cap)
     assert len(json.dumps(payload["timeline"])) < 48_000, len(json.dumps(payload["timeline"]))
     assert len(payload["html"]) < 72_000, len(payload["html"])
     assert len(body) < 128_000
@@ -410,18 +410,27 @@ def test_emulated_card_timeline_records_the_caused_oom_inside_its_stage(esrgan_f
     assert max(d["points"]["used"]) <= big
 
 
-def test_the_readmes_library_example_runs():
-    """README, *Memory timeline*: a Timeline on a StageTracker handed to an engine, then its SVG."""
-    from lib_vram.vae import TiledVAEConfig, tiled_decode
+def test_the_documented_library_example_runs():
+    """docs/how-it-works.md, *The memory timeline in Python*: its code block, run as written (only
+    its device, ``"cuda"``, becomes ``"cpu"``) on a real ldm decoder: a Timeline on a StageTracker
+    handed to an engine, then its SVG."""
+    import re
+    import types
+    from pathlib import Path
 
+    text = (Path(__file__).resolve().parents[1] / "docs" / "how-it-works.md").read_text()
+    section = text[text.index("## The memory timeline in Python") :]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    assert 'StageTracker("cuda"' in code, code
     dec = ldm_decoder()
     z = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(5))
-    tracker = StageTracker("cpu", timeline=Timeline(total_bytes=6 * 2**30))
+    scope = {"vae": types.SimpleNamespace(decoder=dec), "z": z}
     with torch.no_grad():
-        tiled_decode(dec, z, config=TiledVAEConfig(mode="auto"), tracker=tracker)
-    d = tracker.timeline.to_dict()
+        exec(compile(code.replace('"cuda"', '"cpu"'), "how-it-works.md", "exec"), scope)  # noqa: S102
+    d = scope["tracker"].timeline.to_dict()
     assert [b["stage"] for b in d["bands"]] == ["vae_decode"] and d["bands"][0]["plan"]
-    ET.fromstring(render_svg(d))
+    assert scope["out"].shape[:2] == (1, 3) and scope["out"].shape[-1] > z.shape[-1]
+    ET.fromstring(scope["svg"])
 
 
 @pytest.mark.parametrize(

@@ -300,3 +300,53 @@ def test_ui_called_three_times_is_side_effect_free(tmp_path, monkeypatch):
         own = {block_id for block_id in demo.blocks}
         for dep in demo.dependencies:
             assert set(dep["targets"]) <= own and set(dep["inputs"]) <= own and set(dep["outputs"]) <= own
+
+
+def _tooltips_of(readout) -> dict:
+    """The elem_id → [label, tooltip] map the readout hands the page's JS."""
+    import html
+    import json
+    import re
+
+    m = re.search(r'data-vram-guard-tooltips="([^"]*)"', readout.value)
+    return json.loads(html.unescape(m.group(1)))
+
+
+def _one_line(text) -> bool:
+    return isinstance(text, str) and 20 <= len(text) <= 125 and "\n" not in text and text.strip() == text
+
+
+def test_every_control_explains_itself_in_one_line():
+    """Accordion, Extras and Settings: every control shows a one-line ``info`` under its label; the
+    controls that cannot show one (the accordion's header switch, the buttons) have a tooltip."""
+    from lib_vram.webui.integration import settings_options
+
+    for f in FIELDS:
+        assert _one_line(f.info), (f.name, f.info)
+        assert f.info != f.tooltip, f.name  # the short line, not the hover text again
+    # txt2img with the WebUI's InputAccordion: the header switch shows no info, its title does
+    _demo, w = build(input_accordion=WebuiStyleInputAccordion)
+    for name, comp in w.controls.items():
+        if name != "enabled":
+            assert comp.info == O.FIELDS_BY_NAME[name].info, name
+    tips = _tooltips_of(w.readout)
+    for eid in ("vram_guard_txt2img-checkbox", "vram_guard_txt2img_free", "vram_guard_txt2img_profile"):
+        assert eid in tips and len(tips[eid][1]) >= 20, (eid, tips.get(eid))
+    # a standalone page: the enable checkbox is visible, with its info
+    _demo, w = build()
+    assert w.controls["enabled"].info == O.FIELDS_BY_NAME["enabled"].info
+    # Extras
+    with gr.Blocks():
+        ew = ui.build_extras_widgets(VRAMGuardOptions())
+    assert _one_line(ew.inputs["enabled"].info) and "Upscale" in ew.inputs["enabled"].info
+    for name, comp in ew.inputs.items():
+        if name != "enabled":
+            assert comp.info == O.FIELDS_BY_NAME[name].info, name
+    assert "vram_guard_extras_free" in _tooltips_of(ew.readout)
+    # Settings page: every default carries the same line
+    for key, spec in settings_options():
+        if spec["kind"] != "html":
+            assert (
+                _one_line(spec["info"])
+                and spec["info"] == O.FIELDS_BY_NAME[key.removeprefix("vram_guard_")].info
+            )

@@ -4,8 +4,8 @@ Serves the accordion (gradio 3.41 Blocks + javascript/vram_guard.js + style.css)
 status route (tests/ui_demo_server.py), then checks in Chromium that the JS fills the readout from
 the route, polls while a job runs, fetches once after it ends, stays quiet when idle, sets the
 tooltips, shows the memory timeline's SVG and lets it grow while the job runs, and that "Free
-memory now" goes through gradio to the server and back. Takes screenshots; ``VRAM_GUARD_UPDATE_DOCS=1``
-also writes them to docs/vram_guard_accordion.png and docs/vram_guard_timeline.png.
+memory now" goes through gradio to the server and back. Takes screenshots into the test's temporary
+folder (the pictures in docs/ come from the real WebUI: tests/acceptance/webui_screenshots.py).
 
 Needs Debian's ``chromium`` (``apt-get install -y chromium``); skipped only when it is absent.
 """
@@ -16,7 +16,6 @@ import asyncio
 import base64
 import itertools
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
@@ -290,7 +288,3 @@ def test_accordion_renders_and_readout_follows_the_status_route(tmp_path):
     for path in (shot, timeline_shot):
         data = path.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    if os.environ.get("VRAM_GUARD_UPDATE_DOCS") == "1":
-        (ROOT / "docs").mkdir(exist_ok=True)
-        shutil.copyfile(shot, ROOT / "docs" / "vram_guard_accordion.png")
-        shutil.copyfile(timeline_shot, ROOT / "docs" / "vram_guard_timeline.png")

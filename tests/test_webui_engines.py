@@ -40,6 +40,11 @@ def test_always_tiles_the_decode_and_matches_untiled():
     jobs.postprocess(p)
     rec = [r for r in job.tracker.records if r.depth == 0][-1]
     assert rec.name == "decode" and rec.plan.startswith("exact t16")
+    # the readout says it in words: how many tiles, how big, within how much memory, which picture
+    words = [n for n in job.notes if "The VAE decode was done in" in n]
+    tiles = int(rec.plan.split(" x")[-1])
+    assert words and f"in {tiles} tiles of up to 128x128 px to fit in " in words[0], job.notes
+    assert "the same picture as untiled" in words[0]
     assert out.shape == plain.shape
     assert (out - plain).abs().max() <= VAE_EXACT, (out - plain).abs().max()
     assert "forward" not in dec.__dict__
@@ -52,6 +57,7 @@ def test_auto_runs_untiled_when_it_fits_bit_identical():
     jobs.postprocess(p)
     assert torch.equal(out, plain)
     assert [r for r in job.tracker.records if r.depth == 0][-1].plan == "untiled"
+    assert not any("was done in" in n for n in job.notes)  # nothing to explain
 
 
 def test_forced_fp16_overflow_is_recomputed_not_nan():
@@ -108,6 +114,10 @@ def test_esrgan_upscale_goes_through_the_engine_and_the_cache(tmp_path):
     assert out1.size == (192, 160) and list(out1.getdata()) == list(out2.getdata())
     top = [r for r in job.tracker.records if r.depth == 0]
     assert [r.name for r in top] == ["hires_upscale", "hires_upscale"] and top[0].plan
+    assert any(
+        n.startswith("VRAM Guard: The hires-fix upscale was done in ") and "of up to 32x32 px" in n
+        for n in job.notes
+    ), job.notes
     assert [s["name"] for s in session.last["records"]] == ["hires_upscale", "hires_upscale"]
     assert "do_upscale" not in scaler.__dict__
     cache = session.model_cache()

@@ -29,7 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def collect(device: str | None = None) -> dict:
-    """The doctor report as a plain dict; the keys are documented in the README."""
+    """The doctor report as a plain dict; the keys are documented in docs/command-line.md."""
     dev = resolve_device(device)
     mem = memory_info(dev)
     caps = capabilities(dev)

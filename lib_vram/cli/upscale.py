@@ -1,6 +1,6 @@
 """``python -m lib_vram upscale INPUT OUTPUT --model FILE``: tiled upscaling of your own images.
 
-File handling (README, "Upscaling your own images"):
+File handling (docs/command-line.md, "`upscale`: your own images"):
 
 * An input is never overwritten: an output that is (or links to) an input is refused, also with
   ``--overwrite``; a folder run refuses an output folder that is the input folder.

@@ -26,7 +26,8 @@ key                 meaning
                     (``false``: the peak is a sampled lower bound), ``error`` (or ``null``)
 ``emulated``        the emulated card's label (``--emulate-vram``, :mod:`lib_vram.core.emulate`) when
                     ``memory`` describes one, else ``null``
-``notes``           list of strings (warnings, the CPU-only notice, what a release freed)
+``notes``           list of strings in plain words (warnings, what a pass did to fit: see
+                    :func:`vae_pass_note`, the CPU-only notice, what a release freed)
 ``timeline``        the last (or running) job's memory timeline (:mod:`lib_vram.core.timeline`,
                     :meth:`~lib_vram.core.timeline.Timeline.to_dict`; bounded), or ``null``
 ``profile``         'Profile the next job' (WebUI only; absent elsewhere): ``armed``, and ``last``
@@ -296,6 +297,110 @@ def stage_label(name: str) -> str:
     """The readout's label of a tracker stage name (``"vae_decode"`` -> ``"Decode"``)."""
     sid = _stage_id(name)
     return _LABELS.get(sid, sid.replace("_", " ").capitalize())
+
+
+STAGE_WORDS: dict[str, str] = {
+    "decode": "the VAE decode",
+    "encode": "the VAE encode of the input image",
+    "hires_decode": "the VAE decode before hires fix",
+    "hires_encode": "the hires-fix VAE encode",
+    "preview_decode": "a live preview's VAE decode",
+    "other_encode": "a VAE encode",
+    "hires_upscale": "the hires-fix upscale",
+    "img2img_upscale": "the img2img upscale",
+    "upscale": "the upscale",
+}
+"""What each stage is called in the readout's notes: the words a user knows it by."""
+
+
+def stage_words(name: str) -> str:
+    """The words a note uses for a stage (``"hires_encode"`` -> ``"the hires-fix VAE encode"``)."""
+    sid = _stage_id(name)
+    return STAGE_WORDS.get(sid, "the " + sid.replace("_", " "))
+
+
+def size_words(n: int | float) -> str:
+    """A size for a note: ``"3.2 GB"``, ``"750 MB"`` (binary, like a card's label: 1 GB = 2**30 bytes)."""
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GB"
+    return f"{max(n, 0) / 2**20:.0f} MB"
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _tries_words(retries: Iterable[int]) -> str:
+    """VAE tiles that ran out of memory (latent px; 0 = untiled) in image pixels."""
+    tries = ["untiled" if t == 0 else f"with {t * 8}x{t * 8}-px tiles" for t in retries]
+    return " and ".join(tries)
+
+
+def vae_pass_note(
+    stage: str,
+    *,
+    mode: str,
+    tiles: int,
+    tile: int | None,
+    budget_bytes: int,
+    retries: Iterable[int] = (),
+    whole: Iterable[str] = (),
+) -> str | None:
+    """What one VAE pass did, in words (``None`` when it simply ran untiled).
+
+    ``tile`` is in latent pixels (x8 on the image); ``budget_bytes`` is the memory it planned
+    within (free memory less a safety margin); ``retries`` the tiles that ran out of memory first
+    (0 = untiled), ``whole`` the engine's out-of-memory remarks. E.g. "The VAE decode was done in 6
+    tiles of 512x512 px to fit in 3.2 GB (the free memory less a safety margin); exact tiles: the
+    same picture as untiled."."""
+    what = stage_words(stage)
+    retries, whole = list(retries), [w.removeprefix("out of memory ") for w in whole]
+    failed = ""
+    if retries or whole:
+        first = _tries_words(retries) if retries else "; ".join(whole)
+        failed = f"{_sentence(what)} ran out of memory {first}; "
+    if mode not in ("exact", "fast") or not tile or (tiles <= 1 and not failed):
+        return f"{failed}it then ran untiled." if failed else None
+    px = tile * 8
+    done = (
+        f"{'then it' if failed else _sentence(what)} was done in {tiles} tile{'s' if tiles != 1 else ''} "
+        f"of up to {px}x{px} px to fit in {size_words(budget_bytes)} (the free memory less a safety margin)"
+    )
+    picture = (
+        "exact tiles: the same picture as untiled."
+        if mode == "exact"
+        else "fast tiles: seamless, but not exactly the untiled picture."
+    )
+    return f"{failed}{done}; {picture}"
+
+
+def upscale_pass_note(
+    stage: str,
+    *,
+    tiled: bool,
+    tiles: int,
+    tile: int,
+    batch: int,
+    budget_bytes: int,
+    ooms: int = 0,
+    exact: bool = True,
+) -> str | None:
+    """What one tiled upscale did, in words (``None`` when the whole image went through at once
+    without an out-of-memory error)."""
+    what = stage_words(stage)
+    failed = f"{_sentence(what)} ran out of memory {ooms} time{'s' if ooms != 1 else ''}; " if ooms else ""
+    if not tiled:
+        return f"{failed}it then ran on the whole image at once." if failed else None
+    done = (
+        f"{'then it' if failed else _sentence(what)} was done in {tiles} tile{'s' if tiles != 1 else ''} "
+        f"of up to {tile}x{tile} px, {batch} at a time, to fit in {size_words(budget_bytes)}"
+    )
+    picture = (
+        "the tiles blend into the untiled picture (within one 8-bit level)."
+        if exact
+        else "this model looks at the whole image, so its tiles are not exactly the untiled picture."
+    )
+    return f"{failed}{done}; {picture}"
 
 
 def render_timeline_html(timeline: Mapping[str, Any] | None) -> str:

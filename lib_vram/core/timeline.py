@@ -237,7 +237,7 @@ class Timeline:
             return len(self._t) + (self._bucket is not None)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready snapshot (keys in README's "Memory timeline"; bounded by the caps)."""
+        """A JSON-ready snapshot (keys in docs/api.md, "The `timeline` key"; bounded by the caps)."""
         with self._lock:
             t, u, r = list(self._t), list(self._used), list(self._res)
             if self._bucket is not None:

@@ -58,7 +58,8 @@ def _frozen_map(**kwargs: object) -> Mapping[str, object]:
 
 @dataclass(frozen=True)
 class Preset:
-    """The memory settings of one card class. Every field is explained in the README table."""
+    """The memory settings of one card class (every field is explained in docs/how-it-works.md,
+    "Memory presets")."""
 
     name: str
     """Preset name (one of :data:`PRESET_NAMES`; ``"Auto"`` after resolution keeps ``resolved_from``)."""
@@ -119,8 +120,9 @@ _LIGHT_RELEASES = frozenset({"post_sample", "job_end", "failure"})
 _MINIMAL_RELEASES = frozenset({"job_end", "failure"})
 
 
-# The table. One row per tier; the reasons for each value are in the comments and in the README's
-# "Presets" table. Tile sizes and batches are not here: the engines choose them from the budget.
+# The table. One row per tier; the reasons for each value are in the comments and in
+# docs/how-it-works.md's "Memory presets" table. Tile sizes and batches are not here: the engines
+# choose them from the budget.
 PRESETS: Mapping[str, Preset] = types.MappingProxyType(
     {
         "4GB": Preset(

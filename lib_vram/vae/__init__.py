@@ -1,6 +1,6 @@
 """Tiled VAE engine: exact and fast tiled decode/encode in bounded memory.
 
-Public API (see ``README.md``, "Tiled VAE"):
+Public API (see ``docs/how-it-works.md``, "Tiled VAE"):
 
 * :func:`tiled_decode`, :func:`tiled_encode` with a :class:`TiledVAEConfig`; what ran is written
   into a :class:`VAEReport`. Exact mode's promise: :data:`EXACT_MAX_ABS_ERR` (max abs, float32).

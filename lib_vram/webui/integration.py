@@ -41,7 +41,7 @@ def settings_options() -> list[tuple[str, dict]]:
                     "label": f.settings_label,
                     "kind": kind,
                     "component_args": f.component_args(),
-                    "info": f.tooltip,
+                    "info": f.info,
                 },
             )
         )

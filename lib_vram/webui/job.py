@@ -35,6 +35,7 @@ import torch
 from lib_vram.core import emulate
 from lib_vram.core.device import release
 from lib_vram.core.hooks import register_hook, remove_hook
+from lib_vram.core.readout import stage_words, vae_pass_note
 from lib_vram.core.timeline import Timeline
 from lib_vram.core.tracker import StageTracker
 
@@ -222,18 +223,24 @@ class Job:
             return "hires_decode" if hr and not in_hr and not self.sampled else "decode"
         return "hires_encode" if hr and in_hr else "encode"
 
-    def oom_note(self, stage: str, retries: list[int], notes: list[str], plan: str) -> bool:
-        """Note an out-of-memory error a stage recovered from (readout, log); True if there was one."""
-        whole = [n.removeprefix("out of memory ") for n in notes if "out of memory" in n]
-        if not retries and not whole:
-            return False
-        tried = ", ".join("untiled" if t == 0 else f"tile {t}" for t in retries)
-        what = f"at {tried}" if tried else "; ".join(whole)
-        self.note(
-            f"VRAM Guard: {stage.replace('_', ' ')}: out of memory {what}; finished as {plan}",
-            logging.WARNING,
+    def pass_note(self, stage: str, report: Any) -> bool:
+        """Say in words what a tiled VAE pass did to fit (readout, log), e.g. "The VAE decode was
+        done in 6 tiles of up to 512x512 px to fit in 3.2 GB ..."; nothing for a pass that simply
+        ran untiled. True if the pass ran out of memory before it finished."""
+        whole = [n for n in report.notes if "out of memory" in n]
+        oom = bool(report.oom_retries or whole)
+        text = vae_pass_note(
+            stage,
+            mode=report.mode,
+            tiles=report.tiles,
+            tile=report.tile,
+            budget_bytes=report.budget_bytes,
+            retries=report.oom_retries,
+            whole=whole,
         )
-        return True
+        if text:
+            self.note(f"VRAM Guard: {text}", logging.WARNING if oom else logging.INFO)
+        return oom
 
     def upscale_stage_name(self) -> str:
         if self.kind == "txt2img":
@@ -357,13 +364,15 @@ class Job:
                 self.tracker.note(plan="out of memory")
                 self.note(f"VRAM Guard: {name.replace('_', ' ')}: {exc}", logging.WARNING)
                 raise
-            oom = self.oom_note(name, report.oom_retries, report.notes, report.plan)
+            oom = self.pass_note(name, report)
             off = f", {moved} off the card" if moved else ""
             self.tracker.note(plan=report.plan + (" after OOM" if oom else "") + off)
         if report.recomputed:
+            n = len(report.recomputed)
             self.note(
-                f"VRAM Guard: {len(report.recomputed)} {kind} segment(s) overflowed in {report.dtype} and "
-                "were recomputed in a wider type"
+                f"VRAM Guard: {n} part{'s' if n != 1 else ''} of {stage_words(name)} overflowed in "
+                f"{report.dtype.upper()} (they would have been black or NaN) and were recomputed in a "
+                "wider type"
             )
         return out
 
@@ -410,9 +419,10 @@ class Job:
     def moved_off(self, idle: Any, stage: str, why: str) -> Iterator[None]:
         """``idle``'s parts off the card for the ``with`` block (and back, also after an error)."""
         with idle.moved_off() as moved:
+            what = stage_words(stage)
             text = (
-                f"{stage.replace('_', ' ')}: moved the {idle.names} ({moved / 2**30:.2f} GiB) off the "
-                f"card for this pass: {why}"
+                f"{what[:1].upper() + what[1:]}: moved the idle {idle.names} ({moved / 2**30:.2f} GiB) "
+                f"off the card for this pass and back after it: {why}"
             )
             self.note(f"VRAM Guard: {text}")
             self.tracker.event("offload", text, at=stage, moved_bytes=moved)

@@ -92,6 +92,10 @@ class OptionField:
     """Infotext group word of the summary entry (see the module docstring); ``"VRAM Guard"`` for
     the enable switch, whose presence is the key itself."""
     tooltip: str = ""
+    """The longer explanation shown when hovering the control."""
+    info: str = ""
+    """One line in the user's terms, shown under the control's label in the accordion, the Extras
+    section and on the Settings page: what it changes and when to use it."""
 
     @property
     def settings_key(self) -> str:
@@ -169,6 +173,8 @@ FIELDS: tuple[OptionField, ...] = (
         infotext=INFOTEXT_KEY,
         tooltip="Turn VRAM Guard on for this tab: tiled VAE, tiled upscaling, precision control and "
         "memory release between stages.",
+        info="Turn on when this tab's jobs run out of GPU memory; off, the WebUI runs exactly as "
+        "without VRAM Guard.",
     ),
     OptionField(
         "preset",
@@ -180,6 +186,8 @@ FIELDS: tuple[OptionField, ...] = (
         tooltip="Auto picks the preset for this card's memory at generation time; a size (e.g. 6GB) "
         "plans for that card; Custom uses only the controls below. Controls left on Auto follow the "
         "preset.",
+        info="The card to plan for: Auto reads yours at each job; pick a smaller size if a job still "
+        "runs out of memory.",
     ),
     OptionField(
         "vae_tiling",
@@ -190,6 +198,8 @@ FIELDS: tuple[OptionField, ...] = (
         infotext="VAE",
         tooltip="Auto tiles the VAE decode/encode only when the whole image would not fit in free "
         "memory; Always tiles every time; Off never tiles.",
+        info="Auto tiles the VAE only when the image would not fit; Always if Auto still runs out; "
+        "Off never tiles.",
     ),
     OptionField(
         "vae_mode",
@@ -201,6 +211,8 @@ FIELDS: tuple[OptionField, ...] = (
         tooltip="exact: same picture as the untiled VAE (shared normalisation statistics, a few % "
         "slower); fast: one pass with estimated statistics: no seams, but not the untiled picture "
         "(25-47 dB against it, depending on the VAE and the image; a little faster).",
+        info="exact gives the untiled VAE's picture; fast is a little quicker but not the same "
+        "picture (25-47 dB).",
     ),
     OptionField(
         "vae_tile",
@@ -212,6 +224,8 @@ FIELDS: tuple[OptionField, ...] = (
         infotext="VAE",
         tooltip="Tile edge in latent pixels (x8 in image pixels). 0 = Auto: the largest tile that "
         "fits in free memory.",
+        info="Smaller tiles need less memory and take a little longer; 0 = the largest that fits "
+        "(latent px, x8 on the image).",
     ),
     OptionField(
         "upscale_tiling",
@@ -221,6 +235,8 @@ FIELDS: tuple[OptionField, ...] = (
         infotext="upscale",
         tooltip="Run ESRGAN-family upscalers tile by tile on the GPU (hires fix, img2img, SD upscale), "
         "without seams, retrying with smaller tiles on out-of-memory.",
+        info="Run ESRGAN-family upscalers in tiles that fit (hires fix, img2img resize, SD upscale); "
+        "off uses the WebUI's own.",
     ),
     OptionField(
         "upscale_tile",
@@ -231,6 +247,7 @@ FIELDS: tuple[OptionField, ...] = (
         auto_zero=True,
         infotext="upscale",
         tooltip="Upscaler tile edge in input pixels. 0 = Auto: chosen from free memory.",
+        info="Smaller tiles need less memory; 0 = chosen from free memory (input px).",
     ),
     OptionField(
         "upscale_batch",
@@ -241,6 +258,7 @@ FIELDS: tuple[OptionField, ...] = (
         auto_zero=True,
         infotext="upscale",
         tooltip="How many tiles go through the upscaler at once. 0 = Auto: chosen from free memory.",
+        info="Tiles per upscaler pass: fewer need less memory, more run faster; 0 = chosen from free memory.",
     ),
     OptionField(
         "precision_vae",
@@ -251,6 +269,8 @@ FIELDS: tuple[OptionField, ...] = (
         infotext="VAE",
         tooltip="Auto keeps the WebUI's choice (BF16 where the card supports it on small cards). "
         "FP16/BF16 halve the VAE's memory; tiles that overflow are recomputed in a wider type.",
+        info="FP16/BF16 halve the VAE's memory; choose BF16 or FP16 if you get black or NaN images; "
+        "Auto keeps the WebUI's.",
     ),
     OptionField(
         "precision_upscale",
@@ -261,6 +281,8 @@ FIELDS: tuple[OptionField, ...] = (
         infotext="upscale",
         tooltip="Auto uses FP16/BF16 when the model supports it; batches with NaN/Inf are recomputed "
         "in FP32.",
+        info="FP16/BF16 halve the upscaler's memory; Auto uses them where the model supports them, "
+        "else FP32.",
     ),
     OptionField(
         "unet_fp16",
@@ -270,6 +292,8 @@ FIELDS: tuple[OptionField, ...] = (
         infotext="UNet",
         tooltip="Run the UNet in FP16 when the WebUI would run it in FP32 (e.g. --no-half): halves "
         "its memory.",
+        info="Halves the UNet's memory for the job when the WebUI runs it in FP32 (--no-half); use "
+        "it when sampling runs out.",
     ),
     OptionField(
         "release_between_stages",
@@ -279,6 +303,8 @@ FIELDS: tuple[OptionField, ...] = (
         infotext="release",
         tooltip="Collect garbage and return cached GPU memory between sampling, hires fix, decode and "
         "postprocessing.",
+        info="Frees unused GPU memory between sampling, hires fix and decode; costs milliseconds, "
+        "keep it on.",
     ),
     OptionField(
         "guard_sampling",

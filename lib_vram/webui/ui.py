@@ -60,6 +60,16 @@ LAYOUT: tuple[tuple[str, ...], ...] = (
 DROPDOWNS = frozenset({"preset", "precision_vae", "precision_upscale"})
 """Choice fields shown as dropdowns (the rest are radio buttons)."""
 
+FREE_TOOLTIP = (
+    "Return the memory PyTorch keeps cached but unused to the driver now (also after a failed job), "
+    "and refresh the readout."
+)
+EXTRAS_ENABLE_INFO = (
+    "Run the Upscale operation's upscaler in tiles that fit your card's free memory; use it when Extras "
+    "runs out of memory."
+)
+"""The Extras section's enable switch, in the user's terms (its field's info speaks of a tab)."""
+
 PRESET_TARGETS: tuple[str, ...] = tuple(n for n in API_ARG_ORDER if n not in ("enabled", "preset"))
 """The controls a preset change updates, in order (the outputs of the preset's ``change`` event)."""
 
@@ -107,25 +117,36 @@ def readout_elem_id(tab: str, prefix: str = "vram_guard") -> str:
 
 
 def _component(f: OptionField, value: Any, eid: str) -> Any:
+    """The control of ``f``, with its one-line ``info`` under the label (gradio 3.41 and 4.x)."""
+    common = {"label": f.label, "elem_id": eid, "info": f.info or None}
     if f.kind == "bool":
-        return gr.Checkbox(value=value, label=f.label, elem_id=eid)
+        return gr.Checkbox(value=value, **common)
     if f.kind == "int":
         lo, hi, step = f.range or (0, 0, 1)
-        return gr.Slider(minimum=lo, maximum=hi, step=step, value=value, label=f.label, elem_id=eid)
+        return gr.Slider(minimum=lo, maximum=hi, step=step, value=value, **common)
     choices = list(f.choices or ())
     if f.name in DROPDOWNS:
-        return gr.Dropdown(choices=choices, value=value, label=f.label, elem_id=eid)
-    return gr.Radio(choices=choices, value=value, label=f.label, elem_id=eid)
+        return gr.Dropdown(choices=choices, value=value, **common)
+    return gr.Radio(choices=choices, value=value, **common)
 
 
-def tooltips_for(controls: Mapping[str, Any], extra: Mapping[str, tuple[str, str]] = ()) -> dict:
-    """elem_id → (label, tooltip) for the JS (``titles[label] = tooltip``, ``title`` attributes)."""
+def tooltips_for(
+    controls: Mapping[str, Any],
+    extra: Mapping[str, tuple[str, str]] = (),
+    *,
+    labels: Mapping[str, tuple[str, str]] = (),
+) -> dict:
+    """elem_id → (label, tooltip) for the JS (``titles[label] = tooltip``, ``title`` attributes).
+
+    ``labels`` replaces a field's (label, tooltip) where the section shows it differently (the
+    Extras section's enable switch)."""
+    own = dict(labels)
     out: dict[str, tuple[str, str]] = {}
     for name, comp in controls.items():
         f = FIELDS_BY_NAME[name]
         eid = getattr(comp, "elem_id", None) or getattr(comp, "accordion_id", None)
         if eid:
-            out[str(eid)] = (f.label, f.tooltip)
+            out[str(eid)] = own.get(name, (f.label, f.tooltip))
     out.update(dict(extra))
     return out
 
@@ -190,6 +211,7 @@ def build_ui(
                 value=defaults.enabled,
                 label="Enable VRAM Guard",
                 elem_id=elem_id(elem_prefix, tab, "enabled"),
+                info=enable_field.info,
             )
         controls["enabled"] = enable
         with gr.Column(elem_classes=["vram-guard", "vram-guard-controls"]):
@@ -204,10 +226,7 @@ def build_ui(
             tips = tooltips_for(
                 controls,
                 {
-                    free_id: (
-                        "Free memory now",
-                        "Collect garbage and return cached GPU memory to the driver now.",
-                    ),
+                    free_id: ("Free memory now", FREE_TOOLTIP),
                     **profile_tooltip(profile_id),
                 },
             )
@@ -301,6 +320,7 @@ def build_extras_widgets(
                 value=defaults.enabled,
                 label="Enable VRAM Guard upscaling",
                 elem_id=elem_id(elem_prefix, tab, "enabled"),
+                info=EXTRAS_ENABLE_INFO,
             )
         inputs["enabled"] = enable
         with gr.Column(elem_classes=["vram-guard", "vram-guard-controls"]):
@@ -310,7 +330,11 @@ def build_extras_widgets(
                         FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
                     )
             free_id = elem_id(elem_prefix, tab, "free")
-            tips = tooltips_for(inputs, {free_id: ("Free memory now", "Release cached GPU memory now.")})
+            tips = tooltips_for(
+                inputs,
+                {free_id: ("Free memory now", FREE_TOOLTIP)},
+                labels={"enabled": ("VRAM Guard upscaling", EXTRAS_ENABLE_INFO)},
+            )
             readout = gr.HTML(
                 value=_initial_readout(tab, tips, initial_readout),
                 elem_id=readout_elem_id(tab, elem_prefix),

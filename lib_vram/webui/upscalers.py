@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lib_vram.core.readout import upscale_pass_note
+
 from .patching import patch_attr
 
 logger = logging.getLogger(__name__)
@@ -200,12 +202,19 @@ def upscale(
             return img
         plan = getattr(report, "plan", None)
         plan = plan if isinstance(plan, str) else None
+        text = upscale_pass_note(
+            job.upscale_stage_name(),
+            tiled=bool(report.tiled),
+            tiles=report.tiles_total,
+            tile=report.tile,
+            batch=report.batch,
+            budget_bytes=report.budget_bytes,
+            ooms=report.ooms,
+            exact=report.exact,
+        )
+        if text:
+            job.note(f"VRAM Guard: {text}", logging.WARNING if report.ooms else logging.INFO)
         if report.ooms:
-            job.note(
-                f"VRAM Guard: {stage.replace('_', ' ')}: {report.ooms} out of memory "
-                f"error(s); finished with {report.tile}px tiles ({plan})",
-                logging.WARNING,
-            )
             plan = f"{plan or 'tiled'} after OOM"
         if moved:
             plan = f"{plan or 'tiled'}, {moved} off the card"

@@ -16,8 +16,8 @@ usage: webui_acceptance.py baseline|extension|auth|emulate-ref|emulate [--url UR
 (``sdupscale``, ``previews``, ``savehires``, ``unet``, ``readme``, ``badoption`` and ``stale`` run
 only when named in ``--only``.)
 
-* ``readme`` runs the README's API examples exactly as written (extracted from README.md; only the
-  host:port is replaced by ``--url``).
+* ``readme`` runs the documented API examples exactly as written (extracted from docs/api.md, which
+  the README links; only the host:port is replaced by ``--url``).
 * ``auth`` — against a WebUI started with ``--api-auth USER:PASSWORD``: VRAM Guard's API routes
   answer 401 without (or with wrong) credentials, like ``/sdapi/v1/*``, and 200 with them.
 
@@ -155,28 +155,29 @@ def http_status(url: str, path: str, method: str = "GET", auth: tuple[str, str] 
         raise
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+"""Where the API examples live (the README links it)."""
 
 
 def readme_api_examples() -> list[tuple[str, str, dict]]:
-    """The README's API examples as (label, path, payload), exactly as written there: every
-    ``curl ... -d '{...}'`` block of the "### API" section, and its "Positional form" line applied
-    to the same request."""
-    text = README.read_text()
-    section = text[text.index("### API") : text.index("### Status route")]
+    """The documented API examples as (label, path, payload), exactly as written in docs/api.md:
+    every ``curl ... -d '{...}'`` block of its "## `alwayson_scripts`" section, and its "Positional
+    form" line applied to the same request."""
+    text = API_DOC.read_text()
+    section = text[text.index("## `alwayson_scripts`") : text.index("## Access control")]
     out = []
     for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
         m = re.search(r"curl -s http://127\.0\.0\.1:7860(/sdapi/v1/\S+) .*?-d '(.*)'", block, flags=re.S)
         if m:
-            out.append(("README curl example", m.group(1), json.loads(m.group(2))))
+            out.append(("docs/api.md curl example", m.group(1), json.loads(m.group(2))))
     pos = re.search(r"Positional form of the same: `\"args\": (\[.*?\])`", section)
     if out and pos:
         label, path, payload = out[0]
         scripts = json.loads(json.dumps(payload["alwayson_scripts"]))
         scripts["VRAM Guard"]["args"] = json.loads(pos.group(1))
-        out.append(("README positional form", path, dict(payload, alwayson_scripts=scripts)))
+        out.append(("docs/api.md positional form", path, dict(payload, alwayson_scripts=scripts)))
     if len(out) < 2:
-        raise SystemExit("README.md: the API examples were not found (section '### API')")
+        raise SystemExit("docs/api.md: the API examples were not found (section '## `alwayson_scripts`')")
     return out
 
 
@@ -423,7 +424,7 @@ def main() -> int:
         record("extras on (Settings defaults, tile 32)", r["image"].shape == base("extras").shape,
                seconds=r["seconds"], psnr=psnr(r["image"], base("extras")),
                stages=[(s["stage"], s["plan"]) for s in st["stages"]])  # fmt: skip
-    # 11. The README's API examples, run exactly as written there.
+    # 11. The documented API examples (docs/api.md), run exactly as written there.
     if only and "readme" in only:
         for label, path, payload in readme_api_examples():
             try:
