@@ -24,11 +24,17 @@ def _plan(capsys, *argv: str) -> tuple[int, dict]:
     return rc, json.loads(capsys.readouterr().out)
 
 
+def _stage(rep: dict, name: str) -> dict:
+    (s,) = [s for s in rep["stages"] if s["stage"] == name]
+    return s
+
+
 def test_sdxl_2048_decode_plans_to_fit_4gb(capsys):
     rc, rep = _plan(capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "4GB")
-    assert rc == 0
+    # the decode fits; SDXL's sampling does not on 4 GB (its UNet alone is 4.8 GiB): exit 3
+    assert rc == 3 and not _stage(rep, "sample")["fits"]
     assert rep["preset"] == "Auto" and rep["resolved_from"] == "4GB" and rep["emulated"]
-    (dec,) = rep["stages"]
+    dec = _stage(rep, "vae_decode")
     assert set(dec) >= RECORD_KEYS
     assert dec["stage"] == "vae_decode" and dec["fits"] and dec["plan"].startswith("exact t")
     assert dec["predicted_peak_bytes"] <= dec["budget_bytes"] < 4 * 2**30
@@ -61,7 +67,7 @@ def test_doomed_run_is_warned_before_it_starts(capsys):
         "3.9GB",
     )
     assert rc == 3
-    (dec,) = rep["stages"]
+    dec = _stage(rep, "vae_decode")
     assert not dec["fits"] and "out-of-memory" in dec["warning"]
 
 
@@ -191,8 +197,8 @@ def test_a_decode_that_fits_only_without_the_idle_models_plans_them_off_the_card
     from lib_vram.planning.reference import vae_arch
 
     rc, rep = _sdxl_6144(capsys, "8GB")
-    assert rc == 0 and rep["host_swaps_models"] is None
-    (dec,) = rep["stages"]
+    assert rep["host_swaps_models"] is None
+    dec = _stage(rep, "vae_decode")
     assert dec["moved_off_card"] == ["UNet", "text encoders"] and dec["fits"]
     assert dec["resident_bytes"] == 0
     # with them on the card the same pass would not fit
@@ -200,7 +206,7 @@ def test_a_decode_that_fits_only_without_the_idle_models_plans_them_off_the_card
     assert dec["predicted_peak_bytes"] + a.unet_bytes + a.text_encoder_bytes > dec["budget_bytes"]
     # a smaller image fits beside them: nothing moves
     rc, rep = _plan(capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "8GB")
-    (dec,) = rep["stages"]
+    dec = _stage(rep, "vae_decode")
     assert dec["moved_off_card"] == [] and dec["resident_bytes"] == a.unet_bytes + a.text_encoder_bytes
 
 
@@ -211,5 +217,94 @@ def test_a_card_the_models_alone_fill_is_planned_as_the_hosts_own_swapping(capsy
     rc, rep = _sdxl_6144(capsys, "8GB", "--medvram")
     assert rep["host_swaps_models"] == "flag"
     assert all(s["resident_bytes"] == 0 for s in rep["stages"])
-    assert main(["plan", "--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", "4GB"]) == 0
-    assert "--medvram/--lowvram" in capsys.readouterr().out
+    # SDXL's sampling does not fit 4 GB at any size (its UNet alone is 4.8 GiB): exit 3, said
+    assert main(["plan", "--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", "4GB"]) == 3
+    out = capsys.readouterr().out
+    assert "--medvram/--lowvram" in out and "weights alone do not fit" in out
+
+
+# -- the sampling stages ---------------------------------------------------------------------------
+
+
+def test_hires_job_lists_every_stage_with_sampling(capsys):
+    rc, rep = _plan(
+        capsys, "--arch", "sd15", "--width", "512", "--height", "768", "--hires", "2", "--upscaler", "rrdb",
+        "--vram", "4GB",
+    )  # fmt: skip
+    names = [s["stage"] for s in rep["stages"]]
+    want = ["sample", "vae_decode", "hires_upscale", "vae_encode", "sample_hires", "vae_decode_hires"]
+    assert names == want
+    assert rc == 0
+    for name in ("sample", "sample_hires"):
+        s = _stage(rep, name)
+        assert s["attention"] == "doggettx"  # the WebUI's Automatic on CUDA with no flags
+        assert s["fits"] and s["batch"] in (1, 2) and s["activation_bytes"] > 0
+        assert s["predicted_peak_bytes"] >= s["model_weights_bytes"] + s["activation_bytes"]
+    # the hires pass has 4x the tokens: with ldm's own attention its activations grow ~16x
+    rc, rep = _plan(
+        capsys, "--arch", "sd15", "--width", "512", "--height", "768", "--hires", "2", "--attention", "None",
+        "--vram", "80GB",
+    )  # fmt: skip
+    assert _stage(rep, "sample_hires")["activation_bytes"] > 10 * _stage(rep, "sample")["activation_bytes"]
+
+
+def test_sampling_micro_batches_when_activations_do_not_fit(capsys):
+    """SD1.5, 8 images at 1024x1024 with SDP on 4 GB: the forward of 16 samples does not fit; a
+    smaller micro-batch does."""
+    rc, rep = _plan(
+        capsys, "--arch", "sd15", "--width", "1024", "--height", "1024", "--batch-size", "8", "--attention",
+        "sdp", "--vram", "4GB",
+    )  # fmt: skip
+    s = _stage(rep, "sample")
+    assert s["fits"] and 1 <= s["batch"] < 16 and s["plan"] == f"micro-batch {s['batch']} of 16"
+    whole = next(c for c in s["candidates"] if c["batch"] == 16)
+    assert whole["predicted_peak_bytes"] > s["budget_bytes"] >= s["predicted_peak_bytes"]
+
+
+def test_idle_models_leave_the_card_for_sampling_only_when_needed(capsys):
+    sd15 = ("--arch", "sd15", "--width", "512", "--height", "512", "--attention", "sdp")
+    rc, rep = _plan(capsys, *sd15, "--vram", "2.4GB")
+    s = _stage(rep, "sample")
+    assert s["fits"] and s["moved_off_card"] == [] and s["resident_bytes"] > 0  # VAE, text encoders stay
+    # on 2.3 GB they do not fit beside the step: the VAE and the text encoders leave for it
+    rc, rep = _plan(capsys, *sd15, "--vram", "2.3GB")
+    s = _stage(rep, "sample")
+    assert s["fits"] and s["moved_off_card"] == ["VAE", "text encoders"] and s["resident_bytes"] == 0
+    # with --medvram the host moves them itself: nothing is planned off
+    rc, rep = _plan(capsys, *sd15, "--vram", "2.3GB", "--medvram")
+    assert _stage(rep, "sample")["moved_off_card"] == []
+
+
+def test_nothing_fits_gives_one_line_with_a_size_and_batch(capsys):
+    argv = ("--arch", "sd15", "--width", "2048", "--height", "1536", "--attention", "None", "--vram", "4GB")
+    rc, rep = _plan(capsys, *argv)
+    assert rc == 3
+    s = _stage(rep, "sample")
+    assert not s["fits"] and s["batch"] == 1
+    line = s["suggestion"]
+    assert "\n" not in line and "px fits at batch 1" in line and "no batch fits at this size" in line
+    # the suggested size keeps the aspect (4:3) in multiples of 64 and does fit
+    import re
+
+    w, h = (int(v) for v in re.search(r"(\d+)x(\d+) px fits", line).groups())
+    assert w % 64 == 0 and h % 64 == 0 and abs(w / h - 4 / 3) < 0.1
+    rc, rep = _plan(capsys, "--arch", "sd15", "--width", str(w), "--height", str(h), "--attention", "None",
+                    "--vram", "4GB")  # fmt: skip
+    assert _stage(rep, "sample")["fits"]
+    assert main(["plan", "--arch", "sd15", "--width", "2048", "--height", "1536", "--attention", "None",
+                 "--vram", "4GB"]) == 3  # fmt: skip
+    assert "does not fit: sample:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch-size", "33"], "`--batch`/`--batch-size` must be in 1..32"),
+        (["--batch-size", "0"], "`--batch`/`--batch-size` must be in 1..32"),
+        (["--attention", "flash"], "`--attention flash`"),
+    ],
+)
+def test_sampling_options_are_bounded(capsys, argv, message):
+    assert main(["plan", "--arch", "sd15", "--width", "512", "--height", "512", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1

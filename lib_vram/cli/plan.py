@@ -11,6 +11,9 @@ from lib_vram.core.emulate import parse_size as emulate_parse_size
 from lib_vram.planning.presets import PRESET_NAMES, resolve_preset
 from lib_vram.planning.reference import ARCHS, UPSCALERS, vae_arch
 
+MAX_IMAGES = 32
+"""Images per batch ``plan`` takes (:data:`lib_vram.cli.stageplan.MAX_IMAGES`)."""
+
 NAME = "plan"
 HELP = "Predict each stage's peak memory for a generation and choose tiles/batches that fit."
 
@@ -27,7 +30,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", required=True, choices=sorted(ARCHS), help="model family")
     parser.add_argument("--width", type=int, required=True, help="image width in px (multiple of 8)")
     parser.add_argument("--height", type=int, required=True, help="image height in px (multiple of 8)")
-    parser.add_argument("--batch", type=int, default=1, help="images per batch (default 1)")
+    parser.add_argument(
+        "--batch",
+        "--batch-size",
+        dest="batch",
+        type=int,
+        default=1,
+        help=f"images per batch (default 1, at most {MAX_IMAGES}); the UNet's forward holds twice as many",
+    )
+    parser.add_argument(
+        "--attention",
+        default="Automatic",
+        help="the WebUI's cross-attention optimization for the sampling stages: Automatic (what "
+        "v1.10.1 picks with no flags: Doggettx on CUDA), sdp, sdp-no-mem, xformers, sub-quadratic, "
+        "Doggettx, InvokeAI, V1, None",
+    )
     parser.add_argument("--hires", type=float, default=None, help="hires fix scale, e.g. 2")
     parser.add_argument("--upscaler", choices=UPSCALERS, default=None, help="4x upscaler (hires or final)")
     parser.add_argument(
@@ -104,6 +121,7 @@ def collect(args: argparse.Namespace) -> dict:
         upscaler=args.upscaler,
         safety_margin_bytes=margin,
         host_swaps=bool(swaps),
+        attention=args.attention,
     )
     return {
         "schema": SCHEMA_VERSION,
@@ -141,14 +159,15 @@ def format_table(report: dict) -> str:
         + f"; {_gib(report['free_bytes'])} free of {_gib(report['total_bytes'])}"
         + (" (emulated)" if report["emulated"] else "")
     )
-    rows = [("stage", "plan", "dtype", "predicted peak", "budget", "fits")]
+    rows = [("stage", "plan", "dtype", "predicted peak", "activations", "budget", "fits")]
     for s in report["stages"]:
         rows.append(
             (
                 s["stage"],
-                s["plan"],
+                s["plan"] + (f" ({s['attention']})" if s.get("attention") else ""),
                 s["dtype"],
                 _gib(s["predicted_peak_bytes"]),
+                _gib(s["activation_bytes"]),
                 _gib(s["budget_bytes"]),
                 "yes" if s["fits"] else "NO",
             )
@@ -170,7 +189,9 @@ def format_table(report: dict) -> str:
                 f"{s['stage']}: moves the {', '.join(s['moved_off_card'])} off the card for this pass "
                 "(its plan does not fit with them there)"
             )
-        if s["warning"]:
+        if s.get("suggestion"):
+            lines.append(f"does not fit: {s['stage']}: {s['suggestion']}")
+        elif s["warning"]:
             lines.append(f"warning: {s['stage']}: {s['warning']}")
     lines.append(
         "peak = stage model weights + resident weights still on the card + input + predicted activations; "
@@ -190,8 +211,14 @@ def check_options(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v < 8 or v % 8:
             raise UsageError(f"`--{name}` must be a multiple of 8 and >= 8, got {v}")
-    if args.batch < 1:
-        raise UsageError(f"`--batch` must be >= 1, got {args.batch}")
+    if not 1 <= args.batch <= MAX_IMAGES:
+        raise UsageError(f"`--batch`/`--batch-size` must be in 1..{MAX_IMAGES} images, got {args.batch}")
+    from lib_vram.sampling import attention_of
+
+    try:
+        attention_of(args.attention)
+    except ValueError as exc:
+        raise UsageError(f"`--attention {args.attention}`: {exc}") from None
     if args.hires is not None and (not math.isfinite(args.hires) or not 1 < args.hires <= 8):
         raise UsageError(f"`--hires` must be a scale in (1, 8], got {args.hires}")
     if args.vram is not None:

@@ -73,6 +73,10 @@ class StagePlan:
     moved_off: str = ""
     """What leaves the card for this stage because its plan does not fit with it there (e.g.
     ``"UNet, text encoders"``); empty when nothing moves."""
+    suggestion: str | None = None
+    """Sampling stages that do not fit: the largest size and batch that would (one line)."""
+    attention: str = ""
+    """Sampling stages: the attention implementation planned for."""
 
     def to_dict(self) -> dict:
         return {
@@ -91,6 +95,7 @@ class StagePlan:
             "dtype": self.dtype,
             "warning": self.warning,
             "moved_off_card": self.moved_off.split(", ") if self.moved_off else [],
+            **({"attention": self.attention, "suggestion": self.suggestion} if self.attention else {}),
             "candidates": [
                 {"plan": c.plan, "tile": c.tile, "batch": c.batch, "predicted_peak_bytes": c.peak_bytes}
                 for c in self.candidates
@@ -245,6 +250,76 @@ def plan_upscale_stage(
     )  # fmt: skip
 
 
+SAMPLING_ARCHS = {"sd15": "sd15", "sdxl": "sdxl"}
+"""Archs whose UNet the sampling estimate knows (:func:`lib_vram.sampling.reference_spec`)."""
+MAX_IMAGES = 32
+"""The largest images per batch ``plan`` takes (the UNet's forward then holds 64 samples)."""
+
+
+def plan_sampling_stage(
+    stage: str,
+    arch: str,
+    width: int,
+    height: int,
+    free_bytes: int,
+    safety_margin_bytes: int,
+    *,
+    images: int = 1,
+    attention: str = "doggettx",
+    dtype: str = "fp16",
+    resident_bytes: int = 0,
+    context_tokens: int = 77,
+    backend: str = "cuda",
+    memory: planner.PlanMemory | None = None,
+) -> StagePlan:
+    """``stage`` (a sampling pass) as :func:`lib_vram.sampling.plan_sampling` plans it: the
+    reference UNet of ``arch``, one forward of ``2 x images`` samples (the WebUI batches cond and
+    uncond), the latent of ``width`` x ``height``."""
+    from lib_vram.sampling import plan_sampling, reference_spec
+
+    spec = reference_spec(SAMPLING_ARCHS[arch])
+    a = reference.vae_arch(arch)
+    dt = dtype_of(dtype)
+    budget = max(0, free_bytes - safety_margin_bytes)
+    batch = 2 * images
+    p = plan_sampling(
+        spec,
+        batch=batch,
+        latent_hw=(height // a.downscale, width // a.downscale),
+        context_tokens=context_tokens,
+        attention=attention,
+        dtype=dt,
+        budget_bytes=budget,
+        resident_bytes=resident_bytes,
+        backend=backend,
+        memory=memory,
+    )
+    cands = [dataclasses.replace(c, peak_bytes=c.peak_bytes) for c in p.candidates]
+    warning = None
+    if not p.fits:
+        warning = p.suggestion
+    return StagePlan(
+        stage=stage,
+        plan=p.label,
+        predicted_peak_bytes=p.predicted_peak_bytes,
+        fits=p.fits,
+        budget_bytes=budget,
+        safety_margin_bytes=safety_margin_bytes,
+        resident_bytes=resident_bytes,
+        weights_bytes=p.weights_bytes,
+        input_bytes=p.input_bytes,
+        activation_bytes=p.activation_bytes,
+        tile=None,
+        batch=p.micro_batch,
+        dtype=dtype,
+        key=p.key,
+        warning=warning,
+        candidates=cands,
+        suggestion=p.suggestion,
+        attention=attention,
+    )
+
+
 def plan_job(
     arch: str,
     width: int,
@@ -261,6 +336,7 @@ def plan_job(
     safety_margin_bytes: int | None = None,
     memory: planner.PlanMemory | None = None,
     host_swaps: bool = False,
+    attention: str | None = None,
 ) -> list[StagePlan]:
     """Plans for every memory-heavy stage of a job (see the module docstring).
 
@@ -268,6 +344,13 @@ def plan_job(
     UNet/text encoder bytes are added per stage from the arch table unless the preset offloads
     them). The WebUI decodes a batch one image at a time, so ``batch`` adds only the decoded images
     that wait on the device.
+
+    Sampling stages (``sample``, ``sample_hires``; archs with a UNet the sampling estimate knows)
+    plan one UNet forward of the whole batch (cond and uncond) with ``attention`` (default: what
+    the WebUI v1.10.1 picks with no flags, :func:`lib_vram.sampling.attention_of`). During
+    sampling the VAE is idle and the text encoders are done once the conditioning is computed:
+    when the step does not fit beside them, they leave the card for it (``moved_off``), not when
+    the host swaps models itself (``host_swaps``).
     """
     if batch < 1:
         raise ValueError(f"`batch` must be >= 1, got {batch}")
@@ -309,7 +392,32 @@ def plan_job(
         off = at(resident - sum(n for _, n in movable))
         return dataclasses.replace(off, moved_off=", ".join(name for name, _ in movable))
 
-    plans = [vae("vae_decode", "decode", width, height)]
+    sampling = arch in SAMPLING_ARCHS
+    if sampling:
+        from lib_vram.sampling import attention_of
+
+        att = attention_of(attention or "Automatic", backend=backend)
+        vae_weights = weights_bytes(reference_vae(arch, "decode"), dtype_of(vae_dtype)) + weights_bytes(
+            reference_vae(arch, "encode"), dtype_of(vae_dtype)
+        )
+        idle = [] if host_swaps else [("VAE", vae_weights), ("text encoders", a.text_encoder_bytes)]
+
+    def sample(stage: str, w: int, h: int) -> StagePlan:
+        def at(on_card: int) -> StagePlan:
+            return plan_sampling_stage(
+                stage, arch, w, h, free_bytes, margin, images=batch, attention=att,
+                resident_bytes=on_card, backend=backend, memory=memory,
+            )  # fmt: skip
+
+        on_card = sum(n for _, n in idle)
+        sp = at(on_card)
+        if sp.fits or not idle:
+            return sp
+        off = at(0)
+        return dataclasses.replace(off, moved_off=", ".join(name for name, _ in idle))
+
+    plans = [sample("sample", width, height)] if sampling else []
+    plans.append(vae("vae_decode", "decode", width, height))
     final_w, final_h = width, height
     if hires is not None:
         hw = int(round(width * hires / a.downscale)) * a.downscale
@@ -331,6 +439,8 @@ def plan_job(
                 )  # fmt: skip
             )
         plans.append(vae("vae_encode", "encode", hw, hh))
+        if sampling:
+            plans.append(sample("sample_hires", hw, hh))
         plans.append(vae("vae_decode_hires", "decode", hw, hh))
         final_w, final_h = hw, hh
     elif upscaler is not None:

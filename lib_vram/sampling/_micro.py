@@ -116,10 +116,30 @@ class MicroBatched:
             outs.append(out)
             del out
             start = stop
+        result = self._join(outs, min(self.micro_batch, batch))
         if not self._reported_ok:
             self._report(min(self.micro_batch, batch), oom=False)
             self._reported_ok = True
-        return _cat(outs)
+        return result
+
+    def _join(self, outs: list[Any], m: int) -> Any:
+        """The chunks' outputs concatenated; an out-of-memory error there (the step's last
+        allocation) is reported for ``m``, memory released and the concatenation tried once more
+        (the chunks are done: a smaller micro-batch would not make it smaller)."""
+        for attempt in (1, 2):
+            failed = False
+            try:
+                return _cat(outs)
+            except Exception as exc:  # an out-of-memory error of any backend; others propagate
+                if not is_oom_error(exc) or attempt == 2:
+                    raise
+                failed = True
+            if failed:
+                release()
+                self.ooms += 1
+                self._report(m, oom=True)
+                logger.info("UNet outputs' concatenation ran out of memory: released, trying once more")
+        raise AssertionError("unreachable")
 
 
 def micro_batched(

@@ -24,6 +24,7 @@ TARGETS: dict[str, str] = {
     "emulate": "lib_vram.cli.bench.emulate",
     "gpu": "lib_vram.cli.bench.gpu",
     "timeline": "lib_vram.cli.bench.timeline",
+    "sampling": "lib_vram.cli.bench.sampling",
 }
 
 
