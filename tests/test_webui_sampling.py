@@ -84,6 +84,8 @@ class Run:
     resident_after: int
     peak: int
     p: Any
+    final: dict | None = None
+    """The readout after the job closed (a failed job's stage is recorded then)."""
 
 
 def run_job(
@@ -133,7 +135,7 @@ def run_job(
         host.state.end()
         after = wc.card.resident_bytes
         wc.close()
-    return Run(out, error, notes, status, before, after, peak, p)
+    return Run(out, error, notes, status, before, after, peak, p, session.status())
 
 
 def assert_clean(r: Run) -> None:
@@ -242,7 +244,7 @@ def test_an_upscale_that_fits_beside_them_moves_nothing(rrdb):
 # -- sampling -------------------------------------------------------------------------------------
 
 IMAGES = 2
-HW = (32, 32)
+HW = (24, 24)
 CTX = 48
 _g = torch.Generator().manual_seed(31)
 X = torch.randn(IMAGES, 4, *HW, generator=_g)
@@ -440,7 +442,7 @@ def test_a_card_too_small_for_any_plan_gets_the_named_error_before_the_unet_runs
     assert "\n" not in text and "out of memory" in text and "px" in text and "fits" in text, text
     assert ran == []  # stopped before the UNet computed anything
     assert not any("off the card for this pass" in n for n in r.notes)
-    failed = [st for st in r.status["stages"] if st["stage"] == "sampling"]
+    failed = [st for st in r.final["stages"] if st["stage"] == "sampling"]
     assert failed and failed[0]["ok"] is False and "VRAM Guard stopped" in (failed[0]["error"] or ""), failed
     assert_clean(r)
 
@@ -525,6 +527,7 @@ def test_an_out_of_memory_error_the_plan_did_not_foresee_moves_them_off_in_the_f
     assert_clean(r)
 
 
+@functools.lru_cache(maxsize=1)
 def _micro_cap() -> tuple[Run, int, list[int]]:
     ref = _reference()
     cap = ref.resident_before + int(_need(ref) * 0.6)
@@ -643,3 +646,61 @@ def test_a_wrapper_another_extension_puts_over_ours_is_kept_and_ours_steps_aside
         UNET.__dict__.pop("forward", None)
     assert r.error is None and ours.active is False and theirs is not ours
     assert sum("wrapped the UNet's forward after VRAM Guard" in n for n in r.notes) == 1, r.notes
+
+
+def test_the_hires_pass_is_planned_as_its_own_stage_and_named_in_the_infotext():
+    ref = _reference()
+    cap = ref.resident_before + int(_need(ref) * 0.6)
+
+    def body(jobs: ScriptJobs, p: Any) -> Any:
+        first = sample_pass(jobs, p)
+        jobs.before_hr(p)
+        return first, sample_pass(jobs, p, hr=True)
+
+    r = run_job(cap, body, settings=NO_MARGIN, p=FakeP(enable_hr=True))
+    assert r.error is None, r.error
+    names = [st["stage"] for st in r.status["stages"] if "sampling" in st["stage"]]
+    assert names == ["sampling", "hires_sampling"], names
+    plan = r.p.extra_generation_params["VRAM Guard plan"]()
+    assert "sampling micro-batch" in plan and "hires sampling micro-batch" in plan, plan
+    _same_samples(r.out[1][0], ref.out[0])
+    assert_clean(r)
+
+
+def test_an_error_mid_pass_and_a_script_unload_undo_the_patch_and_the_moves():
+    ref = _reference()
+    cap, idle = _cap_for_moves(ref)
+    seen: list[Any] = []
+
+    def body(jobs: ScriptJobs, p: Any) -> Any:
+        card = emulate.installed()
+        jobs.before_sampling(p, x=X.clone(), c=[COND[0]], uc=[UNCOND[0]])
+        seen.append(("forward" in UNET.__dict__, card.resident_bytes))
+        raise RuntimeError("the sampler failed")  # e.g. an interrupted job, another extension
+
+    r = run_job(cap, body, settings=NO_MARGIN)
+    assert isinstance(r.error, RuntimeError) and "the sampler failed" in str(r.error)
+    assert seen == [(True, r.resident_before - idle)]
+    assert_clean(r)
+
+    # script unload while a pass is open (Reload UI mid-job)
+    host = FakeHost(MODEL)
+    session = Session(host=host)
+    wc = WebUICard(cap, host=host)
+    wc.install()
+    session.emulation = wc
+    jobs = ScriptJobs(session, kind="txt2img")
+    host.state.begin()
+    p = FakeP()
+    o = VRAMGuardOptions(enabled=True, release_between_stages=False, vae_tiling="Off")
+    jobs.process(p, o)
+    jobs.job.settings = dataclasses.replace(jobs.job.settings, **NO_MARGIN)
+    with torch.no_grad():
+        jobs.before_sampling(p, x=X.clone(), c=[COND[0]], uc=[UNCOND[0]])
+    patched, during = "forward" in UNET.__dict__, wc.card.resident_bytes
+    assert session.close_all() == 1
+    after = wc.card.resident_bytes
+    host.state.end()
+    wc.close()
+    assert patched and during < after and "forward" not in UNET.__dict__
+    assert all(not mod._forward_pre_hooks for mod in MODEL.first_stage_model.modules())
