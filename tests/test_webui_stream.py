@@ -205,6 +205,11 @@ def test_in_a_job_a_pass_the_guard_would_stop_streams_and_gives_the_plain_sample
     assert "UNet streamed: " in notes and " MiB resident" in notes and "--lowvram would move" in notes, notes
     assert any("UNet streamed: " in str(st.get("plan")) for st in r.status["stages"]), r.status["stages"]
     assert r.peak <= capacity
+    # the readout's prediction for the streamed pass (not the whole UNet's): within the card
+    import re
+
+    said = [int(m) for m in re.findall(r"predicted peak (\d+) MiB", notes)]
+    assert said and max(said) <= capacity / (1 << 20) + 1, (said, capacity)
     ws.assert_clean(r)
     assert _same(ws.UNET, before)
     assert all(not m._forward_hooks for m in ws.UNET.modules())

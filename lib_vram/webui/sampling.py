@@ -40,6 +40,7 @@ so once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -278,7 +279,11 @@ class SamplingGuard:
                 dtype=dtype, budget_bytes=budget, resident_bytes=rest, backend=backend, settings=job.settings,
             )  # fmt: skip
             if streamed is not None:
-                plan = base
+                # the readout's prediction for the pass: the resident part of the UNet, the
+                # streaming buffers, the activations, the inputs and what else stays on the card
+                sp = streamed.plan
+                peak = sp.resident_bytes + sp.buffer_bytes + sp.activation_bytes + base.input_bytes + rest
+                plan = dataclasses.replace(base, predicted_peak_bytes=peak)
                 if idle is not None and not moved:
                     moved, self._idle = idle.names, idle
         if not plan.fits and streamed is None:
