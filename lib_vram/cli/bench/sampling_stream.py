@@ -28,8 +28,6 @@ import contextlib
 import json
 import sys
 import time
-import types
-from collections.abc import Iterator
 
 import torch
 
@@ -47,35 +45,12 @@ from lib_vram.sampling import (
     unit_bytes,
 )
 
+from ._unet import _omegaconf_for_ldm
+
 HELP = "Streamed UNet (budgeted residency): bytes per step vs --lowvram, plain vs guarded (emulated card)."
 MiB = 1 << 20
 GB = 1e9
 DEFAULT_BANDWIDTH_GB_S = 12.0
-
-
-@contextlib.contextmanager
-def _ldm_without_omegaconf() -> Iterator[None]:
-    """ldm's ``UNetModel.__init__`` imports ``omegaconf.listconfig.ListConfig`` only to convert a
-    ``context_dim`` list; without omegaconf installed a placeholder stands in for the constructor."""
-    if "omegaconf.listconfig" in sys.modules:
-        yield
-        return
-    try:
-        import omegaconf.listconfig  # noqa: F401
-
-        yield
-        return
-    except ImportError:
-        pass
-    om, lc = types.ModuleType("omegaconf"), types.ModuleType("omegaconf.listconfig")
-    lc.ListConfig = type("ListConfig", (list,), {})
-    om.listconfig = lc
-    sys.modules["omegaconf"], sys.modules["omegaconf.listconfig"] = om, lc
-    try:
-        yield
-    finally:
-        sys.modules.pop("omegaconf", None)
-        sys.modules.pop("omegaconf.listconfig", None)
 
 
 def _config(shape: str, mc: int, context_dim: int) -> dict:
@@ -107,7 +82,7 @@ def build_unet(shape: str, mc: int, *, context_dim: int = 64, seed: int = 0, met
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
     torch.manual_seed(seed)
-    with _ldm_without_omegaconf(), torch.device("meta") if meta else contextlib.nullcontext():
+    with _omegaconf_for_ldm(), torch.device("meta") if meta else contextlib.nullcontext():
         unet = UNetModel(**_config(shape, mc, context_dim)).eval()
     if not meta:
         gen = torch.Generator().manual_seed(seed)
@@ -129,7 +104,7 @@ def full_size_units(arch: str, itemsize: int = 2) -> list[tuple[str, int]]:
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
     cfg = dict(_config("sdxl", 320, 2048), transformer_depth=1)
-    with _ldm_without_omegaconf(), torch.device("meta"):
+    with _omegaconf_for_ldm(), torch.device("meta"):
         unet = UNetModel(**cfg)
     depths = {}
     for name, m in unet.named_modules():
