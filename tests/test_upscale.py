@@ -168,10 +168,14 @@ def test_discouraged_tiling_uses_largest_tile_that_fits(tiny_compact, monkeypatc
     monkeypatch.setattr(_plan, "AUTO_TILE_MAX", 32)
     x = image_like(192, 192)
     rep_s, rep_d = UpscaleReport(), UpscaleReport()
-    budget = 4 * 2**20  # a 192² whole-image pass does not fit; a ~120 px tile does
-    upscale_tensor(tiny_compact, x, config=UpscaleConfig(budget_bytes=budget, overlap=4), report=rep_s)
+    budget = 4 * 2**20  # a 192² whole-image pass does not fit; a ~100 px tile does
+    # an overlap beyond the model's context: an exact plan (a smaller one is flagged inexact, and an
+    # inexact model gets the largest tile like a discouraged one)
+    cfg = UpscaleConfig(budget_bytes=budget, overlap=16)
+    upscale_tensor(tiny_compact, x, config=cfg, report=rep_s)
     tiny_compact.tiling = ModelTiling.DISCOURAGED
-    upscale_tensor(tiny_compact, x, config=UpscaleConfig(budget_bytes=budget, overlap=4), report=rep_d)
+    upscale_tensor(tiny_compact, x, config=cfg, report=rep_d)
+    assert rep_s.exact and rep_d.exact, (rep_s.notes, rep_d.notes)
     assert rep_s.tiled and rep_d.tiled, (rep_s.plan, rep_d.plan)
     assert rep_s.tile == 32 and rep_d.tile > 32, (rep_s.plan, rep_d.plan)
 
@@ -213,9 +217,10 @@ def test_nonfinite_batch_is_recomputed_in_fp32(tiny_compact, precision):
                 return out * torch.tensor(float("inf"), dtype=out.dtype)
         return None
 
+    cfg = UpscaleConfig(tile=16, batch=2, overlap=4, precision=precision)
+    upscale_tensor(tiny_compact, x, config=cfg)  # the probes run once per model and dtype (cached)
     tiny_compact.model.body[0].register_forward_hook(overflow)
     rep = UpscaleReport()
-    cfg = UpscaleConfig(tile=16, batch=2, overlap=4, precision=precision)
     y = upscale_tensor(tiny_compact, x, config=cfg, report=rep)
     assert rep.recomputed_batches == 1 and rep.dtype == ("float16" if precision == "fp16" else "bfloat16")
     assert rep.forward_calls == math.ceil(rep.tiles_total / 2) + 1
@@ -254,9 +259,11 @@ def test_oom_halves_batch_then_tile_and_keeps_finished_tiles(tiny_compact):
     x = image_like(96, 96)
     ref = tiny_compact(x)
     hook, log = _oom_above(limit_px=30 * 30, after=2)
+    cfg = UpscaleConfig(tile=32, batch=2, overlap=4)
+    upscale_tensor(tiny_compact, x, config=cfg)  # the probes run once per model (cached)
     tiny_compact.model.register_forward_pre_hook(hook)
     rep = UpscaleReport()
-    y = upscale_tensor(tiny_compact, x, config=UpscaleConfig(tile=32, batch=2, overlap=4), report=rep)
+    y = upscale_tensor(tiny_compact, x, config=cfg, report=rep)
     fails = [e for e in log if not e[3]]
     assert rep.ooms == len(fails) == 2
     assert rep.events == ["out of memory: batch -> 1", "out of memory: tile -> 16"]

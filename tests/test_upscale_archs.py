@@ -1,36 +1,49 @@
 """Tiled upscaling equals the untiled model for every spandrel architecture, or falls back visibly.
 
 Every model is a real spandrel architecture with random weights, saved to a file and loaded back
-through spandrel (both ESRGAN key formats). Each is tiled at two tile sizes that do not divide the
-image, on an image whose sides are not a multiple of any window and one whose sides are, and
-compared with spandrel's own untiled call: at most 1 LSB and at least 60 dB (8-bit). Models whose
-output depends on the whole image (global pooling, grid attention) must instead run untiled when
-they fit and carry a note (``report.exact`` False, plan ``inexact``) when forced to tile.
+through spandrel (both ESRGAN key formats). The matrix covers every image-to-image architecture
+spandrel 0.3.4 registers (``lib_vram.cli.bench._archs``; the ones not built are listed there with
+the reason): tiled at most 1 LSB from spandrel's own untiled call while the report says exact, or
+flagged inexact with a note - never a crash. Which models are flagged is decided by behaviour (the
+reach and batch probes of :mod:`lib_vram.upscale._calibrate`), never by class names: a model whose
+output depends on the whole image (DCTLSA's cyclic shift, RealCUGAN's squeeze-excitation) runs
+untiled when it fits and carries a note (``report.exact`` False, plan ``inexact``) when forced to
+tile; a model that takes one image at a time (DRUNet) runs so and says it in the plan.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from unittest import mock
 
 import pytest
 import torch
 from conftest import image_like
 
-from lib_vram.cli.bench._archs import build, save_and_load
+from lib_vram.cli.bench._archs import BUILDERS, NOT_BUILT, SPANDREL_ID, build, save_and_load
 from lib_vram.planning import planner
-from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, measure_context, upscale_tensor
-from lib_vram.upscale._calibrate import Context
+from lib_vram.upscale import (
+    ModelCache,
+    UpscaleConfig,
+    UpscaleError,
+    UpscaleReport,
+    as_spec,
+    clear_calibration,
+    load_model,
+    measure_context,
+    upscale_tensor,
+)
+from lib_vram.upscale._calibrate import Context, measure_reach
 from lib_vram.upscale._engine import signature
+from lib_vram.upscale._types import TileError
 
 LOCAL = ["compact-x1", "compact-x2", "span", "rrdb-x4", "rrdb-x2", "rrdb-x1", "plksr", "safmn"]
 WINDOWED = ["swinir", "ditn"]
-GLOBAL = ["hat", "dat", "realcugan"]
-"""HAT and DAT have channel attention (AdaptiveAvgPool2d over the whole image), RealCUGAN
-squeeze-excitation: no exact tiling exists for them. Swin2SR, DRCT (windowed), OmniSR (global) and
-ScuNET take 40-110 s each on a loaded 2-core CPU: they are in ``bench upscale --archs`` (the same
-models, docs/benchmarks.md), not in the test suite; ``test_window_models_report_their_grid`` and
-``test_model_classification`` still check how the engine sees them."""
+GLOBAL = ["dctlsa", "realcugan"]
+"""Tiles cannot equal the whole image: DCTLSA's Swin blocks shift with an unmasked cyclic
+``torch.roll`` (the image's far side wraps onto its border), RealCUGAN averages over the whole image
+(squeeze-excitation). Found by the reach probe, whatever the classes are called."""
 CASES = [((75, 58), 24), ((64, 48), 40)]
 """(image size, tile): not a multiple of any window (8, 16), and a multiple of both; tiles that
 divide neither."""
@@ -71,8 +84,6 @@ def _overlap(spec) -> int:
 @pytest.mark.parametrize("name", LOCAL + WINDOWED)
 def test_tiled_equals_untiled(models, name):
     model = models(name)
-    spec = as_spec(model)
-    assert spec.global_stats is None
     for (h, w), tile in CASES:
         x = image_like(h, w, seed=h)
         ref = _untiled(model, x)
@@ -90,12 +101,11 @@ def test_window_models_report_their_grid(models):
 
 
 @pytest.mark.parametrize(
-    ("name", "grid", "pads", "global_"),
-    [("drct", 16, False, False), ("swin2sr", 8, True, False), ("omnisr", 8, True, True)],
+    ("name", "grid", "pads"), [("drct", 16, False), ("swin2sr", 8, True), ("omnisr", 8, True)]
 )
-def test_model_classification(models, name, grid, pads, global_):
+def test_model_grid(models, name, grid, pads):
     spec = as_spec(models(name))
-    assert spec.grid == grid and (spec.pre_pad is not None) == pads and bool(spec.global_stats) == global_
+    assert spec.grid == grid and (spec.pre_pad is not None) == pads
 
 
 def test_window_model_without_the_grid_alignment_shows_seams(models):
@@ -119,10 +129,9 @@ def test_esrgan_new_key_format_tiles_like_the_old(models):
 
 
 @pytest.mark.parametrize("name", GLOBAL)
-def test_global_statistics_models_fall_back_visibly(models, name):
+def test_whole_image_models_fall_back_visibly(models, name):
     model = models(name)
     spec = as_spec(model)
-    assert spec.global_stats, name
     x = image_like(44, 37, seed=1)
     ref = _untiled(model, x)
     # Fits: untiled, exact.
@@ -130,11 +139,162 @@ def test_global_statistics_models_fall_back_visibly(models, name):
     y = upscale_tensor(model, x, config=UpscaleConfig(overlap=_overlap(spec)), report=rep)
     assert not rep.tiled and rep.exact and not rep.notes
     assert psnr_8bit(y, ref)[1] <= 1
-    # Forced to tile: it runs, and says it may differ.
+    # Forced to tile: it runs, and says why it may differ.
     rep = UpscaleReport()
     upscale_tensor(model, x, config=UpscaleConfig(tile=16, overlap=_overlap(spec), batch=4), report=rep)
     assert rep.tiled and not rep.exact and rep.plan.endswith("inexact")
-    assert rep.notes and spec.name in rep.notes[0] and "whole image" in rep.notes[0]
+    assert rep.notes and spec.name in rep.notes[0] and "whole image" in rep.notes[0], rep.notes
+
+
+def test_cyclic_shift_shows_only_at_the_border(models):
+    """DCTLSA's unmasked roll: the interior is unaffected by far content, the border is not; with
+    the reach probe switched off the tiled output is off by many LSB while the report says exact
+    (the silent error the probe exists for)."""
+    model = models("dctlsa")
+    spec = as_spec(model)
+    cpu = torch.device("cpu")
+    with spec.placed(cpu, torch.float32):
+        why = measure_reach(spec, cpu, torch.float32, _overlap(spec))
+    assert why is not None and "border" in why, why
+    x = image_like(75, 58, seed=3)
+    ref = _untiled(model, x)
+    cfg = UpscaleConfig(tile=24, overlap=_overlap(spec), batch=4)
+    with mock.patch("lib_vram.upscale._calibrate.measure_reach", return_value=None):
+        clear_calibration()
+        rep = UpscaleReport()
+        y = upscale_tensor(model, x, config=cfg, report=rep)
+    clear_calibration()
+    assert rep.exact and psnr_8bit(y, ref)[1] > 4
+
+
+def test_one_image_at_a_time_model_tiles_and_says_so(models):
+    """DRUNet's spandrel wrapper adds a noise map of batch 1: a batch of 2 raises. Found by the
+    batch probe; probes and tiles then run one image at a time, and the plan says so."""
+    model = models("drunet")
+    x = image_like(75, 58, seed=2)
+    ref = _untiled(model, x)
+    rep = UpscaleReport()
+    y = upscale_tensor(model, x, config=UpscaleConfig(tile=24, batch=4), report=rep)
+    assert rep.tiled and rep.batch == 1 and "b1 (model takes one image at a time)" in rep.plan, rep.plan
+    assert rep.exact and psnr_8bit(y, ref)[1] <= 1
+    # Two images at once (colour and alpha): also one per call, untiled.
+    x2 = torch.cat([x, image_like(75, 58, seed=9)])
+    rep = UpscaleReport()
+    y2 = upscale_tensor(model, x2, config=UpscaleConfig(), report=rep)
+    assert not rep.tiled and rep.forward_calls == 2
+    assert psnr_8bit(y2[1:], _untiled(model, x2[1:]))[1] <= 1
+
+
+def test_one_image_at_a_time_is_learned_from_a_failing_batch_without_calibration(models):
+    model = models("drunet")
+    x = image_like(64, 48, seed=2)
+    rep = UpscaleReport()
+    y = upscale_tensor(
+        model, x, config=UpscaleConfig(tile=16, batch=4, overlap=16, calibrate=False), report=rep
+    )
+    assert (
+        rep.batch == 1 and "one image at a time" in rep.plan and any("a batch of 4" in e for e in rep.events)
+    )
+    assert psnr_8bit(y, _untiled(model, x))[1] <= 1
+
+
+class SmallTilesFail(torch.nn.Module):
+    """A model that refuses inputs under 40 px (an undeclared size requirement), else x2 nearest."""
+
+    def forward(self, x):
+        if min(x.shape[-2:]) < 40:
+            raise RuntimeError(f"input {tuple(x.shape[-2:])} smaller than the model's patch")
+        return torch.nn.functional.interpolate(x, scale_factor=2, mode="nearest")
+
+
+def test_a_model_that_fails_on_tiles_runs_untiled_when_it_fits():
+    model = SmallTilesFail()
+    x = image_like(64, 56)
+    rep = UpscaleReport()
+    y = upscale_tensor(model, x, scale=2, config=UpscaleConfig(tile=16, overlap=4, batch=1), report=rep)
+    torch.testing.assert_close(y, model(x))
+    assert not rep.tiled and rep.exact
+    assert (
+        len(rep.notes) == 1 and "SmallTilesFail fails on a" in rep.notes[0] and "ran untiled" in rep.notes[0]
+    )
+    # Does not fit untiled: one line naming the model and the reason.
+    with pytest.raises(
+        TileError, match=r"SmallTilesFail fails on a .*smaller than the model's patch.*does not fit"
+    ):
+        upscale_tensor(
+            model, x, scale=2, config=UpscaleConfig(tile=16, overlap=4, batch=1, budget_bytes=4096)
+        )
+
+
+def test_cli_upscales_with_a_one_image_at_a_time_model(tmp_path, capsys):
+    """``python -m lib_vram upscale`` with DRUNet on an RGBA image (colour and alpha are one batch of
+    2 for the model): it finishes, tiled, and the plan line says one image at a time."""
+    import numpy as np
+    from PIL import Image
+
+    from lib_vram.cli import main
+
+    save_and_load(build("drunet"), tmp_path / "drunet.safetensors")
+    arr = (image_like(40, 36, seed=1)[0].permute(1, 2, 0).numpy() * 255).astype(np.uint8)
+    img = Image.fromarray(arr, "RGB").convert("RGBA")
+    img.putalpha(128)
+    img.save(tmp_path / "in.png")
+    argv = ["upscale", tmp_path / "in.png", tmp_path / "out.png", "--model", tmp_path / "drunet.safetensors"]
+    assert main([str(a) for a in [*argv, "--tile", "16"]]) == 0
+    out = capsys.readouterr().out
+    assert "b1 (model takes one image at a time)" in out and Image.open(tmp_path / "out.png").mode == "RGBA"
+
+
+# -- every architecture spandrel 0.3.4 registers ---------------------------------------------------
+
+
+def _matrix_image(spec, channels: int) -> torch.Tensor:
+    """An image a few tiles large for this model: at least 52 px, and a window of the model's size
+    requirement and grid (Uformer: 128) plus 8 px, so that there are tiles to compare."""
+    m = math.lcm(max(1, spec.multiple_of), max(1, spec.grid))
+    side = max(52, m + 8)
+    return image_like(side, side if spec.square else side - 6, channels=channels, seed=5)
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_every_architecture_tiles_exactly_or_says_why(models, name):
+    """The promise for every image-to-image architecture: tiled (16-px cores, 32 px of overlap,
+    batches of 4) within 1 LSB of spandrel's untiled call while the report says exact, or flagged
+    inexact with a note naming the model - never a crash."""
+    model = models(name)
+    assert model.architecture.id == SPANDREL_ID[name]
+    spec = as_spec(model)
+    x = _matrix_image(spec, spec.input_channels or 3)
+    ref = _untiled(model, x)
+    rep = UpscaleReport()
+    overlap = -(-32 // spec.grid) * spec.grid  # given: the context calibration is tested above
+    y = upscale_tensor(model, x, config=UpscaleConfig(tile=16, batch=4, overlap=overlap), report=rep)
+    db, err = psnr_8bit(y, ref)
+    assert rep.tiled and rep.tiles_total > 1, rep.plan
+    if rep.exact:
+        assert err <= 1, (name, rep.plan, db, err)
+    else:
+        assert rep.plan.endswith("inexact") and rep.notes and spec.name in rep.notes[0], (rep.plan, rep.notes)
+
+
+def test_the_matrix_covers_every_registered_architecture():
+    import spandrel
+
+    registered = {a.architecture.id for a in spandrel.MAIN_REGISTRY.architectures()}
+    covered = set(SPANDREL_ID.values()) | {"RestoreFormer"} | set(NOT_BUILT)
+    assert registered == covered, (registered - covered, covered - registered)
+
+
+def test_face_restoration_models_are_refused_in_one_line(tmp_path):
+    path = tmp_path / "rf.safetensors"
+    descriptor = save_and_load(build("restoreformer"), path)
+    with pytest.raises(UpscaleError) as err:
+        load_model(path, cache=ModelCache())
+    text = str(err.value)
+    assert text.startswith("rf.safetensors: a RestoreFormer face restoration model") and "\n" not in text
+    assert "not an image-to-image upscaler" in text
+    with pytest.raises(ValueError, match="RestoreFormer face restoration model"):
+        as_spec(descriptor)
 
 
 # -- overlap calibration ---------------------------------------------------------------------------

@@ -312,3 +312,17 @@ def test_a_failed_replay_keeps_the_upscaled_picture_and_says_so(tmp_path):
     assert scaler.calls == 0
     assert np.abs(np.asarray(out).astype(int) - _webui_reference(model, img)).max() <= UPSCALE_LSB
     assert any("could not rebuild rrdb-x2.safetensors" in n for n in notes)
+
+
+def test_a_model_that_takes_one_image_at_a_time_is_upscaled_by_the_route(tmp_path):
+    """DRUNet (spandrel's wrapper adds a noise map of batch 1: a batch raises) through the route,
+    tiled at 32 px: one image per call, the WebUI's picture, no fallback to the WebUI's upscaler."""
+    path = tmp_path / "drunet.safetensors"
+    model = save_and_load(build("drunet"), path)
+    host = FakeHost(fake_sd_model())
+    scaler = UpscalerESRGAN()
+    host.scalers = [scaler]
+    img = _image()
+    out = _route(host, scaler, img, path)
+    assert scaler.calls == 0
+    assert np.abs(np.asarray(out).astype(int) - _webui_reference(model, img)).max() <= 1

@@ -3,7 +3,8 @@
 Public API::
 
     from . import (UpscaleConfig, UpscaleReport, upscale_tensor, upscale_image,
-                                  load_model, ModelCache, default_cache, UpscaleError, Interrupted)
+                                  load_model, ModelCache, default_cache, UpscaleError, TileError,
+                                  Interrupted)
 
 See :mod:`lib_vram.upscale._engine` for the algorithm (geometry, blending, OOM continuation),
 :mod:`lib_vram.upscale._calibrate` for how tile size and overlap are derived, and
@@ -25,10 +26,11 @@ from ._engine import upscale_tensor
 from ._image import upscale_image
 from ._models import ModelCache, default_cache, load_model
 from ._plan import UpscalePlan, plan_upscale
-from ._types import Interrupted, UpscaleConfig, UpscaleError, UpscaleReport
+from ._types import Interrupted, TileError, UpscaleConfig, UpscaleError, UpscaleReport
 
 __all__ = [
     "Interrupted",
+    "TileError",
     "LiveBytes",
     "ModelCache",
     "ModelSpec",

@@ -50,9 +50,9 @@ class ModelSpec:
     pre_pad: Callable[[Tensor], Tensor] | None = None
     """The model's own padding of its input to ``grid`` (its ``check_image_size``), applied once to
     the whole image so that edge tiles see exactly the padding the whole image gets."""
-    global_stats: str | None = None
-    """Why tiles cannot equal the whole image (image-wide statistics: global pooling, grid
-    attention), or None when the model is local."""
+    one_at_a_time: bool = False
+    """The model takes one image per call (a batch fails or mixes images): set by the engine from
+    :func:`lib_vram.upscale._calibrate.batching` or from a batch that failed."""
 
     def pad_to(self, h: int, w: int) -> tuple[int, int]:
         """The smallest ``(h, w)`` at least as large that a forward accepts (``square`` ignored)."""
@@ -91,11 +91,15 @@ GRID_ATTRS = ("window_size", "split_size")
 FIXED_GRID = {"SCUNet": 64}
 """Architectures whose grid is not an attribute: SCUNet's 8-px windows sit after three 2x
 downsamplings (its own ``check_image_size`` pads to 64)."""
-GLOBAL_ARCHS = {
-    "RealCUGAN": "squeeze-excitation blocks average over the whole image",
-    "OmniSR": "grid attention mixes pixels spread over the whole image",
+IMAGE_TO_IMAGE = ("SR", "Restoration")
+"""spandrel purposes this engine runs: an image in, the same image larger or cleaner out."""
+REFUSED = {
+    "FaceSR": "face restoration model (it restores aligned face crops)",
+    "Inpainting": "inpainting model (it needs a mask)",
 }
-GLOBAL_MODULES = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)
+NOT_AN_UPSCALER = (
+    "not an image-to-image upscaler; use it where the WebUI offers face restoration or inpainting"
+)
 
 
 def _ints(v: object) -> list[int]:
@@ -117,18 +121,6 @@ def model_grid(net: nn.Module, arch: str, multiple_of: int) -> int:
                 if 1 < v <= 64:
                     g = math.lcm(g, v)
     return g
-
-
-def global_reason(net: nn.Module, arch: str) -> str | None:
-    """Why the model's output depends on the whole image (None when every pixel is local)."""
-    if arch in GLOBAL_ARCHS:
-        return GLOBAL_ARCHS[arch]
-    for m in net.modules():
-        if isinstance(m, GLOBAL_MODULES):
-            size = m.output_size
-            if all(s == 1 for s in ((size,) if isinstance(size, int) else size)):
-                return f"{type(m).__name__} (channel attention) averages over the whole image"
-    return None
 
 
 def _pre_pad(net: nn.Module) -> Callable[[Tensor], Tensor] | None:
@@ -156,8 +148,11 @@ def as_spec(model: object, scale: int | None = None) -> ModelSpec:
     """
     if _is_descriptor(model):
         purpose = getattr(model, "purpose", "SR")
-        if purpose not in ("SR", "Restoration", "FaceSR"):
-            raise ValueError(f"`model` is a {purpose} model; only image-to-image models can upscale")
+        if purpose not in IMAGE_TO_IMAGE:
+            arch = getattr(getattr(model, "architecture", None), "name", None) or type(model.model).__name__  # type: ignore[attr-defined]
+            raise ValueError(
+                f"`model` is a {arch} {REFUSED.get(purpose, purpose + ' model')}, {NOT_AN_UPSCALER}"
+            )
         if getattr(model, "input_channels", 3) is None:
             raise ValueError("`model` has no known input channel count")
         net = model.model  # type: ignore[attr-defined]
@@ -190,7 +185,6 @@ def as_spec(model: object, scale: int | None = None) -> ModelSpec:
             name=str(arch),
             grid=model_grid(net, arch_id, int(req.multiple_of)),
             pre_pad=_pre_pad(net),
-            global_stats=global_reason(net, arch_id),
         )
     if not callable(model):
         raise ValueError(f"`model` must be a spandrel ImageModelDescriptor or a callable, got {type(model)}")

@@ -14,6 +14,13 @@ an in-process cache (weakly keyed by the model object, so a dropped model drops 
   with growing margins and compared; the halo is 1.5 x the margin found, and a model no margin
   fits is reported as not local (the engine then does not tile it silently). Theoretical receptive fields are
   useless here (RRDBNet's spans hundreds of pixels, almost all of it with negligible weight).
+* **Batching** (:func:`measure_batching`): two probe images in one call against two single calls;
+  a model that rejects the batch or mixes its images runs one image at a time.
+* **Reach** (:func:`measure_reach`): whether the output near an image corner, and in the interior,
+  changes when everything farther away than the tiles see is replaced. A cyclic shift (an unmasked
+  ``torch.roll``: the image's far side wraps onto its border), global pooling, global or grid
+  attention all show up here, whatever the model's classes are called; such a model's tiles are
+  flagged inexact.
 """
 
 from __future__ import annotations
@@ -97,7 +104,10 @@ def _legal(spec: ModelSpec, n: int) -> bool:
 
 
 def _forward(spec: ModelSpec, x: Tensor) -> Tensor:
+    """The model on a batch of probes (one image per call where the model needs it)."""
     with torch.inference_mode():
+        if spec.one_at_a_time and x.shape[0] > 1:
+            return torch.cat([spec.forward(x[i : i + 1]).float().clamp(0, 1) for i in range(x.shape[0])])
         return spec.forward(x).float().clamp(0, 1)
 
 
@@ -184,6 +194,141 @@ def measure_context(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -
     return Context(halo_for(spec, r_max), r_max, False)
 
 
+def measure_margin(spec: ModelSpec, device: torch.device, dtype: torch.dtype, overlap: int) -> str | None:
+    """For an overlap the caller gave (not calibrated): why tiles with it cannot match the whole
+    image, or None. The context probe at one margin - the least context a tile's output pixel gets,
+    :func:`reach_distance` of the overlap, on the model's grid - with the core off the grids the
+    engine does not align to (a strided stage then sees the crop at another phase, as tiles would).
+    One forward of three probes of about ``2 x margin + 20`` px and one of the crops."""
+    g = max(1, spec.grid)
+    r = max(g, reach_distance(spec, overlap) // g * g) if g > 1 else reach_distance(spec, overlap)
+    core = _round_up(PROBE_CORE, g)
+    while not _legal(spec, core + 2 * r) and r < 4 * max(64, g):
+        r += g
+    if g == 1:
+        c0 = r + 3
+    else:
+        c0 = _round_up(r, g)
+        if (c0 // g) % 2 == 0:
+            c0 += g
+    size = c0 + core + r + 5
+    while not _legal(spec, size):
+        size += 1
+    x = _probe_image(size, spec.input_channels or 3, device, dtype)
+    s = spec.scale
+    ref = _forward(spec, x)[..., c0 * s : (c0 + core) * s, c0 * s : (c0 + core) * s]
+    crop = x[..., c0 - r : c0 + core + r, c0 - r : c0 + core + r]
+    out = _forward(spec, crop)[..., r * s : (r + core) * s, r * s : (r + core) * s]
+    err = float((out - ref).abs().max())
+    if err <= CONTEXT_TOL:
+        return None
+    return f"tiles with a {overlap} px overlap differ from the whole image by {err * 255:.1f}/255"
+
+
+BATCH_PROBE_PX = 32
+
+
+def measure_batching(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the model must get one image per call (None: batches are fine): two probes of
+    ``BATCH_PROBE_PX``² as one batch against two single calls. A batch that raises (other than out
+    of memory), comes back with another shape, or differs by more than ``CONTEXT_TOL`` from the
+    single calls (images mixed in the batch) means one at a time. Three forwards of 32² images.
+    A single call that fails propagates: the model fails, not the batch."""
+    p = BATCH_PROBE_PX
+    while not _legal(spec, p):
+        p += 1
+    x = _probe_image(p, spec.input_channels or 3, device, dtype)[:2]
+    with torch.inference_mode():
+        singles = torch.cat([spec.forward(x[i : i + 1]).float() for i in range(2)])
+        failed: str | None = None
+        try:
+            both = spec.forward(x).float()
+        except Exception as exc:
+            if is_oom_error(exc):
+                raise
+            text = str(exc).strip().splitlines()
+            failed = f"a batch of 2 raises {type(exc).__name__}: {text[0][:120] if text else ''}"
+    if failed is not None:
+        return failed
+    if both.shape != singles.shape:
+        return f"a batch of 2 comes back as {tuple(both.shape)}"
+    err = float((both.clamp(0, 1) - singles.clamp(0, 1)).abs().max())
+    if err > CONTEXT_TOL:
+        return f"images in one batch change each other's output ({err * 255:.1f}/255)"
+    return None
+
+
+REACH_TOL = CONTEXT_TOL
+"""Largest change of a probe block accepted from content beyond the tiles' reach: half an 8-bit
+step, the context calibration's own bound (a stricter one flags models whose influence merely
+fades slowly, e.g. a U-Net, as whole-image models). A cyclic shift changes the border by many steps
+(DCTLSA: 20/255); global pooling whose effect stays below half a step on a probe that replaces
+most of the image is below it on tiles too."""
+REACH_GLOBAL_PX = 48
+"""A model flagged at a shorter distance (a small overlap) is probed again at this one: what still
+changes the output there is called a whole-image dependence, else a context beyond the overlap."""
+REACH_FAR_PX = 16
+"""Width (input px) of the replaced band beyond the kept neighbourhood on each side of a probe."""
+
+
+def reach_distance(spec: ModelSpec, halo: int) -> int:
+    """Distance (input px) beyond which content must not change a tile's output: the least context
+    any output pixel of a tile is computed with, three quarters of the halo (the cross-fade writes
+    pixels up to a quarter of the halo outside the core)."""
+    return max(1, (3 * halo) // 4)
+
+
+def measure_reach(spec: ModelSpec, device: torch.device, dtype: torch.dtype, halo: int) -> str | None:
+    """Why tiles with ``halo`` px of overlap cannot equal the whole image although the context
+    calibration found a margin (None: nothing beyond the tiles' reach changes the output).
+
+    Three observed blocks - the top-left and bottom-right corners and one in the interior, off the
+    model's grids - on a probe of hard-edged blocks; for each, a copy of the probe with everything
+    farther than :func:`reach_distance` from the block set to white. One batch of four images of
+    about ``2 x (reach + REACH_FAR_PX) + 12`` px a side (68-240 px); the block's output must stay
+    within ``CONTEXT_TOL`` of the unchanged probe's.
+    """
+    d = reach_distance(spec, halo)
+    c, far = PROBE_CORE, REACH_FAR_PX
+    p = d + far
+    p += 1 - p % 2  # odd: off the 2/4/8-px grids of strided layers and windows
+    n = p + c + d + far
+    while not _legal(spec, n):
+        n += 1
+    channels = spec.input_channels or 3
+    base = _probe_image(n, channels, device, dtype)[:1]
+    blocks = {
+        "at the image border": (0, 0),
+        "at the far image border": (n - c, n - c),
+        "inside the image": (p, p),
+    }
+    variants = [base]
+    for y, x in blocks.values():
+        keep = torch.zeros(1, 1, n, n, dtype=torch.bool, device=base.device)
+        keep[..., max(0, y - d) : y + c + d, max(0, x - d) : x + c + d] = True
+        variants.append(torch.where(keep, base, torch.ones_like(base)))
+    out = _forward(spec, torch.cat(variants))
+    s = spec.scale
+    errs = {}
+    for i, (where, (y, x)) in enumerate(blocks.items(), start=1):
+        window = (..., slice(y * s, (y + c) * s), slice(x * s, (x + c) * s))
+        errs[where] = float((out[i : i + 1][window] - out[:1][window]).abs().max())
+    logger.debug("%s: reach probe beyond %d px: %s", spec.name, d, errs)
+    where, err = max(errs.items(), key=lambda kv: kv[1])
+    if err <= REACH_TOL:
+        return None
+    if d < REACH_GLOBAL_PX and measure_reach(spec, device, dtype, -(-4 * REACH_GLOBAL_PX // 3)) is None:
+        # nothing beyond REACH_GLOBAL_PX matters: a local model whose context exceeds this overlap
+        return (
+            f"its context exceeds the {halo} px overlap (content {d} px away changes it by "
+            f"{err * 255:.1f}/255)"
+        )
+    return (
+        f"it depends on the whole image: its output {where} changes by {err * 255:.1f}/255 "
+        f"with content more than {d} px away (global pooling, global attention or a cyclic shift)"
+    )
+
+
 def _cached(spec: ModelSpec, key: tuple, compute, fallback):  # noqa: ANN001
     """``compute()`` once per (model, key); an OOM during the probe gives ``fallback`` (uncached)."""
     try:
@@ -228,6 +373,52 @@ def context_info(
         return default
     key = ("context", dtype, device.type)
     return _cached(spec, key, lambda: measure_context(spec, device, dtype), default)
+
+
+def batching(
+    spec: ModelSpec, device: torch.device, dtype: torch.dtype, *, measure: bool = True
+) -> str | None:
+    """Why the model takes one image per call (:func:`measure_batching`, once per model, dtype and
+    device type), or None; None too when not measuring (the engine then learns it from a failing
+    batch)."""
+    if not measure:
+        return None
+    return _cached(
+        spec, ("batching", dtype, device.type), lambda: measure_batching(spec, device, dtype), None
+    )
+
+
+def reach(
+    spec: ModelSpec, device: torch.device, dtype: torch.dtype, halo: int, *, measure: bool = True
+) -> str | None:
+    """:func:`measure_reach` once per (model, dtype, device type, halo); None when not measuring."""
+    if not measure:
+        return None
+    key = ("reach", halo, dtype, device.type)
+    return _cached(spec, key, lambda: measure_reach(spec, device, dtype, halo), None)
+
+
+def tiling_verdict(
+    spec: ModelSpec, device: torch.device, dtype: torch.dtype, overlap: int | None, *, measure: bool = True
+) -> tuple[int, str | None]:
+    """``(overlap, why tiles may differ from the whole image or None)``: the given ``overlap`` or
+    the calibrated one, and the reason from the context calibration (no margin fits), for a given
+    overlap from the context probe at its margin (:func:`measure_margin`), or from the reach probe
+    (content beyond the tiles' reach changes the output)."""
+    why = None
+    if overlap is not None:
+        halo = overlap
+        if measure:
+            key = ("margin", overlap, dtype, device.type)
+            why = _cached(spec, key, lambda: measure_margin(spec, device, dtype, overlap), None)
+    else:
+        ctx = context_info(spec, device, dtype, measure=measure)
+        halo = ctx.halo
+        if not ctx.sufficient:
+            why = f"its effective context exceeds {ctx.measured} px"
+    if why is None:
+        why = reach(spec, device, dtype, halo, measure=measure)
+    return halo, why
 
 
 def context(spec: ModelSpec, device: torch.device, dtype: torch.dtype, *, measure: bool = True) -> int:

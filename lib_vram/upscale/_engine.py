@@ -34,7 +34,7 @@ from lib_vram.core.device import free_bytes, is_oom_error, release, resolve_devi
 from lib_vram.planning import planner
 
 from ._adapter import ModelSpec, as_spec, choose_dtype
-from ._calibrate import bytes_per_px, context_info
+from ._calibrate import batching, bytes_per_px, tiling_verdict
 from ._plan import (  # noqa: F401  (re-exported: the engine's sizes and geometry)
     AUTO_TILE_MAX,
     INPUT_ON_DEVICE_FRACTION,
@@ -47,9 +47,19 @@ from ._plan import (  # noqa: F401  (re-exported: the engine's sizes and geometr
     decide,
     signature,
 )
-from ._types import Interrupted, UpscaleConfig, UpscaleError, UpscaleReport
+from ._types import Interrupted, TileError, UpscaleConfig, UpscaleError, UpscaleReport
 
 logger = logging.getLogger(__name__)
+
+ONE_AT_A_TIME = "model takes one image at a time"
+"""What the plan says after ``b1`` for a model that rejects batches."""
+
+
+def _why(exc: BaseException) -> str:
+    """An exception as one short clause (its type and the first line of its message)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:160]}" if lines else type(exc).__name__
+
 
 BUDGET_FRACTION = 0.8
 """Share of the free device memory an automatic plan uses (the rest absorbs fragmentation)."""
@@ -129,6 +139,11 @@ class _Run:
         self.min_tile = MIN_TILE
         self.inexact: str | None = None
         """Why the tiled result may differ from the untiled model (None: exact by construction)."""
+        self.force_whole = False
+        """Run the whole image in one window (after the model failed on tiles): no probes."""
+        self.budget = 0
+        self.fwd_px = 0.0
+        self.plan: object | None = None
         self.host_roles = (False, False)
         """Whether the accumulator and the padded input sit in host memory apart from the device's
         (tells an emulated card not to count them, :func:`lib_vram.core.emulate.to_host`)."""
@@ -147,19 +162,46 @@ class _Run:
 
     def halo(self) -> int:
         """The overlap tiles of this model need: the configured one, else calibrated. A model whose
-        tiles cannot match the whole image (image-wide statistics, a context beyond the largest
-        probe) is noted in :attr:`inexact`."""
-        reason = self.spec.global_stats
-        if self.cfg.overlap is not None:
-            halo = self.cfg.overlap
-        else:
-            ctx = context_info(self.spec, self.device, self.dtype, measure=self.cfg.calibrate)
-            halo = ctx.halo
-            if not ctx.sufficient and reason is None:
-                reason = f"its effective context exceeds {ctx.measured} px"
-        if reason is not None:
-            self.inexact = reason
+        tiles cannot match the whole image (no margin fits, or content beyond the tiles' reach
+        changes the output: :func:`lib_vram.upscale._calibrate.tiling_verdict`) is noted in
+        :attr:`inexact`. A probe that fails other than for memory is a :class:`TileError`."""
+        if self.force_whole:
+            return self.cfg.overlap or 0
+        try:
+            halo, why = tiling_verdict(
+                self.spec, self.device, self.dtype, self.cfg.overlap, measure=self.cfg.calibrate
+            )
+        except UpscaleError:
+            raise
+        except Exception as exc:
+            if is_oom_error(exc):
+                raise
+            raise TileError(
+                f"{self.spec.name} fails on the small tiles of its calibration ({_why(exc)})"
+            ) from exc
+        if why is not None:
+            self.inexact = why
         return halo
+
+    def check_batching(self) -> None:
+        """Probe once per model whether it takes a batch (cached); mark it one at a time if not."""
+        if self.force_whole or self.spec.one_at_a_time:
+            return
+        try:
+            why = batching(self.spec, self.device, self.dtype, measure=self.cfg.calibrate)
+        except Exception as exc:
+            if is_oom_error(exc):
+                raise
+            raise TileError(f"{self.spec.name} fails on a small probe image ({_why(exc)})") from exc
+        if why is not None:
+            self.one_at_a_time(why)
+
+    def one_at_a_time(self, why: str) -> None:
+        self.spec.one_at_a_time = True
+        text = f"{self.spec.name}: {ONE_AT_A_TIME} ({why})"
+        if text not in self.rep.events:
+            self.rep.events.append(text)
+            logger.info("upscale: %s", text)
 
     def set_halo(self, halo: int, tile: int) -> None:
         self.halo_px = halo
@@ -170,13 +212,12 @@ class _Run:
         """Fill the report's plan fields from the plan in use (called again after OOM retries, so
         the report shows the plan that finished)."""
         rep = self.rep
-        if self.inexact is None and tiled:
-            self.inexact = self.spec.global_stats  # also when the overlap was given
         rep.tiled = tiled
         rep.overlap, rep.feather = (self.halo_px, self.feather) if tiled else (0, 0)
         rep.exact = not (tiled and self.inexact is not None)
         tiles = f"tiled t{rep.tile} o{rep.overlap} f{rep.feather}"
-        shape = f"{tiles} b{rep.batch}" if tiled else f"whole b{rep.batch}"
+        b = f"b{rep.batch}" + (f" ({ONE_AT_A_TIME})" if self.spec.one_at_a_time else "")
+        shape = f"{tiles} {b}" if tiled else f"whole {b}"
         rep.plan = f"{shape} {rep.dtype} acc={acc_dev.type}"
         if not rep.exact:
             rep.plan += " inexact"
@@ -221,10 +262,24 @@ class _Run:
         bsz, ch, h, w = x.shape
         s = spec.scale
         auto_size = cfg.tile is None or cfg.batch is None
-        fwd_px = bytes_per_px(spec, device, dtype, measure=cfg.calibrate and auto_size)
+        self.check_batching()
+        try:
+            fwd_px = bytes_per_px(
+                spec, device, dtype, measure=cfg.calibrate and auto_size and not self.force_whole
+            )
+        except Exception as exc:
+            if is_oom_error(exc):
+                raise
+            raise TileError(f"{spec.name} fails on a small probe image ({_why(exc)})") from exc
         budget = cfg.budget_bytes
         if budget is None:
             budget = int(free_bytes(device) * BUDGET_FRACTION)
+        self.budget, self.fwd_px = budget, fwd_px
+        tile_arg, batch_arg = cfg.tile, cfg.batch
+        if self.force_whole:
+            tile_arg = max(_padded_size(spec, h, w))
+        if spec.one_at_a_time:
+            batch_arg = 1
         # host memory is distinct from the device's on an accelerator and on an emulated card
         host_apart = emulate.separate_host(device)
         plan = decide(
@@ -234,8 +289,8 @@ class _Run:
             budget,
             fwd_px,
             lambda: (self.halo(), self.inexact),
-            tile=cfg.tile,
-            batch=cfg.batch,
+            tile=tile_arg,
+            batch=batch_arg,
             accumulate_on=cfg.accumulate_on,
             host_apart=host_apart,
             memory=self.memory,
@@ -293,6 +348,34 @@ class _Run:
         return res
 
     # -- the tile loop ----------------------------------------------------------------------
+    def failure(self, exc: BaseException, group: list, shape: tuple[int, int]) -> Exception | None:
+        """What a forward that failed other than for memory means: None when the batch held several
+        images and the model is not yet run one at a time (it is from now on: try again), else the
+        error to raise - a :class:`TileError` for a tile (the whole image may work), an
+        :class:`UpscaleError` for the whole image - in one line naming the model and the reason."""
+        if isinstance(exc, UpscaleError):
+            return exc
+        if len(group) > 1 and not self.spec.one_at_a_time:
+            self.one_at_a_time(f"a batch of {len(group)} raised {_why(exc)}")
+            return None
+        if self.rep.tiled:
+            return TileError(f"{self.spec.name} fails on a {shape[0]}x{shape[1]} px tile ({_why(exc)})")
+        return UpscaleError(f"{self.spec.name} fails on this image ({shape[0]}x{shape[1]} px): {_why(exc)}")
+
+    def whole_fits(self, x: Tensor) -> bool:
+        """Whether the whole image fits the budget in one window (the plan's own peak model, with
+        the calibrated bytes per pixel where there are some, else the prediction)."""
+        spec, cfg = self.spec, self.cfg
+        budget = cfg.budget_bytes or int(free_bytes(self.device) * BUDGET_FRACTION)
+        fwd = self.fwd_px or bytes_per_px(spec, self.device, self.dtype, measure=False)
+        hp, wp = _padded_size(spec, *x.shape[-2:])
+        apart = emulate.separate_host(self.device)
+        plan = decide(
+            spec, tuple(x.shape), self.dtype, budget, fwd, lambda: (0, None), tile=max(hp, wp), batch=1,
+            accumulate_on=cfg.accumulate_on, host_apart=apart, memory=self.memory,
+        )  # fmt: skip
+        return plan.peak_bytes <= budget
+
     def check_shape(self, out: Tensor, inp: Tensor, n: int, shape: tuple[int, int]) -> None:
         s = self.spec.scale
         if out.shape[0] != n or tuple(out.shape[-2:]) != (shape[0] * s, shape[1] * s):
@@ -374,8 +457,13 @@ class _Run:
                     acc = self.new_accumulator(bsz, out.shape[1], h_out, w_out, acc_dev)
                 pieces = self.weighted(out.to(acc.device), group, hp, wp)
             except Exception as exc:
-                if not is_oom_error(exc):
-                    raise
+                if isinstance(exc, UpscaleError) or not is_oom_error(exc):
+                    failed = self.failure(exc, group, shape)
+                    if failed is not None:
+                        raise failed from exc
+                    batch = rep.batch = 1  # the model takes one image at a time: this batch again, singly
+                    self.describe(rep.tiled, self.acc_dev)
+                    continue
                 oom = True
                 logger.debug("OOM at tile %d batch %d: %s", tile, len(group), exc)
             if oom:
@@ -480,7 +568,18 @@ def upscale_tensor(
     run = _Run(spec, cfg, device, dtype, rep, tracker, should_interrupt, progress, mem)
     try:
         with stage, spec.placed(device, dtype), torch.inference_mode():
-            out = run.run(x)
+            try:
+                out = run.run(x)
+            except TileError as exc:
+                if not run.whole_fits(x):
+                    raise TileError(f"{exc}; the whole image does not fit untiled either") from exc
+                note = f"{exc}: ran untiled (the whole image fits)"
+                logger.warning("upscale: %s", note)
+                run = _Run(spec, cfg, device, dtype, rep, tracker, should_interrupt, progress, mem)
+                run.force_whole = True
+                rep.tiles_done = 0
+                rep.notes.append(note)
+                out = run.run(x)
     finally:
         rep.seconds = time.perf_counter() - t0
     if run.ran is not None:

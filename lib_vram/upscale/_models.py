@@ -17,6 +17,7 @@ import torch
 
 from lib_vram.core.device import is_oom_error, release, resolve_device
 
+from ._adapter import IMAGE_TO_IMAGE, NOT_AN_UPSCALER, REFUSED
 from ._types import UpscaleError
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,10 @@ def _load_uncached(path: Path, device: torch.device, dtype: torch.dtype | None) 
             f"{path.name}: a {type(descriptor).__name__} ({descriptor.architecture.name}) is not an "
             "image-to-image upscaler"
         )
+    purpose = getattr(descriptor, "purpose", "SR")
+    if purpose not in IMAGE_TO_IMAGE:
+        kind = REFUSED.get(purpose, f"{purpose} model")
+        raise UpscaleError(f"{path.name}: a {descriptor.architecture.name} {kind}, {NOT_AN_UPSCALER}")
     if dtype is not None and dtype != torch.float32:
         try:
             descriptor.to(dtype)

@@ -396,7 +396,7 @@ def plan_upscale(
     from the device's (default: ``device`` is not the CPU).
     """
     from ._adapter import as_spec
-    from ._calibrate import bytes_per_px, context_info
+    from ._calibrate import batching, bytes_per_px, tiling_verdict
 
     spec = as_spec(model, scale)
     dev = torch.device(device)
@@ -405,13 +405,7 @@ def plan_upscale(
     measure = calibrate and (tile is None or batch is None) and not meta
 
     def halo() -> tuple[int, object]:
-        why = spec.global_stats
-        if overlap is not None:
-            return overlap, why
-        ctx = context_info(spec, dev, dtype, measure=calibrate and not meta)
-        if not ctx.sufficient and why is None:
-            why = f"its effective context exceeds {ctx.measured} px"
-        return ctx.halo, why
+        return tiling_verdict(spec, dev, dtype, overlap, measure=calibrate and not meta)
 
     if meta:
         count = getattr(spec.module, "peak_bytes_per_px", None)
@@ -424,6 +418,8 @@ def plan_upscale(
             accumulate_on=accumulate_on, host_apart=apart, memory=memory,
         )  # fmt: skip
     with spec.placed(dev, dtype), torch.inference_mode():
+        if batching(spec, dev, dtype, measure=calibrate) is not None:
+            spec.one_at_a_time, batch = True, 1
         fwd = bytes_per_px(spec, dev, dtype, measure=measure)
         return decide(
             spec, tuple(input_shape), dtype, budget_bytes, fwd, halo, tile=tile, batch=batch,

@@ -22,6 +22,12 @@ class UpscaleError(RuntimeError):
     at the smallest tile. The message names the file (when there is one) and the reason."""
 
 
+class TileError(UpscaleError):
+    """The model fails on tiles or on the small calibration probes for a reason other than memory
+    (the whole image may still work: :func:`lib_vram.upscale.upscale_tensor` then runs it untiled
+    where it fits). The message names the model and the reason in one line."""
+
+
 class Interrupted(RuntimeError):
     """``should_interrupt()`` returned True between two batches.
 

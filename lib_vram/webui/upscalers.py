@@ -200,6 +200,20 @@ def upscale(
             # What the WebUI's own tiled upscale does when interrupted: hand back the input.
             job.tracker.note(plan="interrupted")
             return img
+        except engine.UpscaleError as exc:
+            # The model fails in the engine for a reason other than memory and the whole image
+            # does not fit untiled (the engine runs it untiled where it does): one line, and the
+            # WebUI's own upscaler (one tile per call) gets its chance.
+            job.tracker.note(plan="failed")
+            failed = str(exc)
+        else:
+            failed = None
+        if failed is not None:
+            job.warn_once(
+                f"upscale-failed-{path}",
+                f"VRAM Guard: {os.path.basename(path)}: {failed}; the WebUI's upscaler runs it instead",
+            )
+            return original(img, selected)
         plan = getattr(report, "plan", None)
         plan = plan if isinstance(plan, str) else None
         text = upscale_pass_note(

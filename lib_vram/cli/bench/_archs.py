@@ -128,6 +128,143 @@ def _drct() -> torch.nn.Module:
     )
 
 
+# -- every other image-to-image architecture spandrel 0.3.4 registers (built tiny) -----------------
+
+
+def _atd() -> torch.nn.Module:
+    from spandrel.architectures.ATD import ATD
+
+    return ATD(
+        embed_dim=12, depths=(2,), num_heads=(2,), window_size=8, category_size=32, num_tokens=8,
+        reducted_dim=4, convffn_kernel_size=3, mlp_ratio=2.0, upscale=2, upsampler="pixelshuffle",
+    )  # fmt: skip
+
+
+def _craft() -> torch.nn.Module:
+    from spandrel.architectures.CRAFT import CRAFT
+
+    return CRAFT(embed_dim=12, depths=[1], num_heads=[2], window_size=16, split_size_0=4, split_size_1=16,
+                 mlp_ratio=2.0, upscale=2)  # fmt: skip
+
+
+def _dctlsa() -> torch.nn.Module:
+    from spandrel.architectures.DCTLSA import DCTLSA
+
+    return DCTLSA(nf=10, num_modules=6, upscale=2, num_head=5)  # spandrel assumes 6 modules, 5 heads
+
+
+def _drunet() -> torch.nn.Module:
+    from spandrel.architectures.DRUNet import DRUNet
+
+    return DRUNet(in_nc=4, out_nc=3, nc=[8, 8, 8, 8], nb=2)
+
+
+def _dncnn() -> torch.nn.Module:
+    from spandrel.architectures.DnCNN import DnCNN
+
+    return DnCNN(in_nc=3, out_nc=3, nc=8, nb=5, act_mode="BR")
+
+
+def _fdncnn() -> torch.nn.Module:
+    from spandrel.architectures.DnCNN import DnCNN
+
+    return DnCNN(in_nc=4, out_nc=3, nc=8, nb=8, act_mode="R", mode="FDnCNN")
+
+
+def _fbcnn() -> torch.nn.Module:
+    from spandrel.architectures.FBCNN import FBCNN
+
+    return FBCNN(nc=[8, 8, 8, 512], nb=2)  # its quality head is fixed at 512 features
+
+
+def _fftformer() -> torch.nn.Module:
+    from spandrel.architectures.FFTformer import FFTformer
+
+    return FFTformer(dim=8, num_blocks=[1, 1, 1], num_refinement_blocks=1, ffn_expansion_factor=1)
+
+
+def _grl() -> torch.nn.Module:
+    from spandrel.architectures.GRL import GRL
+
+    return GRL(
+        embed_dim=16, upscale=2, upsampler="pixelshuffle", depths=[1], num_heads_window=[1],
+        num_heads_stripe=[1], window_size=8, stripe_size=[8, 8], mlp_ratio=2.0,
+    )  # fmt: skip
+
+
+def _ipt() -> torch.nn.Module:
+    from spandrel.architectures.IPT import IPT
+
+    return IPT(patch_size=48, n_feats=8, num_heads=1, num_layers=1, scale=[2])
+
+
+def _kbnet_s() -> torch.nn.Module:
+    from spandrel.architectures.KBNet import KBNet_s
+
+    return KBNet_s(width=8, middle_blk_num=1, enc_blk_nums=[1], dec_blk_nums=[1])
+
+
+def _kbnet_l() -> torch.nn.Module:
+    from spandrel.architectures.KBNet import KBNet_l
+
+    return KBNet_l(dim=24, num_blocks=[1, 1, 1, 1], num_refinement_blocks=1, heads=[1, 1, 1, 1])
+
+
+def _mmrealsr() -> torch.nn.Module:
+    from spandrel.architectures.MMRealSR import MMRealSR
+
+    return MMRealSR(num_in_ch=3, num_out_ch=3, scale=4, num_feat=8, num_block=1, num_grow_ch=8,
+                    num_feats=[8, 8, 8, 8], num_blocks=[1, 1, 1, 1])  # fmt: skip
+
+
+def _mixdehazenet() -> torch.nn.Module:
+    from spandrel.architectures.MixDehazeNet import MixDehazeNet
+
+    return MixDehazeNet(embed_dims=[8, 16, 32, 16, 8], depths=[1, 1, 1, 1, 1])
+
+
+def _nafnet() -> torch.nn.Module:
+    from spandrel.architectures.NAFNet import NAFNet
+
+    return NAFNet(width=8, middle_blk_num=1, enc_blk_nums=[1], dec_blk_nums=[1])
+
+
+def _rgt() -> torch.nn.Module:
+    from spandrel.architectures.RGT import RGT
+
+    return RGT(embed_dim=12, depth=[1], num_heads=[2], mlp_ratio=2.0, upscale=2, split_size=[8, 8])
+
+
+def _safmn_bcie() -> torch.nn.Module:
+    from spandrel.architectures.SAFMNBCIE import SAFMN_BCIE
+
+    return SAFMN_BCIE(dim=8, n_blocks=1, num_layers=1, upscaling_factor=2)
+
+
+def _swiftsrgan() -> torch.nn.Module:
+    from spandrel.architectures.SwiftSRGAN import SwiftSRGAN
+
+    return SwiftSRGAN(num_channels=8, num_blocks=1, upscale_factor=2)
+
+
+def _uformer() -> torch.nn.Module:
+    from spandrel.architectures.Uformer import Uformer
+
+    return Uformer(img_size=128, embed_dim=8, depths=[1] * 9, num_heads=[1] * 9, win_size=8, mlp_ratio=2.0)
+
+
+def _realplksr() -> torch.nn.Module:
+    from spandrel.architectures.PLKSR import RealPLKSR
+
+    return RealPLKSR(dim=16, n_blocks=2, upscaling_factor=2, kernel_size=9)
+
+
+def _realcugan_x4() -> torch.nn.Module:
+    from spandrel.architectures.RealCUGAN import UpCunet4x
+
+    return UpCunet4x()
+
+
 BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
     "compact-x1": lambda: _compact(1),
     "compact-x2": lambda: _compact(2),
@@ -146,7 +283,61 @@ BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
     "scunet": _scunet,
     "omnisr": _omnisr,
     "realcugan": _realcugan,
+    "realcugan-x4": _realcugan_x4,
+    "realplksr": _realplksr,
+    "atd": _atd,
+    "craft": _craft,
+    "dctlsa": _dctlsa,
+    "drunet": _drunet,
+    "dncnn": _dncnn,
+    "fdncnn": _fdncnn,
+    "fbcnn": _fbcnn,
+    "fftformer": _fftformer,
+    "grl": _grl,
+    "ipt": _ipt,
+    "kbnet-s": _kbnet_s,
+    "kbnet-l": _kbnet_l,
+    "mmrealsr": _mmrealsr,
+    "mixdehazenet": _mixdehazenet,
+    "nafnet": _nafnet,
+    "rgt": _rgt,
+    "safmn-bcie": _safmn_bcie,
+    "swiftsrgan": _swiftsrgan,
+    "uformer": _uformer,
 }
+
+
+SPANDREL_ID = {
+    "compact-x1": "Compact", "compact-x2": "Compact", "span": "SPAN", "rrdb-x4": "ESRGAN",
+    "rrdb-x2": "ESRGAN", "rrdb-x1": "ESRGAN", "plksr": "PLKSR", "realplksr": "PLKSR", "safmn": "SAFMN",
+    "swinir": "SwinIR", "swin2sr": "Swin2SR", "hat": "HAT", "dat": "DAT", "drct": "DRCT", "ditn": "DITN",
+    "scunet": "SCUNet", "omnisr": "OmniSR", "realcugan": "RealCUGAN", "realcugan-x4": "RealCUGAN",
+    "atd": "ATD", "craft": "CRAFT", "dctlsa": "DCTLSA", "drunet": "DRUNet", "dncnn": "DnCNN",
+    "fdncnn": "DnCNN", "fbcnn": "FBCNN", "fftformer": "FFTformer", "grl": "GRL", "ipt": "IPT",
+    "kbnet-s": "KBNet", "kbnet-l": "KBNet", "mmrealsr": "MMRealSR", "mixdehazenet": "MixDehazeNet",
+    "nafnet": "NAFNet", "rgt": "RGT", "safmn-bcie": "SAFMNBCIE", "swiftsrgan": "SwiftSRGAN",
+    "uformer": "Uformer",
+}  # fmt: skip
+"""The spandrel architecture id each builder's file loads as."""
+
+
+def _restoreformer() -> torch.nn.Module:
+    from spandrel.architectures.RestoreFormer.arch.restoreformer_arch import RestoreFormer
+
+    # spandrel assumes 512 px, 6 levels and attention at 16 px: narrow channels keep it small
+    return RestoreFormer(n_embed=16, embed_dim=32, ch=32, ch_mult=(1,) * 6, num_res_blocks=1, z_channels=32,
+                         head_size=1)  # fmt: skip
+
+
+REFUSED_BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {"restoreformer": _restoreformer}
+"""Architectures spandrel loads that are not image-to-image upscalers (the engine refuses them)."""
+NOT_BUILT = {
+    "GFPGAN": "face restoration (refused like RestoreFormer): its StyleGAN2 decoder is fixed at 512 px "
+    "and 512 style features, too large to build for a test",
+    "LaMa": "inpainting (spandrel gives a masked-image descriptor, refused at load): its generator has "
+    "fixed widths (27 M parameters), too large to build for a test",
+}
+"""spandrel 0.3.4 architectures without a builder here, and why."""
 
 
 def new_esrgan_keys(state: dict[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
@@ -176,7 +367,7 @@ def new_esrgan_keys(state: dict[str, torch.Tensor]) -> OrderedDict[str, torch.Te
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return BUILDERS[name]().eval()
+    return {**BUILDERS, **REFUSED_BUILDERS}[name]().eval()
 
 
 def save_and_load(net: torch.nn.Module, path, *, new_keys: bool = False):  # noqa: ANN001

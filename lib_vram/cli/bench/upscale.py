@@ -82,6 +82,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="instead: the per-architecture fidelity table (tiled vs untiled for every spandrel "
         "architecture of lib_vram.cli.bench._archs, or the named ones)",
     )
+    parser.add_argument(
+        "--fallback",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="A,B,...",
+        help="instead: the tiled error of models flagged inexact at a real image size (--fallback-px), "
+        "for the named architectures of lib_vram.cli.bench._archs (default: every one the engine flags)",
+    )
+    parser.add_argument(
+        "--fallback-px",
+        type=int,
+        default=FALLBACK_PX,
+        help=f"input side for --fallback (default {FALLBACK_PX}; "
+        f"{FALLBACK_PX_RANGE[0]}-{FALLBACK_PX_RANGE[1]})",
+    )
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
 
 
@@ -386,7 +402,7 @@ def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[di
         spec = as_spec(model)
         with torch.inference_mode():
             ref = model(x)
-        kind = "global" if spec.global_stats else ("windowed" if spec.grid > 1 else "local")
+        kind = "windowed" if spec.grid > 1 else "local"
         for tile in (None, *ARCH_TILES):
             rep = UpscaleReport()
             y = upscale_tensor(model, x, config=UpscaleConfig(tile=tile, device=device), report=rep)
@@ -403,7 +419,7 @@ def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[di
                     "max_err_lsb": int((a8 - b8).abs().max()),
                     "psnr_db": math.inf if mse == 0 else round(10 * math.log10(255.0**2 / mse), 1),
                     "exact": rep.exact,
-                    "note": (spec.global_stats or "") if not rep.exact else "",
+                    "note": "; ".join(rep.notes),
                     "seconds": round(time.perf_counter() - t0, 1),
                 }
             )
@@ -411,6 +427,89 @@ def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[di
         print(f"    {name}: {[(r['tile'], r['max_err_lsb']) for r in rows if r['arch'] == name]}",
               file=sys.stderr, flush=True)  # fmt: skip
     return rows
+
+
+FALLBACK_PX = 512
+FALLBACK_PX_RANGE = (64, 4096)
+FALLBACK_TILES = (128, 256)
+"""Tile cores (input px) the fallback table measures: what a card that cannot hold the whole image
+runs (the engine gives an inexact model the largest tile that fits)."""
+
+
+def _lsb_stats(y, ref) -> tuple[int, float, float]:  # noqa: ANN001
+    """(max error in 8-bit steps, % of values more than 1 step off, PSNR in dB) after rounding."""
+    a8, b8 = (y.float().cpu() * 255).round(), (ref.float().cpu() * 255).round()
+    diff = (a8 - b8).abs()
+    mse = float((diff**2).mean())
+    psnr = math.inf if mse == 0 else round(10 * math.log10(255.0**2 / mse), 1)
+    return int(diff.max()), round(100.0 * float((diff > 1).float().mean()), 3), psnr
+
+
+def fallback_rows(names: list[str], workdir: Path, px: int, device: object = None) -> list[dict]:
+    """Per architecture the engine flags inexact: the tiled error against spandrel's untiled call on
+    a ``px``² image, at each tile of ``FALLBACK_TILES`` smaller than the image, with the overlap the
+    engine chooses (calibrated). Architectures it finds exact are listed with ``exact`` True."""
+    import torch
+
+    from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
+
+    from ._archs import build, save_and_load
+    from ._synthetic import image_like
+
+    rows = []
+    for name in names:
+        t0 = time.perf_counter()
+        model = save_and_load(build(name), workdir / f"fallback-{name}.safetensors")
+        spec = as_spec(model)
+        x = image_like(px, px, channels=spec.input_channels or 3, seed=21)
+        with torch.inference_mode():
+            ref = model(x.to(model.device)).float().cpu()
+        for tile in [t for t in FALLBACK_TILES if t < px]:
+            rep = UpscaleReport()
+            y = upscale_tensor(model, x, config=UpscaleConfig(tile=tile, device=device), report=rep)
+            max_lsb, over, psnr = _lsb_stats(y, ref)
+            rows.append(
+                {
+                    "arch": name,
+                    "spandrel": spec.name,
+                    "image_px": px,
+                    "tile": tile,
+                    "overlap": rep.overlap,
+                    "exact": rep.exact,
+                    "max_err_lsb": max_lsb,
+                    "pct_over_1lsb": over,
+                    "psnr_db": psnr,
+                    "why": "; ".join(rep.notes).split("(", 1)[-1].split("); it did not fit")[0]
+                    if rep.notes
+                    else "",
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            )
+            t0 = time.perf_counter()
+            line = f"{name} t{tile}: {max_lsb} LSB, {over}% > 1 LSB, {psnr} dB, exact {rep.exact}"
+            print(f"    {line}", file=sys.stderr, flush=True)
+    return rows
+
+
+def fallback_table(rows: list[dict]) -> str:
+    cols = [
+        "arch",
+        "spandrel",
+        "image_px",
+        "tile",
+        "overlap",
+        "exact",
+        "max_err_lsb",
+        "pct_over_1lsb",
+        "psnr_db",
+        "why",
+    ]
+    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        out.append(
+            "| " + " | ".join(("yes" if r[c] else "no") if c == "exact" else _fmt(r[c]) for c in cols) + " |"
+        )
+    return "\n".join(out)
 
 
 def arch_table(rows: list[dict]) -> str:
@@ -426,6 +525,21 @@ def arch_table(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fallback:
+        from ._archs import BUILDERS
+
+        lo, hi = FALLBACK_PX_RANGE
+        if not lo <= args.fallback_px <= hi:
+            raise ValueError(f"`--fallback-px` must be {lo}-{hi}, got {args.fallback_px}")
+        names = list(BUILDERS) if args.fallback == "auto" else args.fallback.split(",")
+        unknown = [n for n in names if n not in BUILDERS]
+        if unknown:
+            raise ValueError(f"`--fallback`: unknown {unknown}; known: {', '.join(BUILDERS)}")
+        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vram-guard-bench-fallback-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        rows = fallback_rows(names, workdir, args.fallback_px, args.device)
+        print(json.dumps(rows, indent=2) if args.json else fallback_table(rows))
+        return 0
     if args.archs:
         from ._archs import BUILDERS
 
