@@ -269,3 +269,16 @@ def test_the_profilers_native_noise_is_filtered_and_the_rest_kept():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "a real problem\n"
+
+
+def test_bench_json_is_strict_json():
+    """An identical picture's PSNR is infinite: ``--json`` writes ``null``, not Python's
+    ``Infinity`` that strict JSON parsers reject."""
+    import json
+
+    text = cli_common.strict_json({"psnr": float("inf"), "rows": [float("nan"), 1.5], "n": 2})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == {
+        "psnr": None,
+        "rows": [None, 1.5],
+        "n": 2,
+    }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -318,3 +319,20 @@ def native_stderr_filtered():
                     logger.debug("torch (native): %s", line)
                 else:
                     print(line, file=sys.stderr)
+
+
+def _finite(obj: object) -> object:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: object, **kw) -> str:
+    """``json.dumps`` that writes strict JSON: a non-finite float (an identical picture's infinite
+    PSNR) becomes ``null`` instead of Python's ``Infinity``, which JSON parsers other than Python's
+    reject."""
+    return json.dumps(_finite(obj), allow_nan=False, **kw)

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..common import strict_json
+
 HELP = "Tiled upscaling: untiled vs this engine (tiles x batches) vs a one-tile-at-a-time PIL loop."
 
 FIELDS = (
@@ -538,7 +540,7 @@ def run(args: argparse.Namespace) -> int:
         workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vram-guard-bench-fallback-"))
         workdir.mkdir(parents=True, exist_ok=True)
         rows = fallback_rows(names, workdir, args.fallback_px, args.device)
-        print(json.dumps(rows, indent=2) if args.json else fallback_table(rows))
+        print(strict_json(rows, indent=2) if args.json else fallback_table(rows))
         return 0
     if args.archs:
         from ._archs import BUILDERS
@@ -550,7 +552,7 @@ def run(args: argparse.Namespace) -> int:
         workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vram-guard-bench-archs-"))
         workdir.mkdir(parents=True, exist_ok=True)
         rows = arch_rows(names, workdir, args.device)
-        print(json.dumps(rows, indent=2) if args.json else arch_table(rows))
+        print(strict_json(rows, indent=2) if args.json else arch_table(rows))
         return 0
     if args.case:
         print(json.dumps(run_case(json.loads(args.case))))
@@ -580,7 +582,7 @@ def run(args: argparse.Namespace) -> int:
         secs = f"{rec['seconds']:.2f}s (cpu {rec['cpu_seconds']:.2f}s)"
         print(f"    {secs} psnr {_fmt(rec['psnr_db'])} {rec['plan']}", file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps(records, indent=2))
+        print(strict_json(records, indent=2))
     else:
         print(table(records))
         print()
