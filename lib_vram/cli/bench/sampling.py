@@ -1,7 +1,10 @@
 """``python -m lib_vram bench sampling``: one UNet sampling step on emulated 4/6/8 GB cards, the
 plain WebUI's way (the whole cond/uncond batch in one forward, the idle VAE and text encoders
 resident) against VAE Guard's plan (the idle models off the card when the step does not fit beside
-them; the largest micro-batch that fits).
+them; the largest micro-batch that fits), then the streamed cases of
+:mod:`lib_vram.cli.bench.sampling_stream` (a UNet that does not fit beside one micro-batch: bytes
+moved per step against ``--lowvram``'s; their records add ``unet_bytes``, ``resident_bytes``,
+``bytes_moved_per_step``, ``lowvram_bytes_per_step``).
 
 Models: the real ldm ``UNetModel`` at reduced width (``model_channels`` 32; SD1.5-shaped and
 SDXL-shaped, :data:`lib_vram.cli.bench._unet.SHAPES`), float32 on the CPU under the emulated card
@@ -22,7 +25,10 @@ import argparse
 import json
 import time
 
-HELP = "Sampling step: plain vs VRAM Guard's plan (idle models off, micro-batch) on emulated cards."
+HELP = (
+    "Sampling step: plain vs VRAM Guard's plan (idle models off, micro-batch, streamed UNet) on "
+    "emulated cards."
+)
 
 GiB = 1 << 30
 CARDS = (4, 6, 8)
@@ -176,11 +182,17 @@ def records(quick: bool) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .sampling_stream import stream_cases, table
+
     recs = records(args.quick)
+    streamed = stream_cases(args.quick)
     if args.json:
-        print(json.dumps(recs, indent=2))
+        print(json.dumps(recs + streamed, indent=2))
         return 0
     print(format_table(recs))
+    print()
+    print("Streamed UNet (the plan's last rung when even micro-batch 1 does not fit beside the whole UNet):")
+    print(table(streamed))
     return 0
 
 
