@@ -312,8 +312,8 @@ FIELDS: tuple[OptionField, ...] = (
         True,
         BOOL,
         infotext="sampling",
-        info="Checks each sampling pass fits before it runs: smaller UNet batches (same picture), idle "
-        "models off the card, or a clear error with a size that fits; keep it on.",
+        info="Checks each sampling pass fits before it runs: smaller batches, idle models off the card, "
+        "or a clear stop. Keep it on.",
         tooltip="Before each sampling pass, check that it fits: when it does not, run the batch in "
         "smaller pieces (same picture) or move the VAE and text encoders off the card for the pass; "
         "when nothing fits, stop before sampling with what would fit instead of running out of memory.",
