@@ -45,6 +45,16 @@ the idle UNet and text encoders off the card for that pass (a note on the status
 ``offload`` timeline event), finish with the uncapped plain picture (<= 1 level), and leave the
 card's resident bytes as they were. ``--only offload-medvram``: the same job on a WebUI started
 with ``--medvram`` (the host swaps models itself): nothing may move.
+
+Sampling (issues 21/22): every VRAM Guard job of both emulate phases records its sampling passes
+(:func:`sampling_readings`: the pass's prediction from its note beside the measured stage peak and
+activations = peak - resident weights); ``emulate-ref --vg-only`` runs only VRAM Guard's untiled
+jobs (a restart with another ``--opt-*-attention`` flag: that attention's predictions);
+``emulate --only stopped``: the hires job on a card too small for its hires pass even at
+micro-batch 1 must end with VRAM Guard's one-line named error. ``--webui-pid`` adds each job's CPU
+seconds, ``--lowvram-probe`` (a WebUI started with ``--lowvram`` and ``webui_lowvram_probe/``
+linked into ``extensions/``, ``VG_LOWVRAM_PROBE=FILE``) the bytes the host's own swapping moved
+per sampler step.
 """
 
 from __future__ import annotations
@@ -218,6 +228,12 @@ def main() -> int:
     ap.add_argument("--lowvram-probe", default=None,
                     help="emulate phases: the lowvram probe's counter file (its VG_LOWVRAM_PROBE, "
                     "tests/acceptance/webui_lowvram_probe): --lowvram's bytes moved per step")  # fmt: skip
+    ap.add_argument("--hires-scale", type=float, default=2, help="emulate phases: the hires job's scale")
+    ap.add_argument(
+        "--plain-only",
+        action="store_true",
+        help="emulate-ref: only the plain WebUI's pictures (e.g. a --lowvram start)",
+    )
     ap.add_argument("--vg-only", action="store_true",
                     help="emulate-ref: only VRAM Guard's untiled runs (stage peaks and sampling predictions: "
                     "another attention), no plain reference pictures")  # fmt: skip
@@ -486,7 +502,7 @@ def main() -> int:
 
 def emulate_jobs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
     base = dict(PROMPT, steps=a.steps, width=a.size, height=a.size)
-    hires = dict(PROMPT, steps=a.steps, width=a.hires_size, height=a.hires_size, enable_hr=True, hr_scale=2,
+    hires = dict(PROMPT, steps=a.steps, width=a.hires_size, height=a.hires_size, enable_hr=True, hr_scale=a.hires_scale,
                  hr_upscaler=a.upscaler, hr_second_pass_steps=1, denoising_strength=0.5)  # fmt: skip
     extras = {"image": init_image(a.extras_size), "resize_mode": 0, "upscaling_resize": 4, "upscaler_1": a.upscaler,
               "upscaler_2": "None", "extras_upscaler_2_visibility": 0}  # fmt: skip
@@ -715,7 +731,7 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                    peak_mib=round((card.get("peak_bytes") or 0) / mib, 1),
                    resident_mib=round((card.get("resident_bytes") or 0) / mib, 1),
                    cpu_seconds=r.get("cpu_seconds"), lowvram=r.get("lowvram"))  # fmt: skip
-        if "txt2img" in only:
+        if "txt2img" in only and not a.plain_only:
             # stage peaks: VRAM Guard on, nothing tiled (the same computation as the plain WebUI)
             r, err, st = job(
                 "txt2img", {"vae_tiling": "Off", "upscale_tiling": False}, label="ref-txt2img-vg-untiled"
@@ -736,7 +752,7 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                 ref["suggested_cap_bytes"] = cap
                 record("suggested cap (half-way between the sampling and decode peaks)", True,
                        cap_mib=round(cap / mib), flag=f"--vram-guard-emulate-vram {cap // mib}MB")  # fmt: skip
-        if "hires" in only and ("hires" in ref or a.vg_only):
+        if "hires" in only and ("hires" in ref or a.vg_only) and not a.plain_only:
             # the hires job's stage peaks and sampling predictions the same way (first and hires pass)
             r, err, st = job(
                 "hires", {"vae_tiling": "Off", "upscale_tiling": False}, label="ref-hires-vg-untiled"
@@ -843,6 +859,19 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                    used_after_job_mib=round((c.get("used_bytes") or 0) / mib, 1),
                    used_after_another_request_mib=round(used1 / mib, 1), used_after_gc_collect_mib=round(used2 / mib, 1),
                    resident_mib=round(resident / mib, 1), gc_collected_objects=fr.get("collected_objects"))  # fmt: skip
+    if "stopped" in only:
+        # a card too small for the hires pass even at micro-batch 1: VRAM Guard's named error before
+        # that pass samples (the first pass, upscale and encode before it ran)
+        t0 = time.time()
+        r, err, st = job("hires", True, label="vg-stopped")
+        c = st.get("card") or {}
+        line = next((n for n in st.get("notes", []) if "VRAM Guard stopped" in n), None)
+        record("VRAM Guard on a too-small card: its named error before the pass samples",
+               r is None and err is not None and "VRAM Guard stopped" in err, error=(err or "")[:600],
+               note=line, seconds=round(time.time() - t0, 1), stages=stages(st), sampling=sampling_readings(st),
+               peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
+               ooms=c.get("ooms"), used_after_mib=round((c.get("used_bytes") or 0) / mib, 1),
+               resident_mib=round((c.get("resident_bytes") or 0) / mib, 1))  # fmt: skip
     for check in ("offload", "offload-medvram"):
         if check in only and "txt2img" in ref:
             offload_check(a, check, job, record, cap)
