@@ -168,3 +168,43 @@ def test_a_move_back_that_cannot_fit_waits_for_the_next_job(unet, caplog):
     assert not s.pending
     assert card.resident_bytes == sp_stream.plan.unet_bytes
     assert _same(unet, before)
+
+
+# -- in the job: the guard's last rung (lib_vram.webui.sampling -> lib_vram.webui.stream) ----------
+
+
+def test_in_a_job_a_pass_the_guard_would_stop_streams_and_gives_the_plain_samples():
+    """A card where the pass does not fit even with the VAE and text encoders off at micro-batch 1
+    (the guard's named error with streaming off), but fits with half the UNet streamed: the pass
+    runs, the samples are the plain run's (the micro-batched forward's float rounding only: see
+    test_webui_sampling._same_samples; streaming itself changes no bit, test_sampling_stream.py),
+    the readout/infotext say how much stayed resident, and everything is back after the job."""
+    import test_webui_sampling as ws
+
+    from lib_vram.webui.sampling import _attention
+
+    ref = ws._reference()
+    spec = unet_spec(ws.UNET)
+    attention = _attention(ws.FakeHost(ws.MODEL), "cpu")
+    sp = plan_sampling(
+        spec, batch=2 * ws.IMAGES, latent_hw=ws.HW, context_tokens=77, attention=attention,
+        dtype=torch.float32, budget_bytes=1 << 40, backend="cpu", memory=planner.PlanMemory(),
+    )  # fmt: skip
+    peak1 = next(c.peak_bytes for c in sp.candidates if c.batch == 1)
+    capacity = peak1 - sp.weights_bytes // 2
+    assert capacity > ref.resident_before  # the checkpoint fits at load
+    before = _bits(ws.UNET)
+    off = ws._sampling(capacity)
+    assert off.error is not None and "out of memory" in str(off.error)  # streaming off: the named error
+    r = ws.run_job(
+        capacity, lambda jobs, p: ws.sample_pass(jobs, p), settings={**ws.NO_MARGIN, "stream_unet": True}
+    )
+    assert r.error is None, r.error
+    ws._same_samples(r.out[0], ref.out[0])
+    notes = " ".join(r.notes)
+    assert "UNet streamed: " in notes and " MiB resident" in notes and "--lowvram would move" in notes, notes
+    assert any("UNet streamed: " in str(st.get("plan")) for st in r.status["stages"]), r.status["stages"]
+    assert r.peak <= capacity
+    ws.assert_clean(r)
+    assert _same(ws.UNET, before)
+    assert all(not m._forward_hooks for m in ws.UNET.modules())

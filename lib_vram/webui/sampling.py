@@ -82,16 +82,20 @@ class PassPlan:
     """Names of the parts moved off the card for the pass ("" when none)."""
     error: str | None = None
     """The named error's line when nothing fits."""
+    stream: Any = None
+    """The :class:`lib_vram.webui.stream.StreamPass` when the UNet streams for this pass."""
 
     @property
     def changed(self) -> bool:
-        """VRAM Guard changed how the pass runs (micro-batches or moves)."""
-        return self.plan.micro_batch < self.batch or bool(self.moved)
+        """VRAM Guard changed how the pass runs (micro-batches, moves or streaming)."""
+        return self.plan.micro_batch < self.batch or bool(self.moved) or self.stream is not None
 
     def label(self) -> str:
         parts = [self.plan.label if self.plan.micro_batch < self.batch else f"batch {self.batch}"]
         if self.moved:
             parts.append(f"{self.moved} off the card")
+        if self.stream is not None:
+            parts.append(self.stream.label)
         return ", ".join(parts)
 
 
@@ -143,6 +147,9 @@ class SamplingGuard:
         """Plan the pass that starts now; make room, install the wrapper (see the module
         docstring). Never raises for a planning problem: the pass then runs as the WebUI runs it."""
         self.end()
+        from .stream import restore_pending
+
+        restore_pending()  # a streamed UNet whose move back could not fit at its pass's end
         job = self.job
         model = job.current_model()
         skip = self._skip_reason(model)
@@ -166,6 +173,9 @@ class SamplingGuard:
         try:
             if planned.moved and self._idle is not None:
                 self._move_off(stage, "the sampling plan does not fit with them there")
+            if planned.stream is not None:
+                planned.stream.enter(self.stack)
+                job.note(f"VRAM Guard: {stage.replace('_', ' ')}: {planned.stream.describe()}")
             self._install(dm, planned)
         except BaseException:
             self.end()
@@ -254,10 +264,26 @@ class SamplingGuard:
             if without.fits:
                 plan, moved = without, idle.names
                 self._idle = idle
-        error = None
+        error = streamed = None
         if not plan.fits:
+            # the last rung before the named error: stream the UNet (lib_vram.webui.stream)
+            from .stream import plan_pass
+
+            base, rest = plan, others
+            if idle is not None and not moved:
+                base = sampling.plan_sampling(spec, resident_bytes=max(0, others - idle.nbytes), **kw)
+                rest = max(0, others - idle.nbytes)
+            streamed = plan_pass(
+                model, dm, spec, base, latent_hw=hw, context_tokens=tokens, attention=attention,
+                dtype=dtype, budget_bytes=budget, resident_bytes=rest, backend=backend, settings=job.settings,
+            )  # fmt: skip
+            if streamed is not None:
+                plan = base
+                if idle is not None and not moved:
+                    moved, self._idle = idle.names, idle
+        if not plan.fits and streamed is None:
             error = _error_line(stage, plan, idle)
-        return PassPlan(stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error)
+        return PassPlan(stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, streamed)
 
     def _movable(self, p: Any, stage: str, model: Any, device: torch.device) -> Any:
         """The VAE and text encoders that may leave the card for this pass (None: none may)."""
@@ -321,6 +347,9 @@ class SamplingGuard:
             try:
                 return mb(*args, **kwargs)
             except Exception as exc:
+                streamer = planned.stream.streamer if planned.stream is not None else None
+                if streamer is not None and is_oom_error(exc):
+                    streamer.report(oom=True)  # the next plan for this step keeps fewer units
                 if not (first and is_oom_error(exc) and guard._react(planned)):
                     raise
             # out of the except block: the failed step's tensors are gone with its traceback

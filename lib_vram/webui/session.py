@@ -98,6 +98,9 @@ class Session:
         jobs = self.open_jobs()
         for job in jobs:
             job.close(failed=failed)
+        from .stream import restore_pending
+
+        restore_pending()  # a streamed UNet still waiting for room to move back
         return len(jobs)
 
     def model_changed(self, sd_model: Any) -> None:

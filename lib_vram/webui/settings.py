@@ -43,6 +43,9 @@ class JobSettings:
     (:mod:`lib_vram.webui.sampling`)."""
     sampling_margin_bytes: int = 0
     """Memory a sampling plan keeps free (the preset's safety margin for this card)."""
+    stream_unet: bool = True
+    """A sampling pass that does not fit even at micro-batch 1 streams the UNet
+    (:mod:`lib_vram.webui.stream`) instead of stopping with the named error."""
 
     def describe(self) -> str:
         dtype = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(
