@@ -318,7 +318,10 @@ def choose_resident(
         micro_batch=micro_batch,
         forwards_per_step=forwards_per_step,
         bytes_moved_per_step=moved,
-        lowvram_bytes_per_step=lowvram_bytes_per_forward(units) * forwards_per_step,
+        # the host with --lowvram runs the step's whole batch (cond/uncond, images) in one UNet
+        # forward (v1.10.1's ``batch_cond_uncond``, default on): VRAM Guard's micro-batches are its
+        # own, they do not multiply --lowvram's traffic
+        lowvram_bytes_per_step=lowvram_bytes_per_forward(units),
         fits=choice.fits,
         key=tuple(key) if isinstance(key, tuple) else (),
         candidates=tuple(cands),
