@@ -588,12 +588,22 @@ def sampling_readings(st: dict) -> list[dict]:
         what = m.group(1).replace(" ", "_")
         rec = peaks.get(what) or peaks.get("sampling" if what == "sampling" else what) or {}
         peak = rec.get("peak_bytes") or 0
-        measured_act = (peak - resident) / mib if peak else None
+        # what was resident during the pass: the checkpoint, less the idle parts moved off the card
+        # (then only the UNet), less the streamed units (then the UNet's resident part; the
+        # streamed units' buffers count as activations here)
+        plan = m.group(8)
+        on_card = resident
+        streamed = re.search(r"UNet streamed: (\d+) of \d+ MiB resident", plan)
+        if "off the card" in plan:
+            on_card = int(m.group(3)) * mib
+        if streamed:
+            on_card = int(streamed.group(1)) * mib
+        measured_act = (peak - on_card) / mib if peak else None
         pred_act = int(m.group(4))
         out.append({"pass": what, "size": m.group(6), "batch": int(m.group(5)), "attention": m.group(7),
                     "plan": m.group(8), "predicted_peak_mib": int(m.group(2)), "unet_mib": int(m.group(3)),
                     "predicted_activations_mib": pred_act, "measured_peak_mib": round(peak / mib, 1),
-                    "resident_mib": round(resident / mib, 1),
+                    "resident_mib": round(resident / mib, 1), "on_card_during_pass_mib": round(on_card / mib, 1),
                     "measured_activations_mib": None if measured_act is None else round(measured_act, 1),
                     "activations_error_pct": None if not measured_act else round(100 * (pred_act / measured_act - 1), 1),
                     "stage_plan": rec.get("plan")})  # fmt: skip
@@ -834,6 +844,8 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                infotext=(r["infotext"].split("\n")[-1] if ok else None), stage_vs_uncapped_plain=cmp,
                sampling=sampling_readings(st), cpu_seconds=r and r.get("cpu_seconds"),
                vg_notes=[n for n in st.get("notes", []) if n.startswith("VRAM Guard")])  # fmt: skip
+        if a.plain_only:  # emulate: VRAM Guard's job only (the plain one's failure shown elsewhere)
+            continue
         # then the plain WebUI (after VRAM Guard: what a failed job leaves allocated cannot touch it)
         r, err, st = job(name, False, label=f"plain-{name}")
         c = st.get("card") or {}
