@@ -431,3 +431,19 @@ def test_bad_input_gets_one_clear_line():
         choose_resident([], weights_budget_bytes=8, activation_bytes=0)
     with pytest.raises(ValueError, match="does not have"):
         StreamedUNet(tiny_unet(), ["input_blocks.99"], "cpu")
+
+
+def test_parts_that_came_back_during_a_streamed_pass_stay_counted_resident(ctx_unet):
+    # the real WebUI (docs/webui-acceptance.md, issue 22 run): the idle VAE/text encoders moved off
+    # for the pass came back when the next stage woke them, before the pass's stack closed; the
+    # streamer's end then set the card's resident to what it was at its start and lost their bytes
+    kw = _inputs()
+    plan = _plan_holding(ctx_unet, 2 / 3)
+    others = 12345678
+    card = EmulatedCard(1 << 30, resident=[ctx_unet])
+    unet_only = card.resident_bytes
+    with torch.no_grad(), card, StreamedUNet(ctx_unet, plan, "cpu"):
+        ctx_unet(**kw)
+        assert card.resident_bytes == unet_only - plan.streamed_bytes
+        card.set_resident(card.resident_bytes + others)  # the idle parts woke up mid-pass
+    assert card.resident_bytes == unet_only + others
