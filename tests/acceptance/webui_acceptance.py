@@ -838,7 +838,7 @@ def _emulate_phase(a: argparse.Namespace) -> int:
         )
         record(f"VRAM Guard {name} on the capped card: completes", ok, error=(err or "")[:300], seconds=r and r["seconds"],
                psnr_vs_uncapped_plain=p, identical=ok and bool(np.array_equal(r["image"], base_img)),
-               max_lsb=int(np.abs(r["image"].astype(int) - base_img).max()) if ok else None,
+               max_lsb=int(np.abs(r["image"].astype(int) - base_img).max()) if ok and r["image"].shape == base_img.shape else None,
                peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
                ooms=c.get("ooms"), stages=stages(st), notes=[n for n in st.get("notes", []) if "out of memory" in n],
                infotext=(r["infotext"].split("\n")[-1] if ok else None), stage_vs_uncapped_plain=cmp,
