@@ -174,6 +174,20 @@ def test_only_streamed_weights_count_and_the_plain_forward_does_not_fit(ctx_unet
     assert s.stats.most_units_here == 2
 
 
+def test_lowvram_traffic_is_one_forward_per_step_whatever_vram_guards_micro_batch(ctx_unet):
+    # the host with --lowvram runs the cond/uncond batch in one forward per step (counted in the
+    # real WebUI v1.10.1: docs/webui-acceptance.md, issue 22 run): VRAM Guard's micro-batch 1 doubles
+    # its own streamed bytes, not --lowvram's
+    units = unit_bytes(ctx_unet)
+    total = sum(b for _, b in units)
+    one = choose_resident(units, weights_budget_bytes=total // 2, activation_bytes=0, forwards_per_step=1)
+    two = choose_resident(
+        units, weights_budget_bytes=total // 2, activation_bytes=0, micro_batch=1, forwards_per_step=2
+    )
+    assert one.lowvram_bytes_per_step == two.lowvram_bytes_per_step == lowvram_bytes_per_forward(units)
+    assert two.bytes_moved_per_step == 2 * one.bytes_moved_per_step > 0
+
+
 def test_bytes_per_step_at_most_a_third_of_lowvram_where_two_thirds_stay(ctx_unet):
     kw = _inputs()
     plan = _plan_holding(ctx_unet, 2 / 3)
@@ -417,3 +431,19 @@ def test_bad_input_gets_one_clear_line():
         choose_resident([], weights_budget_bytes=8, activation_bytes=0)
     with pytest.raises(ValueError, match="does not have"):
         StreamedUNet(tiny_unet(), ["input_blocks.99"], "cpu")
+
+
+def test_parts_that_came_back_during_a_streamed_pass_stay_counted_resident(ctx_unet):
+    # the real WebUI (docs/webui-acceptance.md, issue 22 run): the idle VAE/text encoders moved off
+    # for the pass came back when the next stage woke them, before the pass's stack closed; the
+    # streamer's end then set the card's resident to what it was at its start and lost their bytes
+    kw = _inputs()
+    plan = _plan_holding(ctx_unet, 2 / 3)
+    others = 12345678
+    card = EmulatedCard(1 << 30, resident=[ctx_unet])
+    unet_only = card.resident_bytes
+    with torch.no_grad(), card, StreamedUNet(ctx_unet, plan, "cpu"):
+        ctx_unet(**kw)
+        assert card.resident_bytes == unet_only - plan.streamed_bytes
+        card.set_resident(card.resident_bytes + others)  # the idle parts woke up mid-pass
+    assert card.resident_bytes == unet_only + others

@@ -3,6 +3,7 @@ fit even at micro-batch 1, on the emulated card, with a real ldm UNetModel (redu
 
 from __future__ import annotations
 
+import logging
 from contextlib import ExitStack
 from types import SimpleNamespace
 
@@ -71,7 +72,8 @@ def _same(unet, before):
     )
 
 
-def test_a_pass_that_does_not_fit_streams_and_gives_the_uncapped_output(unet):
+def test_a_pass_that_does_not_fit_streams_and_gives_the_uncapped_output(unet, caplog):
+    caplog.set_level(logging.INFO, logger="lib_vram.webui.stream")
     kw = _step(unet)
     capacity = _card_bytes(unet, kw)
     sd_model = fake_sd_model(unet=unet)
@@ -102,6 +104,12 @@ def test_a_pass_that_does_not_fit_streams_and_gives_the_uncapped_output(unet):
             stack.close()
     assert all(torch.equal(o, ref) for o in outs)
     assert s.stats.forwards == 2 * sp_stream.plan.forwards_per_step
+    # the pass's end logs what the streamer copied (the real-WebUI acceptance reads it)
+    mib = s.stats.bytes_in / 2**20
+    assert any(
+        f"UNet streamed for {s.stats.forwards} forward(s): {mib:.0f} MiB copied" in r.getMessage()
+        for r in caplog.records
+    )
     assert _same(unet, before)
     assert card.resident_bytes == sp_stream.plan.unet_bytes
     assert card.peak_bytes <= capacity

@@ -318,7 +318,10 @@ def choose_resident(
         micro_batch=micro_batch,
         forwards_per_step=forwards_per_step,
         bytes_moved_per_step=moved,
-        lowvram_bytes_per_step=lowvram_bytes_per_forward(units) * forwards_per_step,
+        # the host with --lowvram runs the step's whole batch (cond/uncond, images) in one UNet
+        # forward (v1.10.1's ``batch_cond_uncond``, default on): VRAM Guard's micro-batches are its
+        # own, they do not multiply --lowvram's traffic
+        lowvram_bytes_per_step=lowvram_bytes_per_forward(units),
         fits=choice.fits,
         key=tuple(key) if isinstance(key, tuple) else (),
         candidates=tuple(cands),
@@ -516,7 +519,7 @@ class StreamedUNet:
         self._units: list[_Unit] = []
         self._hooks: list[Any] = []
         self._side: Any = None
-        self._resident_before: int | None = None
+        self._resident_removed: int | None = None
         self._cuda = self.device.type == "cuda"
         self._reported = False
         self._open = 0
@@ -548,8 +551,11 @@ class StreamedUNet:
             for name in self._names:
                 self._units.append(self._take(name, shared))
             if self.card is not None and self.device.type == "cpu":
-                self._resident_before = self.card.resident_bytes
-                self.card.set_resident(max(0, self.card.resident_bytes - self.streamed_bytes))
+                # what leaves the card's resident count; given back as a delta at the end, so
+                # that parts which came back meanwhile (the idle VAE/text encoders woken by the
+                # next stage before this pass's stack closed) stay counted
+                self._resident_removed = min(self.card.resident_bytes, self.streamed_bytes)
+                self.card.set_resident(self.card.resident_bytes - self._resident_removed)
             for u in self._units:
                 self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
                 self._hooks.append(u.module.register_forward_hook(self._make_post(u)))
@@ -664,7 +670,8 @@ class StreamedUNet:
             finally:
                 for t in admitted:
                     self.card.to_host(t)
-            self.card.set_resident(self._resident_before or 0)
+            self.card.set_resident(self.card.resident_bytes + (self._resident_removed or 0))
+            self._resident_removed = 0
         elif self._cuda and self._model_device().type == "cpu":
             # the host moved the rest of the UNet to the CPU meanwhile (a Refiner or checkpoint
             # switch unloaded this model): the streamed units stay with it, in host memory

@@ -80,6 +80,18 @@ class StreamPass:
         s.__enter__()
 
         def close(exc_type: Any, exc: Any, tb: Any) -> bool:
+            st = s.stats
+            per = st.bytes_in / st.forwards if st.forwards else 0
+            logger.info(
+                "VRAM Guard: UNet streamed for %d forward(s): %.0f MiB copied to the card (%.0f MiB per "
+                "forward), %.0f MiB written back; %d units prefetched, %d on demand",
+                st.forwards,
+                st.bytes_in / MiB,
+                per / MiB,
+                st.bytes_back / MiB,
+                st.prefetched,
+                st.on_demand,
+            )
             try:
                 s.__exit__(exc_type, exc, tb)
             except RuntimeError as err:

@@ -45,6 +45,16 @@ the idle UNet and text encoders off the card for that pass (a note on the status
 ``offload`` timeline event), finish with the uncapped plain picture (<= 1 level), and leave the
 card's resident bytes as they were. ``--only offload-medvram``: the same job on a WebUI started
 with ``--medvram`` (the host swaps models itself): nothing may move.
+
+Sampling (issues 21/22): every VRAM Guard job of both emulate phases records its sampling passes
+(:func:`sampling_readings`: the pass's prediction from its note beside the measured stage peak and
+activations = peak - resident weights); ``emulate-ref --vg-only`` runs only VRAM Guard's untiled
+jobs (a restart with another ``--opt-*-attention`` flag: that attention's predictions);
+``emulate --only stopped``: the hires job on a card too small for its hires pass even at
+micro-batch 1 must end with VRAM Guard's one-line named error. ``--webui-pid`` adds each job's CPU
+seconds, ``--lowvram-probe`` (a WebUI started with ``--lowvram`` and ``webui_lowvram_probe/``
+linked into ``extensions/``, ``VG_LOWVRAM_PROBE=FILE``) the bytes the host's own swapping moved
+per sampler step.
 """
 
 from __future__ import annotations
@@ -214,6 +224,20 @@ def main() -> int:
                     "tests/acceptance/webui_stage_probe); each job's files are moved to OUT/stages/<job>")  # fmt: skip
     ap.add_argument("--offload-tile", type=int, default=32,
                     help="emulate --only offload: the forced decode tile (latent px) of the idle-model check")  # fmt: skip
+    ap.add_argument("--webui-pid", default=None,
+                    help="emulate phases: the WebUI's pid file (launch.sh's run/webui-PORT.pid): each job's CPU seconds")  # fmt: skip
+    ap.add_argument("--lowvram-probe", default=None,
+                    help="emulate phases: the lowvram probe's counter file (its VG_LOWVRAM_PROBE, "
+                    "tests/acceptance/webui_lowvram_probe): --lowvram's bytes moved per step")  # fmt: skip
+    ap.add_argument("--hires-scale", type=float, default=2, help="emulate phases: the hires job's scale")
+    ap.add_argument(
+        "--plain-only",
+        action="store_true",
+        help="emulate-ref: only the plain WebUI's pictures (e.g. a --lowvram start)",
+    )
+    ap.add_argument("--vg-only", action="store_true",
+                    help="emulate-ref: only VRAM Guard's untiled runs (stage peaks and sampling predictions: "
+                    "another attention), no plain reference pictures")  # fmt: skip
     a = ap.parse_args()
     if a.phase.startswith("emulate"):
         return emulate_phase(a)
@@ -479,7 +503,7 @@ def main() -> int:
 
 def emulate_jobs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
     base = dict(PROMPT, steps=a.steps, width=a.size, height=a.size)
-    hires = dict(PROMPT, steps=a.steps, width=a.hires_size, height=a.hires_size, enable_hr=True, hr_scale=2,
+    hires = dict(PROMPT, steps=a.steps, width=a.hires_size, height=a.hires_size, enable_hr=True, hr_scale=a.hires_scale,
                  hr_upscaler=a.upscaler, hr_second_pass_steps=1, denoising_strength=0.5)  # fmt: skip
     extras = {"image": init_image(a.extras_size), "resize_mode": 0, "upscaling_resize": 4, "upscaler_1": a.upscaler,
               "upscaler_2": "None", "extras_upscaler_2_visibility": 0}  # fmt: skip
@@ -542,6 +566,81 @@ def compare_stages(job: str, ref_dir: Path, got_dir: Path) -> list[dict]:
     return out
 
 
+_PREDICTED = re.compile(
+    r"VRAM Guard: (sampling|hires sampling|img2img sampling)[^:]*: predicted peak (\d+) MiB "
+    r"\(UNet (\d+) MiB, activations (\d+) MiB\) for (\d+) sample\(s\) of (\S+) px, (\S+) attention: (.*)"
+)
+
+
+def sampling_readings(st: dict) -> list[dict]:
+    """VRAM Guard's sampling passes of the last job, from the status route: its prediction (the
+    pass's note: peak, UNet, activations, attention, plan) beside the measured stage peak, and the
+    measured activations = the stage's peak minus the card's resident weights (the checkpoint's
+    parameters on the card: UNet, text encoders, VAE), the same split as the prediction's
+    (weights + what stays beside them, then activations above them)."""
+    mib = 2**20
+    resident = (st.get("card") or {}).get("resident_bytes") or 0
+    peaks = {s["stage"]: s for s in st.get("stages", []) if not s.get("missing")}
+    out = []
+    for n in st.get("notes", []):
+        m = _PREDICTED.search(n)
+        if not m:
+            continue
+        what = m.group(1).replace(" ", "_")
+        rec = peaks.get(what) or peaks.get("sampling" if what == "sampling" else what) or {}
+        peak = rec.get("peak_bytes") or 0
+        # what was resident during the pass: the checkpoint, less the idle parts moved off the card
+        # (then only the UNet), less the streamed units (then the UNet's resident part; the
+        # streamed units' buffers count as activations here)
+        plan = m.group(8)
+        on_card = resident
+        streamed = re.search(r"UNet streamed: (\d+) of \d+ MiB resident", plan)
+        if "off the card" in plan:
+            on_card = int(m.group(3)) * mib
+        if streamed:
+            on_card = int(streamed.group(1)) * mib
+        measured_act = (peak - on_card) / mib if peak else None
+        pred_act = int(m.group(4))
+        out.append({"pass": what, "size": m.group(6), "batch": int(m.group(5)), "attention": m.group(7),
+                    "plan": m.group(8), "predicted_peak_mib": int(m.group(2)), "unet_mib": int(m.group(3)),
+                    "predicted_activations_mib": pred_act, "measured_peak_mib": round(peak / mib, 1),
+                    "resident_mib": round(resident / mib, 1), "on_card_during_pass_mib": round(on_card / mib, 1),
+                    "measured_activations_mib": None if measured_act is None else round(measured_act, 1),
+                    "activations_error_pct": None if not measured_act else round(100 * (pred_act / measured_act - 1), 1),
+                    "stage_plan": rec.get("plan")})  # fmt: skip
+    return out
+
+
+def cpu_seconds(pid_file: str | None) -> float | None:
+    """User + system CPU seconds of the WebUI's process group leader and its threads so far
+    (``/proc/PID/stat``), or None without ``--webui-pid``."""
+    if not pid_file:
+        return None
+    import os
+
+    pid = Path(pid_file).read_text().split()[0]
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _read_json(path: str | None) -> dict:
+    if not path or not Path(path).exists():
+        return {}
+    return json.loads(Path(path).read_text())
+
+
+def _probe_delta(before: dict, after: dict) -> dict:
+    """The lowvram probe's counts for one job (tests/acceptance/webui_lowvram_probe): bytes moved
+    per sampler step, UNet parts (in + out) and everything it moved."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after if k != "unet_bytes"}
+    steps = d.get("steps") or 0
+    mib = 2**20
+    unet = d.get("unet_in_bytes", 0) + d.get("unet_out_bytes", 0)
+    return {**d, "unet_bytes": after.get("unet_bytes"),
+            "unet_moved_mib_per_step": round(unet / steps / mib, 1) if steps else None,
+            "unet_in_mib_per_step": round(d.get("unet_in_bytes", 0) / steps / mib, 1) if steps else None}  # fmt: skip
+
+
 def emulate_phase(a: argparse.Namespace) -> int:
     """The ``emulate-ref`` and ``emulate`` phases (see the module docstring), with the WebUI's own
     ESRGAN tile set to ``--esrgan-tile`` for the run and put back afterwards."""
@@ -591,11 +690,17 @@ def _emulate_phase(a: argparse.Namespace) -> int:
             # are shared state another run may have changed
             args = [False] if not on else [dict(DEFAULTS, **(on if isinstance(on, dict) else {}))]
             payload = dict(payload, alwayson_scripts={"VRAM Guard": {"args": args}})
+        cpu0 = cpu_seconds(a.webui_pid)
+        probe0 = _read_json(a.lowvram_probe)
         try:
             r, err = run(a.url, name, path, payload), None
         except RuntimeError as exc:
             r, err = None, str(exc)
         finally:
+            if r is not None and cpu0 is not None:
+                r["cpu_seconds"] = round(cpu_seconds(a.webui_pid) - cpu0, 1)
+            if r is not None and a.lowvram_probe:
+                r["lowvram"] = _probe_delta(probe0, _read_json(a.lowvram_probe))
             if opts0 is not None:
                 keys = (
                     "upscaling_max_images_in_cache",
@@ -623,7 +728,7 @@ def _emulate_phase(a: argparse.Namespace) -> int:
     if a.phase == "emulate-ref":
         ref: dict = {}
         for name in jobs:
-            if name not in only:
+            if name not in only or a.vg_only:
                 continue
             r, err, st = job(name, False, label=f"ref-{name}")
             card = st.get("card") or {}
@@ -635,18 +740,22 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                          "resident_bytes": card.get("resident_bytes")}  # fmt: skip
             record(f"uncapped plain {name}", True, seconds=r["seconds"], shape=list(r["image"].shape),
                    peak_mib=round((card.get("peak_bytes") or 0) / mib, 1),
-                   resident_mib=round((card.get("resident_bytes") or 0) / mib, 1))  # fmt: skip
-        if "txt2img" in only:
+                   resident_mib=round((card.get("resident_bytes") or 0) / mib, 1),
+                   cpu_seconds=r.get("cpu_seconds"), lowvram=r.get("lowvram"))  # fmt: skip
+        if "txt2img" in only and not a.plain_only:
             # stage peaks: VRAM Guard on, nothing tiled (the same computation as the plain WebUI)
             r, err, st = job(
                 "txt2img", {"vae_tiling": "Off", "upscale_tiling": False}, label="ref-txt2img-vg-untiled"
             )
             ref["txt2img_stages"] = {s["stage"]: s.get("peak_bytes") for s in st.get("stages", [])
                                      if not s.get("missing")}  # fmt: skip
-            same = r is not None and np.array_equal(
-                r["image"], np.asarray(Image.open(f"{a.out}/emu-ref-txt2img.png"))
+            same = r is not None and (
+                a.vg_only
+                or np.array_equal(r["image"], np.asarray(Image.open(f"{a.out}/emu-ref-txt2img.png")))
             )
-            record("stage peaks (VRAM Guard on, tiling off)", same, stages=stages(st))
+            record("stage peaks (VRAM Guard on, tiling off)", same, stages=stages(st),
+                   sampling=sampling_readings(st), seconds=r and r["seconds"],
+                   cpu_seconds=r and r.get("cpu_seconds"))  # fmt: skip
             peaks = ref["txt2img_stages"]
             if "sampling" in peaks and "decode" in peaks:
                 # stage peaks are the card's use (resident included) since the job started
@@ -654,6 +763,20 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                 ref["suggested_cap_bytes"] = cap
                 record("suggested cap (half-way between the sampling and decode peaks)", True,
                        cap_mib=round(cap / mib), flag=f"--vram-guard-emulate-vram {cap // mib}MB")  # fmt: skip
+        if "hires" in only and ("hires" in ref or a.vg_only) and not a.plain_only:
+            # the hires job's stage peaks and sampling predictions the same way (first and hires pass)
+            r, err, st = job(
+                "hires", {"vae_tiling": "Off", "upscale_tiling": False}, label="ref-hires-vg-untiled"
+            )
+            ref["hires_stages"] = {s["stage"]: s.get("peak_bytes") for s in st.get("stages", [])
+                                   if not s.get("missing")}  # fmt: skip
+            ref_png = Path(a.out, "emu-ref-hires.png")
+            base_img = np.asarray(Image.open(ref_png).convert("RGB")) if ref_png.exists() else None
+            record("hires stage peaks (VRAM Guard on, tiling off)", r is not None, error=(err or "")[:300],
+                   identical=r is not None and base_img is not None and bool(np.array_equal(r["image"], base_img)),
+                   psnr_vs_plain=psnr(r["image"], base_img) if r is not None and base_img is not None else None,
+                   stages=stages(st), sampling=sampling_readings(st), seconds=r and r["seconds"],
+                   cpu_seconds=r and r.get("cpu_seconds"))  # fmt: skip
         with open(ref_file, "w") as fh:
             json.dump(ref, fh, indent=1)
         return 0 if all(x["ok"] for x in results) else 1
@@ -716,10 +839,14 @@ def _emulate_phase(a: argparse.Namespace) -> int:
         )
         record(f"VRAM Guard {name} on the capped card: completes", ok, error=(err or "")[:300], seconds=r and r["seconds"],
                psnr_vs_uncapped_plain=p, identical=ok and bool(np.array_equal(r["image"], base_img)),
-               max_lsb=int(np.abs(r["image"].astype(int) - base_img).max()) if ok else None,
+               max_lsb=int(np.abs(r["image"].astype(int) - base_img).max()) if ok and r["image"].shape == base_img.shape else None,
                peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
                ooms=c.get("ooms"), stages=stages(st), notes=[n for n in st.get("notes", []) if "out of memory" in n],
-               infotext=(r["infotext"].split("\n")[-1] if ok else None), stage_vs_uncapped_plain=cmp)  # fmt: skip
+               infotext=(r["infotext"].split("\n")[-1] if ok else None), stage_vs_uncapped_plain=cmp,
+               sampling=sampling_readings(st), cpu_seconds=r and r.get("cpu_seconds"),
+               vg_notes=[n for n in st.get("notes", []) if n.startswith("VRAM Guard")])  # fmt: skip
+        if a.plain_only:  # emulate: VRAM Guard's job only (the plain one's failure shown elsewhere)
+            continue
         # then the plain WebUI (after VRAM Guard: what a failed job leaves allocated cannot touch it)
         r, err, st = job(name, False, label=f"plain-{name}")
         c = st.get("card") or {}
@@ -745,6 +872,19 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                    used_after_job_mib=round((c.get("used_bytes") or 0) / mib, 1),
                    used_after_another_request_mib=round(used1 / mib, 1), used_after_gc_collect_mib=round(used2 / mib, 1),
                    resident_mib=round(resident / mib, 1), gc_collected_objects=fr.get("collected_objects"))  # fmt: skip
+    if "stopped" in only:
+        # a card too small for the hires pass even at micro-batch 1: VRAM Guard's named error before
+        # that pass samples (the first pass, upscale and encode before it ran)
+        t0 = time.time()
+        r, err, st = job("hires", True, label="vg-stopped")
+        c = st.get("card") or {}
+        line = next((n for n in st.get("notes", []) if "VRAM Guard stopped" in n), None)
+        record("VRAM Guard on a too-small card: its named error before the pass samples",
+               r is None and err is not None and "VRAM Guard stopped" in err, error=(err or "")[:600],
+               note=line, seconds=round(time.time() - t0, 1), stages=stages(st), sampling=sampling_readings(st),
+               peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
+               ooms=c.get("ooms"), used_after_mib=round((c.get("used_bytes") or 0) / mib, 1),
+               resident_mib=round((c.get("resident_bytes") or 0) / mib, 1))  # fmt: skip
     for check in ("offload", "offload-medvram"):
         if check in only and "txt2img" in ref:
             offload_check(a, check, job, record, cap)
