@@ -159,12 +159,22 @@ def test_cyclic_shift_shows_only_at_the_border(models):
     x = image_like(75, 58, seed=3)
     ref = _untiled(model, x)
     cfg = UpscaleConfig(tile=24, overlap=_overlap(spec), batch=4)
-    with mock.patch("lib_vram.upscale._calibrate.measure_reach", return_value=None):
+    # Both behaviour probes off (the reach probe, and the margin check a user-set overlap gets):
+    # what the engine would have claimed without them.
+    with (
+        mock.patch("lib_vram.upscale._calibrate.measure_reach", return_value=None),
+        mock.patch("lib_vram.upscale._calibrate.measure_margin", return_value=None),
+    ):
         clear_calibration()
         rep = UpscaleReport()
         y = upscale_tensor(model, x, config=cfg, report=rep)
     clear_calibration()
     assert rep.exact and psnr_8bit(y, ref)[1] > 4
+    # With them, the same call is flagged: not exact, and a note that says why.
+    rep = UpscaleReport()
+    upscale_tensor(model, x, config=cfg, report=rep)
+    clear_calibration()
+    assert not rep.exact and rep.notes, rep
 
 
 def test_one_image_at_a_time_model_tiles_and_says_so(models):
