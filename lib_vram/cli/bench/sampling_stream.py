@@ -221,7 +221,7 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
         "buffer_bytes": plan.buffer_bytes,
         "bytes_moved_per_step": moved,
         "planned_bytes_per_step": plan.bytes_moved_per_step,
-        "lowvram_bytes_per_step": lowvram_bytes_per_forward(units) * plan.forwards_per_step,
+        "lowvram_bytes_per_step": lowvram_bytes_per_forward(units),  # one forward a step (batch_cond_uncond)
         "peak_bytes": peak,
         "predicted_bytes": plan.predicted_peak_bytes + sp.input_bytes,
         "cpu_ratio": round(cpu / plain_cpu, 2) if plain_cpu > 0 and guarded_ok else None,
