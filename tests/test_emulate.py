@@ -399,6 +399,9 @@ def test_upscale_fp32_recompute_survives_an_oom(tiny_compact, image):
 
     with torch.inference_mode():
         ref = torch.cat([tiny_compact(image[i : i + 1]) for i in range(2)]).float()
+    # The first call runs the model's behaviour probes (cached per model) on the model as it is;
+    # the overflowing layer is for the upscale itself, whose allocations the probe run counts.
+    upscale_tensor(tiny_compact, image, config=cfg, memory=planner.PlanMemory())
     handle = tiny_compact.model.register_forward_hook(overflow)
     try:
         probe = EmulatedCard("8GB", resident=[tiny_compact.model])
