@@ -177,8 +177,8 @@ def test_plan_answers_fast_at_any_size():
 
     preset = resolve_preset("8GB")
     plans = plan_job("sdxl", 16384, 16384, preset, 8 * 2**30, 8 * 2**30, upscaler="compact")
-    assert [p.stage for p in plans] == ["vae_decode", "upscale"]
-    assert plans[1].fits and plans[1].tile is not None
+    assert [p.stage for p in plans] == ["sample", "vae_decode", "upscale"]
+    assert plans[2].fits and plans[2].tile is not None
     for p in plans:
         assert (
             p.predicted_peak_bytes == p.weights_bytes + p.resident_bytes + p.input_bytes + p.activation_bytes
