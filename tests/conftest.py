@@ -67,6 +67,21 @@ def save_and_load(net: torch.nn.Module, path: Path):
 
 
 @pytest.fixture(autouse=True)
+def _lib_vram_logger_restored():
+    """A CLI ``main()`` configures the ``lib_vram`` logger (its handler, level, ``propagate``
+    False); put it back after every test, so that a later test's ``caplog`` (on the root logger)
+    sees the library's records whatever ran before it."""
+    import logging
+
+    logger = logging.getLogger("lib_vram")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+
+
+@pytest.fixture(autouse=True)
 def _fresh_plan_memory():
     """Every test starts with an empty process-wide planner memory (the engines learn into it)."""
     from lib_vram.planning import planner

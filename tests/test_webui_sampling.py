@@ -205,7 +205,11 @@ def test_an_upscale_that_fits_only_without_the_unet_moves_it_off_and_back(rrdb):
     path, _ = rrdb
     ref, cap = _tight_upscale_cap(path)
     off = _upscale_run(cap, path, settings={"offload_unet": False, "offload_text_encoders": False})
-    assert off.error is not None and "out of memory" in str(off.error).lower(), off.error
+    # Without the move VRAM Guard's engine runs out of memory even at its smallest tile: the job
+    # fails, or (since the route falls back to the host's own upscaler after a failed tiled run,
+    # which on a real card runs out of memory too) says so in one note.
+    gave_up = [n for n in off.notes if "out of memory even with one" in n and "upscaler runs it instead" in n]
+    assert (off.error is not None and "out of memory" in str(off.error).lower()) or gave_up, off
     r = _upscale_run(cap, path)
     assert r.error is None, r.error
     _same_picture(r.out, ref.out)
