@@ -178,6 +178,49 @@ def test_a_move_back_that_cannot_fit_waits_for_the_next_job(unet, caplog):
     assert _same(unet, before)
 
 
+def test_each_micro_batch_of_the_guards_wrapper_is_a_forward_so_prefetch_starts_at_the_second(unet):
+    """The sampling guard's wrapper (an instance ``forward`` on the UNet) calls the original
+    ``forward`` once per micro-batch, which fires none of the UNet module's hooks: each must still
+    be a forward for the streamer, so the first micro-batch learns the order and the second
+    prefetches. One host call of batch 2 at micro-batch 1: two forwards, prefetch, and the output
+    of the unstreamed wrapper bit for bit (the same ops in the same order; only placement differs)."""
+    import dataclasses
+
+    from lib_vram.webui.sampling import PassPlan, SamplingGuard
+
+    kw = _step(unet)
+    capacity = _card_bytes(unet, kw)
+    sp, sp_stream = _plans(unet, capacity, fake_sd_model(unet=unet))
+    assert sp_stream is not None
+    at1 = dataclasses.replace(sp, micro_batch=1, key=None)  # (key None: nothing learned globally)
+
+    def guarded(stream_pass):
+        guard = SamplingGuard(SimpleNamespace(warn_once=lambda *a, **k: None))
+        guard.stack = ExitStack()
+        planned = PassPlan("sampling", 2, (SIDE, SIDE), 77, "none", torch.float32, capacity, at1)
+        planned.stream = stream_pass
+        try:
+            s = stream_pass.enter(guard.stack) if stream_pass is not None else None
+            guard._install(unet, planned)
+            assert "forward" in unet.__dict__  # the WebUI-style wrapper is in place
+            return unet(**kw), s
+        finally:
+            guard.end()
+
+    with torch.no_grad():
+        ref, _ = guarded(None)
+    before = _bits(unet)
+    card = EmulatedCard(capacity, resident=[unet])
+    with torch.no_grad(), card:
+        out, s = guarded(sp_stream)
+    assert s.stats.forwards == 2
+    assert s.stats.prefetched > 0
+    assert s.stats.most_units_here == 2
+    assert torch.equal(out, ref)
+    assert card.peak_bytes <= capacity
+    assert _same(unet, before) and "forward" not in unet.__dict__
+
+
 # -- in the job: the guard's last rung (lib_vram.webui.sampling -> lib_vram.webui.stream) ----------
 
 

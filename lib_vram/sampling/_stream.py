@@ -38,8 +38,9 @@ size, dtype, attention and budget bucket; the next plan keeps fewer units reside
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -524,6 +525,7 @@ class StreamedUNet:
         self._reported = False
         self._open = 0
         self._seen: list[_Unit] = []
+        self._inner: list[bool] = []
         self._cycle: list[_Unit] | None = None
         self._pos: dict[str, int] = {}
         self._ahead: _Unit | None = None
@@ -601,11 +603,17 @@ class StreamedUNet:
                 s.origin = None  # the device copy is freed; the move back makes a new one
         return unit
 
-    def _started(self, module: torch.nn.Module, args: Any) -> None:
+    def _started(self, module: Any = None, args: Any = None) -> None:
         self._open += 1
+        self._inner.append(False)
 
-    def _finished(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _finished(self, module: Any = None, args: Any = None, output: Any = None) -> None:
         self._open -= 1
+        inner = self._inner.pop() if self._inner else False
+        if self._inner:
+            self._inner[-1] = True
+        if inner:
+            return  # the forwards inside it (micro-batches, see :meth:`forward_of`) counted
         self.stats.forwards += 1
         if self._cycle is None:
             # the order the forward called the streamed units in (the first call of each): what
@@ -616,6 +624,29 @@ class StreamedUNet:
                     order.append(u)
             self._cycle = order
             self._pos = {u.name: i for i, u in enumerate(order)}
+
+    def forward_of(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` (the UNet's own ``forward``, called without ``Module.__call__``: the sampling
+        guard's micro-batch wrapper calls it once per micro-batch) with each call counted as one
+        UNet forward: the first call learns the order of the streamed units, prefetch follows it
+        from the second call on. A call through the UNet module around such calls (the host's one
+        call of the whole batch) then does not count again; one without them counts as before."""
+
+        @functools.wraps(forward)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._started()
+            try:
+                out = forward(*args, **kwargs)
+            except BaseException:
+                # cut short: ``_open`` stays counted (no success is reported at the exit, as for
+                # an error inside the module's own call); its nesting entry goes
+                if self._inner:
+                    self._inner.pop()
+                raise
+            self._finished()
+            return out
+
+        return counted
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is not None and is_oom_error(exc):

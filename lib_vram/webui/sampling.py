@@ -342,17 +342,23 @@ class SamplingGuard:
         state = {"calls": 0, "mb": None}
 
         def forward(previous: Any, *args: Any, **kwargs: Any) -> Any:
+            streamer = planned.stream.streamer if planned.stream is not None else None
             first = state["calls"] == 0
             state["calls"] += 1
             if planned.error is not None:
                 raise SamplingOutOfMemory(planned.error)
             if state["mb"] is None:
-                state["mb"] = micro_batched(previous, planned.plan.micro_batch, key=planned.plan.key)
+                inner = previous
+                if streamer is not None:
+                    # each micro-batch is a UNet forward for the streamer (it calls the original
+                    # forward, which fires none of the UNet module's hooks): the first learns the
+                    # streamed units' order, prefetch runs from the second micro-batch on
+                    inner = streamer.forward_of(previous)
+                state["mb"] = micro_batched(inner, planned.plan.micro_batch, key=planned.plan.key)
             mb = state["mb"]
             try:
                 return mb(*args, **kwargs)
             except Exception as exc:
-                streamer = planned.stream.streamer if planned.stream is not None else None
                 if streamer is not None and is_oom_error(exc):
                     streamer.report(oom=True)  # the next plan for this step keeps fewer units
                 if not (first and is_oom_error(exc) and guard._react(planned)):
