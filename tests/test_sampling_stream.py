@@ -24,6 +24,7 @@ from lib_vram.sampling import (
     StreamedUNet,
     choose_resident,
     lowvram_bytes_per_forward,
+    micro_batched,
     plan_sampling,
     plan_stream,
     unet_spec,
@@ -390,12 +391,15 @@ def test_plan_uses_the_sampling_estimate_and_learns_from_oom(ctx_unet):
     sp = plan_sampling(spec, budget_bytes=budget, memory=mem, **kw)
     assert not sp.fits
     plan = plan_stream(ctx_unet, spec, budget_bytes=budget, memory=mem, **kw)
-    # the weights' budget is what the sampling plan's own numbers leave: no second estimate
-    assert plan.activation_bytes == sp.activation_bytes
-    assert plan.weights_budget_bytes == budget - sp.input_bytes - sp.activation_bytes
+    # the weights' budget is what the sampling plan's own numbers for the chosen micro-batch
+    # leave: no second estimate
+    act = next(c.peak_bytes for c in sp.candidates if c.batch == plan.micro_batch)
+    act -= sp.weights_bytes + sp.input_bytes
+    assert plan.activation_bytes == act
+    assert plan.weights_budget_bytes == budget - sp.input_bytes - act
     assert plan.resident_bytes + plan.buffer_bytes <= plan.weights_budget_bytes
-    assert plan.micro_batch == sp.micro_batch and plan.forwards_per_step == 2 // sp.micro_batch
-    assert plan.label.startswith("UNet streamed: ") and plan.label.endswith(" MiB resident")
+    assert plan.forwards_per_step == 2 // plan.micro_batch
+    assert plan.label.startswith("UNet streamed: ") and " MiB resident" in plan.label
     # an out-of-memory error with this plan: the next plan for the same step keeps fewer units
     card = EmulatedCard(1 << 30, resident=[ctx_unet], inject_oom_at=1)
     with (
@@ -408,6 +412,94 @@ def test_plan_uses_the_sampling_estimate_and_learns_from_oom(ctx_unet):
     again = plan_stream(ctx_unet, spec, budget_bytes=budget, memory=mem, **kw)
     assert len(again.resident) < len(plan.resident)
     assert any("learned" in n for n in again.notes)
+
+
+def _per_step(unet, plan, kw: dict, capacity: int) -> tuple[int, int, torch.Tensor]:
+    """(bytes copied in by the third of three sampling steps of the batch at ``plan.micro_batch``,
+    the card's peak, the last output): the steady state, where the last unit of a step prefetches
+    the first of the next."""
+    card = EmulatedCard(capacity, resident=[unet])
+    with torch.no_grad(), card, StreamedUNet(unet, plan, "cpu") as s:
+        step = micro_batched(lambda **k: unet(**k), plan.micro_batch, memory=planner.PlanMemory())
+        for _ in range(2):
+            step(**kw)
+        before = s.stats.bytes_in
+        out = step(**kw)
+        moved = s.stats.bytes_in - before
+    assert s.stats.forwards == 3 * plan.forwards_per_step
+    return moved, card.peak_bytes, out
+
+
+def test_the_streamed_plan_picks_the_micro_batch_that_moves_the_fewest_bytes(ctx_unet):
+    """A larger micro-batch needs more activations (fewer resident bytes) but brings the streamed
+    units in fewer times per step. Cards that hold the UNet but not its step: on an 8x8 latent
+    batch 2 in one forward keeps almost as much resident as micro-batch 1 and moves fewer bytes, so
+    it is chosen; on a 32x32 latent batch 2's activations leave less than a streaming buffer, only
+    micro-batch 1 fits. The bytes per step are the plan's exactly, counted on the real UNet's
+    streamed copies, and the output is the unstreamed one's bit for bit."""
+    spec = unet_spec(ctx_unet)
+    units = unit_bytes(ctx_unet)
+    total = sum(b for _, b in units)
+    two = sum(sorted((b for _, b in units), reverse=True)[:2])  # the smallest streaming buffer
+
+    def planned(side, budget=None):
+        kw = dict(
+            batch=2, latent_hw=(side, side), context_tokens=5, attention="none", dtype=torch.float32,
+            backend="cpu",
+        )  # fmt: skip
+        mem = planner.PlanMemory()
+        sp = plan_sampling(spec, budget_bytes=budget or 1 << 30, memory=mem, **kw)
+        act = {c.batch: c.peak_bytes - sp.weights_bytes - sp.input_bytes for c in sp.candidates}
+        if budget is None:
+            return sp, act
+        return sp, act, plan_stream(ctx_unet, spec, budget_bytes=budget, memory=mem, sampling=sp, **kw)
+
+    # 1. 8x8: batch 2 in one forward moves fewer bytes per step than micro-batch 1
+    _, act = planned(8)
+    budget = total + act[1] // 2
+    sp, act, plan = planned(8, budget)
+    assert not sp.fits and sp.micro_batch == 1
+    alt = choose_resident(
+        units, weights_budget_bytes=budget - sp.input_bytes - act[1], activation_bytes=act[1],
+        micro_batch=1, forwards_per_step=2,
+    )  # fmt: skip
+    assert plan.fits and alt.fits
+    assert (plan.micro_batch, plan.forwards_per_step, plan.batch) == (2, 1, 2)
+    assert plan.activation_bytes == act[2]  # the sampling plan's own numbers
+    assert plan.weights_budget_bytes == budget - sp.input_bytes - act[2]
+    assert plan.resident_bytes <= alt.resident_bytes  # more activations: no more resident
+    assert plan.bytes_moved_per_step == plan.unet_bytes - plan.resident_bytes
+    assert alt.bytes_moved_per_step == 2 * (alt.unet_bytes - alt.resident_bytes)
+    assert plan.bytes_moved_per_step < alt.bytes_moved_per_step
+    assert plan.label.endswith(", batch 2 in one forward")
+    assert any(n.startswith("streamed at micro-batch 2 of 2") for n in plan.notes), plan.notes
+    inputs = _inputs(side=8)
+    with torch.no_grad():
+        ref = ctx_unet(**inputs)
+    moved, peak, out = _per_step(ctx_unet, plan, inputs, budget)
+    assert moved == plan.bytes_moved_per_step
+    assert peak <= budget
+    assert torch.equal(out, ref)
+
+    # 2. 32x32: between the UNet and batch 2's activations + the smallest buffer only micro-batch 1
+    # fits
+    sp, act = planned(32)
+    assert sp.input_bytes + act[2] + two > total
+    budget = (total + sp.input_bytes + act[2] + two) // 2
+    sp, act, plan = planned(32, budget)
+    assert budget - sp.input_bytes - act[2] < two  # batch 2 cannot stream even its smallest units
+    assert plan.fits and (plan.micro_batch, plan.forwards_per_step) == (1, 2)
+    assert plan.activation_bytes == act[1]
+    assert plan.bytes_moved_per_step == 2 * (total - plan.resident_bytes)
+    assert plan.label.endswith(", micro-batch 1 of 2")
+    assert any("the only one that fits" in n for n in plan.notes), plan.notes
+    inputs = _inputs(side=32)
+    with torch.no_grad():
+        ref = micro_batched(lambda **k: ctx_unet(**k), 1, memory=planner.PlanMemory())(**inputs)
+    moved, peak, out = _per_step(ctx_unet, plan, inputs, budget)
+    assert moved == plan.bytes_moved_per_step
+    assert peak <= budget
+    assert torch.equal(out, ref)
 
 
 def test_big_units_stay_resident_small_ones_stream(ctx_unet):

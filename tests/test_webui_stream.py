@@ -80,7 +80,10 @@ def test_a_pass_that_does_not_fit_streams_and_gives_the_uncapped_output(unet, ca
     sp, sp_stream = _plans(unet, capacity, sd_model)
     assert not sp.fits  # the named error's case in issue 21's guard
     assert sp_stream is not None
-    assert sp_stream.label.startswith("UNet streamed: ") and sp_stream.label.endswith(" MiB resident")
+    assert sp_stream.label.startswith("UNet streamed: ")
+    m = sp_stream.plan.micro_batch
+    said = "batch 2 in one forward" if m == 2 else "micro-batch 1 of 2"
+    assert sp_stream.label.endswith(f" MiB resident, {said}")
     assert "per step" in sp_stream.describe()
 
     def forward(**k):
@@ -98,7 +101,8 @@ def test_a_pass_that_does_not_fit_streams_and_gives_the_uncapped_output(unet, ca
         s = sp_stream.enter(stack)
         try:
             outs = [
-                micro_batched(forward, sp.micro_batch, memory=planner.PlanMemory())(**kw) for _ in range(2)
+                micro_batched(forward, sp_stream.plan.micro_batch, memory=planner.PlanMemory())(**kw)
+                for _ in range(2)
             ]
         finally:
             stack.close()

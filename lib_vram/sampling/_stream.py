@@ -48,6 +48,7 @@ import torch
 
 from lib_vram.core import emulate
 from lib_vram.core.device import is_oom_error, release
+from lib_vram.core.livebytes import itemsize
 from lib_vram.planning import planner
 
 from ._estimate import estimate_sampling
@@ -185,6 +186,7 @@ class StreamPlan:
     """The step's activations at ``micro_batch`` (:func:`estimate_sampling`'s numbers)."""
     micro_batch: int
     forwards_per_step: int
+    """UNet forwards per sampling step: ``ceil(batch / micro_batch)``."""
     bytes_moved_per_step: int
     """Host->device bytes per sampling step (streamed bytes x forwards; a write-back of a weight
     changed on the device adds to this once, not counted here)."""
@@ -194,6 +196,8 @@ class StreamPlan:
     key: tuple = ()
     candidates: tuple[planner.Candidate, ...] = ()
     notes: tuple[str, ...] = ()
+    batch: int = 0
+    """Samples of the host's UNet call (0: not known, as from :func:`choose_resident`)."""
 
     @property
     def streamed_bytes(self) -> int:
@@ -207,8 +211,14 @@ class StreamPlan:
 
     @property
     def label(self) -> str:
-        """``"UNet streamed: 1234 of 4900 MiB resident"`` (readout, infotext)."""
-        return f"UNet streamed: {self.resident_bytes / MiB:.0f} of {self.unet_bytes / MiB:.0f} MiB resident"
+        """``"UNet streamed: 1234 of 4900 MiB resident, micro-batch 1 of 2"`` (readout, infotext;
+        ``", batch 2 in one forward"`` when the whole batch runs at once)."""
+        head = f"UNet streamed: {self.resident_bytes / MiB:.0f} of {self.unet_bytes / MiB:.0f} MiB resident"
+        if self.batch > self.micro_batch:
+            return f"{head}, micro-batch {self.micro_batch} of {self.batch}"
+        if self.batch > 1:
+            return f"{head}, batch {self.batch} in one forward"
+        return head
 
     def modelled_step_seconds(
         self, bandwidth_bytes_per_s: float, compute_seconds: float
@@ -347,12 +357,21 @@ def plan_stream(
 ) -> StreamPlan:
     """The streamed plan of a sampling step that does not fit with the whole UNet resident.
 
-    The activations are the sampling stage's own (:func:`plan_sampling` at this budget: its
-    micro-batch, its activation bytes); the weights' budget is ``budget_bytes`` less those, the
-    step's inputs and ``resident_bytes`` (other models left on the card). ``unet``: the live
-    module, or its :func:`unit_bytes`. ``sampling``: a plan already made for the same step."""
+    For each micro-batch ``m`` of ``1..batch`` the activations are the sampling stage's own
+    (:func:`plan_sampling`'s candidate for ``m``: the forward's activations, the chunks' outputs
+    and their concatenation; no second estimate), and the weights' budget is ``budget_bytes`` less
+    those, the step's inputs and ``resident_bytes`` (other models left on the card). A larger
+    micro-batch leaves fewer bytes for residency but brings the streamed units in fewer times:
+    bytes moved per step = streamed bytes x ``ceil(batch / m)``. The plan is the fitting ``m`` that
+    moves the fewest bytes per step (a tie: the fewer forwards); its notes say which and what the
+    runner-up would move. When none fits: the plan at micro-batch 1, ``fits`` False.
+
+    ``unet``: the live module, or its :func:`unit_bytes`. ``sampling``: a plan already made for the
+    same step (the same ``batch``)."""
     units = unit_bytes(unet) if isinstance(unet, torch.nn.Module) else list(unet)
     mem = planner.MEMORY if memory is None else memory
+    if sampling is not None and sampling.batch != batch:
+        raise ValueError(f"`sampling` plans a batch of {sampling.batch}, not the step's {batch}")
     sp = sampling
     if sp is None:
         sp = plan_sampling(
@@ -367,37 +386,83 @@ def plan_stream(
             backend=backend,
             memory=mem,
         )
-    act = sp.activation_bytes
     notes = list(sp.notes)
-    if act < 0 or any("refuses" in n for n in sp.notes):
-        # the attention refused at the free memory the whole UNet would leave: with the weights
-        # streamed the free memory is larger; estimate at what the budget leaves without them
-        est = estimate_sampling(
-            spec,
-            batch=sp.micro_batch,
-            latent_hw=latent_hw,
-            context_tokens=context_tokens,
-            attention=attention,
-            dtype=dtype,
-            free_bytes=max(0, budget_bytes - resident_bytes - sp.input_bytes),
-            backend=backend,
-        )
-        act = est.activation_bytes
-    forwards = -(-batch // sp.micro_batch)
-    weights_budget = budget_bytes - resident_bytes - sp.input_bytes - act
+    wb, ib, res = sp.weights_bytes, sp.input_bytes, sp.resident_bytes
+    ratio = mem.ratio(sp.key) if sp.key else 1.0
+    refused = any("refuses" in n for n in sp.notes)
+    peaks = {c.batch: c.peak_bytes for c in sp.candidates}
     key = sampling_key(spec, batch, latent_hw, context_tokens, attention, dtype, budget_bytes)
-    plan = choose_resident(
-        units,
-        weights_budget_bytes=weights_budget,
-        activation_bytes=act,
-        micro_batch=sp.micro_batch,
-        forwards_per_step=forwards,
-        key=stream_key(key, forwards),
-        memory=mem,
-    )
+    plans: list[StreamPlan] = []
+    for m in range(1, max(1, batch) + 1):
+        if m in peaks and not refused:
+            # the sampling plan's own candidate for this micro-batch (its activations, the
+            # chunks' outputs and their concatenation), the learned correction applied as there
+            act = int(peaks[m] * ratio) - wb - res - ib
+        else:
+            # the attention refused at the free memory the whole UNet would leave: with the
+            # weights streamed the free memory is larger; estimate at what the budget leaves
+            # without them
+            est = estimate_sampling(
+                spec,
+                batch=m,
+                latent_hw=latent_hw,
+                context_tokens=context_tokens,
+                attention=attention,
+                dtype=dtype,
+                free_bytes=max(0, budget_bytes - resident_bytes - ib),
+                backend=backend,
+            )
+            if est.refused:
+                continue
+            act = est.activation_bytes + _chunk_outputs(spec, batch, m, latent_hw, dtype)
+        if act < 0:
+            continue
+        forwards = -(-batch // m)
+        if forwards > MAX_FORWARDS_PER_STEP:
+            continue
+        weights_budget = budget_bytes - resident_bytes - ib - act
+        plans.append(
+            choose_resident(
+                units,
+                weights_budget_bytes=weights_budget,
+                activation_bytes=act,
+                micro_batch=m,
+                forwards_per_step=forwards,
+                key=stream_key(key, forwards),
+                memory=mem,
+            )
+        )
+    if not plans:
+        raise ValueError(f"no micro-batch of 1..{batch} can be planned for a streamed step")
+    fitting = [p for p in plans if p.fits]
+    if fitting:
+        # the fewest bytes moved per step; on a tie the fewer forwards, then the lower peak
+        plan = min(
+            fitting, key=lambda p: (p.bytes_moved_per_step, p.forwards_per_step, p.predicted_peak_bytes)
+        )
+        others = [p for p in fitting if p is not plan]
+        if others:
+            alt = min(others, key=lambda p: p.bytes_moved_per_step)
+            notes.append(
+                f"streamed at micro-batch {plan.micro_batch} of {batch}: "
+                f"{plan.bytes_moved_per_step / MiB:.1f} MiB per step "
+                f"(micro-batch {alt.micro_batch}: {alt.bytes_moved_per_step / MiB:.1f} MiB)"
+            )
+        else:
+            notes.append(f"streamed at micro-batch {plan.micro_batch} of {batch}: the only one that fits")
+    else:
+        plan = plans[0]  # the smallest micro-batch: the step's best chance
+    plan = replace(plan, batch=batch)
     if notes:
         plan = _with_notes(plan, notes)
     return plan
+
+
+def _chunk_outputs(spec: UNetSpec, batch: int, m: int, latent_hw: tuple[int, int], dtype: torch.dtype) -> int:
+    """The micro-batches' outputs held and their concatenation (as :func:`plan_sampling` counts)."""
+    from ._plan import _outputs
+
+    return _outputs(spec, batch, m, latent_hw, itemsize(dtype))
 
 
 def _with_notes(plan: StreamPlan, notes: list[str]) -> StreamPlan:

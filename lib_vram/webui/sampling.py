@@ -92,11 +92,12 @@ class PassPlan:
         return self.plan.micro_batch < self.batch or bool(self.moved) or self.stream is not None
 
     def label(self) -> str:
-        parts = [self.plan.label if self.plan.micro_batch < self.batch else f"batch {self.batch}"]
+        if self.stream is not None:
+            parts = [self.stream.label]  # (says the micro-batch the streamed pass runs at)
+        else:
+            parts = [self.plan.label if self.plan.micro_batch < self.batch else f"batch {self.batch}"]
         if self.moved:
             parts.append(f"{self.moved} off the card")
-        if self.stream is not None:
-            parts.append(self.stream.label)
         return ", ".join(parts)
 
 
@@ -281,9 +282,20 @@ class SamplingGuard:
             if streamed is not None:
                 # the readout's prediction for the pass: the resident part of the UNet, the
                 # streaming buffers, the activations, the inputs and what else stays on the card
+                # the pass runs at the streamed plan's micro-batch (the one moving the fewest bytes)
                 sp = streamed.plan
                 peak = sp.resident_bytes + sp.buffer_bytes + sp.activation_bytes + base.input_bytes + rest
-                plan = dataclasses.replace(base, predicted_peak_bytes=peak)
+                plan = dataclasses.replace(
+                    base,
+                    predicted_peak_bytes=peak,
+                    micro_batch=sp.micro_batch,
+                    activation_bytes=sp.activation_bytes,
+                    label=(
+                        f"micro-batch {sp.micro_batch} of {batch}"
+                        if sp.micro_batch < batch
+                        else f"batch {batch} in one forward"
+                    ),
+                )
                 if idle is not None and not moved:
                     moved, self._idle = idle.names, idle
         if not plan.fits and streamed is None:
