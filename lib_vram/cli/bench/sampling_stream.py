@@ -258,6 +258,7 @@ def plan_case(arch: str, card_gib: float, px: int, bandwidth_gb_s: float, dtype=
         "plain_ok": sp.fits,
         "guarded_ok": plan.fits,
         "plan": plan.label if not sp.fits else "whole UNet resident",
+        "micro_batch": plan.micro_batch if not sp.fits else sp.micro_batch,
         "unet_bytes": plan.unet_bytes,
         "resident_bytes": plan.resident_bytes if not sp.fits else plan.unet_bytes,
         "bytes_moved_per_step": plan.bytes_moved_per_step if not sp.fits else 0,
@@ -295,10 +296,10 @@ def _mib(v) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| case | card MiB | plain | guarded | bit-identical | UNet MiB | resident MiB | "
+        "| case | card MiB | plain | guarded | bit-identical | micro-batch | UNet MiB | resident MiB | "
         "MiB/step | --lowvram MiB/step | ratio | note |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         moved, low = r["bytes_moved_per_step"], r["lowvram_bytes_per_step"]
         ratio = "-" if moved is None or not low else f"{moved / low:.2f}"
@@ -312,7 +313,8 @@ def table(rows: list[dict]) -> str:
             )
         lines.append(
             f"| {case} | {r['card_bytes'] / MiB:.0f} | {'ok' if r['plain_ok'] else 'OOM'} | "
-            f"{'ok' if r['guarded_ok'] else 'OOM'} | {r.get('identical', '-')} | {_mib(r['unet_bytes'])} | "
+            f"{'ok' if r['guarded_ok'] else 'OOM'} | {r.get('identical', '-')} | "
+            f"{r.get('micro_batch', '-')} of 2 | {_mib(r['unet_bytes'])} | "
             f"{_mib(r['resident_bytes'])} | {_mib(moved)} | {_mib(low)} | {ratio} | {note} |"
         )
     return "\n".join(lines)
