@@ -539,3 +539,17 @@ def test_parts_that_came_back_during_a_streamed_pass_stay_counted_resident(ctx_u
         assert card.resident_bytes == unet_only - plan.streamed_bytes
         card.set_resident(card.resident_bytes + others)  # the idle parts woke up mid-pass
     assert card.resident_bytes == unet_only + others
+
+
+def test_bench_gpus_streamed_part_refuses_cleanly_without_cuda():
+    """``bench gpu``'s ``stream_unet`` part measures the side stream's overlap on a real GPU; on
+    a machine without CUDA it builds nothing and says why in one line of the run's ``skipped``."""
+    from lib_vram.cli.bench import gpu
+    from lib_vram.cli.bench.sampling_stream import gpu_stream
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the part runs (bench gpu)")
+    skipped: list[str] = []
+    assert gpu._stream_unet(torch.device("cpu"), gpu._Clock(60.0), skipped) == []
+    assert skipped == ["stream_unet: needs CUDA (side-stream copy/compute overlap from pinned memory)"]
+    assert gpu_stream("cpu") == []

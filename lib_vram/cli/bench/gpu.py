@@ -14,6 +14,10 @@ For the rare minutes a GPU is at hand: one command, under ~8 minutes on one GPU,
 5. ``cudnn_workspace``: per convolution shape of the VAE and the upscaler, the peak above input,
    output and weights (``max_memory_allocated`` around one call after a warm-up): the data that
    calibrates ``predict.cuda_conv_workspace_bytes``, with a fitted ``bytes = a * max(in, out)``.
+6. ``stream_unet``: the streamed UNet (issue 22) on the GPU: the full-size SD1.5-shaped UNet in
+   FP16, one cond/uncond step untouched vs streamed with 2/3 resident (prefetch on the side
+   stream on and off: the copy/compute overlap) vs ``--lowvram``'s way; seconds per step, bytes
+   moved, ``max_memory_allocated``, bit-identity (``sampling_stream.gpu_stream``). CUDA only.
 
 Without CUDA it runs the parts that make sense on the CPU at small sizes (the matrix on the
 emulated CPU card, the batched-vs-single upscale) and lists what it skipped and why, so the
@@ -320,6 +324,12 @@ def cudnn_workspace(device, clock: _Clock, skipped: list[str]) -> dict:  # noqa:
             "benchmark_flag": bool(torch.backends.cudnn.benchmark)}  # fmt: skip
 
 
+def _stream_unet(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
+    from .sampling_stream import gpu_stream
+
+    return gpu_stream(device, clock, skipped)
+
+
 def _write(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
@@ -342,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
     for name, part in (("matrix", lambda: matrix(device, cards, clock, skipped)),
                        ("decode_2048", lambda: decode_2048(device, clock, skipped)),
                        ("upscale_batch", lambda: upscale_batch(device, clock, skipped)),
-                       ("cudnn_workspace", lambda: cudnn_workspace(device, clock, skipped))):  # fmt: skip
+                       ("cudnn_workspace", lambda: cudnn_workspace(device, clock, skipped)),
+                       ("stream_unet", lambda: _stream_unet(device, clock, skipped))):  # fmt: skip
         t0 = time.perf_counter()
         result[name] = part()
         result.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 2)

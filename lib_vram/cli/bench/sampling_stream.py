@@ -36,6 +36,7 @@ from lib_vram.planning import planner
 from lib_vram.sampling import (
     UNIT_PARTS,
     StreamedUNet,
+    choose_resident,
     lowvram_bytes_per_forward,
     micro_batched,
     plan_sampling,
@@ -318,6 +319,126 @@ def table(rows: list[dict]) -> str:
             f"{_mib(r['resident_bytes'])} | {_mib(moved)} | {_mib(low)} | {ratio} | {note} |"
         )
     return "\n".join(lines)
+
+
+# -- on a real GPU (``bench gpu``'s ``stream_unet`` part) ----------------------------------------
+
+
+def _lowvram_hooks(unet, device) -> list:  # noqa: ANN001
+    """``--lowvram``'s way, written for this measurement: every unit it swaps (the top-level
+    ``time_embed``, input blocks, middle block and output blocks) lives on the CPU and moves to the
+    device before its forward; the one there before moves back to the CPU (``module.to``, a full
+    copy each way, changed or not). The rest of the UNet stays on the device."""
+    swapped = [unet.time_embed, *unet.input_blocks, unet.middle_block, *unet.output_blocks]
+    for m in swapped:
+        m.to("cpu")
+    state = {"here": None}
+
+    def pre(module, args):  # noqa: ANN001, ANN202
+        if state["here"] is not None and state["here"] is not module:
+            state["here"].to("cpu")
+        module.to(device)
+        state["here"] = module
+
+    return [m.register_forward_pre_hook(pre) for m in swapped]
+
+
+def gpu_stream(  # noqa: ANN001
+    device, clock=None, skipped: list[str] | None = None, *, steps: int = 5, side: int = 64
+) -> list[dict]:
+    """The streamed UNet on a real GPU: the full-size SD1.5-shaped ldm UNet (random weights, FP16),
+    one sampling step of a cond/uncond batch of 2 at ``side`` x ``side`` latent, ``steps`` timed
+    steps after a warm-up, each case: the untouched UNet (all resident), streamed with 2/3 of it
+    resident with prefetch on the side stream and without (the difference is the overlap), the
+    streamed bytes copied alone (no compute), and ``--lowvram``'s way (:func:`_lowvram_hooks`).
+    Records: seconds per step, bytes moved per step, ``max_memory_allocated``, bit-identity with
+    the untouched output (the same kernels on copies of the same bits). Needs CUDA: without it,
+    one line in ``skipped`` and no records."""
+    skipped = [] if skipped is None else skipped
+    if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
+        skipped.append("stream_unet: needs CUDA (side-stream copy/compute overlap from pinned memory)")
+        return []
+    if not 1 <= steps <= 100 or not 8 <= side <= 256:
+        raise ValueError(f"`steps` must be in 1..100 and `side` in 8..256, got {steps}, {side}")
+    dtype = torch.float16
+    unet = build_unet("sd15", 320, context_dim=768).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    kw = {
+        "x": torch.randn(2, 4, side, side, generator=g).to(device, dtype),
+        "timesteps": torch.tensor([10, 700], device=device),
+        "context": torch.randn(2, 77, 768, generator=g).to(device, dtype),
+    }
+    units = unit_bytes(unet)
+    total = sum(b for _, b in units)
+    plan = choose_resident(
+        units, weights_budget_bytes=int(total * 2 / 3), activation_bytes=0, micro_batch=2, forwards_per_step=1
+    )
+    unet.to(device)
+
+    def timed():  # noqa: ANN202
+        with torch.no_grad():
+            unet(**kw)  # warm-up (and the streamer's order-learning forward)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = unet(**kw)
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / steps, out, int(torch.cuda.max_memory_allocated(device))
+
+    rows = []
+    t_plain, ref, peak = timed()
+    base = {"unet_bytes": total, "steps": steps, "latent": side}
+    rows.append({**base, "case": "untouched", "seconds_per_step": round(t_plain, 4), "resident_bytes": total,
+                 "bytes_moved_per_step": 0, "max_memory_allocated": peak, "identical": True})  # fmt: skip
+    secs = {}
+    for prefetch in (True, False):
+        if clock is not None and clock.left() < 30:
+            skipped.append(f"stream_unet prefetch {prefetch}: out of time")
+            continue
+        with StreamedUNet(unet, plan, device, prefetch=prefetch) as s:
+            t, out, peak = timed()
+        st = s.stats
+        secs[prefetch] = t
+        rows.append({**base, "case": f"streamed, prefetch {'on' if prefetch else 'off'}",
+                     "seconds_per_step": round(t, 4), "resident_bytes": plan.resident_bytes,
+                     "bytes_moved_per_step": st.bytes_in // max(1, st.forwards), "max_memory_allocated": peak,
+                     "prefetched": st.prefetched, "on_demand": st.on_demand,
+                     "identical": bool(torch.equal(out, ref))})  # fmt: skip
+    # the streamed bytes' copies alone, pinned host -> device: what prefetch has to hide
+    pinned = torch.empty(plan.streamed_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(pinned, device=device)
+    dev.copy_(pinned, non_blocking=True)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        dev.copy_(pinned, non_blocking=True)
+    torch.cuda.synchronize(device)
+    copy_s = (time.perf_counter() - t0) / steps
+    del pinned, dev
+    rec = {**base, "case": "streamed bytes copied alone", "seconds_per_step": round(copy_s, 4),
+           "bytes_moved_per_step": plan.streamed_bytes,
+           "bandwidth_gb_s": round(plan.streamed_bytes / copy_s / GB, 2) if copy_s > 0 else None}  # fmt: skip
+    if True in secs and False in secs and copy_s > 0:
+        # the share of the copy time prefetch hid behind compute (1: all of it)
+        rec["overlap"] = round(max(0.0, min(1.0, (secs[False] - secs[True]) / copy_s)), 3)
+    rows.append(rec)
+    if clock is None or clock.left() >= 30:
+        hooks = _lowvram_hooks(unet, device)
+        try:
+            t, out, peak = timed()
+        finally:
+            for h in hooks:
+                h.remove()
+            unet.to(device)
+        rows.append({**base, "case": "--lowvram's way", "seconds_per_step": round(t, 4),
+                     "bytes_moved_per_step": lowvram_bytes_per_forward(unit_bytes(unet, 1)),
+                     "max_memory_allocated": peak, "identical": bool(torch.equal(out, ref))})  # fmt: skip
+    else:
+        skipped.append("stream_unet --lowvram: out of time")
+    unet.to("cpu")  # the next parts get the card back
+    torch.cuda.empty_cache()
+    return rows
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
