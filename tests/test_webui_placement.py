@@ -323,25 +323,30 @@ def test_placed_at_load_it_samples_the_plain_output_bit_for_bit_within_the_card(
     assert w.card.resident_bytes == 0
 
 
-def test_the_text_encoder_wakes_when_used_and_the_next_pass_puts_it_back_to_sleep():
+def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_sleep():
     w = world(CAP)
     try:
         w.host.sd_models.load_model(MODEL, w.session)
         placed = w.session.placement.placed_for(MODEL)
         base = w.card.resident_bytes
-        te = emulate.module_bytes([MODEL.cond_stage_model, MODEL.first_stage_model])
+        te = emulate.module_bytes([MODEL.cond_stage_model])
+        vae = emulate.module_bytes([MODEL.first_stage_model])
+        # room for the larger of them beside the resident UNet (the placement keeps it)
+        assert base + vae + SAFETY <= CAP
 
         def body(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
             seen = [w.card.resident_bytes]
             model.cond_stage_model.embedding(torch.zeros(1, 77, dtype=torch.long))  # the conditioning
+            seen.append(w.card.resident_bytes)
+            model.first_stage_model.decoder.conv_in(torch.zeros(1, 4, 4, 4))  # a (preview) decode
             seen.append(w.card.resident_bytes)
             return seen, sample(jobs, p, model)
 
         r = job(w, body)
         assert r.error is None, r.error
         seen, _ = r.out
-        assert seen[0] == base and seen[1] == base + te  # woken: text encoders and VAE on the card
-        assert r.passes[0].moved == "text encoders, VAE"  # the pass needed the room
+        assert seen == [base, base + te, base + te + vae], seen  # each woken by its own use
+        assert r.passes[0].moved == "text encoders, VAE", r.passes  # the pass needed the room
         assert w.card.resident_bytes == base and placed.parked.off  # asleep again after it
     finally:
         w.close()

@@ -126,13 +126,14 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 
 @dataclass(eq=False)
 class _Parked:
-    """The text encoders and the VAE of a placed checkpoint: on the CPU until one of their modules
-    runs (then on the card until the sampling guard needs the room)."""
+    """The text encoders and the VAE of a placed checkpoint: each on the CPU until one of its
+    modules runs (then on the card until the sampling guard needs the room)."""
 
     parts: tuple[tuple[str, torch.nn.Module], ...]
     device: torch.device
     card: emulate.EmulatedCard | None
-    off: bool = True
+    awake: set[int] = field(default_factory=set)
+    """Indices into :attr:`parts` of those on the card now."""
     _hooks: list[Any] = field(default_factory=list)
     _lock: Any = field(default_factory=threading.RLock)
 
@@ -141,23 +142,33 @@ class _Parked:
         return ", ".join(n for n, _ in self.parts)
 
     @property
-    def nbytes(self) -> int:
-        return _nbytes(_tensors_of([m for _, m in self.parts]))
+    def awake_names(self) -> str:
+        return ", ".join(n for i, (n, _) in enumerate(self.parts) if i in self.awake)
+
+    @property
+    def off(self) -> bool:
+        return not self.awake
+
+    def part_bytes(self, i: int) -> int:
+        return _nbytes(_tensors_of([self.parts[i][1]]))
+
+    @property
+    def largest_bytes(self) -> int:
+        return max((self.part_bytes(i) for i in range(len(self.parts))), default=0)
 
     @property
     def on_card_bytes(self) -> int:
-        return 0 if self.off else self.nbytes
+        return sum(self.part_bytes(i) for i in self.awake)
 
     def hook(self) -> None:
         ref = weakref.ref(self)
+        for i, (_, part) in enumerate(self.parts):
 
-        def wake(module: torch.nn.Module, args: Any) -> None:
-            parked = ref()
-            if parked is not None and parked.off:
-                logger.info("VRAM Guard: the %s are needed now: to the card (placed)", parked.names)
-                parked.wake()
+            def wake(module: torch.nn.Module, args: Any, i: int = i) -> None:
+                parked = ref()
+                if parked is not None and i not in parked.awake:
+                    parked.wake(i)
 
-        for _, part in self.parts:
             for m in part.modules():
                 self._hooks.append(m.register_forward_pre_hook(wake))
 
@@ -166,38 +177,40 @@ class _Parked:
         for h in hooks:
             h.remove()
 
-    def wake(self) -> None:
-        """To the card (an out-of-memory error on the way leaves them on the CPU and propagates)."""
+    def wake(self, i: int) -> None:
+        """Part ``i`` to the card (an out-of-memory error on the way leaves it on the CPU and
+        propagates: the module that needed it cannot run)."""
         with self._lock:
-            if not self.off:
+            if i in self.awake:
                 return
+            name, m = self.parts[i]
+            logger.info("VRAM Guard: the %s are needed now: to the card (checkpoint placed)", name)
             if self.card is not None:
-                _admit(self.card, _tensors_of([m for _, m in self.parts]))
-                self.card.set_resident(self.card.resident_bytes + self.nbytes)
+                _admit(self.card, _tensors_of([m]))
+                self.card.set_resident(self.card.resident_bytes + self.part_bytes(i))
             else:
-                moved = []
                 try:
-                    for _, m in self.parts:
-                        m.to(self.device)
-                        moved.append(m)
+                    m.to(self.device)
                 except BaseException:
-                    for m in moved:
-                        m.to("cpu")
+                    m.to("cpu")
                     raise
-            self.off = False
+            self.awake.add(i)
+
+    def wake_all(self) -> None:
+        for i in range(len(self.parts)):
+            self.wake(i)
 
     def sleep(self) -> int:
-        """Off the card again (the sampling guard needs the room); returns the bytes moved."""
+        """The woken parts off the card again (the sampling guard needs the room); returns the
+        bytes moved."""
         with self._lock:
-            if self.off:
-                return 0
-            n = self.nbytes
+            n = self.on_card_bytes
             if self.card is not None:
                 self.card.set_resident(max(0, self.card.resident_bytes - n))
             else:
-                for _, m in self.parts:
-                    m.to("cpu")
-            self.off = True
+                for i in self.awake:
+                    self.parts[i][1].to("cpu")
+            self.awake.clear()
             return n
 
 
@@ -210,11 +223,13 @@ class _IdleView:
         self.parked = parked
         self.device = parked.device
         self.move_seconds = 0.0
+        self.names = parked.awake_names
+        self.nbytes = parked.on_card_bytes
         self._taken = False
 
-    names = property(lambda self: self.parked.names)
-    nbytes = property(lambda self: self.parked.on_card_bytes)
-    is_off = property(lambda self: self._taken)
+    @property
+    def is_off(self) -> bool:
+        return self._taken
 
     def off(self, *, wake_on_use: bool = False) -> int:
         n = self.parked.sleep()
@@ -343,7 +358,11 @@ class Placement:
     def install(self) -> None:
         if self.stack is not None:
             return
-        points = self.host.placement_points()
+        try:
+            points = self.host.placement_points()
+        except (ImportError, AttributeError) as exc:
+            logger.warning("VRAM Guard: %s: cannot reach the WebUI's sd_models (%s); not placing", FLAG, exc)
+            return
         wrappers = {
             "model_target_device": self._target_device,
             "send_model_to_device": self._to_device,
@@ -560,6 +579,13 @@ class Placement:
             step = self._step(sd_model, dm)
             budget = max(0, total - self._safety(total) - leftover_bytes)
             plan = sampling.plan_stream(dm, spec, budget_bytes=min(budget, MAX_BUDGET), **step)
+            # the largest of the text encoders and VAE must find room beside the resident UNet when
+            # it wakes (between passes the activations' room is free): else keep less UNet resident
+            largest = max((_nbytes(_tensors_of([m])) for _, m in parts), default=0)
+            short = largest - (budget - plan.resident_bytes)
+            if plan.fits and short > 0:
+                less = max(0, min(budget, MAX_BUDGET) - short)
+                plan = sampling.plan_stream(dm, spec, budget_bytes=less, **step)
             if not plan.fits:
                 raise PlacementOutOfMemory(
                     f"VRAM Guard could not place the checkpoint ({ckpt / MiB:.0f} MiB) on the card "
@@ -636,6 +662,8 @@ class Placement:
         moved: list[Any] = []
         skip = {id(dm)} | {id(m) for _, m in parts}
         wrapper = getattr(sd_model, "model", None)
+        for _, m in parts:
+            m.to("cpu")  # (a checkpoint the WebUI had on the card: placed when the option came on)
         try:
             for name, buf in list(sd_model._buffers.items()):
                 if buf is not None:
@@ -683,7 +711,7 @@ class Placement:
                 try:
                     if s is not None:
                         s.restore()
-                    placed.parked.wake()
+                    placed.parked.wake_all()
                     if card is None:
                         sd_model.to(placed.device)
                     else:

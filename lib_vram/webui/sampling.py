@@ -232,6 +232,8 @@ class SamplingGuard:
         handle = job.host.unet_of(model)
         if handle is None or handle.kind != "ldm":
             return "not an ldm/sgm UNet"
+        if _placed(job, model) is not None:
+            return None  # (checkpoint placement) streamed blocks are in host memory between forwards
         where = next(handle.diffusion_model.parameters(), None)
         if where is None or where.device.type == "meta":
             return "no weights"
@@ -249,7 +251,8 @@ class SamplingGuard:
         cond_uncond = bool(_call(host, "batch_cond_uncond", True))
         batch = images * (2 if cond_uncond else 1)
         tokens = context_tokens(c, uc)
-        device = next(dm.parameters()).device
+        placed = _placed(job, model)  # (checkpoint placement) its device, not a streamed block's
+        device = placed.device if placed is not None else next(dm.parameters()).device
         backend = "cpu" if device.type == "cpu" else "cuda"
         attention = _attention(host, backend)
         dtype = _dtype_of(host, dm)
@@ -265,7 +268,7 @@ class SamplingGuard:
         budget = max(0, free + unet_bytes + others - margin)
         # -- the checkpoint placement (issue 22 item 2): its streamer is the UNet's; plan with what
         # it keeps on the card (resident part + stream buffer), never a second streamer
-        placed, inflate = _placed(job, model), 0
+        inflate = 0
         if placed is not None:
             others = placed.parked.on_card_bytes
             budget = max(0, free + placed.unet_resident_bytes + others - margin)
@@ -465,7 +468,9 @@ def _placed_error(stage: str, plan: Any, placed: Any, budget: int, idle: Any) ->
 
 
 def dm_device(dm: Any) -> torch.device:
-    first = next(dm.parameters(), None)
+    """Where the UNet computes: its first weight off the CPU (a placed checkpoint's streamed blocks
+    are in host memory between forwards), else the CPU."""
+    first = next((t for t in dm.parameters() if t.device.type != "cpu"), None)
     return first.device if first is not None else torch.device("cpu")
 
 
