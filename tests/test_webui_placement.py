@@ -252,7 +252,7 @@ def reference(model: Checkpoint) -> torch.Tensor:
         )
 
 
-def tight_card(model: Checkpoint) -> int:
+def tight_card(model: Checkpoint, backend: str = "cpu") -> int:
     """A card on which the checkpoint plus a pass does not fit (the plain WebUI runs out of memory
     at the first pass) and the checkpoint with a working margin does not either (it is placed),
     while 60 % of the UNet, the pass's predicted activations and inputs and the safety margin do."""
@@ -261,7 +261,7 @@ def tight_card(model: Checkpoint) -> int:
     unet = unet_of(model)
     spec = sampling.unet_spec(unet)
     est = sampling.estimate_sampling(
-        spec, batch=2, latent_hw=HW, context_tokens=77, attention="none", dtype=torch.float32, backend="cpu"
+        spec, batch=2, latent_hw=HW, context_tokens=77, attention="none", dtype=torch.float32, backend=backend
     )
     ib = input_bytes(spec, 2, HW, 77, torch.float32)
     leftover = model.alphas_cumprod.numel() * 4
@@ -350,6 +350,39 @@ def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_s
         assert w.card.resident_bytes == base and placed.parked.off  # asleep again after it
     finally:
         w.close()
+
+
+def test_a_placed_pass_that_does_not_fit_even_so_stops_with_the_named_error_saying_what_fits():
+    from lib_vram.webui.sampling import SamplingOutOfMemory
+
+    big = torch.randn(2, 4, 48, 48, generator=torch.Generator().manual_seed(5))  # 2 images, 9x the latent
+    ran: list[int] = []
+    before = bits(MODEL)
+    w = world(CAP)
+    try:
+        w.host.sd_models.load_model(MODEL, w.session)
+        placed = w.session.placement.placed_for(MODEL)
+        handle = unet_of(MODEL).input_blocks[0].register_forward_hook(lambda *a: ran.append(1))
+
+        def body(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
+            jobs.before_sampling(p, x=big, c=[COND[0]], uc=[UNCOND[0]])
+            ctx = torch.cat([COND, COND, UNCOND, UNCOND])
+            return unet_of(model)(torch.cat([big, big]), torch.full((4,), 700.0), context=ctx)
+
+        try:
+            r = job(w, body)
+        finally:
+            handle.remove()
+        assert isinstance(r.error, SamplingOutOfMemory), r.error
+        text = str(r.error)
+        assert "\n" not in text and "out of memory" in text and placed.label in text, text
+        assert "fits at batch 1" in text or "no size fits" in text, text
+        assert ran == []  # stopped before the UNet computed anything
+        assert all(u.state == "away" for u in placed.streamer._units)
+    finally:
+        w.close()
+    assert same_bits(MODEL, before)
+    untouched(w.host, MODEL)
 
 
 # -- (2) option off, or the checkpoint fits: nothing changes ------------------------------------------
@@ -563,3 +596,56 @@ def test_with_the_hosts_own_swapping_nothing_is_placed(flag):
         MODEL.lowvram = False
         w.close()
     untouched(w.host, MODEL)
+
+
+# -- the GPU path (not run where there is no GPU) -----------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a GPU")
+def test_on_a_gpu_the_placed_checkpoint_loads_via_host_memory_and_gives_the_plain_output():
+    """The real moves: the checkpoint loads into host memory, the buffers and the resident UNet
+    blocks go to the GPU, the streamed ones become the streamer's pinned host copies; the output is
+    the plain GPU forward's (deterministic cuDNN: the algorithm choice must not follow the free
+    memory); an unload leaves every weight in host memory, unchanged."""
+    dev = torch.device("cuda")
+    model = Checkpoint(seed=9)
+    before = bits(model)
+    args = (torch.cat([X, X]).to(dev), SIGMAS[0].to(dev))
+    ctx = torch.cat([COND, UNCOND]).to(dev)
+    deterministic = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    card = emulate.EmulatedCard(tight_card(model, "cuda"), device=dev)
+    previous = emulate.install(card)  # the capacity the placement plans with; the GPU has room
+    host = Host()
+    host.device = lambda: dev
+    host.opts[SETTING] = True
+    host.flags["no_half"] = True  # the checkpoint loads as it is (FP32)
+    session = Session(host=host)
+    try:
+        model.to(dev)
+        with torch.no_grad():
+            ref = unet_of(model)(*args, context=ctx)
+        model.to("cpu")
+        session.start_placement()
+        session.placement.margin_bytes = SAFETY
+        session.placement.latent_hw = HW
+        assert host.sd_models.model_target_device(model) == torch.device("cpu")
+        host.sd_models.send_model_to_device(model)
+        placed = session.placement.placed_for(model)
+        assert placed is not None and placed.streamer is not None
+        resident = {n for n in placed.plan.resident}
+        for name, m in unet_of(model).named_modules():
+            if name in resident:
+                assert all(t.device.type == "cuda" for t in m.parameters()), name
+        assert next(model.cond_stage_model.parameters()).device.type == "cpu"
+        with torch.no_grad():
+            out = unet_of(model)(*args, context=ctx)
+        assert torch.equal(out, ref)
+        host.sd_models.send_model_to_cpu(model)
+        assert all(t.device.type == "cpu" for t in model.state_dict().values())
+        assert same_bits(model, before)
+    finally:
+        session.stop_placement()
+        emulate.install(previous)
+        torch.backends.cudnn.deterministic = deterministic
+    untouched(host, model)

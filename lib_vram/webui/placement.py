@@ -411,7 +411,8 @@ class Placement:
         dev = self._device()
         if dev.type == "cpu":
             return None
-        return int(memory_info(dev).total)
+        card = emulate.current(dev)  # an emulated card on a GPU (its capacity, the real moves)
+        return card.capacity if card is not None else int(memory_info(dev).total)
 
     def _safety(self, total: int) -> int:
         if self.margin_bytes is not None:
