@@ -288,7 +288,10 @@ def test_the_plain_webui_runs_out_of_memory_at_the_first_pass():
     untouched(w.host, MODEL)
 
 
-def test_placed_at_load_it_samples_the_plain_output_bit_for_bit_within_the_card():
+def test_placed_at_load_it_samples_the_plain_output_bit_for_bit_within_the_card(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="lib_vram.webui.placement")
     ref = reference(MODEL)
     before = bits(MODEL)
     w = world(CAP)
@@ -314,6 +317,10 @@ def test_placed_at_load_it_samples_the_plain_output_bit_for_bit_within_the_card(
         assert r.status["placement"] == label and label in r.status["notes"]
         assert any(label in str(st.get("plan")) for st in r.status["stages"]), r.status["stages"]
         assert placed.streamer.stats.forwards == len(SIGMAS)
+        # the pass's traffic in the log (what a real-WebUI run compares with --lowvram's)
+        mib = placed.streamer.stats.bytes_in / MiB
+        said = f"placed UNet: {len(SIGMAS)} forward(s) this pass, {mib:.0f} MiB copied to the card"
+        assert any(said in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
         assert all(u.state == "away" for u in placed.streamer._units)
     finally:
         w.close()

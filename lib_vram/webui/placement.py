@@ -270,6 +270,7 @@ class Placed:
     card: emulate.EmulatedCard | None
     streamer: Any = None
     leftover_bytes: int = 0
+    _logged: tuple[int, int] = (0, 0)
 
     @property
     def unet_resident_bytes(self) -> int:
@@ -304,8 +305,23 @@ class Placed:
         return _IdleView(self.parked) if self.parked.on_card_bytes else None
 
     def settle(self) -> None:
-        if self.streamer is not None:
-            self.streamer.settle()
+        """A pass ended (or was cut short): no streamed unit left on the card; its traffic logged."""
+        s = self.streamer
+        if s is None:
+            return
+        s.settle()
+        st = s.stats
+        forwards, copied = st.forwards - self._logged[0], st.bytes_in - self._logged[1]
+        self._logged = (st.forwards, st.bytes_in)
+        if forwards:
+            logger.info(
+                "VRAM Guard: placed UNet: %d forward(s) this pass, %.0f MiB copied to the card (%.0f MiB per "
+                "forward; --lowvram would move %.0f MiB per forward)",
+                forwards,
+                copied / MiB,
+                copied / forwards / MiB,
+                self.plan.lowvram_bytes_per_step / MiB,
+            )
 
 
 class Placement:
@@ -583,9 +599,12 @@ class Placement:
             # the largest of the text encoders and VAE must find room beside the resident UNet when
             # it wakes (between passes the activations' room is free): else keep less UNet resident
             largest = max((_nbytes(_tensors_of([m])) for _, m in parts), default=0)
-            short = largest - (budget - plan.resident_bytes)
-            if plan.fits and short > 0:
-                less = max(0, min(budget, MAX_BUDGET) - short)
+            less = min(budget, MAX_BUDGET)
+            for _ in range(16):  # each round keeps fewer units resident; a few rounds settle it
+                short = largest - (budget - plan.resident_bytes)
+                if not plan.fits or short <= 0 or less == 0:
+                    break
+                less = max(0, less - max(short, MiB))
                 plan = sampling.plan_stream(dm, spec, budget_bytes=less, **step)
             if not plan.fits:
                 raise PlacementOutOfMemory(
