@@ -11,6 +11,7 @@ import os
 import sys
 
 EMULATE_FLAG = "--vram-guard-emulate-vram"
+PLACE_FLAG = "--vram-guard-place-checkpoint"
 
 
 def emulate_size(text: str) -> int:
@@ -61,4 +62,12 @@ def preload(parser: argparse.ArgumentParser) -> None:
         "6GiB, 3072MB): device memory counted in software, with the out-of-memory error a GPU raises "
         "at its capacity, the loaded checkpoint resident. Shows on any machine what the plain WebUI "
         "and VRAM Guard do on a small card. Not a real GPU: it is slower, never faster.",
+    )
+    group.add_argument(
+        PLACE_FLAG,
+        action="store_true",
+        help="VRAM Guard: a checkpoint that does not fit the card at load is placed by budget for the "
+        "session instead of failing (text encoders and VAE on the CPU until used, as much of the UNet "
+        "on the card as fits, the rest streamed each step); the Settings option, on for this session. "
+        "Not with --medvram/--lowvram/--medvram-sdxl.",
     )

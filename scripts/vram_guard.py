@@ -136,9 +136,16 @@ def _on_ui_settings():
 def _on_app_started(demo, app):
     vg.configure_logging()
     vg.start_emulation(SESSION)
+    vg.start_placement(SESSION)
     vg.mount_routes(app, SESSION)
     vg.check_conflicts(SESSION)
     vg.api_defaults_follow_settings(app, SESSION)
+
+
+def _on_list_unets(unets):
+    # the main thread's last callback before the WebUI loads the checkpoint in its own thread:
+    # the checkpoint placement's patches must be there for that load (lib_vram.webui.placement)
+    vg.start_placement(SESSION)
 
 
 def _on_model_loaded(sd_model):
@@ -151,12 +158,14 @@ def _on_cfg_denoiser(params):
 
 def _on_script_unloaded():
     SESSION.close_all()
+    SESSION.stop_placement()
     SESSION.restore_api_defaults()
     SESSION.stop_emulation()
 
 
 script_callbacks.on_ui_settings(_on_ui_settings)
 script_callbacks.on_app_started(_on_app_started)
+script_callbacks.on_list_unets(_on_list_unets)
 script_callbacks.on_model_loaded(_on_model_loaded)
 script_callbacks.on_cfg_denoiser(_on_cfg_denoiser)
 script_callbacks.on_script_unloaded(_on_script_unloaded)

@@ -45,7 +45,9 @@ def test_import_only_registers_callbacks(script, tmp_path):
     from modules import script_callbacks, shared
 
     kinds = sorted(kind for kind, _ in script_callbacks.registered)
-    assert kinds == ["app_started", "cfg_denoiser", "model_loaded", "script_unloaded", "ui_settings"]
+    assert kinds == [
+        "app_started", "cfg_denoiser", "list_unets", "model_loaded", "script_unloaded", "ui_settings"
+    ]  # fmt: skip
     assert os.listdir(tmp_path) == []  # no files written
     dec = shared.sd_model.first_stage_model.decoder
     assert "forward" not in dec.__dict__ and ATTR not in dec.__dict__  # nothing patched
@@ -103,6 +105,16 @@ def test_process_enabled_name_keyed_api_args_then_postprocess(script):
         dec(torch.randn(1, 4, 8, 8))
     s.postprocess(p, None, *args)
     assert "forward" not in dec.__dict__ and script.SESSION.last["records"][0]["name"] == "decode"
+
+
+def test_the_list_unets_callback_places_nothing_while_the_option_is_off(script):
+    """The checkpoint placement's early hook (before the WebUI's model-loading thread starts):
+    with neither the setting nor --vram-guard-place-checkpoint it patches nothing."""
+    from modules import script_callbacks
+
+    early = [cb for kind, cb in script_callbacks.registered if kind == "list_unets"][0]
+    early([])
+    assert script.SESSION.placement is None
 
 
 def test_unload_callback_closes_jobs(script):

@@ -561,8 +561,13 @@ class StreamedUNet:
         card: emulate.EmulatedCard | None = None,
         prefetch: bool = True,
         memory: planner.PlanMemory | None = None,
+        adopt_host: bool = False,
     ) -> None:
         self.unet = unet
+        self.adopt_host = bool(adopt_host)
+        """(The checkpoint placement, issue 22 item 2) a streamed weight already in host memory while
+        ``device`` is CUDA is taken as its host copy (pinned) instead of being left alone: the
+        placement loads the streamed units on the CPU and never has them on the card at once."""
         self.device = torch.device(device)
         self.plan = plan if isinstance(plan, StreamPlan) else None
         names = plan.streamed if isinstance(plan, StreamPlan) else tuple(plan)
@@ -647,10 +652,13 @@ class StreamedUNet:
         try:
             for o, n, is_param in _tensors(module):
                 t = getattr(o, n)
-                if id(t) in shared or t.device.type != self.device.type:
+                adopt = self.adopt_host and self._cuda and t.device.type == "cpu"  # (placement)
+                if id(t) in shared or (t.device.type != self.device.type and not adopt):
                     continue  # tied weights and weights elsewhere stay where they are
                 origin = t.data if is_param else t
-                if self._cuda and t.device.type == "cuda":
+                if adopt:
+                    host = origin.pin_memory()
+                elif self._cuda and t.device.type == "cuda":
                     host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
                     host.copy_(origin)
                 else:
@@ -894,6 +902,33 @@ class StreamedUNet:
             s.put(s.host)
             s.dev = None
         unit.state = "away"
+
+    # -- the checkpoint placement (issue 22 item 2): a session-long streamer ------------------
+    def settle(self) -> None:
+        """After a forward cut short by an error (the streamer stays in force for the next one):
+        every streamed unit away again (changed weights written back), the prefetch dropped."""
+        if self._side is not None:
+            self._side.synchronize()
+        for u in self._units:
+            self._leave(u)
+        self._ahead = None
+        self._open = 0
+
+    def release_to_host(self) -> None:
+        """End streaming with the model going to host memory (a checkpoint switch or unload, a card
+        too small for the move back): remove the hooks and put every streamed unit's host copy in
+        place (changed weights written back); nothing moves to the device. The emulated card's
+        resident bytes are left to the caller."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.settle()
+        for u in self._units:
+            for s in u.slots:
+                s.put(s.host)
+        self._units.clear()
+        self._resident_removed = 0
+        self.pending = False
 
     # -- learning -----------------------------------------------------------------------------
     def report(self, *, oom: bool) -> None:

@@ -19,6 +19,7 @@ from .integration import (
     register_settings,
     settings_options,
     start_emulation,
+    start_placement,
 )
 from .job import HOOK_NAME, Job
 from .patching import foreign_vae_wrapper
@@ -44,4 +45,5 @@ __all__ = [
     "resolve",
     "settings_options",
     "start_emulation",
+    "start_placement",
 ]

@@ -15,7 +15,9 @@ error where the card runs out) and what VRAM Guard does there — with the accor
   they run on the card too, the plain WebUI's (an out-of-memory error there is swallowed by the
   WebUI: the preview is skipped) and VRAM Guard's (tiled when needed).
 * **Resident bytes** are the loaded checkpoint's weights, updated at every model load; weights
-  loaded inside a job (a checkpoint switch) stop counting as the job's tensors then.
+  loaded inside a job (a checkpoint switch) stop counting as the job's tensors then. A checkpoint
+  placed by VRAM Guard (:mod:`.placement`) counts what a GPU would hold of it: the placement
+  recounts after this update.
 * The card is :func:`~lib_vram.core.emulate.install`\\ ed: the readout, ``GET /vram-guard/v1/status``,
   the Auto preset and the engines' budgets see its total and free memory.
 

@@ -107,6 +107,18 @@ def loaded_sd_model() -> Any:
         return vars(shared).get("sd_model")
 
 
+PLACEMENT_POINTS = ("model_target_device", "send_model_to_device", "send_model_to_cpu", "send_model_to_trash")
+
+
+def placement_points() -> dict[str, tuple[Any, str]]:
+    """Where the WebUI decides where a checkpoint's weights go (v1.10.1 ``modules/sd_models.py``:
+    ``load_model``/``reload_model_weights`` look these functions up in the module's globals): role ->
+    (the ``sd_models`` module, function name), for those it has."""
+    from modules import sd_models
+
+    return {n: (sd_models, n) for n in PLACEMENT_POINTS if callable(getattr(sd_models, n, None))}
+
+
 # -- model and VAE -------------------------------------------------------------------------------
 def sd_model() -> Any:
     from modules import shared

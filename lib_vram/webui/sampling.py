@@ -85,11 +85,14 @@ class PassPlan:
     """The named error's line when nothing fits."""
     stream: Any = None
     """The :class:`lib_vram.webui.stream.StreamPass` when the UNet streams for this pass."""
+    placed: str = ""
+    """The checkpoint placement's label when the checkpoint is placed (:mod:`.placement`)."""
 
     @property
     def changed(self) -> bool:
         """VRAM Guard changed how the pass runs (micro-batches, moves or streaming)."""
-        return self.plan.micro_batch < self.batch or bool(self.moved) or self.stream is not None
+        streams = self.stream is not None or bool(self.placed)
+        return self.plan.micro_batch < self.batch or bool(self.moved) or streams
 
     def label(self) -> str:
         if self.stream is not None:
@@ -98,6 +101,8 @@ class PassPlan:
             parts = [self.plan.label if self.plan.micro_batch < self.batch else f"batch {self.batch}"]
         if self.moved:
             parts.append(f"{self.moved} off the card")
+        if self.placed:
+            parts.append(self.placed)
         return ", ".join(parts)
 
 
@@ -172,6 +177,10 @@ class SamplingGuard:
         self.passes.append(planned)
         self.stack = ExitStack()
         job.stack.callback(self.end)
+        placed = _placed(job, model)
+        if planned.placed and placed is not None:  # (checkpoint placement) its streamer stays in force:
+            self.stack.callback(placed.settle)  # a pass cut short leaves no streamed unit on the card
+            job.note(f"VRAM Guard: {placed.label}")
         try:
             if planned.moved and self._idle is not None:
                 self._move_off(stage, "the sampling plan does not fit with them there")
@@ -224,6 +233,8 @@ class SamplingGuard:
         handle = job.host.unet_of(model)
         if handle is None or handle.kind != "ldm":
             return "not an ldm/sgm UNet"
+        if _placed(job, model) is not None:
+            return None  # (checkpoint placement) streamed blocks are in host memory between forwards
         where = next(handle.diffusion_model.parameters(), None)
         if where is None or where.device.type == "meta":
             return "no weights"
@@ -241,7 +252,8 @@ class SamplingGuard:
         cond_uncond = bool(_call(host, "batch_cond_uncond", True))
         batch = images * (2 if cond_uncond else 1)
         tokens = context_tokens(c, uc)
-        device = next(dm.parameters()).device
+        placed = _placed(job, model)  # (checkpoint placement) its device, not a streamed block's
+        device = placed.device if placed is not None else next(dm.parameters()).device
         backend = "cpu" if device.type == "cpu" else "cuda"
         attention = _attention(host, backend)
         dtype = _dtype_of(host, dm)
@@ -255,9 +267,17 @@ class SamplingGuard:
         others = emulate.module_bytes(on_card)
         margin = int(getattr(job.settings, "sampling_margin_bytes", 0))
         budget = max(0, free + unet_bytes + others - margin)
+        # -- the checkpoint placement (issue 22 item 2): its streamer is the UNet's; plan with what
+        # it keeps on the card (resident part + stream buffer), never a second streamer
+        inflate = 0
+        if placed is not None:
+            others = placed.parked.on_card_bytes
+            budget = max(0, free + placed.unet_resident_bytes + others - margin)
+            inflate = max(0, unet_bytes - placed.unet_device_bytes)  # the plans count the whole UNet
+        # --
         kw = dict(
             batch=batch, latent_hw=hw, context_tokens=tokens, attention=attention, dtype=dtype,
-            budget_bytes=budget, backend=backend,
+            budget_bytes=budget + inflate, backend=backend,
         )  # fmt: skip
         plan = sampling.plan_sampling(spec, resident_bytes=others, **kw)
         moved = ""
@@ -267,6 +287,12 @@ class SamplingGuard:
                 plan, moved = without, idle.names
                 self._idle = idle
         error = streamed = None
+        if placed is not None:  # (checkpoint placement) the placement's numbers, no streaming rung
+            plan = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes - inflate)
+            if not plan.fits:
+                error = _placed_error(stage, plan, placed, budget, idle)
+            args = (stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, None)
+            return PassPlan(*args, placed.label)
         if not plan.fits:
             # the last rung before the named error: stream the UNet (lib_vram.webui.stream)
             from .stream import plan_pass
@@ -305,6 +331,9 @@ class SamplingGuard:
     def _movable(self, p: Any, stage: str, model: Any, device: torch.device) -> Any:
         """The VAE and text encoders that may leave the card for this pass (None: none may)."""
         job = self.job
+        placed = _placed(job, model)
+        if placed is not None:  # (checkpoint placement) its parked parts, woken ones only
+            return placed.idle_view()
         vae = not bool(_call(job.host, "live_previews_full", False))
         switches = bool(getattr(p, "refiner_checkpoint", None)) or (
             stage == "sampling" and bool(getattr(p, "hr_checkpoint_name", None))
@@ -435,8 +464,31 @@ class SamplingGuard:
             job.note(f"VRAM Guard: {planned.error}", logging.WARNING)
 
 
+def _placed(job: Any, model: Any) -> Any:
+    """The checkpoint placement's :class:`~lib_vram.webui.placement.Placed` of ``model``, or None."""
+    placement = getattr(getattr(job, "session", None), "placement", None)
+    return placement.placed_for(model) if placement is not None else None
+
+
+def _placed_error(stage: str, plan: Any, placed: Any, budget: int, idle: Any) -> str:
+    """The named error's line for a placed checkpoint's pass that does not fit even so."""
+    what = "the hires pass" if stage == "hires_sampling" else "sampling"
+    off = f", the {idle.names} off the card" if idle is not None else ""
+    tried = f"with micro-batch 1, {placed.label}{off}"
+    # the suggestion's sizes and batches are right (the budget was raised by what the UNet does not
+    # keep on the card); its head's MiB are not: ours replace them
+    rest = plan.suggestion.split(": ", 1)[1] if plan.suggestion and ": " in plan.suggestion else ""
+    fit = f": {rest}" if rest else ": a smaller image or batch may fit"
+    return (
+        f"VRAM Guard stopped {what} before it ran out of memory ({tried}): needs "
+        f"{plan.predicted_peak_bytes / MiB:.0f} MiB, the card offers {budget / MiB:.0f} MiB{fit}"
+    )
+
+
 def dm_device(dm: Any) -> torch.device:
-    first = next(dm.parameters(), None)
+    """Where the UNet computes: its first weight off the CPU (a placed checkpoint's streamed blocks
+    are in host memory between forwards), else the CPU."""
+    first = next((t for t in dm.parameters() if t.device.type != "cpu"), None)
     return first.device if first is not None else torch.device("cpu")
 
 

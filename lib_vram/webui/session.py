@@ -65,6 +65,8 @@ class Session:
         """The :class:`~lib_vram.webui.emulation.WebUICard` of ``--vram-guard-emulate-vram``, or None."""
         self.profile_switch = ProfileSwitch()
         """'Profile the next job' (:mod:`.profiling`)."""
+        self.placement: Any = None
+        """The :class:`~lib_vram.webui.placement.Placement` (checkpoint placement), or None."""
 
     # -- jobs --------------------------------------------------------------------------------
     def remember_api_defaults(self, values: list, start: int, saved: list) -> None:
@@ -110,6 +112,8 @@ class Session:
         emulated card, its weights are what is resident now."""
         if self.emulation is not None:
             self.emulation.model_changed(sd_model)
+        if self.placement is not None:
+            self.placement.model_loaded(sd_model)  # after the card's count: the placement's wins
         for job in self.open_jobs():
             if job.current():
                 job.hook_vae(self.host.vae_of(sd_model))
@@ -137,6 +141,30 @@ class Session:
     def emulated_card(self) -> Any:
         """The :class:`~lib_vram.core.emulate.EmulatedCard` every job runs on, or None."""
         return None if self.emulation is None else self.emulation.card
+
+    # -- the checkpoint placement (issue 22 item 2) ------------------------------------------
+    def start_placement(self) -> Any:
+        """Create (once) and refresh the checkpoint placement (:mod:`.placement`): patches on while
+        the option is on, a loaded checkpoint that does not fit placed; returns it."""
+        from .placement import Placement
+
+        if self.placement is None:
+            self.placement = Placement(self.host, emulated=self.emulated_card)
+        self.placement.refresh()
+        return self.placement
+
+    def refresh_placement(self) -> None:
+        """A job starts: the option may have been turned on or off since (Settings)."""
+        if self.placement is not None:
+            self.placement.refresh()
+        elif self.host.cmd_opt("vram_guard_place_checkpoint", False) or _opt_on(self.host):
+            self.start_placement()
+
+    def stop_placement(self) -> None:
+        """Script unload: every weight back where the WebUI would have it, the patches gone."""
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            placement.close()
 
     def stop_emulation(self) -> None:
         """Undo ``--vram-guard-emulate-vram`` (script unload): patches, installed card."""
@@ -188,6 +216,9 @@ class Session:
                     notes.append(
                         f"release at {rel['at']}: {rel['freed_device_bytes'] / 2**20:.0f} MiB returned"
                     )
+        placed = self.placement.status_line() if self.placement is not None else None
+        if placed is not None and placed.startswith("checkpoint placed") and placed not in notes:
+            notes.append(placed)
         name = None
         try:
             name = capabilities(dev).name
@@ -198,6 +229,8 @@ class Session:
         payload = status_payload(
             info, records, job_running=running, notes=notes, device_name=name, timeline=timeline
         )
+        if placed is not None:
+            payload["placement"] = placed
         card = self.emulated_card()
         if card is not None:
             # ``--vram-guard-emulate-vram``: capacity, resident (the checkpoint), use, the last job's
@@ -246,6 +279,16 @@ class Session:
             return self.host.device()
         except (ImportError, AttributeError):
             return torch.device("cpu")
+
+
+def _opt_on(host: Any) -> bool:
+    from .placement import SETTING
+
+    get = getattr(host, "opts_get", None)
+    try:
+        return bool(get(SETTING, False)) if get is not None else False
+    except (ImportError, AttributeError):
+        return False
 
 
 _WIDTH = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
@@ -306,6 +349,7 @@ class ScriptJobs:
             self.close(failed=not job.postprocessed)
         if self.host.cmd_opt("vram_guard_disable", False):
             return None
+        self.session.refresh_placement()
         dev = self.host.device()
         info = memory_info(dev)
         caps = capabilities(dev)

@@ -75,6 +75,8 @@ SKIP_NOTES = {
     "not fp32": "the UNet's weights are {dtypes}, not FP32 (FP8 storage?)",
     "fp16 range": "the UNet has weights beyond the FP16 range",
     "out of memory": "casting the UNet ran out of memory",
+    "placed": "the checkpoint is placed by VRAM Guard (its streamed UNet blocks keep their FP32 host "
+    "copies for the session; turn the placement off to use the FP16 UNet)",
 }
 
 _MISSING = object()
@@ -379,6 +381,9 @@ class UNetFP16:
             return "forge", SKIP_NOTES["forge"]
         if handle.kind != "ldm":
             return "not a unet", SKIP_NOTES["not a unet"].format(name=handle.name)
+        placement = getattr(getattr(self.job, "session", None), "placement", None)
+        if placement is not None and placement.placed_for(handle.owner) is not None:
+            return "placed", SKIP_NOTES["placed"]  # (checkpoint placement, issue 22 item 2)
         if backend_of(self.device) is Backend.CPU and not ALLOW_CPU:
             return "cpu", SKIP_NOTES["cpu"]
         if not capabilities(self.device).fp16:

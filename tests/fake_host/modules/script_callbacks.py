@@ -12,6 +12,7 @@ def _recorder(kind):
 
 on_ui_settings = _recorder("ui_settings")
 on_app_started = _recorder("app_started")
+on_list_unets = _recorder("list_unets")
 on_model_loaded = _recorder("model_loaded")
 on_cfg_denoiser = _recorder("cfg_denoiser")
 on_script_unloaded = _recorder("script_unloaded")

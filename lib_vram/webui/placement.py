@@ -1,0 +1,837 @@
+"""A checkpoint that does not fit the card at load: VRAM Guard places it by budget for the session.
+
+Issue 22 item 2. The WebUI v1.10.1 loads a checkpoint onto ``sd_models.model_target_device(m)``
+(the device unless ``--medvram``/``--lowvram``) and then calls ``send_model_to_device(m)``
+(``lowvram.apply`` and ``m.to(device)``); ``reload_model_weights`` ends with ``sd_model.to(device)``
+when the model is not in ``--lowvram`` mode; a switch or an unload calls ``send_model_to_cpu`` or
+``send_model_to_trash``. Without ``--lowvram`` a checkpoint larger than the card fails there.
+
+With 'Place a checkpoint that does not fit' on (Settings, section VRAM Guard) or the launch flag
+``--vram-guard-place-checkpoint``, no ``--medvram``/``--lowvram``/``--medvram-sdxl``, not Forge,
+and a checkpoint that does not fit the card with a working margin (the preset's safety margin plus
+the activations of a default pass: the model's native size at batch 2 with the attention the
+WebUI applied, :func:`lib_vram.sampling.estimate_sampling`), the checkpoint is *placed*:
+
+* the text encoders and the VAE stay on the CPU until something runs one of their modules (a
+  forward pre-hook brings them to the card); the sampling guard moves them off again when a pass
+  needs the room (:meth:`Placed.idle_view`), and they stay off after it;
+* as much of the UNet as the budget holds is resident, the rest streams through the card by a
+  session-long :class:`~lib_vram.sampling.StreamedUNet`, planned by
+  :func:`~lib_vram.sampling.plan_stream` with the card's budget (the same plan as the per-pass
+  streaming; no second estimate);
+* everything else of the checkpoint (its few buffers) is on the card.
+
+The host's functions are patched by name on ``modules.sd_models`` (where ``load_model`` and
+``reload_model_weights`` look them up) through :mod:`.patching`, only while the option is on:
+``model_target_device`` answers the CPU for a checkpoint that will be placed (its weights load into
+host memory), ``send_model_to_device`` places it, ``send_model_to_cpu``/``send_model_to_trash``
+end the placement first (the streamer gives its host copies back, so no weight is lost), and after
+``send_model_to_cpu`` an instance patch on the model's ``to`` catches ``reload_model_weights``'s
+``sd_model.to(devices.device)`` and places the reloaded weights instead (removed at the placement,
+at the trash, at unload). Turning the option off, a switch, an unload and script unload put every
+weight back where the WebUI would have it: on the device when the checkpoint fits there, else it
+stays on the CPU with a warning.
+
+On the emulated card (``--vram-guard-emulate-vram``, CPU) the weights stay in host memory and the
+card's resident bytes are what a GPU would hold: the move at load admits each tensor that goes to
+the card one at a time (each may raise the card's out-of-memory error), and
+:meth:`Placement.model_loaded` runs after the card's own "the checkpoint is resident" update of
+``on_model_loaded``, so that the placement's count wins whichever comes first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lib_vram.core import emulate
+from lib_vram.core.device import is_oom_error, memory_info, release
+
+from .patching import patch_attr
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+FLAG = "--vram-guard-place-checkpoint"
+SETTING = "vram_guard_place_checkpoint"
+SETTING_LABEL = "Place a checkpoint that does not fit the card (instead of --lowvram)"
+SETTING_INFO = (
+    "When a checkpoint does not fit the card at load: text encoders and VAE on the CPU until used, "
+    "as much of the UNet on the card as fits, the rest streamed each step. Not with --medvram/--lowvram, "
+    "not on Forge; takes effect at the next model load or job. Launch flag: " + FLAG
+)
+CONTEXT_TOKENS = 77
+DEFAULT_BATCH = 2
+"""A default pass: one image, cond and uncond in one forward."""
+MAX_LATENT_SIDE = 1024
+
+
+class PlacementOutOfMemory(RuntimeError):
+    """Placing the checkpoint ran out of memory, or the card cannot hold even the placed part:
+    one line. Contains "out of memory" (:func:`lib_vram.core.device.is_oom_error`)."""
+
+
+def native_latent_hw(sd_model: Any) -> tuple[int, int]:
+    """The latent of the model's native size: SDXL 1024 px, SD2 768 px, else 512 px."""
+    if getattr(sd_model, "is_sdxl", False) or hasattr(sd_model, "conditioner"):
+        return (128, 128)
+    if getattr(sd_model, "is_sd2", False):
+        return (96, 96)
+    return (64, 64)
+
+
+def _parts(sd_model: Any) -> tuple[torch.nn.Module | None, list[tuple[str, torch.nn.Module]]]:
+    """(the UNet's ``diffusion_model``, [(name, module)] of the text encoders and the VAE)."""
+    from .offload import idle_parts
+
+    wrapper = getattr(sd_model, "model", None)
+    dm = getattr(wrapper, "diffusion_model", None)
+    parts = idle_parts(sd_model, unet=False, text_encoders=True, vae=True)
+    return (dm if isinstance(dm, torch.nn.Module) else None), parts
+
+
+def _all_tensors(sd_model: Any) -> list[torch.Tensor]:
+    from .emulation import _weight_modules
+
+    seen: set[int] = set()
+    out = []
+    for m in _weight_modules(sd_model):
+        for t in (*m.parameters(), *m.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def _tensors_of(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for m in modules:
+        for t in (*m.parameters(), *m.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(eq=False)
+class _Parked:
+    """The text encoders and the VAE of a placed checkpoint: each on the CPU until one of its
+    modules runs (then on the card until the sampling guard needs the room)."""
+
+    parts: tuple[tuple[str, torch.nn.Module], ...]
+    device: torch.device
+    card: emulate.EmulatedCard | None
+    awake: set[int] = field(default_factory=set)
+    """Indices into :attr:`parts` of those on the card now."""
+    _hooks: list[Any] = field(default_factory=list)
+    _lock: Any = field(default_factory=threading.RLock)
+
+    @property
+    def names(self) -> str:
+        return ", ".join(n for n, _ in self.parts)
+
+    @property
+    def awake_names(self) -> str:
+        return ", ".join(n for i, (n, _) in enumerate(self.parts) if i in self.awake)
+
+    @property
+    def off(self) -> bool:
+        return not self.awake
+
+    def part_bytes(self, i: int) -> int:
+        return _nbytes(_tensors_of([self.parts[i][1]]))
+
+    @property
+    def largest_bytes(self) -> int:
+        return max((self.part_bytes(i) for i in range(len(self.parts))), default=0)
+
+    @property
+    def on_card_bytes(self) -> int:
+        return sum(self.part_bytes(i) for i in self.awake)
+
+    def hook(self) -> None:
+        ref = weakref.ref(self)
+        for i, (_, part) in enumerate(self.parts):
+
+            def wake(module: torch.nn.Module, args: Any, i: int = i) -> None:
+                parked = ref()
+                if parked is not None and i not in parked.awake:
+                    parked.wake(i)
+
+            for m in part.modules():
+                self._hooks.append(m.register_forward_pre_hook(wake))
+
+    def unhook(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for h in hooks:
+            h.remove()
+
+    def wake(self, i: int) -> None:
+        """Part ``i`` to the card (an out-of-memory error on the way leaves it on the CPU and
+        propagates: the module that needed it cannot run)."""
+        with self._lock:
+            if i in self.awake:
+                return
+            name, m = self.parts[i]
+            logger.info("VRAM Guard: the %s are needed now: to the card (checkpoint placed)", name)
+            if self.card is not None:
+                _admit(self.card, _tensors_of([m]))
+                self.card.set_resident(self.card.resident_bytes + self.part_bytes(i))
+            else:
+                try:
+                    m.to(self.device)
+                except BaseException:
+                    m.to("cpu")
+                    raise
+            self.awake.add(i)
+
+    def wake_all(self) -> None:
+        for i in range(len(self.parts)):
+            self.wake(i)
+
+    def sleep(self) -> int:
+        """The woken parts off the card again (the sampling guard needs the room); returns the
+        bytes moved."""
+        with self._lock:
+            n = self.on_card_bytes
+            if self.card is not None:
+                self.card.set_resident(max(0, self.card.resident_bytes - n))
+            else:
+                for i in self.awake:
+                    self.parts[i][1].to("cpu")
+            self.awake.clear()
+            return n
+
+
+class _IdleView:
+    """The sampling guard's idle parts (its :class:`~lib_vram.webui.offload.IdleModels` protocol)
+    for a placed checkpoint: ``off`` puts the woken text encoders/VAE back to sleep, ``back`` leaves
+    them asleep (they wake when used)."""
+
+    def __init__(self, parked: _Parked) -> None:
+        self.parked = parked
+        self.device = parked.device
+        self.move_seconds = 0.0
+        self.names = parked.awake_names
+        self.nbytes = parked.on_card_bytes
+        self._taken = False
+
+    @property
+    def is_off(self) -> bool:
+        return self._taken
+
+    def off(self, *, wake_on_use: bool = False) -> int:
+        n = self.parked.sleep()
+        self._taken = n > 0
+        return n
+
+    def back(self) -> None:
+        self._taken = False  # they stay on the CPU until used (the placement's rule)
+
+
+def _admit(card: emulate.EmulatedCard, tensors: list[torch.Tensor]) -> None:
+    """The emulated card admits ``tensors`` one at a time, as a copy to a GPU allocates them (each
+    may raise its out-of-memory error, and :attr:`EmulatedCard.inject_oom_at` counts them); after
+    it (or the error) they are resident weights again, known to the card but not live (the caller
+    sets the resident bytes)."""
+    seen: list[Any] = []
+    try:
+        for t in tensors:
+            st = t.untyped_storage()
+            seen.append(st)
+            card.ledger.remove(st)  # an adopted (resident) storage would not be admitted again
+            card.ledger.add(st)
+    finally:
+        for st in seen:
+            card.ledger.adopt(st)
+
+
+@dataclass(eq=False)
+class Placed:
+    """One placed checkpoint."""
+
+    model: Any
+    unet: torch.nn.Module
+    plan: Any
+    """The :class:`~lib_vram.sampling.StreamPlan` (nothing streamed when the UNet fits whole)."""
+    parked: _Parked
+    device: torch.device
+    card: emulate.EmulatedCard | None
+    streamer: Any = None
+    leftover_bytes: int = 0
+    _logged: tuple[int, int] = (0, 0)
+
+    @property
+    def unet_resident_bytes(self) -> int:
+        return self.plan.resident_bytes if self.streamer is not None else self.plan.unet_bytes
+
+    @property
+    def unet_device_bytes(self) -> int:
+        """What the UNet takes on the card during a forward: its resident part + the stream buffer."""
+        if self.streamer is None:
+            return self.plan.unet_bytes
+        return self.plan.resident_bytes + self.plan.buffer_bytes
+
+    @property
+    def label(self) -> str:
+        p = self.plan
+        parked = " and ".join(n for n, _ in self.parked.parts)
+        return (
+            f"checkpoint placed by VRAM Guard: UNet {self.unet_resident_bytes / MiB:.0f} of "
+            f"{p.unet_bytes / MiB:.0f} MiB resident, {parked} on the CPU until used"
+        )
+
+    def device_bytes(self) -> int:
+        """What of the checkpoint is on the card now (between forwards)."""
+        return self.leftover_bytes + self.unet_resident_bytes + self.parked.on_card_bytes
+
+    def recount(self) -> None:
+        """The emulated card's resident bytes = what a GPU holds of the placed checkpoint."""
+        if self.card is not None:
+            self.card.set_resident(self.device_bytes())
+
+    def idle_view(self) -> _IdleView | None:
+        return _IdleView(self.parked) if self.parked.on_card_bytes else None
+
+    def settle(self) -> None:
+        """A pass ended (or was cut short): no streamed unit left on the card; its traffic logged."""
+        s = self.streamer
+        if s is None:
+            return
+        s.settle()
+        st = s.stats
+        forwards, copied = st.forwards - self._logged[0], st.bytes_in - self._logged[1]
+        self._logged = (st.forwards, st.bytes_in)
+        if forwards:
+            logger.info(
+                "VRAM Guard: placed UNet: %d forward(s) this pass, %.0f MiB copied to the card (%.0f MiB per "
+                "forward; --lowvram would move %.0f MiB per forward)",
+                forwards,
+                copied / MiB,
+                copied / forwards / MiB,
+                self.plan.lowvram_bytes_per_step / MiB,
+            )
+
+
+class Placement:
+    """The session's checkpoint placement (see the module docstring)."""
+
+    def __init__(self, host: Any, *, emulated: Any = None) -> None:
+        self.host = host
+        self.emulated = emulated
+        """``() -> EmulatedCard | None``: the session's emulated card."""
+        self.stack: ExitStack | None = None
+        self.placed: dict[int, Placed] = {}
+        self.traps: dict[int, ExitStack] = {}
+        self.margin_bytes: int | None = None
+        """The working margin's safety part (None: the Settings preset's)."""
+        self.latent_hw: tuple[int, int] | None = None
+        """The default pass's latent (None: the model's native size)."""
+        self.last_error: str | None = None
+        self._lock = threading.RLock()
+
+    # -- on / off ------------------------------------------------------------------------------
+    def skip_reason(self) -> str | None:
+        """Why the placement is not in force now (None: it is)."""
+        h = self.host
+        if h.cmd_opt("vram_guard_disable", False):
+            return "--vram-guard-disable"
+        if not (h.cmd_opt("vram_guard_place_checkpoint", False) or _opt(h, SETTING, False)):
+            return f"off (Settings or {FLAG})"
+        for flag in ("lowvram", "medvram", "medvram_sdxl"):
+            if h.cmd_opt(flag, False):
+                return f"--{flag.replace('_', '-')} given"
+        return None
+
+    @property
+    def installed(self) -> bool:
+        return self.stack is not None
+
+    def refresh(self) -> None:
+        """Install or remove the patches for the option's current value; a placed checkpoint goes
+        back where the WebUI would have it when the option was turned off (job start, model load)."""
+        why = self.skip_reason()
+        if why is None:
+            self.install()
+            model = _loaded(self.host)
+            if model is not None and id(model) not in self.placed:
+                self.place_if_needed(model)
+        elif self.installed:
+            logger.info("VRAM Guard: checkpoint placement %s: undoing it", why)
+            self.close()
+
+    def install(self) -> None:
+        if self.stack is not None:
+            return
+        try:
+            points = self.host.placement_points()
+        except (ImportError, AttributeError) as exc:
+            logger.warning("VRAM Guard: %s: cannot reach the WebUI's sd_models (%s); not placing", FLAG, exc)
+            return
+        wrappers = {
+            "model_target_device": self._target_device,
+            "send_model_to_device": self._to_device,
+            "send_model_to_cpu": self._to_cpu,
+            "send_model_to_trash": self._to_trash,
+        }
+        missing = [n for n in wrappers if n not in points]
+        if missing:
+            logger.warning(
+                "VRAM Guard: %s: this WebUI has no sd_models.%s; checkpoints are not placed", FLAG, missing[0]
+            )
+            return
+        self.stack = ExitStack()
+        for name, fn in wrappers.items():
+            obj, attr = points[name]
+            patch_attr(obj, attr, fn, self.stack)
+        logger.info("VRAM Guard: checkpoint placement on: a checkpoint that does not fit the card is placed")
+
+    def close(self) -> None:
+        """Undo every placement (weights back where the WebUI would have them) and every patch."""
+        with self._lock:
+            for placed in list(self.placed.values()):
+                self.unplace(placed.model, to="host-choice")
+            for key in list(self.traps):
+                self._disarm(key)
+            stack, self.stack = self.stack, None
+            if stack is not None:
+                stack.close()
+
+    # -- deciding ------------------------------------------------------------------------------
+    def _device(self) -> torch.device:
+        return self.host.device()
+
+    def _card(self) -> emulate.EmulatedCard | None:
+        dev = self._device()
+        if dev.type != "cpu":
+            return None
+        card = self.emulated() if self.emulated is not None else None
+        return card if card is not None else emulate.current("cpu")
+
+    def total_bytes(self) -> int | None:
+        """The card's memory (None: the compute device is the CPU without an emulated card)."""
+        card = self._card()
+        if card is not None:
+            return card.capacity
+        dev = self._device()
+        if dev.type == "cpu":
+            return None
+        card = emulate.current(dev)  # an emulated card on a GPU (its capacity, the real moves)
+        return card.capacity if card is not None else int(memory_info(dev).total)
+
+    def _safety(self, total: int) -> int:
+        if self.margin_bytes is not None:
+            return self.margin_bytes
+        from lib_vram.planning.presets import PRESET_NAMES, resolve_preset
+
+        name = self.host.cmd_opt("vram_guard_preset", None) or _opt(self.host, "vram_guard_preset", "Auto")
+        match = [n for n in PRESET_NAMES if n.lower() == str(name).lower()]
+        return resolve_preset(match[0] if match else "Auto", total).safety_margin(total)
+
+    def _step(self, sd_model: Any, dm: torch.nn.Module) -> dict:
+        from .sampling import _attention, _dtype_of
+
+        backend = "cpu" if self._device().type == "cpu" else "cuda"
+        hw = self.latent_hw or native_latent_hw(sd_model)
+        return dict(
+            batch=DEFAULT_BATCH,
+            latent_hw=hw,
+            context_tokens=CONTEXT_TOKENS,
+            attention=_attention(self.host, backend),
+            dtype=_dtype_of(self.host, dm),
+            backend=backend,
+        )
+
+    def need(self, sd_model: Any, *, checkpoint_bytes: int | None = None) -> tuple[int, int, int] | None:
+        """(checkpoint bytes, working margin, card bytes) of ``sd_model``; None when it cannot be
+        placed (no UNet of the ldm/sgm layout, weights on the meta device, no card)."""
+        from lib_vram import sampling
+        from lib_vram.sampling._estimate import input_bytes
+
+        total = self.total_bytes()
+        dm, _ = _parts(sd_model)
+        if total is None or dm is None or getattr(sd_model, "forge_objects", None) is not None:
+            return None
+        if checkpoint_bytes is None:
+            tensors = _all_tensors(sd_model)
+            if any(t.device.type == "meta" for t in tensors):
+                return None
+            checkpoint_bytes = _nbytes(tensors)
+        try:
+            spec = sampling.unet_spec(dm)
+            step = self._step(sd_model, dm)
+            est = sampling.estimate_sampling(spec, free_bytes=total, **step)
+            ib = input_bytes(spec, step["batch"], step["latent_hw"], CONTEXT_TOKENS, step["dtype"])
+        except (ValueError, TypeError, AttributeError) as exc:
+            logger.info("VRAM Guard: the checkpoint cannot be placed: %s", exc)
+            return None
+        return checkpoint_bytes, self._safety(total) + est.activation_bytes + ib, total
+
+    def fits(self, sd_model: Any, **kw: Any) -> bool | None:
+        need = self.need(sd_model, **kw)
+        if need is None:
+            return None
+        ckpt, margin, total = need
+        return ckpt + margin <= total
+
+    # -- the host's functions (patched while the option is on) -------------------------------------
+    def _target_device(self, previous: Any, m: Any) -> Any:
+        if self.skip_reason() is None and self._device().type != "cpu":
+            est = _estimate_loaded_bytes(m, half=not self.host.cmd_opt("no_half", False))
+            if est is not None and self.fits(m, checkpoint_bytes=est) is False:
+                logger.info(
+                    "VRAM Guard: the checkpoint (%.0f MiB) does not fit the card: it loads into host memory",
+                    est / MiB,
+                )
+                return torch.device("cpu")
+        return previous(m)
+
+    def _to_device(self, previous: Any, m: Any) -> Any:
+        if self.skip_reason() is None and id(m) in self.placed:
+            return None  # already placed (an already-loaded model switched back in)
+        if self.skip_reason() is None and self.fits(m) is False:
+            self._disarm(id(m))
+            m.lowvram = False  # what lowvram.apply() sets when neither flag is given
+            self.place(m)
+            return None
+        return previous(m)
+
+    def _to_cpu(self, previous: Any, m: Any) -> Any:
+        if m is not None and id(m) in self.placed:
+            self.unplace(m, to="host")
+            result = previous(m)
+            self._arm(m)
+            return result
+        return previous(m)
+
+    def _to_trash(self, previous: Any, m: Any) -> Any:
+        if m is not None:
+            self._disarm(id(m))
+            if id(m) in self.placed:
+                self.unplace(m, to="host")
+        return previous(m)
+
+    def _arm(self, m: Any) -> None:
+        """After ``send_model_to_cpu`` of a placed model: catch the reload's ``m.to(device)``."""
+        if not isinstance(m, torch.nn.Module) or id(m) in self.traps:
+            return
+        stack = ExitStack()
+        ref = weakref.ref(m)
+
+        def to(previous: Any, *args: Any, **kwargs: Any) -> Any:
+            model = ref()
+            target = _to_target(args, kwargs)
+            dev = self._device()
+            if (
+                model is not None
+                and target is not None
+                and target.type == dev.type
+                and self.skip_reason() is None
+                and self.fits(model) is False
+            ):
+                self._disarm(id(model))
+                self.place(model)
+                return model
+            return previous(*args, **kwargs)
+
+        patch_attr(m, "to", to, stack)
+        self.traps[id(m)] = stack
+
+    def _disarm(self, key: int) -> None:
+        stack = self.traps.pop(key, None)
+        if stack is not None:
+            stack.close()
+
+    # -- placing -------------------------------------------------------------------------------
+    def place_if_needed(self, sd_model: Any) -> Placed | None:
+        """Place ``sd_model`` when the option is on and it does not fit (logged, never raises for
+        a model that cannot be placed: the WebUI then runs as without VRAM Guard)."""
+        if self.skip_reason() is not None or sd_model is None or id(sd_model) in self.placed:
+            return self.placed.get(id(sd_model)) if sd_model is not None else None
+        if self.fits(sd_model) is not False:
+            return None
+        try:
+            return self.place(sd_model)
+        except PlacementOutOfMemory as exc:
+            logger.error("%s", exc)
+            return None
+
+    def place(self, sd_model: Any) -> Placed:  # noqa: C901 (one sequence with its undo)
+        """Place ``sd_model`` (see the module docstring). :class:`PlacementOutOfMemory` (one line)
+        when the card cannot hold even the placed part or the move runs out of memory; every weight
+        is then where it was."""
+        from lib_vram import sampling
+        from lib_vram.sampling._plan import MAX_BUDGET
+
+        with self._lock:
+            if id(sd_model) in self.placed:
+                return self.placed[id(sd_model)]
+            need = self.need(sd_model)
+            if need is None:
+                raise PlacementOutOfMemory(
+                    "VRAM Guard could not place the checkpoint (out of memory): no ldm/sgm UNet or no card"
+                )
+            ckpt, _, total = need
+            dm, parts = _parts(sd_model)
+            assert dm is not None
+            device = self._device()
+            card = self._card()
+            part_tensors = _tensors_of([m for _, m in parts])
+            unet_tensors = _tensors_of([dm])
+            skip = {id(t) for t in (*part_tensors, *unet_tensors)}
+            leftover = [t for t in _all_tensors(sd_model) if id(t) not in skip]
+            leftover_bytes = _nbytes(leftover)
+            spec = sampling.unet_spec(dm)
+            step = self._step(sd_model, dm)
+            budget = max(0, total - self._safety(total) - leftover_bytes)
+            plan = sampling.plan_stream(dm, spec, budget_bytes=min(budget, MAX_BUDGET), **step)
+            # the largest of the text encoders and VAE must find room beside the resident UNet when
+            # it wakes (between passes the activations' room is free): else keep less UNet resident
+            largest = max((_nbytes(_tensors_of([m])) for _, m in parts), default=0)
+            less = min(budget, MAX_BUDGET)
+            for _ in range(16):  # each round keeps fewer units resident; a few rounds settle it
+                short = largest - (budget - plan.resident_bytes)
+                if not plan.fits or short <= 0 or less == 0:
+                    break
+                less = max(0, less - max(short, MiB))
+                plan = sampling.plan_stream(dm, spec, budget_bytes=less, **step)
+            if not plan.fits:
+                raise PlacementOutOfMemory(
+                    f"VRAM Guard could not place the checkpoint ({ckpt / MiB:.0f} MiB) on the card "
+                    f"({total / MiB:.0f} MiB): even with the text encoders and VAE on the CPU and the UNet "
+                    f"streamed, a {step['latent_hw'][1] * 8}x{step['latent_hw'][0] * 8} px pass would run "
+                    f"out of memory; use --lowvram"
+                )
+            parked = _Parked(tuple(parts), device, card)
+            placed = Placed(sd_model, dm, plan, parked, device, card, leftover_bytes=leftover_bytes)
+            resident_units = [dm.get_submodule(n) for n in plan.resident]
+            to_card = leftover + _tensors_of(resident_units)
+            if card is not None:
+                before = card.resident_bytes
+                card.set_resident(0)  # the checkpoint leaves; what goes to the card is admitted
+                try:
+                    _admit(card, to_card)
+                except BaseException as exc:
+                    card.set_resident(before)
+                    raise self._oom(ckpt, total, exc) from exc
+                card.set_resident(leftover_bytes + plan.unet_bytes)
+            else:
+                moved = self._move_to_card(sd_model, dm, parts, resident_units, device, ckpt, total)
+            try:
+                if plan.streamed:
+                    placed.streamer = sampling.StreamedUNet(
+                        dm, plan, device, card=card, adopt_host=device.type == "cuda"
+                    ).__enter__()
+            except BaseException as exc:
+                if card is not None:
+                    card.set_resident(before)
+                else:
+                    for m in moved:
+                        m.to("cpu")
+                if is_oom_error(exc):
+                    raise self._oom(ckpt, total, exc) from exc
+                raise
+            parked.hook()
+            self.placed[id(sd_model)] = placed
+            placed.recount()
+            self.last_error = None
+            logger.warning("VRAM Guard: %s (%s)", placed.label, self._plan_text(placed))
+            return placed
+
+    def _plan_text(self, placed: Placed) -> str:
+        p = placed.plan
+        if placed.streamer is None:
+            return "the whole UNet fits"
+        return (
+            f"{len(p.streamed)} of {len(p.streamed) + len(p.resident)} UNet blocks stream, "
+            f"{p.bytes_moved_per_step / MiB:.0f} MiB per step at {p.forwards_per_step} forward(s); "
+            f"--lowvram would move {p.lowvram_bytes_per_step / MiB:.0f} MiB"
+        )
+
+    def _oom(self, ckpt: int, total: int, exc: BaseException) -> PlacementOutOfMemory:
+        text = (
+            f"VRAM Guard: placing the checkpoint ({ckpt / MiB:.0f} MiB) on the card ({total / MiB:.0f} MiB) "
+            f"ran out of memory ({str(exc).splitlines()[0][:160]}); its weights stay in host memory"
+        )
+        self.last_error = text
+        return PlacementOutOfMemory(text)
+
+    def _move_to_card(
+        self,
+        sd_model: Any,
+        dm: torch.nn.Module,
+        parts: list[tuple[str, torch.nn.Module]],
+        resident_units: list[torch.nn.Module],
+        device: torch.device,
+        ckpt: int,
+        total: int,
+    ) -> list[Any]:
+        """A GPU: the checkpoint is in host memory; its buffers and the UNet's resident units go to
+        the card (an out-of-memory error puts them back in host memory and raises one line)."""
+        moved: list[Any] = []
+        skip = {id(dm)} | {id(m) for _, m in parts}
+        wrapper = getattr(sd_model, "model", None)
+        for _, m in parts:
+            m.to("cpu")  # (a checkpoint the WebUI had on the card: placed when the option came on)
+        try:
+            for name, buf in list(sd_model._buffers.items()):
+                if buf is not None:
+                    sd_model._buffers[name] = buf.to(device)
+            for child in sd_model.children():
+                if id(child) in skip:
+                    continue
+                if child is wrapper:
+                    for sub in child.children():
+                        if id(sub) not in skip:
+                            sub.to(device)
+                            moved.append(sub)
+                    continue
+                child.to(device)
+                moved.append(child)
+            for unit in resident_units:
+                unit.to(device)
+                moved.append(unit)
+        except BaseException as exc:
+            for m in moved:
+                m.to("cpu")
+            for name, buf in list(sd_model._buffers.items()):
+                if buf is not None:
+                    sd_model._buffers[name] = buf.to("cpu")
+            if is_oom_error(exc):
+                release(device)
+                raise self._oom(ckpt, total, exc) from exc
+            raise
+        return moved
+
+    def unplace(self, sd_model: Any, *, to: str) -> None:
+        """End the placement of ``sd_model``. ``to="host"``: the WebUI moves it to the CPU (a switch,
+        an unload): the streamed units keep their host copies, nothing moves to the card.
+        ``to="host-choice"`` (option off, script unload): every weight to the card when the
+        checkpoint fits there, else all in host memory with a warning."""
+        with self._lock:
+            placed = self.placed.pop(id(sd_model), None)
+            if placed is None:
+                return
+            placed.parked.unhook()
+            s = placed.streamer
+            card = placed.card
+            fits = to == "host-choice" and self._fits_card(placed)
+            if fits:
+                try:
+                    if s is not None:
+                        s.restore()
+                    placed.parked.wake_all()
+                    if card is None:
+                        sd_model.to(placed.device)
+                    else:
+                        card.set_resident(_nbytes(_all_tensors(sd_model)))
+                    logger.info("VRAM Guard: checkpoint placement undone: the checkpoint is on the card")
+                    return
+                except (RuntimeError, torch.OutOfMemoryError) as exc:
+                    if not is_oom_error(exc) and not (s is not None and s.pending):
+                        raise
+                    logger.warning("VRAM Guard: moving the checkpoint back to the card failed: %s", exc)
+            if s is not None:
+                s.release_to_host()
+            if card is None:
+                sd_model.to("cpu")
+            else:
+                card.set_resident(0)
+            if to == "host-choice":
+                logger.warning(
+                    "VRAM Guard: checkpoint placement undone; the checkpoint does not fit the card and stays "
+                    "in host memory: reload it with --lowvram or turn '%s' back on",
+                    SETTING_LABEL,
+                )
+
+    def _fits_card(self, placed: Placed) -> bool:
+        total = self.total_bytes()
+        if total is None:
+            return False
+        return _nbytes(_all_tensors(placed.model)) <= total
+
+    # -- the session -----------------------------------------------------------------------------
+    def model_loaded(self, sd_model: Any) -> None:
+        """``on_model_loaded`` (after the emulated card counted the checkpoint as resident): a placed
+        model's count wins; an unplaced one that does not fit is placed now (a model loaded before
+        the card or the option existed)."""
+        placed = self.placed.get(id(sd_model)) if sd_model is not None else None
+        if placed is not None:
+            placed.recount()
+            return
+        if self.skip_reason() is None:
+            self.install()
+            self.place_if_needed(sd_model)
+
+    def placed_for(self, sd_model: Any) -> Placed | None:
+        return self.placed.get(id(sd_model)) if sd_model is not None else None
+
+    def status_line(self) -> str:
+        """The status route's line."""
+        model = _loaded(self.host)
+        placed = self.placed_for(model)
+        if placed is not None:
+            return placed.label
+        if self.last_error:
+            return self.last_error
+        why = self.skip_reason()
+        if why is not None:
+            return f"checkpoint placement {why}"
+        return "checkpoint placement on: the checkpoint fits the card, nothing placed"
+
+
+def _opt(host: Any, key: str, default: Any) -> Any:
+    get = getattr(host, "opts_get", None)
+    if get is None:
+        return default
+    try:
+        return get(key, default)
+    except (ImportError, AttributeError):
+        return default
+
+
+def _loaded(host: Any) -> Any:
+    try:
+        return host.loaded_sd_model()
+    except (ImportError, AttributeError):
+        return None
+
+
+def _to_target(args: tuple, kwargs: dict) -> torch.device | None:
+    """The device of a ``Module.to(...)`` call (None: a dtype-only call)."""
+    cand = kwargs.get("device", args[0] if args else None)
+    if isinstance(cand, (str, torch.device)):
+        try:
+            return torch.device(cand)
+        except RuntimeError:
+            return None
+    if isinstance(cand, torch.Tensor):
+        return cand.device
+    return None
+
+
+def _estimate_loaded_bytes(sd_model: Any, *, half: bool) -> int | None:
+    """The checkpoint's bytes once loaded, from its (meta) parameters: FP16 except the VAE when the
+    WebUI loads in half precision (v1.10.1's ``weight_dtype_conversion``), else as they are."""
+    if not isinstance(sd_model, torch.nn.Module):
+        return None
+    vae = getattr(sd_model, "first_stage_model", None)
+    vae_ids = {id(t) for t in _tensors_of([vae])} if isinstance(vae, torch.nn.Module) else set()
+    total = 0
+    for t in _all_tensors(sd_model):
+        size = t.element_size()
+        if half and t.is_floating_point() and id(t) not in vae_ids:
+            size = min(size, 2)
+        total += t.numel() * size
+    return total
