@@ -341,13 +341,22 @@ def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_s
         # room for the larger of them beside the resident UNet (the placement keeps it)
         assert base + vae + SAFETY <= CAP
 
+        # a larger latent than the placement's default pass (whose plan leaves room for both
+        # parts): this pass fits only with them off the card (22x22; 24x24 fits nowhere)
+        x = torch.randn(1, 4, 22, 22, generator=torch.Generator().manual_seed(3))
+
         def body(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
             seen = [w.card.resident_bytes]
             model.cond_stage_model.embedding(torch.zeros(1, 77, dtype=torch.long))  # the conditioning
             seen.append(w.card.resident_bytes)
             model.first_stage_model.decoder.conv_in(torch.zeros(1, 4, 4, 4))  # a (preview) decode
             seen.append(w.card.resident_bytes)
-            return seen, sample(jobs, p, model)
+            jobs.before_sampling(p, x=x.clone(), c=[COND[0]], uc=[UNCOND[0]])
+            for sigma in SIGMAS:
+                jobs.session.sampling_step()
+                unet_of(model)(torch.cat([x, x]), sigma, context=torch.cat([COND, UNCOND]))
+            jobs.post_sample(p)
+            return seen, None
 
         r = job(w, body)
         assert r.error is None, r.error

@@ -865,18 +865,28 @@ class StreamedUNet:
         :meth:`_arrive`."""
         first = self.card.allocations if self.card is not None else 0
         unit.state = "coming"
-        if self._cuda:
-            with torch.cuda.stream(self._side):
+        try:
+            if self._cuda:
+                with torch.cuda.stream(self._side):
+                    for s in unit.slots:
+                        s.dev = torch.empty_like(s.host, device=self.device)
+                        s.dev.copy_(s.host, non_blocking=True)
+                    unit.event = torch.cuda.Event()
+                    unit.event.record(self._side)
+            else:
                 for s in unit.slots:
-                    s.dev = torch.empty_like(s.host, device=self.device)
-                    s.dev.copy_(s.host, non_blocking=True)
-                unit.event = torch.cuda.Event()
-                unit.event.record(self._side)
-        else:
+                    d = torch.empty_like(s.host)
+                    d.copy_(s.host)
+                    s.dev = d
+        except BaseException:
+            # a copy that could not be made (out of memory, an interrupt): the unit is away again,
+            # with no half-made device copies, so the next forward (a smaller micro-batch, the next
+            # pass) fetches it afresh instead of putting a missing tensor in place
             for s in unit.slots:
-                d = torch.empty_like(s.host)
-                d.copy_(s.host)
-                s.dev = d
+                s.dev = None
+            unit.event = None
+            unit.state = "away"
+            raise
         self.stats.bytes_in += unit.nbytes
         here = sum(u.state != "away" for u in self._units)
         self.stats.most_units_here = max(self.stats.most_units_here, here)
