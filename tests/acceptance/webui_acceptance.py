@@ -618,7 +618,10 @@ def sampling_readings(st: dict) -> list[dict]:
                     "resident_mib": round(resident / mib, 1), "on_card_during_pass_mib": round(on_card / mib, 1),
                     "measured_activations_mib": None if measured_act is None else round(measured_act, 1),
                     "activations_error_pct": None if not measured_act else round(100 * (pred_act / measured_act - 1), 1),
-                    "stage_plan": rec.get("plan")})  # fmt: skip
+                    "stage_plan": rec.get("plan"),
+                    # False: the stage stayed below an earlier peak of the job and its peak is a sampled
+                    # lower bound (lib_vram.core.tracker): not a measurement of the pass's activations
+                    "peak_exact": rec.get("exact")})  # fmt: skip
     return out
 
 
@@ -765,8 +768,9 @@ def _emulate_phase(a: argparse.Namespace) -> int:
         return r, err, st
 
     def stages(st: dict) -> list:
-        return [(s["stage"], s["plan"], round((s.get("peak_bytes") or 0) / mib, 1)) for s in st.get("stages", [])
-                if not s.get("missing")]  # fmt: skip
+        # (stage, plan, peak MiB, exact): not exact = a sampled lower bound below an earlier peak of the job
+        return [(s["stage"], s["plan"], round((s.get("peak_bytes") or 0) / mib, 1), s.get("exact"))
+                for s in st.get("stages", []) if not s.get("missing")]  # fmt: skip
 
     ref_file = f"{a.out}/emulate-ref.json"
     if a.phase == "emulate-ref":
@@ -877,6 +881,8 @@ def _emulate_phase(a: argparse.Namespace) -> int:
         r, err, st = job(name, True, label=f"vg-{name}")
         c = st.get("card") or {}
         ok = r is not None
+        if ok:
+            Image.fromarray(r["image"]).save(f"{a.out}/emu-vg-{name}.png")
         p = psnr(r["image"], base_img) if ok else None
         cmp = (
             compare_stages(name, stage_dir / f"ref-{name}", stage_dir / f"vg-{name}")
