@@ -451,6 +451,27 @@ def test_a_card_too_small_for_any_plan_gets_the_named_error_before_the_unet_runs
     assert_clean(r)
 
 
+def test_the_named_error_says_what_fits_with_the_idle_parts_off_the_card():
+    """A card where the UNet's weights and the VAE/text encoders together exceed the budget, and
+    the pass does not fit even with those off: the line must name what would fit on the card VRAM
+    Guard gives the pass (the idle parts off), not "the UNet's weights alone do not fit" (found in
+    the real WebUI: a 768x768 hires pass with ldm's unsliced attention on a 4255 MiB card)."""
+    from lib_vram.webui.sampling import SamplingOutOfMemory
+
+    ref = _reference()
+    idle = VAE_BYTES + TE_BYTES
+    # the sampler's inputs fit on the card; the safety margin puts the pass's budget below the
+    # UNet's weights with the idle parts (as the 4GB preset's 256 MiB did in the real WebUI)
+    cap, margin = ref.resident_before + 512 * 1024, 1024 * 1024
+    assert _one_sample_need() > idle  # micro-batch 1 of 24x24 does not fit, even with them off
+    r = _sampling(cap, settings={"sampling_margin_bytes": margin})
+    assert isinstance(r.error, SamplingOutOfMemory), r.error
+    text = str(r.error)
+    assert "\n" not in text and "VAE off the card" in text, text
+    assert "weights alone" not in text and "px fits at batch 1" in text, text
+    assert_clean(r)
+
+
 def test_guard_off_plans_nothing_and_patches_nothing():
     seen: list[bool] = []
 

@@ -293,6 +293,7 @@ class SamplingGuard:
                 error = _placed_error(stage, plan, placed, budget, idle)
             args = (stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, None)
             return PassPlan(*args, placed.label)
+        base = plan
         if not plan.fits:
             # the last rung before the named error: stream the UNet (lib_vram.webui.stream)
             from .stream import plan_pass
@@ -325,7 +326,10 @@ class SamplingGuard:
                 if idle is not None and not moved:
                     moved, self._idle = idle.names, idle
         if not plan.fits and streamed is None:
-            error = _error_line(stage, plan, idle)
+            # what would fit is said for the card VRAM Guard would give the pass: the idle parts
+            # off it where they may move (with them counted, the UNet's weights plus them can
+            # exceed the budget and the line said "no size or batch does" where a smaller one fits)
+            error = _error_line(stage, base, idle)
         return PassPlan(stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, streamed)
 
     def _movable(self, p: Any, stage: str, model: Any, device: torch.device) -> Any:

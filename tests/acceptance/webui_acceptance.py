@@ -51,7 +51,11 @@ Sampling (issues 21/22): every VRAM Guard job of both emulate phases records its
 activations = peak - resident weights); ``emulate-ref --vg-only`` runs only VRAM Guard's untiled
 jobs (a restart with another ``--opt-*-attention`` flag: that attention's predictions);
 ``emulate --only stopped``: the hires job on a card too small for its hires pass even at
-micro-batch 1 must end with VRAM Guard's one-line named error. ``--webui-pid`` adds each job's CPU
+micro-batch 1 must end with VRAM Guard's one-line named error, the first pass's picture saved
+(the WebUI's "save a copy before highres fix", switched on for the job), then the plain WebUI's
+raw out-of-memory error on the same job (skipped with ``--vg-only``). ``--attention TITLE``
+switches the WebUI's cross-attention optimization for the run without a restart (v1.10.1
+re-hijacks on the option's change) and checks that VRAM Guard's pass notes name it. ``--webui-pid`` adds each job's CPU
 seconds, ``--lowvram-probe`` (a WebUI started with ``--lowvram`` and ``webui_lowvram_probe/``
 linked into ``extensions/``, ``VG_LOWVRAM_PROBE=FILE``) the bytes the host's own swapping moved
 per sampler step.
@@ -238,6 +242,13 @@ def main() -> int:
     ap.add_argument("--vg-only", action="store_true",
                     help="emulate-ref: only VRAM Guard's untiled runs (stage peaks and sampling predictions: "
                     "another attention), no plain reference pictures")  # fmt: skip
+    ap.add_argument("--attention", default=None,
+                    help="emulate phases: the WebUI's cross-attention optimization for the run, switched without "
+                    "a restart (POST /sdapi/v1/options cross_attention_optimization: its title, e.g. 'sdp - "
+                    "scaled dot product', 'V1 - original v1', 'None'); VRAM Guard's pass notes must name it; "
+                    "put back afterwards")  # fmt: skip
+    ap.add_argument("--outputs", default="/work/webui/outputs",
+                    help="emulate --only stopped: the WebUI's outputs folder (the first pass's saved copy)")  # fmt: skip
     a = ap.parse_args()
     if a.phase.startswith("emulate"):
         return emulate_phase(a)
@@ -607,7 +618,10 @@ def sampling_readings(st: dict) -> list[dict]:
                     "resident_mib": round(resident / mib, 1), "on_card_during_pass_mib": round(on_card / mib, 1),
                     "measured_activations_mib": None if measured_act is None else round(measured_act, 1),
                     "activations_error_pct": None if not measured_act else round(100 * (pred_act / measured_act - 1), 1),
-                    "stage_plan": rec.get("plan")})  # fmt: skip
+                    "stage_plan": rec.get("plan"),
+                    # False: the stage stayed below an earlier peak of the job and its peak is a sampled
+                    # lower bound (lib_vram.core.tracker): not a measurement of the pass's activations
+                    "peak_exact": rec.get("exact")})  # fmt: skip
     return out
 
 
@@ -644,14 +658,45 @@ def _probe_delta(before: dict, after: dict) -> dict:
 def emulate_phase(a: argparse.Namespace) -> int:
     """The ``emulate-ref`` and ``emulate`` phases (see the module docstring), with the WebUI's own
     ESRGAN tile set to ``--esrgan-tile`` for the run and put back afterwards."""
-    saved = call(a.url, "/sdapi/v1/options")[0].get("ESRGAN_tile")
-    call(a.url, "/sdapi/v1/options", {"ESRGAN_tile": a.esrgan_tile})
-    print(f"ESRGAN_tile {saved!r} -> {a.esrgan_tile} for this run", flush=True)
+    opts = call(a.url, "/sdapi/v1/options")[0]
+    saved = opts.get("ESRGAN_tile")
+    new: dict = {"ESRGAN_tile": a.esrgan_tile}
+    if a.attention is not None:
+        # v1.10.1 re-hijacks the model when the option changes (initialize_util: onchange ->
+        # model_hijack.redo_hijack): the next job runs with the new attention, no restart
+        new["cross_attention_optimization"] = a.attention
+    call(a.url, "/sdapi/v1/options", new)
+    print(f"ESRGAN_tile {saved!r} -> {a.esrgan_tile} for this run"
+          + (f"; attention {opts.get('cross_attention_optimization')!r} -> {a.attention!r}" if a.attention else ""),
+          flush=True)  # fmt: skip
     try:
         return _emulate_phase(a)
     finally:
-        call(a.url, "/sdapi/v1/options", {"ESRGAN_tile": _int_if_whole(saved)})
-        print(f"ESRGAN_tile restored to {_int_if_whole(saved)!r}", flush=True)
+        back = {"ESRGAN_tile": _int_if_whole(saved)}
+        if a.attention is not None:
+            back["cross_attention_optimization"] = opts.get("cross_attention_optimization")
+        call(a.url, "/sdapi/v1/options", back)
+        print(f"restored {back}", flush=True)
+
+
+def expected_attention(title: str | None) -> str | None:
+    """VRAM Guard's model name for the WebUI's ``cross_attention_optimization`` value (an
+    optimizer's title ``"NAME - label"``, ``"None"``, ``"Automatic"``) on the CPU, or None without
+    ``--attention``."""
+    if title is None:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from lib_vram.sampling import attention_of
+
+    name = title.split(" - ", 1)[0]
+    return attention_of(name, backend="cpu")
+
+
+def attention_followed(a: argparse.Namespace, readings: list[dict]) -> bool:
+    """Every sampling pass's note names the attention ``--attention`` switched to (always true
+    without ``--attention``; false without a pass)."""
+    want = expected_attention(a.attention)
+    return bool(readings) and (want is None or all(r["attention"] == want for r in readings))
 
 
 def _emulate_phase(a: argparse.Namespace) -> int:
@@ -668,12 +713,14 @@ def _emulate_phase(a: argparse.Namespace) -> int:
         print(f"{'PASS' if ok else 'FAIL'} {check} {json.dumps(data)}", flush=True)
 
     def job(
-        name: str, on: bool | dict, esrgan_tile: int | None = None, label: str | None = None
-    ) -> tuple[dict | None, str | None, dict]:
+        name: str, on: bool | dict, esrgan_tile: int | None = None, label: str | None = None,
+        extra: dict | None = None,
+    ) -> tuple[dict | None, str | None, dict]:  # fmt: skip
         """One job; returns (result or None, error text or None, status after it). ``esrgan_tile``:
         the WebUI's own ESRGAN tile size for this job (Settings → Upscaling; 0 = untiled). With
         ``--stage-dump``, the probe's files of this job go to ``OUT/stages/<label>``."""
         path, payload = jobs[name]
+        payload = dict(payload, **(extra or {}))
         if a.stage_dump:
             for f in Path(a.stage_dump).glob("*.npy"):
                 f.unlink()
@@ -721,8 +768,9 @@ def _emulate_phase(a: argparse.Namespace) -> int:
         return r, err, st
 
     def stages(st: dict) -> list:
-        return [(s["stage"], s["plan"], round((s.get("peak_bytes") or 0) / mib, 1)) for s in st.get("stages", [])
-                if not s.get("missing")]  # fmt: skip
+        # (stage, plan, peak MiB, exact): not exact = a sampled lower bound below an earlier peak of the job
+        return [(s["stage"], s["plan"], round((s.get("peak_bytes") or 0) / mib, 1), s.get("exact"))
+                for s in st.get("stages", []) if not s.get("missing")]  # fmt: skip
 
     ref_file = f"{a.out}/emulate-ref.json"
     if a.phase == "emulate-ref":
@@ -753,8 +801,10 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                 a.vg_only
                 or np.array_equal(r["image"], np.asarray(Image.open(f"{a.out}/emu-ref-txt2img.png")))
             )
-            record("stage peaks (VRAM Guard on, tiling off)", same, stages=stages(st),
-                   sampling=sampling_readings(st), seconds=r and r["seconds"],
+            readings = sampling_readings(st)
+            record("stage peaks (VRAM Guard on, tiling off)", same and attention_followed(a, readings),
+                   stages=stages(st), sampling=readings, seconds=r and r["seconds"], error=(err or "")[:300],
+                   attention_option=a.attention, attention_expected=expected_attention(a.attention),
                    cpu_seconds=r and r.get("cpu_seconds"))  # fmt: skip
             peaks = ref["txt2img_stages"]
             if "sampling" in peaks and "decode" in peaks:
@@ -831,6 +881,8 @@ def _emulate_phase(a: argparse.Namespace) -> int:
         r, err, st = job(name, True, label=f"vg-{name}")
         c = st.get("card") or {}
         ok = r is not None
+        if ok:
+            Image.fromarray(r["image"]).save(f"{a.out}/emu-vg-{name}.png")
         p = psnr(r["image"], base_img) if ok else None
         cmp = (
             compare_stages(name, stage_dir / f"ref-{name}", stage_dir / f"vg-{name}")
@@ -873,18 +925,48 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                    used_after_another_request_mib=round(used1 / mib, 1), used_after_gc_collect_mib=round(used2 / mib, 1),
                    resident_mib=round(resident / mib, 1), gc_collected_objects=fr.get("collected_objects"))  # fmt: skip
     if "stopped" in only:
-        # a card too small for the hires pass even at micro-batch 1: VRAM Guard's named error before
-        # that pass samples (the first pass, upscale and encode before it ran)
-        t0 = time.time()
-        r, err, st = job("hires", True, label="vg-stopped")
-        c = st.get("card") or {}
-        line = next((n for n in st.get("notes", []) if "VRAM Guard stopped" in n), None)
-        record("VRAM Guard on a too-small card: its named error before the pass samples",
-               r is None and err is not None and "VRAM Guard stopped" in err, error=(err or "")[:600],
-               note=line, seconds=round(time.time() - t0, 1), stages=stages(st), sampling=sampling_readings(st),
-               peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
-               ooms=c.get("ooms"), used_after_mib=round((c.get("used_bytes") or 0) / mib, 1),
-               resident_mib=round((c.get("resident_bytes") or 0) / mib, 1))  # fmt: skip
+        # a card too small for the hires pass even at micro-batch 1 (and streamed): VRAM Guard's
+        # named error before that pass samples; the first pass's picture kept (the WebUI's own
+        # "Save a copy of image before applying highres fix", the request saving its images); then
+        # the plain WebUI on the same job: its raw out-of-memory error, where and after how long
+        opt0 = call(a.url, "/sdapi/v1/options")[0].get("save_images_before_highres_fix")
+        call(a.url, "/sdapi/v1/options", {"save_images_before_highres_fix": True})
+        try:
+            for on, label in ((True, "vg-stopped"), (False, "plain-stopped")):
+                t0 = time.time()
+                log0 = Path(a.log).stat().st_size if a.log else 0
+                r, err, st = job("hires", on, label=label, extra={"save_images": True})
+                took = round(time.time() - t0, 1)
+                c = st.get("card") or {}
+                kept = sorted(str(f) for f in Path(a.outputs).glob("txt2img-images/*/*-before-highres-fix.png")
+                              if f.stat().st_mtime >= t0)  # fmt: skip
+                where = []
+                if a.log:
+                    time.sleep(1)
+                    with open(a.log, "rb") as fh:
+                        fh.seek(log0)
+                        text = fh.read().decode(errors="replace")
+                    where = [ln.strip() for ln in text.splitlines()
+                             if re.search(r'File ".*", line \d+, in |Error|VRAM Guard', ln)][-14:]  # fmt: skip
+                if on:
+                    line = next((n for n in st.get("notes", []) if "VRAM Guard stopped" in n), None)
+                    ok = r is None and err is not None and "VRAM Guard stopped" in err and bool(kept)
+                    check = "VRAM Guard on a too-small card: its named error before the pass samples, the first pass kept"
+                else:
+                    line = None
+                    ok = r is None and err is not None and "out of memory" in err.lower() and bool(kept)
+                    check = (
+                        "plain WebUI on the too-small card: a raw out-of-memory error, the first pass kept"
+                    )
+                record(check, ok, error=(err or "")[:600], note=line, seconds=took, first_pass_kept=kept,
+                       stages=stages(st), sampling=sampling_readings(st), log=where,
+                       peak_mib=round((c.get("peak_bytes") or 0) / mib, 1), cap_mib=round((cap or 0) / mib, 1),
+                       ooms=c.get("ooms"), used_after_mib=round((c.get("used_bytes") or 0) / mib, 1),
+                       resident_mib=round((c.get("resident_bytes") or 0) / mib, 1))  # fmt: skip
+                if on and a.vg_only:
+                    break
+        finally:
+            call(a.url, "/sdapi/v1/options", {"save_images_before_highres_fix": bool(opt0)})
     for check in ("offload", "offload-medvram"):
         if check in only and "txt2img" in ref:
             offload_check(a, check, job, record, cap)
