@@ -469,6 +469,13 @@ def test_the_named_error_says_what_fits_with_the_idle_parts_off_the_card():
     text = str(r.error)
     assert "\n" not in text and "VAE off the card" in text, text
     assert "weights alone" not in text and "px fits at batch 1" in text, text
+    # the readout says it once, with the line's own numbers (both were off in the real WebUI:
+    # "VRAM Guard: VRAM Guard stopped ...", and the stage's plan counted the idle parts on the card)
+    assert [n for n in r.notes if "stopped" in n] == [text], r.notes
+    said = [n for n in r.notes if "predicted peak" in n]
+    assert len(said) == 1 and said[0].endswith("does not fit"), r.notes
+    mib = said[0].split("predicted peak ")[1].split()[0]
+    assert f"needs {mib} MiB" in text, (said, text)
     assert_clean(r)
 
 

@@ -330,6 +330,7 @@ class SamplingGuard:
             # off it where they may move (with them counted, the UNet's weights plus them can
             # exceed the budget and the line said "no size or batch does" where a smaller one fits)
             error = _error_line(stage, base, idle)
+            plan = base  # the readout's "stopped: predicted N MiB" gives the line's numbers
         return PassPlan(stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, streamed)
 
     def _movable(self, p: Any, stage: str, model: Any, device: torch.device) -> Any:
@@ -465,7 +466,7 @@ class SamplingGuard:
         if planned.changed and planned.error is None:
             job.plans[stage] = planned.label()
         if planned.error is not None:
-            job.note(f"VRAM Guard: {planned.error}", logging.WARNING)
+            job.note(planned.error, logging.WARNING)  # (the line starts "VRAM Guard stopped ...")
 
 
 def _placed(job: Any, model: Any) -> Any:
