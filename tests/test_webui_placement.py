@@ -320,7 +320,12 @@ def test_placed_at_load_it_samples_the_plain_output_bit_for_bit_within_the_card(
         # the pass's traffic in the log (what a real-WebUI run compares with --lowvram's)
         mib = placed.streamer.stats.bytes_in / MiB
         said = f"placed UNet: {len(SIGMAS)} forward(s) this pass, {mib:.0f} MiB copied to the card"
-        assert any(said in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        lines = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+        assert lines, [r.getMessage() for r in caplog.records]
+        # and whether prefetch ran (the first forward learns the order, later ones prefetch)
+        st = placed.streamer.stats
+        assert f"; {st.prefetched} units prefetched, {st.on_demand} on demand" in lines[-1], lines
+        assert st.prefetched > 0 and st.on_demand > 0, st
         assert all(u.state == "away" for u in placed.streamer._units)
     finally:
         w.close()

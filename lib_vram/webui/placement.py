@@ -270,7 +270,8 @@ class Placed:
     card: emulate.EmulatedCard | None
     streamer: Any = None
     leftover_bytes: int = 0
-    _logged: tuple[int, int] = (0, 0)
+    _logged: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """The streamer's (forwards, bytes in, prefetched, on demand) at the last log line."""
 
     @property
     def unet_resident_bytes(self) -> int:
@@ -311,16 +312,19 @@ class Placed:
             return
         s.settle()
         st = s.stats
-        forwards, copied = st.forwards - self._logged[0], st.bytes_in - self._logged[1]
-        self._logged = (st.forwards, st.bytes_in)
+        seen = (st.forwards, st.bytes_in, st.prefetched, st.on_demand)
+        forwards, copied, ahead, demand = (now - was for now, was in zip(seen, self._logged))
+        self._logged = seen
         if forwards:
             logger.info(
                 "VRAM Guard: placed UNet: %d forward(s) this pass, %.0f MiB copied to the card (%.0f MiB per "
-                "forward; --lowvram would move %.0f MiB per forward)",
+                "forward; --lowvram would move %.0f MiB per forward); %d units prefetched, %d on demand",
                 forwards,
                 copied / MiB,
                 copied / forwards / MiB,
                 self.plan.lowvram_bytes_per_step / MiB,
+                ahead,
+                demand,
             )
 
 
