@@ -184,7 +184,8 @@ class _Parked:
             if i in self.awake:
                 return
             name, m = self.parts[i]
-            logger.info("VRAM Guard: the %s are needed now: to the card (checkpoint placed)", name)
+            verb = "are" if name.endswith("s") else "is"  # "the text encoders are", "the VAE is"
+            logger.info("VRAM Guard: the %s %s needed now: to the card (checkpoint placed)", name, verb)
             if self.card is not None:
                 _admit(self.card, _tensors_of([m]))
                 self.card.set_resident(self.card.resident_bytes + self.part_bytes(i))

@@ -614,6 +614,9 @@ def sampling_readings(st: dict) -> list[dict]:
             on_card = int(m.group(3)) * mib
         if streamed:
             on_card = int(streamed.group(1)) * mib
+        placed = re.search(r"checkpoint placed by VRAM Guard: UNet (\d+) of \d+ MiB resident", plan)
+        if placed:  # the checkpoint placement: the UNet's resident part (the stage's peak may be
+            on_card = int(placed.group(1)) * mib  # reached before the pass moved woken parts off)
         measured_act = (peak - on_card) / mib if peak else None
         pred_act = int(m.group(4))
         out.append({"pass": what, "size": m.group(6), "batch": int(m.group(5)), "attention": m.group(7),
@@ -657,7 +660,7 @@ def _probe_delta(before: dict, after: dict) -> dict:
 
 
 PLACEMENT_LOG = re.compile(
-    r"VRAM Guard: (checkpoint placed by VRAM Guard|placed UNet|the .* are needed now|checkpoint placement"
+    r"VRAM Guard: (checkpoint placed by VRAM Guard|placed UNet|the .* (?:are|is) needed now|checkpoint placement"
     r"|sampling: moved|the checkpoint)"
 )
 """The log lines of the checkpoint placement (lib_vram.webui.placement) a job record keeps."""
