@@ -338,7 +338,10 @@ def test_placed_at_load_it_samples_the_plain_output_bit_for_bit_within_the_card(
     assert w.card.resident_bytes == 0
 
 
-def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_sleep():
+def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_sleep(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="lib_vram.webui.sampling")
     w = world(CAP)
     try:
         w.host.sd_models.load_model(MODEL, w.session)
@@ -372,6 +375,11 @@ def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_s
         assert seen == [base, base + te, base + te + vae], seen  # each woken by its own use
         assert r.passes[0].moved == "text encoders, VAE", r.passes  # the pass needed the room
         assert w.card.resident_bytes == base and placed.parked.off  # asleep again after it
+        # and the log says so (it said "the text encoders, VAE are back on the card")
+        msgs = [
+            r.getMessage() for r in caplog.records if "sampling: the text encoders, VAE" in r.getMessage()
+        ]
+        assert msgs == ["VRAM Guard: sampling: the text encoders, VAE are on the CPU until used"], msgs
     finally:
         w.close()
 

@@ -220,6 +220,9 @@ class _IdleView:
     for a placed checkpoint: ``off`` puts the woken text encoders/VAE back to sleep, ``back`` leaves
     them asleep (they wake when used)."""
 
+    stays_off = True
+    """After the pass the parts stay on the CPU until used (the sampling guard's log says so)."""
+
     def __init__(self, parked: _Parked) -> None:
         self.parked = parked
         self.device = parked.device
