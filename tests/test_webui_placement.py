@@ -314,13 +314,21 @@ def test_placed_at_load_it_samples_the_plain_output_bit_for_bit_within_the_card(
         assert label.startswith("checkpoint placed by VRAM Guard: UNet ") and label.endswith(
             " MiB resident, text encoders and VAE on the CPU until used"
         ), label
-        assert r.status["placement"] == label and label in r.status["notes"]
+        assert r.status["placement"] == label
+        # once in the notes (the job's "VRAM Guard: <label>"; the real WebUI's readout showed it twice)
+        said = [n for n in r.status["notes"] if n in (label, f"VRAM Guard: {label}")]
+        assert said == [f"VRAM Guard: {label}"], r.status["notes"]
         assert any(label in str(st.get("plan")) for st in r.status["stages"]), r.status["stages"]
         assert placed.streamer.stats.forwards == len(SIGMAS)
         # the pass's traffic in the log (what a real-WebUI run compares with --lowvram's)
         mib = placed.streamer.stats.bytes_in / MiB
         said = f"placed UNet: {len(SIGMAS)} forward(s) this pass, {mib:.0f} MiB copied to the card"
-        assert any(said in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        lines = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+        assert lines, [r.getMessage() for r in caplog.records]
+        # and whether prefetch ran (the first forward learns the order, later ones prefetch)
+        st = placed.streamer.stats
+        assert f"; {st.prefetched} units prefetched, {st.on_demand} on demand" in lines[-1], lines
+        assert st.prefetched > 0 and st.on_demand > 0, st
         assert all(u.state == "away" for u in placed.streamer._units)
     finally:
         w.close()
@@ -330,7 +338,10 @@ def test_placed_at_load_it_samples_the_plain_output_bit_for_bit_within_the_card(
     assert w.card.resident_bytes == 0
 
 
-def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_sleep():
+def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_sleep(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="lib_vram.webui.sampling")
     w = world(CAP)
     try:
         w.host.sd_models.load_model(MODEL, w.session)
@@ -364,6 +375,11 @@ def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_s
         assert seen == [base, base + te, base + te + vae], seen  # each woken by its own use
         assert r.passes[0].moved == "text encoders, VAE", r.passes  # the pass needed the room
         assert w.card.resident_bytes == base and placed.parked.off  # asleep again after it
+        # and the log says so (it said "the text encoders, VAE are back on the card")
+        msgs = [
+            r.getMessage() for r in caplog.records if "sampling: the text encoders, VAE" in r.getMessage()
+        ]
+        assert msgs == ["VRAM Guard: sampling: the text encoders, VAE are on the CPU until used"], msgs
     finally:
         w.close()
 

@@ -184,7 +184,8 @@ class _Parked:
             if i in self.awake:
                 return
             name, m = self.parts[i]
-            logger.info("VRAM Guard: the %s are needed now: to the card (checkpoint placed)", name)
+            verb = "are" if name.endswith("s") else "is"  # "the text encoders are", "the VAE is"
+            logger.info("VRAM Guard: the %s %s needed now: to the card (checkpoint placed)", name, verb)
             if self.card is not None:
                 _admit(self.card, _tensors_of([m]))
                 self.card.set_resident(self.card.resident_bytes + self.part_bytes(i))
@@ -218,6 +219,9 @@ class _IdleView:
     """The sampling guard's idle parts (its :class:`~lib_vram.webui.offload.IdleModels` protocol)
     for a placed checkpoint: ``off`` puts the woken text encoders/VAE back to sleep, ``back`` leaves
     them asleep (they wake when used)."""
+
+    stays_off = True
+    """After the pass the parts stay on the CPU until used (the sampling guard's log says so)."""
 
     def __init__(self, parked: _Parked) -> None:
         self.parked = parked
@@ -270,7 +274,8 @@ class Placed:
     card: emulate.EmulatedCard | None
     streamer: Any = None
     leftover_bytes: int = 0
-    _logged: tuple[int, int] = (0, 0)
+    _logged: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """The streamer's (forwards, bytes in, prefetched, on demand) at the last log line."""
 
     @property
     def unet_resident_bytes(self) -> int:
@@ -311,16 +316,19 @@ class Placed:
             return
         s.settle()
         st = s.stats
-        forwards, copied = st.forwards - self._logged[0], st.bytes_in - self._logged[1]
-        self._logged = (st.forwards, st.bytes_in)
+        seen = (st.forwards, st.bytes_in, st.prefetched, st.on_demand)
+        forwards, copied, ahead, demand = (now - was for now, was in zip(seen, self._logged))
+        self._logged = seen
         if forwards:
             logger.info(
                 "VRAM Guard: placed UNet: %d forward(s) this pass, %.0f MiB copied to the card (%.0f MiB per "
-                "forward; --lowvram would move %.0f MiB per forward)",
+                "forward; --lowvram would move %.0f MiB per forward); %d units prefetched, %d on demand",
                 forwards,
                 copied / MiB,
                 copied / forwards / MiB,
                 self.plan.lowvram_bytes_per_step / MiB,
+                ahead,
+                demand,
             )
 
 

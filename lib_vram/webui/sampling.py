@@ -213,11 +213,17 @@ class SamplingGuard:
             idle, self._idle = self._idle, None
             if idle is not None and idle.is_off:
                 idle.back()
-                logger.info(
-                    "VRAM Guard: sampling: the %s are back on the card (the copies off and back took %.2f s)",
-                    idle.names,
-                    idle.move_seconds,
-                )
+                verb = "are" if "," in idle.names or idle.names.endswith("s") else "is"
+                if getattr(idle, "stays_off", False):  # a placed checkpoint's parts wake when used
+                    logger.info("VRAM Guard: sampling: the %s %s on the CPU until used", idle.names, verb)
+                else:
+                    logger.info(
+                        "VRAM Guard: sampling: the %s %s back on the card "
+                        "(the copies off and back took %.2f s)",
+                        idle.names,
+                        verb,
+                        idle.move_seconds,
+                    )
 
     # -- deciding ----------------------------------------------------------------------------
     def _skip_reason(self, model: Any) -> str | None:

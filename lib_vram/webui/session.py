@@ -217,8 +217,12 @@ class Session:
                         f"release at {rel['at']}: {rel['freed_device_bytes'] / 2**20:.0f} MiB returned"
                     )
         placed = self.placement.status_line() if self.placement is not None else None
-        if placed is not None and placed.startswith("checkpoint placed") and placed not in notes:
-            notes.append(placed)
+        if (
+            placed is not None
+            and placed.startswith("checkpoint placed")
+            and not any(placed in n for n in notes)
+        ):
+            notes.append(placed)  # once: a job that ran placed has it as "VRAM Guard: <placed>" already
         name = None
         try:
             name = capabilities(dev).name

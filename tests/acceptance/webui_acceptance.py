@@ -59,6 +59,15 @@ re-hijacks on the option's change) and checks that VRAM Guard's pass notes name 
 seconds, ``--lowvram-probe`` (a WebUI started with ``--lowvram`` and ``webui_lowvram_probe/``
 linked into ``extensions/``, ``VG_LOWVRAM_PROBE=FILE``) the bytes the host's own swapping moved
 per sampler step.
+
+Checkpoint placement (issue 22 item 3: a WebUI started with ``--vram-guard-place-checkpoint`` on a
+card below the checkpoint): with ``--log``, each VRAM Guard job of ``emulate`` records the placement
+(status route ``placement``, the load's "checkpoint placed by VRAM Guard" log line) and the job's
+"placed UNet: K forward(s) this pass, X MiB copied ..." line: bytes copied to the card per sampler
+step (``--steps``) and whether prefetch ran; ``--lowvram-ref`` (a ``--lowvram`` start's
+``emulate-ref`` OUT, made with ``--lowvram-probe``) puts them beside ``--lowvram``'s counted bytes
+and CPU seconds. ``emulate-ref --compare-to REF_OUT`` compares each plain job of this start (e.g.
+``--lowvram``'s) with another start's uncapped plain pictures and stage dumps.
 """
 
 from __future__ import annotations
@@ -234,6 +243,12 @@ def main() -> int:
                     help="emulate phases: the lowvram probe's counter file (its VG_LOWVRAM_PROBE, "
                     "tests/acceptance/webui_lowvram_probe): --lowvram's bytes moved per step")  # fmt: skip
     ap.add_argument("--hires-scale", type=float, default=2, help="emulate phases: the hires job's scale")
+    ap.add_argument("--compare-to", default=None,
+                    help="emulate-ref: another emulate-ref OUT (e.g. the uncapped plain run's) whose pictures "
+                    "and stage dumps each plain job is compared with (e.g. a --lowvram start's)")  # fmt: skip
+    ap.add_argument("--lowvram-ref", default=None,
+                    help="emulate: the emulate-ref.json of a --lowvram start with --lowvram-probe (its OUT): "
+                    "VRAM Guard's streamed bytes and CPU seconds per job against --lowvram's counted ones")  # fmt: skip
     ap.add_argument(
         "--plain-only",
         action="store_true",
@@ -610,6 +625,9 @@ def sampling_readings(st: dict) -> list[dict]:
             on_card = int(m.group(3)) * mib
         if streamed:
             on_card = int(streamed.group(1)) * mib
+        placed = re.search(r"checkpoint placed by VRAM Guard: UNet (\d+) of \d+ MiB resident", plan)
+        if placed:  # the checkpoint placement: the UNet's resident part (the stage's peak may be
+            on_card = int(placed.group(1)) * mib  # reached before the pass moved woken parts off)
         measured_act = (peak - on_card) / mib if peak else None
         pred_act = int(m.group(4))
         out.append({"pass": what, "size": m.group(6), "batch": int(m.group(5)), "attention": m.group(7),
@@ -653,6 +671,51 @@ def _probe_delta(before: dict, after: dict) -> dict:
     return {**d, "unet_bytes": after.get("unet_bytes"),
             "unet_moved_mib_per_step": round(unet / steps / mib, 1) if steps else None,
             "unet_in_mib_per_step": round(d.get("unet_in_bytes", 0) / steps / mib, 1) if steps else None}  # fmt: skip
+
+
+PLACEMENT_LOG = re.compile(
+    r"VRAM Guard: (checkpoint placed by VRAM Guard|placed UNet|the .* (?:are|is) needed now|checkpoint placement"
+    r"|sampling: moved|the checkpoint)"
+)
+"""The log lines of the checkpoint placement (lib_vram.webui.placement) a job record keeps."""
+_PLACED_PASS = re.compile(
+    r"placed UNet: (\d+) forward\(s\) this pass, (\d+) MiB copied to the card \((\d+) MiB per forward; "
+    r"--lowvram would move (\d+) MiB per forward\)(?:; (\d+) units prefetched, (\d+) on demand)?"
+)
+
+
+def _log_size(path: str | None) -> int:
+    return Path(path).stat().st_size if path and Path(path).exists() else 0
+
+
+def _log_lines(path: str | None, offset: int, pattern: re.Pattern) -> list[str]:
+    """The lines of the WebUI's log after byte ``offset`` that match ``pattern``."""
+    if not path or not Path(path).exists():
+        return []
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        text = fh.read().decode(errors="replace")
+    return [ln.strip() for ln in text.splitlines() if pattern.search(ln)]
+
+
+def placed_traffic(lines: list[str], steps: int, lowvram: dict | None = None) -> dict | None:
+    """The job's streamed traffic from its "placed UNet" log lines (all passes summed): MiB copied
+    to the card per sampler step, VRAM Guard's model of --lowvram's, prefetch, and with ``lowvram``
+    (the --lowvram start's probe counts and CPU seconds) the ratios against what was counted."""
+    found = [m for m in map(_PLACED_PASS.search, lines) if m]
+    if not found:
+        return None
+    forwards = sum(int(m.group(1)) for m in found)
+    copied = sum(int(m.group(2)) for m in found)
+    out: dict = {"forwards": forwards, "copied_mib": copied, "mib_per_step": round(copied / steps, 1),
+                 "lowvram_model_mib_per_forward": int(found[-1].group(4)),
+                 "prefetched": sum(int(m.group(5) or 0) for m in found),
+                 "on_demand": sum(int(m.group(6) or 0) for m in found)}  # fmt: skip
+    counted = (lowvram or {}).get("lowvram") or {}
+    if counted.get("unet_moved_mib_per_step"):
+        out["lowvram_counted_mib_per_step"] = counted["unet_moved_mib_per_step"]
+        out["ratio_vs_lowvram"] = round(out["mib_per_step"] / counted["unet_moved_mib_per_step"], 3)
+    return out
 
 
 def emulate_phase(a: argparse.Namespace) -> int:
@@ -739,6 +802,7 @@ def _emulate_phase(a: argparse.Namespace) -> int:
             payload = dict(payload, alwayson_scripts={"VRAM Guard": {"args": args}})
         cpu0 = cpu_seconds(a.webui_pid)
         probe0 = _read_json(a.lowvram_probe)
+        log0 = _log_size(a.log)
         try:
             r, err = run(a.url, name, path, payload), None
         except RuntimeError as exc:
@@ -758,6 +822,9 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                 # WebUI's ESRGAN path fails with a float tile size)
                 call(a.url, "/sdapi/v1/options", {k: _int_if_whole(opts0.get(k)) for k in keys})
         st, _ = call(a.url, "/vram-guard/v1/status")
+        if a.log:
+            time.sleep(1)  # the last lines of the job reach the log file
+            st["_log"] = _log_lines(a.log, log0, PLACEMENT_LOG)
         if a.stage_dump and label:
             dest = Path(a.out, "stages", label)
             dest.mkdir(parents=True, exist_ok=True)
@@ -785,11 +852,24 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                 continue
             Image.fromarray(r["image"]).save(f"{a.out}/emu-ref-{name}.png")
             ref[name] = {"seconds": r["seconds"], "peak_bytes": card.get("peak_bytes"),
-                         "resident_bytes": card.get("resident_bytes")}  # fmt: skip
+                         "resident_bytes": card.get("resident_bytes"), "cpu_seconds": r.get("cpu_seconds"),
+                         "lowvram": r.get("lowvram")}  # fmt: skip
+            vs: dict = {}
+            if a.compare_to:  # this start's plain picture against another start's (the uncapped plain)
+                other = np.asarray(Image.open(Path(a.compare_to, f"emu-ref-{name}.png")).convert("RGB"))
+                vs = {"identical_to_compared": bool(np.array_equal(r["image"], other)),
+                      "max_lsb_vs_compared": int(np.abs(r["image"].astype(int) - other).max()),
+                      "psnr_vs_compared": psnr(r["image"], other)}  # fmt: skip
+                if a.stage_dump:
+                    vs["stages_vs_compared"] = compare_stages(
+                        name,
+                        Path(a.compare_to, "stages", f"ref-{name}"),
+                        Path(a.out, "stages", f"ref-{name}"),
+                    )
             record(f"uncapped plain {name}", True, seconds=r["seconds"], shape=list(r["image"].shape),
                    peak_mib=round((card.get("peak_bytes") or 0) / mib, 1),
                    resident_mib=round((card.get("resident_bytes") or 0) / mib, 1),
-                   cpu_seconds=r.get("cpu_seconds"), lowvram=r.get("lowvram"))  # fmt: skip
+                   cpu_seconds=r.get("cpu_seconds"), lowvram=r.get("lowvram"), **vs)  # fmt: skip
         if "txt2img" in only and not a.plain_only:
             # stage peaks: VRAM Guard on, nothing tiled (the same computation as the plain WebUI)
             r, err, st = job(
@@ -839,10 +919,14 @@ def _emulate_phase(a: argparse.Namespace) -> int:
             break
         except RuntimeError:
             time.sleep(2)
+    if status.get("placement") and "placement off" not in status["placement"]:
+        status = _loaded_status(a.url, wait_s=300)  # the checkpoint loads (and is placed) in a thread
     card = status.get("card") or {}
     cap = card.get("capacity_bytes")
     record("status: emulated card", bool(status.get("emulated")), emulated=status.get("emulated"),
-           cap_mib=round((cap or 0) / mib, 1), resident_mib=round(card.get("resident_bytes", 0) / mib, 1))  # fmt: skip
+           cap_mib=round((cap or 0) / mib, 1), resident_mib=round(card.get("resident_bytes", 0) / mib, 1),
+           placement=status.get("placement"), log_at_load=_log_lines(a.log, 0, PLACEMENT_LOG)[:6])  # fmt: skip
+    lowvram_ref = _read_json(str(Path(a.lowvram_ref, "emulate-ref.json"))) if a.lowvram_ref else {}
     for name in jobs:
         if name not in only or name not in ref:
             continue
@@ -896,7 +980,11 @@ def _emulate_phase(a: argparse.Namespace) -> int:
                ooms=c.get("ooms"), stages=stages(st), notes=[n for n in st.get("notes", []) if "out of memory" in n],
                infotext=(r["infotext"].split("\n")[-1] if ok else None), stage_vs_uncapped_plain=cmp,
                sampling=sampling_readings(st), cpu_seconds=r and r.get("cpu_seconds"),
-               vg_notes=[n for n in st.get("notes", []) if n.startswith("VRAM Guard")])  # fmt: skip
+               vg_notes=[n for n in st.get("notes", []) if n.startswith("VRAM Guard")],
+               placement=st.get("placement"), placement_log=st.get("_log"),
+               traffic=placed_traffic(st.get("_log") or [], a.steps, lowvram_ref.get(name)),
+               lowvram_cpu_seconds=(lowvram_ref.get(name) or {}).get("cpu_seconds"),
+               lowvram_seconds=(lowvram_ref.get(name) or {}).get("seconds"))  # fmt: skip
         if a.plain_only:  # emulate: VRAM Guard's job only (the plain one's failure shown elsewhere)
             continue
         # then the plain WebUI (after VRAM Guard: what a failed job leaves allocated cannot touch it)

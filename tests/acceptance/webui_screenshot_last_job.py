@@ -75,7 +75,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--must-show", default="Hires sampling")
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    # chromium may still write its profile for a moment after it was told to end
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         proc, port = launch_chromium(Path(tmp))
         try:
             asyncio.run(take(a.url, page_ws_url(port), a.out, a.must_show))
