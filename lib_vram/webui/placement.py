@@ -61,11 +61,7 @@ MiB = 1 << 20
 FLAG = "--vram-guard-place-checkpoint"
 SETTING = "vram_guard_place_checkpoint"
 SETTING_LABEL = "Place a checkpoint that does not fit the card (instead of --lowvram)"
-SETTING_INFO = (
-    "When a checkpoint does not fit the card at load: text encoders and VAE on the CPU until used, "
-    "as much of the UNet on the card as fits, the rest streamed each step. Not with --medvram/--lowvram, "
-    "not on Forge; takes effect at the next model load or job. Launch flag: " + FLAG
-)
+SETTING_INFO = "Text encoders/VAE on the CPU until used, part of the UNet streamed; from the next job. Flag: " + FLAG
 CONTEXT_TOKENS = 77
 DEFAULT_BATCH = 2
 """A default pass: one image, cond and uncond in one forward."""
