@@ -338,6 +338,33 @@ def test_placed_at_load_it_samples_the_plain_output_bit_for_bit_within_the_card(
     assert w.card.resident_bytes == 0
 
 
+def test_with_the_accordion_off_the_unets_first_forward_puts_the_text_encoders_back_to_sleep():
+    """The placement holds for the session, also in a job with the accordion off (no sampling guard
+    to move the woken parts): the text encoders leave the card when the UNet starts (found in the
+    real WebUI: they stayed on the card for the pass); the VAE stays (a live preview may use it)."""
+    w = world(CAP)
+    try:
+        w.host.sd_models.load_model(MODEL, w.session)
+        placed = w.session.placement.placed_for(MODEL)
+        base = w.card.resident_bytes
+        vae = emulate.module_bytes([MODEL.first_stage_model])
+
+        def body(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
+            model.cond_stage_model.embedding(torch.zeros(1, 77, dtype=torch.long))  # the conditioning
+            model.first_stage_model.decoder.conv_in(torch.zeros(1, 4, 4, 4))  # a (preview) decode
+            woken = placed.parked.awake_names
+            out = unet_of(model)(torch.cat([X, X]), SIGMAS[0], context=torch.cat([COND, UNCOND]))
+            return woken, placed.parked.awake_names, w.card.resident_bytes, out
+
+        r = job(w, body, enabled=False)
+        assert r.error is None, r.error
+        woken, after, resident, _ = r.out
+        assert woken == "text encoders, VAE" and after == "VAE", (woken, after)
+        assert resident == base + vae
+    finally:
+        w.close()
+
+
 def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_sleep(caplog):
     import logging
 

@@ -61,7 +61,9 @@ MiB = 1 << 20
 FLAG = "--vram-guard-place-checkpoint"
 SETTING = "vram_guard_place_checkpoint"
 SETTING_LABEL = "Place a checkpoint that does not fit the card (instead of --lowvram)"
-SETTING_INFO = "Text encoders/VAE on the CPU until used, part of the UNet streamed; from the next job. Flag: " + FLAG
+SETTING_INFO = (
+    "Text encoders/VAE on the CPU until used, part of the UNet streamed; from the next job. Flag: " + FLAG
+)
 CONTEXT_TOKENS = 77
 DEFAULT_BATCH = 2
 """A default pass: one image, cond and uncond in one forward."""
@@ -168,6 +170,20 @@ class _Parked:
             for m in part.modules():
                 self._hooks.append(m.register_forward_pre_hook(wake))
 
+    def hook_unet(self, unet: torch.nn.Module) -> None:
+        """When the UNet starts a forward, woken text encoders go back to the CPU: the
+        conditioning is computed before sampling, so they only hold room the pass may need. This
+        holds in every job, also one with the accordion off (no sampling guard to move them). The
+        VAE stays where it is: a live preview may be decoding with it on another thread."""
+        ref = weakref.ref(self)
+
+        def unet_starts(module: torch.nn.Module, args: Any) -> None:
+            parked = ref()
+            if parked is not None:
+                parked.sleep(names=("text encoders",))
+
+        self._hooks.append(unet.register_forward_pre_hook(unet_starts))
+
     def unhook(self) -> None:
         hooks, self._hooks = self._hooks, []
         for h in hooks:
@@ -197,17 +213,18 @@ class _Parked:
         for i in range(len(self.parts)):
             self.wake(i)
 
-    def sleep(self) -> int:
-        """The woken parts off the card again (the sampling guard needs the room); returns the
-        bytes moved."""
+    def sleep(self, names: tuple[str, ...] | None = None) -> int:
+        """The woken parts (those of ``names``; None: all) off the card again (the sampling guard
+        needs the room); returns the bytes moved."""
         with self._lock:
-            n = self.on_card_bytes
+            which = [i for i in self.awake if names is None or self.parts[i][0] in names]
+            n = sum(self.part_bytes(i) for i in which)
             if self.card is not None:
                 self.card.set_resident(max(0, self.card.resident_bytes - n))
             else:
-                for i in self.awake:
+                for i in which:
                     self.parts[i][1].to("cpu")
-            self.awake.clear()
+            self.awake.difference_update(which)
             return n
 
 
@@ -647,6 +664,7 @@ class Placement:
                     raise self._oom(ckpt, total, exc) from exc
                 raise
             parked.hook()
+            parked.hook_unet(dm)
             self.placed[id(sd_model)] = placed
             placed.recount()
             self.last_error = None
