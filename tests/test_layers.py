@@ -17,7 +17,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "lib_vram"
-LAYER = {"core": 0, "planning": 1, "vae": 2, "upscale": 2, "sampling": 2, "webui": 3, "cli": 3}
+LAYER = {
+    "core": 0,
+    "planning": 1,
+    "vae": 2,
+    "upscale": 2,
+    "sampling": 2,
+    "residency": 3,
+    "webui": 4,
+    "cli": 4,
+}
 
 
 def module_name(path: Path) -> str:
