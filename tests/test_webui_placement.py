@@ -352,9 +352,9 @@ def test_with_the_accordion_off_the_unets_first_forward_puts_the_text_encoders_b
         def body(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
             model.cond_stage_model.embedding(torch.zeros(1, 77, dtype=torch.long))  # the conditioning
             model.first_stage_model.decoder.conv_in(torch.zeros(1, 4, 4, 4))  # a (preview) decode
-            woken = placed.parked.awake_names
+            woken = placed.awake_names
             out = unet_of(model)(torch.cat([X, X]), SIGMAS[0], context=torch.cat([COND, UNCOND]))
-            return woken, placed.parked.awake_names, w.card.resident_bytes, out
+            return woken, placed.awake_names, w.card.resident_bytes, out
 
         r = job(w, body, enabled=False)
         assert r.error is None, r.error
@@ -368,7 +368,7 @@ def test_with_the_accordion_off_the_unets_first_forward_puts_the_text_encoders_b
 def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_sleep(caplog):
     import logging
 
-    caplog.set_level(logging.INFO, logger="lib_vram.webui.sampling")
+    caplog.set_level(logging.INFO, logger="lib_vram.residency")
     w = world(CAP)
     try:
         w.host.sd_models.load_model(MODEL, w.session)
@@ -400,13 +400,17 @@ def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_s
         assert r.error is None, r.error
         seen, _ = r.out
         assert seen == [base, base + te, base + te + vae], seen  # each woken by its own use
-        assert r.passes[0].moved == "text encoders, VAE", r.passes  # the pass needed the room
-        assert w.card.resident_bytes == base and placed.parked.off  # asleep again after it
-        # and the log says so (it said "the text encoders, VAE are back on the card")
-        msgs = [
-            r.getMessage() for r in caplog.records if "sampling: the text encoders, VAE" in r.getMessage()
-        ]
-        assert msgs == ["VRAM Guard: sampling: the text encoders, VAE are on the CPU until used"], msgs
+        assert r.passes[0].moved == "", r.passes  # they went home when the pass began
+        assert w.card.resident_bytes == base and not placed.awake_names  # asleep again after it
+        # and the log says each move once, with its reason (it said "the text encoders, VAE are back
+        # on the card" while they stayed on the CPU)
+        moves = [r.getMessage() for r in caplog.records if " MiB) to the " in r.getMessage()]
+        off = [m for m in moves if "to the CPU: used before this stage" in m]
+        assert len(off) == 2 and {m.split(" (")[0] for m in off} == {
+            "VRAM Guard: text encoders",
+            "VRAM Guard: VAE",
+        }
+        assert sum("to the card" in m for m in moves) == 2, moves  # the two wakes, nothing after the pass
     finally:
         w.close()
 

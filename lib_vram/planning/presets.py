@@ -75,7 +75,7 @@ class Preset:
     """Stage boundaries (subset of :data:`RELEASE_POINTS`) where memory is released."""
     offload_unet_during_vae: bool
     """The UNet may go to the CPU for a VAE pass whose plan does not fit with it on the card (or
-    that ran out of memory there), and comes back right after the pass (:mod:`lib_vram.webui.offload`;
+    that ran out of memory there), and comes back right after the pass (:mod:`lib_vram.residency`;
     never when the host swaps models itself, ``--medvram``/``--lowvram``, or on Forge)."""
     offload_text_encoder_during_vae: bool
     """The same for the text encoder(s)."""

@@ -163,6 +163,8 @@ class Owner:
         self._loose: list[tuple[Model, str]] = []
         """Moves outside any stage (a wake during the conditioning)."""
         self._busy_of: dict[str, list[int]] = {}
+        self._order: list[str] = []
+        """Open stages, oldest first: a wake inside one is undone at its end."""
         self._lock = threading.RLock()
 
     # -- the models ------------------------------------------------------------------------------
@@ -294,18 +296,26 @@ class Owner:
             )
             self._move(model, CARD, stage, what)
 
-    def settle(self, keep: Iterable[Model] = ()) -> int:
-        """Models woken outside any stage go home unless in ``keep`` or busy; returns the bytes moved."""
+    def settle(self, keep: Iterable[Model] = (), roles: Iterable[str] | None = None) -> int:
+        """Models woken outside any stage go home unless in ``keep`` or busy (``roles``: only
+        those of these roles); returns the bytes moved."""
         keep_ids = {id(m) for m in keep} | self.busy
+        only = None if roles is None else set(roles)
+
+        def stays(m: Model) -> bool:
+            return id(m) in keep_ids or (only is not None and m.role not in only)
+
         with self._lock:
-            todo = [(m, w) for m, w in self._loose if id(m) not in keep_ids]
-            self._loose = [(m, w) for m, w in self._loose if id(m) in keep_ids]
+            todo = [(m, w) for m, w in self._loose if not stays(m)]
+            self._loose = [(m, w) for m, w in self._loose if stays(m)]
             return self._home(todo, "used before this stage")
 
     def begin(self, stage: str, busy: Iterable[Model] = ()) -> None:
         """A stage starts: its models are busy until :meth:`end`; loose wakes go home."""
         with self._lock:
             self._stages.setdefault(stage, [])
+            if stage not in self._order:
+                self._order.append(stage)
             busy = list(busy)
             self.busy.update(id(m) for m in busy)
             self._busy_of[stage] = [id(m) for m in busy]
@@ -315,6 +325,8 @@ class Owner:
         """The stage is over: every model moved for it goes home (see :meth:`_home`)."""
         with self._lock:
             moves = self._stages.pop(stage, [])
+            if stage in self._order:
+                self._order.remove(stage)
             for i in self._busy_of.pop(stage, []):
                 self.busy.discard(i)
             return self._home(moves, f"{stage.replace('_', ' ')} is done")
@@ -324,6 +336,8 @@ class Owner:
             return list(self._stages)
 
     def _record(self, model: Model, stage: str, was: str) -> None:
+        if not stage and self._order:
+            stage = self._order[-1]  # a wake inside an open stage is undone at its end
         if stage and stage in self._stages:
             self._stages[stage].append((model, was))
         else:
@@ -351,10 +365,13 @@ class Owner:
         host memory until it is used (a warning says so)."""
         done: set[int] = set()
         n = 0
-        for model, _ in reversed(moves):
+        for model, was in reversed(moves):
             if id(model) in done or model not in self.models:
                 continue
             done.add(id(model))
+            if id(model) in self.busy:  # (a decode on another stage still runs with it)
+                self._loose.append((model, was))
+                continue
             target = model.home if model.home != STREAMED else CARD
             if model.where == target or (model.home == STREAMED and model.where == STREAMED):
                 continue

@@ -127,10 +127,12 @@ class Job:
         except (ImportError, AttributeError):
             return False
 
-    def note(self, text: str, level: int = logging.INFO) -> None:
+    def note(self, text: str, level: int = logging.INFO, *, log: bool = True) -> None:
+        """A note for the readout (and the log, unless it was logged already: the owner logs moves)."""
         if text not in self.notes:
             self.notes.append(text)
-            logger.log(level, "%s", text)
+            if log:
+                logger.log(level, "%s", text)
 
     def warn_once(self, key: str, text: str) -> None:
         if key in self._warned:
@@ -342,24 +344,24 @@ class Job:
         def attempt(rep: Any) -> torch.Tensor:
             return run(module, x, config=config, original_forward=call_next, tracker=self.tracker, report=rep)
 
-        with self._vae_lock, self.stage(name):
+        with self._vae_lock, self.stage(name), self.owned_stage(name, "VAE"):
             try:
-                idle = self.idle_models(name, x.device, unet=True, text_encoders=True)
-                why = None
-                if idle is not None and not self._plan_fits(engine, module, x, config, kind):
-                    why = "its plan does not fit with them there"
-                else:
-                    try:
-                        out = attempt(report)
-                    except engine.VAEOutOfMemory:
-                        if idle is None:
-                            raise
-                        why = "it ran out of memory with them there"
-                        report = engine.VAEReport()
-                if why is not None:  # out of the except block (its traceback holds the failed pass)
-                    with self.moved_off(idle, name, why):
-                        out = attempt(report)
-                moved = idle.names if why is not None else ""
+                moved = ""
+                if self.may_make_room(name) and not self._plan_fits(engine, module, x, config, kind):
+                    moved = self.make_room(name, "its plan does not fit with them there")
+                failed = None
+                try:
+                    out = attempt(report)
+                except engine.VAEOutOfMemory as exc:
+                    if moved or not self.may_make_room(name):
+                        raise
+                    failed = str(exc)
+                if failed is not None:  # out of the except block (its traceback holds the failed pass)
+                    report = engine.VAEReport()
+                    moved = self.make_room(name, "it ran out of memory with them there")
+                    if not moved:
+                        raise engine.VAEOutOfMemory(failed)
+                    out = attempt(report)
             except engine.VAEOutOfMemory as exc:
                 self.tracker.note(plan="out of memory")
                 self.note(f"VRAM Guard: {name.replace('_', ' ')}: {exc}", logging.WARNING)
@@ -376,27 +378,61 @@ class Job:
             )
         return out
 
-    def idle_models(
-        self, stage: str, device: torch.device, *, unet: bool, text_encoders: bool, vae: bool = False
-    ) -> Any:
-        """The checkpoint's parts that may leave the card for this stage (None: none may): only
-        on the job's own thread (a live preview runs on another one while the sampler may use
-        them), and only the kinds the preset lets move (``offload_unet``/``offload_text_encoders``;
-        the VAE follows ``offload_unet``: both are the preset's "weights may leave the card")."""
-        from .offload import find_idle_models
-
-        s = self.settings
+    def may_make_room(self, stage: str) -> bool:
+        """Whether idle models may leave the card for this stage: only on the job's own thread (a
+        live preview runs on another one while the sampler may use them), and only where the owner
+        of the card has models (a card, no --medvram/--lowvram, not Forge)."""
         if stage in ("preview_decode", "other_encode") or threading.get_ident() != self.thread:
-            return None  # another thread: the sampler may be using the UNet right now
-        unet, text_encoders = unet and s.offload_unet, text_encoders and s.offload_text_encoders
-        vae = vae and s.offload_unet
-        if not (unet or text_encoders or vae):
-            return None
-        model = self.current_model()
-        idle = find_idle_models(model, unet=unet, text_encoders=text_encoders, vae=vae, device=device)
-        if idle is not None:
-            idle.still_current = lambda: self.host.loaded_sd_model() is model
-        return idle
+            return False
+        return self.cards() is not None
+
+    def cards(self) -> Any:
+        """The session's :class:`~lib_vram.webui.models.CardModels`, or None (no card)."""
+        get = getattr(self.session, "card_models", None)
+        cards = get() if callable(get) else None
+        return cards if cards is not None and cards.has_card() else None
+
+    @contextlib.contextmanager
+    def owned_stage(self, stage: str, *uses: str) -> Iterator[None]:
+        """The owner's view of a stage: the models named in ``uses`` are busy (and on the card: a
+        parked one wakes, room made for it), and whatever moved for the stage goes home after it."""
+        cards = self.cards() if self.may_make_room(stage) else None
+        if cards is None:
+            yield
+            return
+        owner = cards.owner
+        busy = cards.models(self.current_model(), uses)
+        owner.begin(stage, busy=busy)
+        try:
+            for m in busy:
+                owner.use(m, stage, why=f"{stage_words(stage)} uses it")
+            yield
+        finally:
+            owner.end(stage)
+
+    def make_room(self, stage: str, why: str) -> str:
+        """The idle UNet and text encoders (those the preset lets move: ``offload_unet``,
+        ``offload_text_encoders``) leave the card for the stage through the owner, back after it;
+        returns their names ("" when none could)."""
+        cards = self.cards()
+        if cards is None:
+            return ""
+        s = self.settings
+        names = [n for n, ok in (("UNet", s.offload_unet), ("text encoders", s.offload_text_encoders)) if ok]
+        if not names:
+            return ""
+        room = cards.room(stage, self.current_model(), movable=names, why=f"{stage_words(stage)}: {why}")
+        if not room.moved:
+            return ""
+        what = stage_words(stage)
+        text = (
+            f"{what[:1].upper() + what[1:]}: moved the idle {room.names} ({room.nbytes / 2**30:.2f} GiB) "
+            f"off the card for this pass and back after it: {why}"
+        )
+        self.note(f"VRAM Guard: {text}", log=False)  # (the owner logged each move)
+        self.tracker.event("offload", text, at=stage, moved_bytes=room.nbytes)
+        self.tracker.sample("offload")
+        return room.names
 
     def current_model(self) -> Any:
         """The checkpoint the WebUI runs this job with now."""
@@ -414,26 +450,6 @@ class Job:
         except (ValueError, RuntimeError, engine.UnsupportedLayout) as exc:
             logger.debug("VRAM Guard: no plan for the idle-model check: %s", exc)
             return True
-
-    @contextlib.contextmanager
-    def moved_off(self, idle: Any, stage: str, why: str) -> Iterator[None]:
-        """``idle``'s parts off the card for the ``with`` block (and back, also after an error)."""
-        with idle.moved_off() as moved:
-            what = stage_words(stage)
-            text = (
-                f"{what[:1].upper() + what[1:]}: moved the idle {idle.names} ({moved / 2**30:.2f} GiB) "
-                f"off the card for this pass and back after it: {why}"
-            )
-            self.note(f"VRAM Guard: {text}")
-            self.tracker.event("offload", text, at=stage, moved_bytes=moved)
-            self.tracker.sample("offload")
-            yield
-        logger.info(
-            "VRAM Guard: %s: the %s are back on the card (the copies off and back took %.2f s)",
-            stage.replace("_", " "),
-            idle.names,
-            idle.move_seconds,
-        )
 
     # -- closing -----------------------------------------------------------------------------
     def close(self, *, failed: bool = False) -> None:

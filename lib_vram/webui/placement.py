@@ -14,7 +14,7 @@ WebUI applied, :func:`lib_vram.sampling.estimate_sampling`), the checkpoint is *
 
 * the text encoders and the VAE stay on the CPU until something runs one of their modules (a
   forward pre-hook brings them to the card); the sampling guard moves them off again when a pass
-  needs the room (:meth:`Placed.idle_view`), and they stay off after it;
+  needs the room (the owner of the card, :mod:`lib_vram.residency`), and they go home after the stage;
 * as much of the UNet as the budget holds is resident, the rest streams through the card by a
   session-long :class:`~lib_vram.sampling.StreamedUNet`, planned by
   :func:`~lib_vram.sampling.plan_stream` with the card's budget (the same plan as the per-pass
@@ -45,13 +45,16 @@ import logging
 import threading
 import weakref
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lib_vram.core import emulate
 from lib_vram.core.device import is_oom_error, memory_info, release
+from lib_vram.residency._modules import admit as _admit
+from lib_vram.residency._modules import nbytes_of as _nbytes
+from lib_vram.residency._modules import tensors_of as _tensors_of
 
 from .patching import patch_attr
 
@@ -86,192 +89,18 @@ def native_latent_hw(sd_model: Any) -> tuple[int, int]:
 
 def _parts(sd_model: Any) -> tuple[torch.nn.Module | None, list[tuple[str, torch.nn.Module]]]:
     """(the UNet's ``diffusion_model``, [(name, module)] of the text encoders and the VAE)."""
-    from .offload import idle_parts
+    from .models import checkpoint_parts
 
     wrapper = getattr(sd_model, "model", None)
     dm = getattr(wrapper, "diffusion_model", None)
-    parts = idle_parts(sd_model, unet=False, text_encoders=True, vae=True)
+    parts = checkpoint_parts(sd_model, unet=False)
     return (dm if isinstance(dm, torch.nn.Module) else None), parts
 
 
 def _all_tensors(sd_model: Any) -> list[torch.Tensor]:
     from .emulation import _weight_modules
 
-    seen: set[int] = set()
-    out = []
-    for m in _weight_modules(sd_model):
-        for t in (*m.parameters(), *m.buffers()):
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-    return out
-
-
-def _tensors_of(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out = []
-    for m in modules:
-        for t in (*m.parameters(), *m.buffers()):
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-    return out
-
-
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-@dataclass(eq=False)
-class _Parked:
-    """The text encoders and the VAE of a placed checkpoint: each on the CPU until one of its
-    modules runs (then on the card until the sampling guard needs the room)."""
-
-    parts: tuple[tuple[str, torch.nn.Module], ...]
-    device: torch.device
-    card: emulate.EmulatedCard | None
-    awake: set[int] = field(default_factory=set)
-    """Indices into :attr:`parts` of those on the card now."""
-    _hooks: list[Any] = field(default_factory=list)
-    _lock: Any = field(default_factory=threading.RLock)
-
-    @property
-    def names(self) -> str:
-        return ", ".join(n for n, _ in self.parts)
-
-    @property
-    def awake_names(self) -> str:
-        return ", ".join(n for i, (n, _) in enumerate(self.parts) if i in self.awake)
-
-    @property
-    def off(self) -> bool:
-        return not self.awake
-
-    def part_bytes(self, i: int) -> int:
-        return _nbytes(_tensors_of([self.parts[i][1]]))
-
-    @property
-    def largest_bytes(self) -> int:
-        return max((self.part_bytes(i) for i in range(len(self.parts))), default=0)
-
-    @property
-    def on_card_bytes(self) -> int:
-        return sum(self.part_bytes(i) for i in self.awake)
-
-    def hook(self) -> None:
-        ref = weakref.ref(self)
-        for i, (_, part) in enumerate(self.parts):
-
-            def wake(module: torch.nn.Module, args: Any, i: int = i) -> None:
-                parked = ref()
-                if parked is not None and i not in parked.awake:
-                    parked.wake(i)
-
-            for m in part.modules():
-                self._hooks.append(m.register_forward_pre_hook(wake))
-
-    def hook_unet(self, unet: torch.nn.Module) -> None:
-        """When the UNet starts a forward, woken text encoders go back to the CPU: the
-        conditioning is computed before sampling, so they only hold room the pass may need. This
-        holds in every job, also one with the accordion off (no sampling guard to move them). The
-        VAE stays where it is: a live preview may be decoding with it on another thread."""
-        ref = weakref.ref(self)
-
-        def unet_starts(module: torch.nn.Module, args: Any) -> None:
-            parked = ref()
-            if parked is not None:
-                parked.sleep(names=("text encoders",))
-
-        self._hooks.append(unet.register_forward_pre_hook(unet_starts))
-
-    def unhook(self) -> None:
-        hooks, self._hooks = self._hooks, []
-        for h in hooks:
-            h.remove()
-
-    def wake(self, i: int) -> None:
-        """Part ``i`` to the card (an out-of-memory error on the way leaves it on the CPU and
-        propagates: the module that needed it cannot run)."""
-        with self._lock:
-            if i in self.awake:
-                return
-            name, m = self.parts[i]
-            verb = "are" if name.endswith("s") else "is"  # "the text encoders are", "the VAE is"
-            logger.info("VRAM Guard: the %s %s needed now: to the card (checkpoint placed)", name, verb)
-            if self.card is not None:
-                _admit(self.card, _tensors_of([m]))
-                self.card.set_resident(self.card.resident_bytes + self.part_bytes(i))
-            else:
-                try:
-                    m.to(self.device)
-                except BaseException:
-                    m.to("cpu")
-                    raise
-            self.awake.add(i)
-
-    def wake_all(self) -> None:
-        for i in range(len(self.parts)):
-            self.wake(i)
-
-    def sleep(self, names: tuple[str, ...] | None = None) -> int:
-        """The woken parts (those of ``names``; None: all) off the card again (the sampling guard
-        needs the room); returns the bytes moved."""
-        with self._lock:
-            which = [i for i in self.awake if names is None or self.parts[i][0] in names]
-            n = sum(self.part_bytes(i) for i in which)
-            if self.card is not None:
-                self.card.set_resident(max(0, self.card.resident_bytes - n))
-            else:
-                for i in which:
-                    self.parts[i][1].to("cpu")
-            self.awake.difference_update(which)
-            return n
-
-
-class _IdleView:
-    """The sampling guard's idle parts (its :class:`~lib_vram.webui.offload.IdleModels` protocol)
-    for a placed checkpoint: ``off`` puts the woken text encoders/VAE back to sleep, ``back`` leaves
-    them asleep (they wake when used)."""
-
-    stays_off = True
-    """After the pass the parts stay on the CPU until used (the sampling guard's log says so)."""
-
-    def __init__(self, parked: _Parked) -> None:
-        self.parked = parked
-        self.device = parked.device
-        self.move_seconds = 0.0
-        self.names = parked.awake_names
-        self.nbytes = parked.on_card_bytes
-        self._taken = False
-
-    @property
-    def is_off(self) -> bool:
-        return self._taken
-
-    def off(self, *, wake_on_use: bool = False) -> int:
-        n = self.parked.sleep()
-        self._taken = n > 0
-        return n
-
-    def back(self) -> None:
-        self._taken = False  # they stay on the CPU until used (the placement's rule)
-
-
-def _admit(card: emulate.EmulatedCard, tensors: list[torch.Tensor]) -> None:
-    """The emulated card admits ``tensors`` one at a time, as a copy to a GPU allocates them (each
-    may raise its out-of-memory error, and :attr:`EmulatedCard.inject_oom_at` counts them); after
-    it (or the error) they are resident weights again, known to the card but not live (the caller
-    sets the resident bytes)."""
-    seen: list[Any] = []
-    try:
-        for t in tensors:
-            st = t.untyped_storage()
-            seen.append(st)
-            card.ledger.remove(st)  # an adopted (resident) storage would not be admitted again
-            card.ledger.add(st)
-    finally:
-        for st in seen:
-            card.ledger.adopt(st)
+    return _tensors_of(_weight_modules(sd_model))
 
 
 @dataclass(eq=False)
@@ -282,11 +111,14 @@ class Placed:
     unet: torch.nn.Module
     plan: Any
     """The :class:`~lib_vram.sampling.StreamPlan` (nothing streamed when the UNet fits whole)."""
-    parked: _Parked
+    parked: tuple[tuple[str, torch.nn.Module], ...]
+    """The text encoders and the VAE: in host memory until used (the owner wakes them)."""
     device: torch.device
     card: emulate.EmulatedCard | None
     streamer: Any = None
     leftover_bytes: int = 0
+    owner: Any = None
+    """The session's :class:`~lib_vram.residency.Owner` (the parked parts' places)."""
     _logged: tuple[int, int, int, int] = (0, 0, 0, 0)
     """The streamer's (forwards, bytes in, prefetched, on demand) at the last log line."""
 
@@ -304,7 +136,7 @@ class Placed:
     @property
     def label(self) -> str:
         p = self.plan
-        parked = " and ".join(n for n, _ in self.parked.parts)
+        parked = " and ".join(n for n, _ in self.parked)
         return (
             f"checkpoint placed by VRAM Guard: UNet {self.unet_resident_bytes / MiB:.0f} of "
             f"{p.unet_bytes / MiB:.0f} MiB resident, {parked} on the CPU until used"
@@ -312,15 +144,30 @@ class Placed:
 
     def device_bytes(self) -> int:
         """What of the checkpoint is on the card now (between forwards)."""
-        return self.leftover_bytes + self.unet_resident_bytes + self.parked.on_card_bytes
+        return self.leftover_bytes + self.unet_resident_bytes + self.parked_on_card_bytes
+
+    def _woken(self) -> list[Any]:
+        """The owner's models of the parked parts that are on the card now."""
+        if self.owner is None:
+            return []
+        ids = {id(m) for _, m in self.parked}
+        models = self.owner.of(self.model)
+        return [m for m in models if id(getattr(m.mover, "module", None)) in ids and m.card_bytes]
+
+    @property
+    def parked_on_card_bytes(self) -> int:
+        """The woken parked parts' bytes (on the card now)."""
+        return sum(m.card_bytes for m in self._woken())
+
+    @property
+    def awake_names(self) -> str:
+        """The parked parts on the card now (woken, not yet home)."""
+        return ", ".join(m.name for m in self._woken())
 
     def recount(self) -> None:
         """The emulated card's resident bytes = what a GPU holds of the placed checkpoint."""
         if self.card is not None:
             self.card.set_resident(self.device_bytes())
-
-    def idle_view(self) -> _IdleView | None:
-        return _IdleView(self.parked) if self.parked.on_card_bytes else None
 
     def settle(self) -> None:
         """A pass ended (or was cut short): no streamed unit left on the card; its traffic logged."""
@@ -348,10 +195,14 @@ class Placed:
 class Placement:
     """The session's checkpoint placement (see the module docstring)."""
 
-    def __init__(self, host: Any, *, emulated: Any = None) -> None:
+    def __init__(self, host: Any, *, emulated: Any = None, cards: Any = None) -> None:
+        from .models import CardModels
+
         self.host = host
         self.emulated = emulated
         """``() -> EmulatedCard | None``: the session's emulated card."""
+        self.cards = cards if cards is not None else CardModels(host, emulated)
+        """The session's :class:`~lib_vram.webui.models.CardModels` (the owner of the card)."""
         self.stack: ExitStack | None = None
         self.placed: dict[int, Placed] = {}
         self.traps: dict[int, ExitStack] = {}
@@ -588,12 +439,12 @@ class Placement:
             logger.error("%s", exc)
             return None
 
-    def place(self, sd_model: Any) -> Placed:  # noqa: C901 (one sequence with its undo)
+    def place(self, sd_model: Any) -> Placed:
         """Place ``sd_model`` (see the module docstring). :class:`PlacementOutOfMemory` (one line)
         when the card cannot hold even the placed part or the move runs out of memory; every weight
         is then where it was."""
         from lib_vram import sampling
-        from lib_vram.sampling._plan import MAX_BUDGET
+        from lib_vram.residency import plan_checkpoint
 
         with self._lock:
             if id(sd_model) in self.placed:
@@ -608,25 +459,20 @@ class Placement:
             assert dm is not None
             device = self._device()
             card = self._card()
-            part_tensors = _tensors_of([m for _, m in parts])
-            unet_tensors = _tensors_of([dm])
-            skip = {id(t) for t in (*part_tensors, *unet_tensors)}
+            skip = {id(t) for t in _tensors_of([dm, *(m for _, m in parts)])}
             leftover = [t for t in _all_tensors(sd_model) if id(t) not in skip]
             leftover_bytes = _nbytes(leftover)
-            spec = sampling.unet_spec(dm)
             step = self._step(sd_model, dm)
-            budget = max(0, total - self._safety(total) - leftover_bytes)
-            plan = sampling.plan_stream(dm, spec, budget_bytes=min(budget, MAX_BUDGET), **step)
-            # the largest of the text encoders and VAE must find room beside the resident UNet when
-            # it wakes (between passes the activations' room is free): else keep less UNet resident
-            largest = max((_nbytes(_tensors_of([m])) for _, m in parts), default=0)
-            less = min(budget, MAX_BUDGET)
-            for _ in range(16):  # each round keeps fewer units resident; a few rounds settle it
-                short = largest - (budget - plan.resident_bytes)
-                if not plan.fits or short <= 0 or less == 0:
-                    break
-                less = max(0, less - max(short, MiB))
-                plan = sampling.plan_stream(dm, spec, budget_bytes=less, **step)
+            cp = plan_checkpoint(
+                dm,
+                sampling.unet_spec(dm),
+                card_bytes=total,
+                safety_bytes=self._safety(total),
+                leftover_bytes=leftover_bytes,
+                parked=[(n, _nbytes(_tensors_of([m]))) for n, m in parts],
+                **step,
+            )
+            plan = cp.stream
             if not plan.fits:
                 raise PlacementOutOfMemory(
                     f"VRAM Guard could not place the checkpoint ({ckpt / MiB:.0f} MiB) on the card "
@@ -634,8 +480,17 @@ class Placement:
                     f"streamed, a {step['latent_hw'][1] * 8}x{step['latent_hw'][0] * 8} px pass would run "
                     f"out of memory; use --lowvram"
                 )
-            parked = _Parked(tuple(parts), device, card)
-            placed = Placed(sd_model, dm, plan, parked, device, card, leftover_bytes=leftover_bytes)
+            self._check_host(cp)
+            placed = Placed(
+                sd_model,
+                dm,
+                plan,
+                tuple(parts),
+                device,
+                card,
+                leftover_bytes=leftover_bytes,
+                owner=self.cards.owner,
+            )
             resident_units = [dm.get_submodule(n) for n in plan.resident]
             to_card = leftover + _tensors_of(resident_units)
             if card is not None:
@@ -663,13 +518,31 @@ class Placement:
                 if is_oom_error(exc):
                     raise self._oom(ckpt, total, exc) from exc
                 raise
-            parked.hook()
-            parked.hook_unet(dm)
             self.placed[id(sd_model)] = placed
+            self.cards.report(sd_model, placed=placed)
             placed.recount()
             self.last_error = None
             logger.warning("VRAM Guard: %s (%s)", placed.label, self._plan_text(placed))
             return placed
+
+    def _check_host(self, cp: Any) -> None:
+        """One line when host memory has no room for the placement's host copies (the parked parts
+        and the streamed units): logged before anything moves; the placement goes on (the
+        operating system may swap), since the WebUI without it cannot run the checkpoint either."""
+        try:
+            import psutil
+
+            available = int(psutil.virtual_memory().available)
+        except (ImportError, OSError) as exc:
+            logger.debug("host memory unknown: %s", exc)
+            return
+        if cp.host_bytes > available:
+            logger.warning(
+                "VRAM Guard: the placed checkpoint keeps %.0f MiB in host memory (parked text encoders/VAE, "
+                "streamed UNet blocks) and %.0f MiB are available: the system may swap",
+                cp.host_bytes / MiB,
+                available / MiB,
+            )
 
     def _plan_text(self, placed: Placed) -> str:
         p = placed.plan
@@ -745,7 +618,8 @@ class Placement:
             placed = self.placed.pop(id(sd_model), None)
             if placed is None:
                 return
-            placed.parked.unhook()
+            if self.cards.group is sd_model:
+                self.cards.forget()  # its parts' wake hooks go; the owner forgets its places
             s = placed.streamer
             card = placed.card
             fits = to == "host-choice" and self._fits_card(placed)
@@ -753,11 +627,12 @@ class Placement:
                 try:
                     if s is not None:
                         s.restore()
-                    placed.parked.wake_all()
                     if card is None:
                         sd_model.to(placed.device)
                     else:
+                        _admit(card, _tensors_of([m for _, m in placed.parked]))
                         card.set_resident(_nbytes(_all_tensors(sd_model)))
+                    self.cards.report(sd_model)
                     logger.info("VRAM Guard: checkpoint placement undone: the checkpoint is on the card")
                     return
                 except (RuntimeError, torch.OutOfMemoryError) as exc:

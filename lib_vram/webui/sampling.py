@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -147,7 +148,7 @@ class SamplingGuard:
         self.passes: list[PassPlan] = []
         self._patch: Any = None
         self._dm: Any = None
-        self._idle: Any = None
+        self._stage: str | None = None
 
     # -- the pass ----------------------------------------------------------------------------
     def before(self, p: Any, stage: str, *, x: Any = None, c: Any = None, uc: Any = None) -> PassPlan | None:
@@ -164,6 +165,10 @@ class SamplingGuard:
             logger.debug("VRAM Guard: %s not guarded: %s", stage, skip)
             return None
         dm = job.host.unet_of(model).diffusion_model
+        cards = _cards(job)
+        if cards is not None:
+            cards.models(model)
+            cards.owner.settle()  # parts woken before the pass (the conditioning) go home first
         try:
             planned = self._plan(p, stage, model, dm, x, c, uc)
         except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
@@ -177,13 +182,21 @@ class SamplingGuard:
         self.passes.append(planned)
         self.stack = ExitStack()
         job.stack.callback(self.end)
+        cards = _cards(job)
+        if cards is not None:
+            owner = cards.owner
+            owner.begin(stage, busy=cards.models(model, ["UNet"]))
+            self.stack.callback(owner.end, stage)  # what moved for the pass goes home after it
+            self._stage = stage
         placed = _placed(job, model)
         if planned.placed and placed is not None:  # (checkpoint placement) its streamer stays in force:
             self.stack.callback(placed.settle)  # a pass cut short leaves no streamed unit on the card
             job.note(f"VRAM Guard: {placed.label}")
         try:
-            if planned.moved and self._idle is not None:
-                self._move_off(stage, "the sampling plan does not fit with them there")
+            if planned.moved:
+                self._move_off(
+                    stage, planned.moved.split(", "), "the sampling plan does not fit with them there"
+                )
             if planned.stream is not None:
                 planned.stream.enter(self.stack)
                 job.note(f"VRAM Guard: {stage.replace('_', ' ')}: {planned.stream.describe()}")
@@ -210,20 +223,7 @@ class SamplingGuard:
             if stack is not None:
                 stack.close()
         finally:
-            idle, self._idle = self._idle, None
-            if idle is not None and idle.is_off:
-                idle.back()
-                verb = "are" if "," in idle.names or idle.names.endswith("s") else "is"
-                if getattr(idle, "stays_off", False):  # a placed checkpoint's parts wake when used
-                    logger.info("VRAM Guard: sampling: the %s %s on the CPU until used", idle.names, verb)
-                else:
-                    logger.info(
-                        "VRAM Guard: sampling: the %s %s back on the card "
-                        "(the copies off and back took %.2f s)",
-                        idle.names,
-                        verb,
-                        idle.move_seconds,
-                    )
+            self._stage = None
 
     # -- deciding ----------------------------------------------------------------------------
     def _skip_reason(self, model: Any) -> str | None:
@@ -265,19 +265,16 @@ class SamplingGuard:
         dtype = _dtype_of(host, dm)
         free = free_bytes(device)
         unet_bytes = emulate.module_bytes([dm])
-        idle = self._movable(p, stage, model, device)
-        from .offload import idle_parts
-
-        parts = idle_parts(model, unet=False, text_encoders=True, vae=True)
-        on_card = [m for _, m in parts if _on(m, device)]
-        others = emulate.module_bytes(on_card)
+        idle = self._movable(p, stage, model)
+        cards = _cards(job)
+        parts = cards.models(model, ["text encoders", "VAE"]) if cards is not None else []
+        others = sum(m.card_bytes for m in parts)
         margin = int(getattr(job.settings, "sampling_margin_bytes", 0))
         budget = max(0, free + unet_bytes + others - margin)
         # -- the checkpoint placement (issue 22 item 2): its streamer is the UNet's; plan with what
         # it keeps on the card (resident part + stream buffer), never a second streamer
         inflate = 0
         if placed is not None:
-            others = placed.parked.on_card_bytes
             budget = max(0, free + placed.unet_resident_bytes + others - margin)
             inflate = max(0, unet_bytes - placed.unet_device_bytes)  # the plans count the whole UNet
         # --
@@ -288,10 +285,15 @@ class SamplingGuard:
         plan = sampling.plan_sampling(spec, resident_bytes=others, **kw)
         moved = ""
         if not plan.fits and idle is not None:
-            without = sampling.plan_sampling(spec, resident_bytes=max(0, others - idle.nbytes), **kw)
-            if without.fits:
-                plan, moved = without, idle.names
-                self._idle = idle
+            # the owner chooses the fewest bytes of them whose leaving lets the plan fit
+            def fits(freed: int) -> bool:
+                return sampling.plan_sampling(spec, resident_bytes=max(0, others - freed), **kw).fits
+
+            chosen = cards.owner.choose(idle.models, fits)
+            if chosen is not None:
+                freed = sum(m.card_bytes for m in chosen)
+                plan = sampling.plan_sampling(spec, resident_bytes=max(0, others - freed), **kw)
+                moved = ", ".join(m.name for m in chosen)
         error = streamed = None
         if placed is not None:  # (checkpoint placement) the placement's numbers, no streaming rung
             plan = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes - inflate)
@@ -330,7 +332,7 @@ class SamplingGuard:
                     ),
                 )
                 if idle is not None and not moved:
-                    moved, self._idle = idle.names, idle
+                    moved = idle.names
         if not plan.fits and streamed is None:
             # what would fit is said for the card VRAM Guard would give the pass: the idle parts
             # off it where they may move (with them counted, the UNet's weights plus them can
@@ -339,44 +341,59 @@ class SamplingGuard:
             plan = base  # the readout's "stopped: predicted N MiB" gives the line's numbers
         return PassPlan(stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, streamed)
 
-    def _movable(self, p: Any, stage: str, model: Any, device: torch.device) -> Any:
-        """The VAE and text encoders that may leave the card for this pass (None: none may)."""
+    def _movable(self, p: Any, stage: str, model: Any) -> _Idle | None:
+        """The VAE and text encoders on the card that may leave it for this pass (None: none may).
+        Not from a live preview's thread; not the VAE while live previews decode with it during the
+        pass; not the text encoders with a Refiner or a hires checkpoint (they compute new
+        conditioning mid-job); only the kinds the preset lets move. A placed checkpoint's woken
+        parts may always leave (they wake again when used)."""
         job = self.job
-        placed = _placed(job, model)
-        if placed is not None:  # (checkpoint placement) its parked parts, woken ones only
-            return placed.idle_view()
-        vae = not bool(_call(job.host, "live_previews_full", False))
-        switches = bool(getattr(p, "refiner_checkpoint", None)) or (
-            stage == "sampling" and bool(getattr(p, "hr_checkpoint_name", None))
-        )
-        idle = job.idle_models(stage, device, unet=False, text_encoders=not switches, vae=vae)
-        return idle
+        cards = _cards(job)
+        if cards is None or threading.get_ident() != job.thread:
+            return None
+        names = {"VAE", "text encoders"}
+        if _placed(job, model) is None:
+            s = job.settings
+            switches = bool(getattr(p, "refiner_checkpoint", None)) or (
+                stage == "sampling" and bool(getattr(p, "hr_checkpoint_name", None))
+            )
+            if switches or not s.offload_text_encoders:
+                names.discard("text encoders")
+            if bool(_call(job.host, "live_previews_full", False)) or not s.offload_unet:
+                names.discard("VAE")
+        mine = {id(m) for m in cards.models(model)}  # (reported first when the owner has not seen it)
+        cands = [m for m in cards.owner.candidates() if id(m) in mine and m.name in names]
+        return _Idle(cands) if cands else None
 
     # -- acting ------------------------------------------------------------------------------
-    def _move_off(self, stage: str, why: str) -> None:
-        idle = self._idle
+    def _move_off(self, stage: str, names: list[str], why: str) -> bool:
+        """The owner sends ``names`` to host memory for the pass (back after it); False when a move
+        ran out of memory (those moved stay off until the pass ends, the pass may run out)."""
+        job = self.job
+        cards = _cards(job)
+        model = job.current_model()
         try:
-            moved = idle.off(wake_on_use=True)
+            room = cards.room(stage, model, movable=names, why=f"{stage.replace('_', ' ')}: {why}")
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
-            moved = None
-        if moved is None:  # out of the except block: what the failed copy held is gone
-            release(idle.device)
-            self.job.warn_once(
+            room = None
+        if room is None:  # out of the except block: what the failed copy held is gone
+            release(cards.device())
+            job.warn_once(
                 "sampling-move-failed",
-                f"VRAM Guard: {stage.replace('_', ' ')}: moving the {idle.names} off the card ran out "
+                f"VRAM Guard: {stage.replace('_', ' ')}: moving the {', '.join(names)} off the card ran out "
                 "of memory; they stay (the pass may run out of memory)",
             )
-            self._idle = None
-            return
+            return False
         text = (
-            f"{stage.replace('_', ' ')}: moved the {idle.names} ({moved / 2**30:.2f} GiB) off the card "
+            f"{stage.replace('_', ' ')}: moved the {room.names} ({room.nbytes / 2**30:.2f} GiB) off the card "
             f"for this pass: {why}"
         )
-        self.job.note(f"VRAM Guard: {text}")
-        self.job.tracker.event("offload", text, at=stage, moved_bytes=moved)
-        self.job.tracker.sample("offload")
+        job.note(f"VRAM Guard: {text}", log=False)  # (the owner logged each move)
+        job.tracker.event("offload", text, at=stage, moved_bytes=room.nbytes)
+        job.tracker.sample("offload")
+        return bool(room.moved)
 
     def _install(self, dm: Any, planned: PassPlan) -> None:
         from lib_vram.sampling import micro_batched
@@ -423,22 +440,19 @@ class SamplingGuard:
         self._dm = dm
 
     def _react(self, planned: PassPlan) -> bool:
-        """An out-of-memory error in the pass's first step even at micro-batch 1: move the parts
-        that may move off the card (once); True when something moved."""
-        if self._idle is not None and self._idle.is_off:
+        """An out-of-memory error in the pass's first step even at micro-batch 1: the parts that
+        may move leave the card (once); True when something moved."""
+        if planned.moved:
             return False
-        job = self.job
-        model = job.current_model()
-        device = dm_device(self._dm) if self._dm is not None else job.device
-        idle = self._movable(job.p, planned.stage, model, device)
+        idle = self._movable(self.job.p, planned.stage, self.job.current_model())
         if idle is None:
             return False
-        self._idle = idle
-        self._move_off(planned.stage, "its first step ran out of memory with them there")
-        if self._idle is None:
+        if not self._move_off(
+            planned.stage, idle.names.split(", "), "its first step ran out of memory with them there"
+        ):
             return False
         planned.moved = idle.names
-        job.tracker.note(plan=f"{planned.label()} after OOM")
+        self.job.tracker.note(plan=f"{planned.label()} after OOM")
         return True
 
     def _record(self, planned: PassPlan) -> None:
@@ -475,6 +489,29 @@ class SamplingGuard:
             job.note(planned.error, logging.WARNING)  # (the line starts "VRAM Guard stopped ...")
 
 
+@dataclasses.dataclass
+class _Idle:
+    """The owner's models that may leave the card for a pass."""
+
+    models: list
+
+    @property
+    def names(self) -> str:
+        return ", ".join(m.name for m in self.models)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.card_bytes for m in self.models)
+
+
+def _cards(job: Any) -> Any:
+    """The session's :class:`~lib_vram.webui.models.CardModels` (None: no session, no card)."""
+    session = getattr(job, "session", None)
+    get = getattr(session, "card_models", None)
+    cards = get() if callable(get) else None
+    return cards if cards is not None and cards.has_card() else None
+
+
 def _placed(job: Any, model: Any) -> Any:
     """The checkpoint placement's :class:`~lib_vram.webui.placement.Placed` of ``model``, or None."""
     placement = getattr(getattr(job, "session", None), "placement", None)
@@ -501,14 +538,6 @@ def dm_device(dm: Any) -> torch.device:
     are in host memory between forwards), else the CPU."""
     first = next((t for t in dm.parameters() if t.device.type != "cpu"), None)
     return first.device if first is not None else torch.device("cpu")
-
-
-def _on(module: torch.nn.Module, device: torch.device) -> bool:
-    first = next(module.parameters(), None)
-    if first is None:
-        return False
-    where = first.device
-    return where.type == device.type and (where.index == device.index or device.index is None)
 
 
 def _call(host: Any, name: str, default: Any) -> Any:

@@ -67,6 +67,7 @@ class Session:
         """'Profile the next job' (:mod:`.profiling`)."""
         self.placement: Any = None
         """The :class:`~lib_vram.webui.placement.Placement` (checkpoint placement), or None."""
+        self._cards: Any = None
 
     # -- jobs --------------------------------------------------------------------------------
     def remember_api_defaults(self, values: list, start: int, saved: list) -> None:
@@ -114,6 +115,8 @@ class Session:
             self.emulation.model_changed(sd_model)
         if self.placement is not None:
             self.placement.model_loaded(sd_model)  # after the card's count: the placement's wins
+        if self.placement is None or self.placement.placed_for(sd_model) is None:
+            self.card_models().report(sd_model)  # (a placed one was reported with its homes)
         for job in self.open_jobs():
             if job.current():
                 job.hook_vae(self.host.vae_of(sd_model))
@@ -142,6 +145,14 @@ class Session:
         """The :class:`~lib_vram.core.emulate.EmulatedCard` every job runs on, or None."""
         return None if self.emulation is None else self.emulation.card
 
+    def card_models(self) -> Any:
+        """The one owner of the card and the checkpoint's models in it (:mod:`.models`)."""
+        if self._cards is None:
+            from .models import CardModels
+
+            self._cards = CardModels(self.host, self.emulated_card)
+        return self._cards
+
     # -- the checkpoint placement (issue 22 item 2) ------------------------------------------
     def start_placement(self) -> Any:
         """Create (once) and refresh the checkpoint placement (:mod:`.placement`): patches on while
@@ -149,7 +160,7 @@ class Session:
         from .placement import Placement
 
         if self.placement is None:
-            self.placement = Placement(self.host, emulated=self.emulated_card)
+            self.placement = Placement(self.host, emulated=self.emulated_card, cards=self.card_models())
         self.placement.refresh()
         return self.placement
 
@@ -235,6 +246,9 @@ class Session:
         )
         if placed is not None:
             payload["placement"] = placed
+        if self._cards is not None and self._cards.owner.models:
+            payload["models"] = self._cards.snapshot()  # where each model is now
+            payload["moves"] = [m.text for m in self._cards.owner.moves][-8:]
         card = self.emulated_card()
         if card is not None:
             # ``--vram-guard-emulate-vram``: capacity, resident (the checkpoint), use, the last job's

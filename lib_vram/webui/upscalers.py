@@ -179,23 +179,30 @@ def upscale(
 
         moved = ""
         try:
-            idle = job.idle_models(stage, torch.device(device), unet=True, text_encoders=True)
-            why = None
-            if idle is not None and not smallest_plan_fits(engine, model, bgr, config):
-                why = "the upscaler's model and its smallest plan do not fit with them there"
-            else:
+            with job.owned_stage(stage):
+                failed = None
+                if job.may_make_room(stage) and not smallest_plan_fits(engine, model, bgr, config):
+                    moved = job.make_room(
+                        stage, "the upscaler's model and its smallest plan do not fit with them there"
+                    )
                 try:
                     out = attempt(report)
                 except (engine.UpscaleError, torch.OutOfMemoryError) as exc:
-                    if idle is None or not _out_of_memory(exc):
+                    if moved or not job.may_make_room(stage) or not _out_of_memory(exc):
                         raise
-                    why = "it ran out of memory with them there, even with the smallest tile"
+                    failed = exc if not isinstance(exc, torch.OutOfMemoryError) else None
                     logger.info("VRAM Guard: %s: %s", stage.replace("_", " "), exc)
+                    retry = True
+                else:
+                    retry = False
+                if retry:  # out of the except block (its traceback holds the failed upscale)
                     report = engine.UpscaleReport()
-            if why is not None:  # out of the except block (its traceback holds the failed upscale)
-                with job.moved_off(idle, stage, why):
+                    moved = job.make_room(
+                        stage, "it ran out of memory with them there, even with the smallest tile"
+                    )
+                    if not moved and failed is not None:
+                        raise failed
                     out = attempt(report)
-                moved = idle.names
         except engine.Interrupted:
             # What the WebUI's own tiled upscale does when interrupted: hand back the input.
             job.tracker.note(plan="interrupted")
