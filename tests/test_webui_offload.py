@@ -26,7 +26,7 @@ from lib_vram.planning import planner
 from lib_vram.vae import TiledVAEConfig, VAEOutOfMemory, VAEReport
 from lib_vram.webui import ScriptJobs, Session
 from lib_vram.webui.emulation import WebUICard
-from lib_vram.webui.offload import find_idle_models, idle_parts
+from lib_vram.webui.models import CardModels, checkpoint_parts
 from lib_vram.webui.options import VRAMGuardOptions
 
 BIG = 2**34
@@ -143,7 +143,9 @@ def test_a_pass_that_fits_only_without_the_idle_models_moves_them_off_and_back(k
     assert np.abs((r.out - ref.out).numpy()).max() <= VAE_EXACT  # tiled on the small card, or not
     moved = [n for n in r.notes if "off the card for this pass" in n]
     assert len(moved) == 1 and "UNet, text encoders" in moved[0] and "plan does not fit" in moved[0]
-    assert r.resident_during == [r.resident_before - IDLE_BYTES, r.resident_before]
+    # each model moves on its own (the owner logs each move): off one by one, back one by one
+    d = r.resident_during
+    assert len(d) == 4 and d[1] == min(d) == r.resident_before - IDLE_BYTES and d[-1] == r.resident_before, d
     events = r.status["timeline"]["events"]
     assert any(e["kind"] == "offload" for e in events), events
     plans = [st["plan"] for st in r.status["stages"] if st["stage"] in ("decode", "encode")]
@@ -255,46 +257,18 @@ def test_plan_pass_is_the_plan_the_engine_runs():
             assert rep.plan.split(" x")[0] == plan.plan, (config, type(module).__name__)
 
 
-def test_the_parts_found_are_the_checkpoints_unet_and_text_encoders():
-    names = [n for n, _ in idle_parts(MODEL, unet=True, text_encoders=True)]
+def test_the_owner_is_told_the_checkpoints_unet_text_encoders_and_vae():
+    names = [n for n, _ in checkpoint_parts(MODEL, vae=False)]
     assert names == ["UNet", "text encoders"]
-    assert [n for n, _ in idle_parts(MODEL, unet=False, text_encoders=True)] == ["text encoders"]
-    # on a plain CPU (no emulated card) nothing is "on the card": nothing to move
-    assert find_idle_models(MODEL, unet=True, text_encoders=True, device=torch.device("cpu")) is None
+    assert [n for n, _ in checkpoint_parts(MODEL, unet=False, vae=False)] == ["text encoders"]
+    # on a plain CPU (no emulated card) nothing is "on the card": nothing is reported, nothing moves
+    assert CardModels(FakeHost(MODEL)).report(MODEL) == []
     forge = SimpleNamespace(**vars(MODEL), forge_objects=object())
     card = emulate.EmulatedCard(BIG)
     with emulate.running_on(card):
-        found = find_idle_models(MODEL, unet=True, text_encoders=True, device=torch.device("cpu"))
-        assert found is not None and found.nbytes == IDLE_BYTES
-        assert find_idle_models(forge, unet=True, text_encoders=True, device=torch.device("cpu")) is None
-
-
-def test_the_move_back_after_an_out_of_memory_error_releases_and_tries_once_more(monkeypatch):
-    """The device path (a GPU: real copies, ``module.to``), run here with the CPU as the device:
-    the copy back that runs out of memory (what the failed pass left in the allocator's cache)
-    releases the cache and tries again, so the sampler gets its weights back."""
-    from lib_vram.webui import offload
-
-    unet = tiny_unet(seed=5)
-    calls: list[str] = []
-    real_to = unet.to
-
-    def to(device: Any) -> Any:
-        calls.append(str(device))
-        if len(calls) == 2:  # the first move back
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
-        return real_to(device)
-
-    monkeypatch.setattr(unet, "to", to)
-    released: list[Any] = []
-    monkeypatch.setattr(offload, "release", lambda device: released.append(device))
-    idle = offload.IdleModels((("UNet", unet),), torch.device("cpu"))
-    with idle.moved_off() as n:
-        assert n == emulate.module_bytes([unet]) > 0
-    assert calls == ["cpu", "cpu", "cpu"] and released == [torch.device("cpu")]
-    # an error that is not out-of-memory is not hidden
-    calls.clear()
-    monkeypatch.setattr(unet, "to", lambda device: (calls.append(str(device)), real_to(device))[1])
-    with pytest.raises(RuntimeError, match="boom"), idle.moved_off():
-        raise RuntimeError("boom")
-    assert calls == ["cpu", "cpu"]  # moved back after the pass's own error
+        cards = CardModels(FakeHost(MODEL))
+        found = cards.report(MODEL)
+        assert [m.name for m in found if m.name != "VAE"] == ["UNet", "text encoders"]
+        assert sum(m.nbytes for m in found if m.name != "VAE") == IDLE_BYTES
+        assert all(m.where == "card" and m.home == "card" for m in found)
+        assert CardModels(FakeHost(MODEL)).report(forge) == []

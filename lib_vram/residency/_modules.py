@@ -90,6 +90,17 @@ class ModuleMover:
                     raise
             self.unhook()
 
+    def return_home(self) -> None:
+        """Back to the card it left for a stage. On the emulated card its bytes count again as
+        resident (they were before the stage; the count is restored as a GPU's free memory would
+        be); on a GPU this is :meth:`to_card`."""
+        with self._lock:
+            if self.card is None:
+                self.to_card()
+                return
+            self.card.set_resident(self.card.resident_bytes + self.nbytes)
+            self.unhook()
+
     def to_host(self) -> None:
         with self._lock:
             if self.card is not None:

@@ -276,6 +276,7 @@ class Owner:
                     return Room(stage, False)
                 chosen = list(cands)
             moved = []
+            self._stages.setdefault(stage, [])  # (undone by end(stage), begun or not)
             for m in chosen:
                 self._move(m, HOST, stage, why or f"{stage.replace('_', ' ')} needs the room")
                 moved.append(m)
@@ -343,12 +344,16 @@ class Owner:
         else:
             self._loose.append((model, was))
 
-    def _move(self, model: Model, to: str, stage: str, why: str, *, record: bool = True) -> None:
+    def _move(
+        self, model: Model, to: str, stage: str, why: str, *, record: bool = True, home: bool = False
+    ) -> None:
         was = model.where
         if was == to:
             return
         t0 = time.perf_counter()
-        if to == CARD:
+        if to == CARD and home:
+            getattr(model.mover, "return_home", model.mover.to_card)()
+        elif to == CARD:
             model.mover.to_card()
         else:
             model.mover.to_host()
@@ -376,14 +381,14 @@ class Owner:
             if model.where == target or (model.home == STREAMED and model.where == STREAMED):
                 continue
             try:
-                self._move(model, target, "", why, record=False)
+                self._move(model, target, "", why, record=False, home=True)
             except Exception as exc:
                 if target != CARD or not _is_oom(exc):
                     raise
                 if self.release is not None:
                     self.release()
                 try:
-                    self._move(model, target, "", why, record=False)
+                    self._move(model, target, "", why, record=False, home=True)
                 except Exception as again:
                     if not _is_oom(again):
                         raise
