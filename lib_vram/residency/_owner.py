@@ -278,7 +278,8 @@ class Owner:
                     return Room(stage, False)
                 chosen = list(cands)
             moved = []
-            self._stages.setdefault(stage, [])  # (undone by end(stage), begun or not)
+            if stage:
+                self._stages.setdefault(stage, [])  # (undone by end(stage), begun or not)
             for m in chosen:
                 self._move(m, HOST, stage, why or f"{stage.replace('_', ' ')} needs the room")
                 moved.append(m)
@@ -291,8 +292,9 @@ class Owner:
             if model.where != HOST:
                 return
             what = why or f"{stage.replace('_', ' ') or 'a module of it runs'}"
+            stage = stage or (self._order[-1] if self._order else "")  # "": undone by settle()
             self.room(
-                stage or "use",
+                stage,
                 [model],
                 lambda freed: model.nbytes <= self.free() + freed,
                 why=f"the {model.name} need{'' if model.name.endswith('s') else 's'} the room",

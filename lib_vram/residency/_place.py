@@ -76,6 +76,18 @@ class CheckpointPlan:
         return rows
 
 
+def host_shortfall(nbytes: int) -> int | None:
+    """The host memory available now when ``nbytes`` do not fit in it (None: they fit, or the
+    machine cannot tell)."""
+    try:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    except (ImportError, OSError):
+        return None
+    return available if nbytes > available else None
+
+
 def plan_checkpoint(
     unet: torch.nn.Module | Sequence[tuple[str, int]],
     spec: UNetSpec,
