@@ -30,8 +30,10 @@ def _stage(rep: dict, name: str) -> dict:
 
 
 def test_sdxl_2048_decode_plans_to_fit_4gb(capsys):
-    rc, rep = _plan(capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "4GB")
-    # the decode fits; SDXL's sampling does not on 4 GB (its UNet alone is 4.8 GiB): exit 3
+    rc, rep = _plan(
+        capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "4GB", "--no-place"
+    )
+    # the decode fits; SDXL's sampling does not on 4 GB unplaced (its UNet alone is 4.8 GiB): exit 3
     assert rc == 3 and not _stage(rep, "sample")["fits"]
     assert rep["preset"] == "Auto" and rep["resolved_from"] == "4GB" and rep["emulated"]
     dec = _stage(rep, "vae_decode")
@@ -195,7 +197,9 @@ def test_bench_checks_the_device_first(capsys, target):
 
 
 def _sdxl_6144(capsys, vram: str, *extra: str) -> tuple[int, dict]:
-    return _plan(capsys, "--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", vram, *extra)
+    """The plain plan (not placed: the checkpoint placement is the WebUI's option)."""
+    argv = ("--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", vram, *extra)
+    return _plan(capsys, *argv, *(() if "--medvram" in extra else ("--no-place",)))
 
 
 def test_a_decode_that_fits_only_without_the_idle_models_plans_them_off_the_card(capsys):
@@ -213,7 +217,9 @@ def test_a_decode_that_fits_only_without_the_idle_models_plans_them_off_the_card
     a = vae_arch("sdxl")
     assert dec["predicted_peak_bytes"] + a.unet_bytes + a.text_encoder_bytes > dec["budget_bytes"]
     # a smaller image fits beside them: nothing moves
-    rc, rep = _plan(capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "8GB")
+    rc, rep = _plan(
+        capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "8GB", "--no-place"
+    )
     dec = _stage(rep, "vae_decode")
     assert dec["moved_off_card"] == [] and dec["resident_bytes"] == a.unet_bytes + a.text_encoder_bytes
 
@@ -225,8 +231,11 @@ def test_a_card_the_models_alone_fill_is_planned_as_the_hosts_own_swapping(capsy
     rc, rep = _sdxl_6144(capsys, "8GB", "--medvram")
     assert rep["host_swaps_models"] == "flag"
     assert all(s["resident_bytes"] == 0 for s in rep["stages"])
-    # SDXL's sampling does not fit 4 GB at any size (its UNet alone is 4.8 GiB): exit 3, said
-    assert main(["plan", "--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", "4GB"]) == 3
+    # unplaced, SDXL's sampling does not fit 4 GB at any size (its UNet alone is 4.8 GiB): exit 3, said
+    assert (
+        main(["plan", "--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", "4GB", "--no-place"])
+        == 3
+    )
     out = capsys.readouterr().out
     assert "--medvram/--lowvram" in out and "weights alone do not fit" in out
 
@@ -270,7 +279,7 @@ def test_sampling_micro_batches_when_activations_do_not_fit(capsys):
 
 
 def test_idle_models_leave_the_card_for_sampling_only_when_needed(capsys):
-    sd15 = ("--arch", "sd15", "--width", "512", "--height", "512", "--attention", "sdp")
+    sd15 = ("--arch", "sd15", "--width", "512", "--height", "512", "--attention", "sdp", "--no-place")
     rc, rep = _plan(capsys, *sd15, "--vram", "2.4GB")
     s = _stage(rep, "sample")
     assert s["fits"] and s["moved_off_card"] == [] and s["resident_bytes"] > 0  # VAE, text encoders stay
