@@ -335,12 +335,12 @@ def _placement_lines(report: dict) -> list[str]:
         f"({_gib(p['working_margin_bytes'])})"
     )
     if report["placed_by"] == "flag" and not p["needed"]:
-        why = f"--place; the WebUI would not place it: {sizes} fit the card"
+        why = f"--place (the WebUI would not place it: {sizes} fit the card)"
     else:
-        why = ("--place: " if report["placed_by"] == "flag" else "") + f"{sizes} do not fit the card"
+        why = ("--place; " if report["placed_by"] == "flag" else "") + f"{sizes} do not fit the card"
     return [
-        f"checkpoint placed, as the WebUI runs it with --vram-guard-place-checkpoint ({why}; "
-        "--no-place: the plain plan)",
+        f"checkpoint placed, as the WebUI runs it with --vram-guard-place-checkpoint: {why}; "
+        "--no-place: the plain plan",
         f"  {unet}; {parked} on the CPU until used",
         f"  host memory it needs: {_gib(p['host_bytes'])} (the parked parts, the streamed units' copies); "
         f"placed for a {d['width']}x{d['height']} pass at batch {d['batch']}, {d['context_tokens']} tokens, "
@@ -353,7 +353,7 @@ def _placed_rows(report: dict) -> list[str]:
     sampling stages' bytes moved per step against ``--lowvram``'s."""
     where = {"card": "card", "host": "CPU"}
     names = [m["name"] for m in report["stages"][0]["models"]]
-    rows = [("stage", *names, "on the card", "streamed", "moved per step", "--lowvram", "ratio")]
+    rows = [("stage", *names, "resident", "streamed", "moved per step", "--lowvram", "ratio")]
     for s in report["stages"]:
         cells = []
         for m in s["models"]:

@@ -547,7 +547,9 @@ class PlacedCheckpoint:
         )
         has = f"the card has {cp.card_bytes / MiB:.0f} MiB"
         name, b = max(cp.parked, key=lambda p: p[1])
+        lowvram = " (or the WebUI's --lowvram)"
         if cp.safety_bytes + cp.leftover_bytes + b > cp.card_bytes or st.fits:
+            lowvram = ""  # (--lowvram brings them to the card as well)
             # (a parked part larger than the budget: plan_checkpoint's rounds keep less and less of
             # the UNet resident until the stream no longer fits either; the part is the reason)
             need = cp.safety_bytes + cp.leftover_bytes + (cp.unet_resident_bytes if st.fits else 0) + b
@@ -564,7 +566,7 @@ class PlacedCheckpoint:
             why = f"a {self.side}x{self.side} px pass does not fit: {'; '.join(st.notes)}; {has}"
         return (
             f"the checkpoint cannot be placed on this card: even with the text encoders and VAE on the "
-            f"CPU until used and the UNet streamed, {why}: {card} (or the WebUI's --lowvram)"
+            f"CPU until used and the UNet streamed, {why}: {card}{lowvram}"
         )
 
     def to_dict(self) -> dict:
