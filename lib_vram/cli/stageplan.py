@@ -390,7 +390,8 @@ def plan_job(
     vae_dtype = resolve_precision(preset.precision_vae, caps)
     up_dtype = resolve_precision(preset.precision_upscale, caps)
     # The UNet and text encoders stay on the card; a VAE pass whose plan does not fit with them
-    # there moves the ones the preset allows off for that pass (lib_vram.webui.offload does it).
+    # there moves the ones the preset allows off for that pass (the owner of the card,
+    # lib_vram.residency, does it).
     # With ``host_swaps`` (the WebUI's --medvram/--lowvram) the host keeps them off the card
     # outside sampling itself.
     resident = 0 if host_swaps else a.unet_bytes + a.text_encoder_bytes

@@ -123,6 +123,8 @@ class Move:
 
     @property
     def text(self) -> str:
+        if self.to == STREAMED:
+            return f"{self.name} streamed ({self.nbytes / MiB:.0f} MiB of it off the card): {self.why}"
         dest = "to the card" if self.to == CARD else "to the CPU"
         return f"{self.name} ({self.nbytes / MiB:.0f} MiB) {dest}: {self.why}"
 
@@ -296,6 +298,22 @@ class Owner:
                 why=f"the {model.name} need{'' if model.name.endswith('s') else 's'} the room",
             )
             self._move(model, CARD, stage, what)
+
+    def streams(self, model: Model, resident_bytes: int, stage: str, why: str) -> Callable[[], None]:
+        """``model`` streams for ``stage`` (its streamer moves the weights): ``resident_bytes`` of it
+        stay on the card. Returns the undo (the stage's end: the whole model on the card again)."""
+        with self._lock:
+            was = (model.where, model.resident_bytes)
+            model.where, model.resident_bytes = STREAMED, resident_bytes
+            text = f"{model.name} streams for {stage.replace('_', ' ')}: {resident_bytes / MiB:.0f} of "
+            self.moves.append(Move(model.name, STREAMED, stage, why, model.nbytes - resident_bytes, 0.0))
+            logger.info("VRAM Guard: %s%.0f MiB resident: %s", text, model.nbytes / MiB, why)
+
+        def undo() -> None:
+            with self._lock:
+                model.where, model.resident_bytes = was
+
+        return undo
 
     def settle(self, keep: Iterable[Model] = (), roles: Iterable[str] | None = None) -> int:
         """Models woken outside any stage go home unless in ``keep`` or busy (``roles``: only

@@ -366,6 +366,7 @@ class Placement:
                     "VRAM Guard: the checkpoint (%.0f MiB) does not fit the card: it loads into host memory",
                     est / MiB,
                 )
+                _check_host_room(est, "the checkpoint loads into host memory to be placed")
                 return torch.device("cpu")
         return previous(m)
 
@@ -526,23 +527,9 @@ class Placement:
             return placed
 
     def _check_host(self, cp: Any) -> None:
-        """One line when host memory has no room for the placement's host copies (the parked parts
-        and the streamed units): logged before anything moves; the placement goes on (the
-        operating system may swap), since the WebUI without it cannot run the checkpoint either."""
-        try:
-            import psutil
-
-            available = int(psutil.virtual_memory().available)
-        except (ImportError, OSError) as exc:
-            logger.debug("host memory unknown: %s", exc)
-            return
-        if cp.host_bytes > available:
-            logger.warning(
-                "VRAM Guard: the placed checkpoint keeps %.0f MiB in host memory (parked text encoders/VAE, "
-                "streamed UNet blocks) and %.0f MiB are available: the system may swap",
-                cp.host_bytes / MiB,
-                available / MiB,
-            )
+        _check_host_room(
+            cp.host_bytes, "the placed checkpoint keeps its parked parts and streamed blocks there"
+        )
 
     def _plan_text(self, placed: Placed) -> str:
         p = placed.plan
@@ -686,6 +673,28 @@ class Placement:
         if why is not None:
             return f"checkpoint placement {why}"
         return "checkpoint placement on: the checkpoint fits the card, nothing placed"
+
+
+def _check_host_room(nbytes: int, what: str) -> bool:
+    """One line when host memory has no room for ``nbytes`` (logged before anything moves; the
+    placement goes on: the system may swap, and the WebUI without it cannot run the checkpoint
+    either). True when it fits or cannot be told."""
+    try:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    except (ImportError, OSError) as exc:
+        logger.debug("host memory unknown: %s", exc)
+        return True
+    if nbytes <= available:
+        return True
+    logger.warning(
+        "VRAM Guard: host memory: %s (%.0f MiB) and %.0f MiB are available: the system may swap",
+        what,
+        nbytes / MiB,
+        available / MiB,
+    )
+    return False
 
 
 def _opt(host: Any, key: str, default: Any) -> Any:
