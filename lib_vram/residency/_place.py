@@ -43,8 +43,15 @@ class CheckpointPlan:
     """(name, bytes) of the parts in host memory until used (text encoders, VAE)."""
 
     @property
+    def budget_bytes(self) -> int:
+        return max(0, self.card_bytes - self.safety_bytes - self.leftover_bytes)
+
+    @property
     def fits(self) -> bool:
-        return self.stream.fits
+        """The default pass fits, and the largest parked part finds room beside the resident UNet
+        when it wakes."""
+        room = self.budget_bytes - self.unet_resident_bytes
+        return self.stream.fits and self.largest_parked_bytes <= room
 
     @property
     def checkpoint_bytes(self) -> int:

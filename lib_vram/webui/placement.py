@@ -453,7 +453,7 @@ class Placement:
                 **step,
             )
             plan = cp.stream
-            if not plan.fits:
+            if not cp.fits:
                 raise PlacementOutOfMemory(
                     f"VRAM Guard could not place the checkpoint ({ckpt / MiB:.0f} MiB) on the card "
                     f"({total / MiB:.0f} MiB): even with the text encoders and VAE on the CPU and the UNet "
