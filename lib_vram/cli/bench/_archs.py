@@ -28,283 +28,78 @@ def _compact(scale: int) -> torch.nn.Module:
     return make_imagelike_compact(net)
 
 
-def _swinir() -> torch.nn.Module:
-    from spandrel.architectures.SwinIR import SwinIR
+def _spandrel(name: str, **kwargs: object) -> Callable[[], torch.nn.Module]:
+    """A builder of the spandrel class ``name`` (``Module.Class`` under ``spandrel.architectures``)."""
 
-    return SwinIR(
-        embed_dim=12,
-        depths=[2],
-        num_heads=[2],
-        window_size=8,
-        upscale=2,
-        upsampler="pixelshuffle",
-        mlp_ratio=2.0,
-    )
+    def build() -> torch.nn.Module:
+        import importlib
 
+        module, _, cls = name.rpartition(".")
+        return getattr(importlib.import_module(f"spandrel.architectures.{module}"), cls)(**kwargs)
 
-def _hat() -> torch.nn.Module:
-    from spandrel.architectures.HAT import HAT
+    return build
 
-    return HAT(
-        embed_dim=12,
-        depths=(2,),
-        num_heads=(2,),
-        window_size=8,
-        upscale=2,
-        num_feat=16,
-        squeeze_factor=4,
-        compress_ratio=3,
-        mlp_ratio=2.0,
-    )
 
-
-def _swin2sr() -> torch.nn.Module:
-    from spandrel.architectures.Swin2SR import Swin2SR
-
-    return Swin2SR(
-        embed_dim=12,
-        depths=[2],
-        num_heads=[2],
-        window_size=8,
-        upscale=2,
-        upsampler="pixelshuffle",
-        mlp_ratio=2.0,
-    )
-
-
-def _dat() -> torch.nn.Module:
-    from spandrel.architectures.DAT import DAT
-
-    return DAT(embed_dim=16, split_size=[4, 8], depth=[2], num_heads=[2], upscale=2, expansion_factor=2.0)
-
-
-def _omnisr() -> torch.nn.Module:
-    from spandrel.architectures.OmniSR import OmniSR
-
-    return OmniSR(num_feat=16, block_num=1, window_size=8, res_num=1, up_scale=2)
-
-
-def _realcugan() -> torch.nn.Module:
-    from spandrel.architectures.RealCUGAN import UpCunet2x
-
-    return UpCunet2x()
-
-
-def _scunet() -> torch.nn.Module:
-    from spandrel.architectures.SCUNet import SCUNet
-
-    return SCUNet(config=[1, 1, 1, 1, 1, 1, 1], dim=64)
-
-
-def _span() -> torch.nn.Module:
-    from spandrel.architectures.SPAN import SPAN
-
-    return SPAN(num_in_ch=3, num_out_ch=3, feature_channels=8, upscale=2)
-
-
-def _plksr() -> torch.nn.Module:
-    from spandrel.architectures.PLKSR import PLKSR
-
-    return PLKSR(dim=16, n_blocks=2, upscaling_factor=2, kernel_size=9)
-
-
-def _safmn() -> torch.nn.Module:
-    from spandrel.architectures.SAFMN import SAFMN
-
-    return SAFMN(dim=8, n_blocks=1, upscaling_factor=2)
-
-
-def _ditn() -> torch.nn.Module:
-    from spandrel.architectures.DITN.arch.DITN_Real import DITN_Real
-
-    return DITN_Real(dim=12, ITL_blocks=1, SAL_blocks=1, UFONE_blocks=1, patch_size=8, upscale=2)
-
-
-def _drct() -> torch.nn.Module:
-    from spandrel.architectures.DRCT import DRCT
-
-    return DRCT(
-        embed_dim=12, depths=(1,), num_heads=(2,), window_size=8, upscale=2, upsampler="pixelshuffle", gc=8
-    )
-
-
-# -- every other image-to-image architecture spandrel 0.3.4 registers (built tiny) -----------------
-
-
-def _atd() -> torch.nn.Module:
-    from spandrel.architectures.ATD import ATD
-
-    return ATD(
-        embed_dim=12, depths=(2,), num_heads=(2,), window_size=8, category_size=32, num_tokens=8,
-        reducted_dim=4, convffn_kernel_size=3, mlp_ratio=2.0, upscale=2, upsampler="pixelshuffle",
-    )  # fmt: skip
-
-
-def _craft() -> torch.nn.Module:
-    from spandrel.architectures.CRAFT import CRAFT
-
-    return CRAFT(embed_dim=12, depths=[1], num_heads=[2], window_size=16, split_size_0=4, split_size_1=16,
-                 mlp_ratio=2.0, upscale=2)  # fmt: skip
-
-
-def _dctlsa() -> torch.nn.Module:
-    from spandrel.architectures.DCTLSA import DCTLSA
-
-    return DCTLSA(nf=10, num_modules=6, upscale=2, num_head=5)  # spandrel assumes 6 modules, 5 heads
-
-
-def _drunet() -> torch.nn.Module:
-    from spandrel.architectures.DRUNet import DRUNet
-
-    return DRUNet(in_nc=4, out_nc=3, nc=[8, 8, 8, 8], nb=2)
-
-
-def _dncnn() -> torch.nn.Module:
-    from spandrel.architectures.DnCNN import DnCNN
-
-    return DnCNN(in_nc=3, out_nc=3, nc=8, nb=5, act_mode="BR")
-
-
-def _fdncnn() -> torch.nn.Module:
-    from spandrel.architectures.DnCNN import DnCNN
-
-    return DnCNN(in_nc=4, out_nc=3, nc=8, nb=8, act_mode="R", mode="FDnCNN")
-
-
-def _fbcnn() -> torch.nn.Module:
-    from spandrel.architectures.FBCNN import FBCNN
-
-    return FBCNN(nc=[8, 8, 8, 512], nb=2)  # its quality head is fixed at 512 features
-
-
-def _fftformer() -> torch.nn.Module:
-    from spandrel.architectures.FFTformer import FFTformer
-
-    return FFTformer(dim=8, num_blocks=[1, 1, 1], num_refinement_blocks=1, ffn_expansion_factor=1)
-
-
-def _grl() -> torch.nn.Module:
-    from spandrel.architectures.GRL import GRL
-
-    return GRL(
-        embed_dim=16, upscale=2, upsampler="pixelshuffle", depths=[1], num_heads_window=[1],
-        num_heads_stripe=[1], window_size=8, stripe_size=[8, 8], mlp_ratio=2.0,
-    )  # fmt: skip
-
-
-def _ipt() -> torch.nn.Module:
-    from spandrel.architectures.IPT import IPT
-
-    return IPT(patch_size=48, n_feats=8, num_heads=1, num_layers=1, scale=[2])
-
-
-def _kbnet_s() -> torch.nn.Module:
-    from spandrel.architectures.KBNet import KBNet_s
-
-    return KBNet_s(width=8, middle_blk_num=1, enc_blk_nums=[1], dec_blk_nums=[1])
-
-
-def _kbnet_l() -> torch.nn.Module:
-    from spandrel.architectures.KBNet import KBNet_l
-
-    return KBNet_l(dim=24, num_blocks=[1, 1, 1, 1], num_refinement_blocks=1, heads=[1, 1, 1, 1])
-
-
-def _mmrealsr() -> torch.nn.Module:
-    from spandrel.architectures.MMRealSR import MMRealSR
-
-    return MMRealSR(num_in_ch=3, num_out_ch=3, scale=4, num_feat=8, num_block=1, num_grow_ch=8,
-                    num_feats=[8, 8, 8, 8], num_blocks=[1, 1, 1, 1])  # fmt: skip
-
-
-def _mixdehazenet() -> torch.nn.Module:
-    from spandrel.architectures.MixDehazeNet import MixDehazeNet
-
-    return MixDehazeNet(embed_dims=[8, 16, 32, 16, 8], depths=[1, 1, 1, 1, 1])
-
-
-def _nafnet() -> torch.nn.Module:
-    from spandrel.architectures.NAFNet import NAFNet
-
-    return NAFNet(width=8, middle_blk_num=1, enc_blk_nums=[1], dec_blk_nums=[1])
-
-
-def _rgt() -> torch.nn.Module:
-    from spandrel.architectures.RGT import RGT
-
-    return RGT(embed_dim=12, depth=[1], num_heads=[2], mlp_ratio=2.0, upscale=2, split_size=[8, 8])
-
-
-def _safmn_bcie() -> torch.nn.Module:
-    from spandrel.architectures.SAFMNBCIE import SAFMN_BCIE
-
-    return SAFMN_BCIE(dim=8, n_blocks=1, num_layers=1, upscaling_factor=2)
-
-
-def _swiftsrgan() -> torch.nn.Module:
-    from spandrel.architectures.SwiftSRGAN import SwiftSRGAN
-
-    return SwiftSRGAN(num_channels=8, num_blocks=1, upscale_factor=2)
-
-
-def _uformer() -> torch.nn.Module:
-    from spandrel.architectures.Uformer import Uformer
-
-    return Uformer(img_size=128, embed_dim=8, depths=[1] * 9, num_heads=[1] * 9, win_size=8, mlp_ratio=2.0)
-
-
-def _realplksr() -> torch.nn.Module:
-    from spandrel.architectures.PLKSR import RealPLKSR
-
-    return RealPLKSR(dim=16, n_blocks=2, upscaling_factor=2, kernel_size=9)
-
-
-def _realcugan_x4() -> torch.nn.Module:
-    from spandrel.architectures.RealCUGAN import UpCunet4x
-
-    return UpCunet4x()
-
-
+# fmt: off
 BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
     "compact-x1": lambda: _compact(1),
     "compact-x2": lambda: _compact(2),
-    "span": _span,
+    "span": _spandrel("SPAN.SPAN", num_in_ch=3, num_out_ch=3, feature_channels=8, upscale=2),
     "rrdb-x4": lambda: _rrdb(4),
     "rrdb-x2": lambda: _rrdb(2),
     "rrdb-x1": lambda: _rrdb(1),
-    "plksr": _plksr,
-    "safmn": _safmn,
-    "swinir": _swinir,
-    "swin2sr": _swin2sr,
-    "hat": _hat,
-    "dat": _dat,
-    "drct": _drct,
-    "ditn": _ditn,
-    "scunet": _scunet,
-    "omnisr": _omnisr,
-    "realcugan": _realcugan,
-    "realcugan-x4": _realcugan_x4,
-    "realplksr": _realplksr,
-    "atd": _atd,
-    "craft": _craft,
-    "dctlsa": _dctlsa,
-    "drunet": _drunet,
-    "dncnn": _dncnn,
-    "fdncnn": _fdncnn,
-    "fbcnn": _fbcnn,
-    "fftformer": _fftformer,
-    "grl": _grl,
-    "ipt": _ipt,
-    "kbnet-s": _kbnet_s,
-    "kbnet-l": _kbnet_l,
-    "mmrealsr": _mmrealsr,
-    "mixdehazenet": _mixdehazenet,
-    "nafnet": _nafnet,
-    "rgt": _rgt,
-    "safmn-bcie": _safmn_bcie,
-    "swiftsrgan": _swiftsrgan,
-    "uformer": _uformer,
+    "plksr": _spandrel("PLKSR.PLKSR", dim=16, n_blocks=2, upscaling_factor=2, kernel_size=9),
+    "safmn": _spandrel("SAFMN.SAFMN", dim=8, n_blocks=1, upscaling_factor=2),
+    "swinir": _spandrel("SwinIR.SwinIR", embed_dim=12, depths=[2], num_heads=[2], window_size=8, upscale=2,
+        upsampler="pixelshuffle", mlp_ratio=2.0),
+    "swin2sr": _spandrel("Swin2SR.Swin2SR", embed_dim=12, depths=[2], num_heads=[2], window_size=8, upscale=2,
+        upsampler="pixelshuffle", mlp_ratio=2.0),
+    "hat": _spandrel("HAT.HAT", embed_dim=12, depths=(2,), num_heads=(2,), window_size=8, upscale=2,
+        num_feat=16, squeeze_factor=4, compress_ratio=3, mlp_ratio=2.0),
+    "dat": _spandrel("DAT.DAT", embed_dim=16, split_size=[4, 8], depth=[2], num_heads=[2], upscale=2,
+        expansion_factor=2.0),
+    "drct": _spandrel("DRCT.DRCT", embed_dim=12, depths=(1,), num_heads=(2,), window_size=8, upscale=2,
+        upsampler="pixelshuffle", gc=8),
+    "ditn": _spandrel("DITN.arch.DITN_Real.DITN_Real", dim=12, ITL_blocks=1, SAL_blocks=1, UFONE_blocks=1,
+        patch_size=8, upscale=2),
+    "scunet": _spandrel("SCUNet.SCUNet", config=[1, 1, 1, 1, 1, 1, 1], dim=64),
+    "omnisr": _spandrel("OmniSR.OmniSR", num_feat=16, block_num=1, window_size=8, res_num=1, up_scale=2),
+    "realcugan": _spandrel("RealCUGAN.UpCunet2x"),
+    "realcugan-x4": _spandrel("RealCUGAN.UpCunet4x"),
+    "realplksr": _spandrel("PLKSR.RealPLKSR", dim=16, n_blocks=2, upscaling_factor=2, kernel_size=9),
+    "atd": _spandrel("ATD.ATD", embed_dim=12, depths=(2,), num_heads=(2,), window_size=8, category_size=32,
+        num_tokens=8, reducted_dim=4, convffn_kernel_size=3, mlp_ratio=2.0, upscale=2,
+        upsampler="pixelshuffle"),
+    "craft": _spandrel("CRAFT.CRAFT", embed_dim=12, depths=[1], num_heads=[2], window_size=16, split_size_0=4,
+        split_size_1=16, mlp_ratio=2.0, upscale=2),
+    "dctlsa": _spandrel("DCTLSA.DCTLSA", nf=10, num_modules=6, upscale=2, num_head=5),  # spandrel: 6 and 5
+    "drunet": _spandrel("DRUNet.DRUNet", in_nc=4, out_nc=3, nc=[8, 8, 8, 8], nb=2),
+    "dncnn": _spandrel("DnCNN.DnCNN", in_nc=3, out_nc=3, nc=8, nb=5, act_mode="BR"),
+    "fdncnn": _spandrel("DnCNN.DnCNN", in_nc=4, out_nc=3, nc=8, nb=8, act_mode="R", mode="FDnCNN"),
+    "fbcnn": _spandrel("FBCNN.FBCNN", nc=[8, 8, 8, 512], nb=2),  # its quality head is fixed at 512 features
+    "fftformer": _spandrel("FFTformer.FFTformer", dim=8, num_blocks=[1, 1, 1], num_refinement_blocks=1,
+        ffn_expansion_factor=1),
+    "grl": _spandrel("GRL.GRL", embed_dim=16, upscale=2, upsampler="pixelshuffle", depths=[1],
+        num_heads_window=[1], num_heads_stripe=[1], window_size=8, stripe_size=[8, 8], mlp_ratio=2.0),
+    "ipt": _spandrel("IPT.IPT", patch_size=48, n_feats=8, num_heads=1, num_layers=1, scale=[2]),
+    "kbnet-s": _spandrel("KBNet.KBNet_s", width=8, middle_blk_num=1, enc_blk_nums=[1], dec_blk_nums=[1]),
+    "kbnet-l": _spandrel("KBNet.KBNet_l", dim=24, num_blocks=[1, 1, 1, 1], num_refinement_blocks=1,
+        heads=[1, 1, 1, 1]),
+    "mmrealsr": _spandrel("MMRealSR.MMRealSR", num_in_ch=3, num_out_ch=3, scale=4, num_feat=8, num_block=1,
+        num_grow_ch=8, num_feats=[8, 8, 8, 8], num_blocks=[1, 1, 1, 1]),
+    "mixdehazenet": _spandrel("MixDehazeNet.MixDehazeNet", embed_dims=[8, 16, 32, 16, 8],
+        depths=[1, 1, 1, 1, 1]),
+    "nafnet": _spandrel("NAFNet.NAFNet", width=8, middle_blk_num=1, enc_blk_nums=[1], dec_blk_nums=[1]),
+    "rgt": _spandrel("RGT.RGT", embed_dim=12, depth=[1], num_heads=[2], mlp_ratio=2.0, upscale=2,
+        split_size=[8, 8]),
+    "safmn-bcie": _spandrel("SAFMNBCIE.SAFMN_BCIE", dim=8, n_blocks=1, num_layers=1, upscaling_factor=2),
+    "swiftsrgan": _spandrel("SwiftSRGAN.SwiftSRGAN", num_channels=8, num_blocks=1, upscale_factor=2),
+    "uformer": _spandrel("Uformer.Uformer", img_size=128, embed_dim=8, depths=[1] * 9, num_heads=[1] * 9,
+        win_size=8, mlp_ratio=2.0),
 }
+# fmt: on
+"""Every image-to-image architecture spandrel 0.3.4 registers, built tiny (the first rows: the ones the
+tiling matrix started with)."""
 
 
 SPANDREL_ID = {
@@ -321,15 +116,12 @@ SPANDREL_ID = {
 """The spandrel architecture id each builder's file loads as."""
 
 
-def _restoreformer() -> torch.nn.Module:
-    from spandrel.architectures.RestoreFormer.arch.restoreformer_arch import RestoreFormer
-
+REFUSED_BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
     # spandrel assumes 512 px, 6 levels and attention at 16 px: narrow channels keep it small
-    return RestoreFormer(n_embed=16, embed_dim=32, ch=32, ch_mult=(1,) * 6, num_res_blocks=1, z_channels=32,
-                         head_size=1)  # fmt: skip
-
-
-REFUSED_BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {"restoreformer": _restoreformer}
+    "restoreformer": _spandrel("RestoreFormer.arch.restoreformer_arch.RestoreFormer", n_embed=16,
+                               embed_dim=32, ch=32, ch_mult=(1,) * 6, num_res_blocks=1, z_channels=32,
+                               head_size=1),
+}  # fmt: skip
 """Architectures spandrel loads that are not image-to-image upscalers (the engine refuses them)."""
 NOT_BUILT = {
     "GFPGAN": "face restoration (refused like RestoreFormer): its StyleGAN2 decoder is fixed at 512 px "
