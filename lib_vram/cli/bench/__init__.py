@@ -2,8 +2,9 @@
 
 CLI modules: they may print.
 
-Each target is a module ``lib_vram/cli/bench/<name>.py`` with ``configure(parser)`` and
-``run(args) -> int``; register it in ``TARGETS``.
+Each target is a module ``lib_vram/cli/bench/<name>.py`` with ``HELP``, ``configure(parser)`` and
+``run(args) -> int`` (``run = runner(bench)``: the one runner of :mod:`._harness` runs what the
+target's ``bench(args)`` declares); register it in ``TARGETS``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import argparse
 import importlib
 
 from lib_vram.cli import add_emulate_argument
+
+from ._harness import add_child_argument
 
 NAME = "bench"
 HELP = "Run a benchmark (each case in a fresh process) and print a side-by-side table."
@@ -37,6 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         add_emulate_argument(p)
         module.configure(p)
+        add_child_argument(p)
         p.set_defaults(_bench_run=module.run)
 
 

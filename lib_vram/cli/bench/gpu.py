@@ -14,10 +14,7 @@ For the rare minutes a GPU is at hand: one command, under ~8 minutes on one GPU,
 5. ``cudnn_workspace``: per convolution shape of the VAE and the upscaler, the peak above input,
    output and weights (``max_memory_allocated`` around one call after a warm-up): the data that
    calibrates ``predict.cuda_conv_workspace_bytes``, with a fitted ``bytes = a * max(in, out)``.
-6. ``stream_unet``: the streamed UNet (issue 22) on the GPU: the full-size SD1.5-shaped UNet in
-   FP16, one cond/uncond step untouched vs streamed with 2/3 resident (prefetch on the side
-   stream on and off: the copy/compute overlap) vs ``--lowvram``'s way; seconds per step, bytes
-   moved, ``max_memory_allocated``, bit-identity (``sampling_stream.gpu_stream``). CUDA only.
+6. ``stream_unet``: the streamed UNet (issue 22) on the GPU (``sampling_stream.gpu_stream``). CUDA only.
 
 Without CUDA it runs the parts that make sense on the CPU at small sizes (the matrix on the
 emulated CPU card, the batched-vs-single upscale) and lists what it skipped and why, so the
@@ -27,45 +24,35 @@ command is tested here and the first GPU yields the numbers in one call.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
 
-from lib_vram.cli.common import MAX_SECONDS, bounded_float, int_list
+import torch
 
-from .emulate import (
-    GB,
-    MAX_CARD_GB,
-    RESIDENT_REAL,
-    VAE_FULL,
-    VAE_NARROW,
-    _fidelity,
-    _image,
-    _latent,
-    _ldm,
-    _rrdb,
-    _timed,
-)
+from lib_vram.cli.common import MAX_SECONDS, bounded_float, int_list
+from lib_vram.core.device import capabilities, memory_info, resolve_device
+from lib_vram.core.emulate import EmulatedCard
+
+from ._harness import Bench, attempt, runner, timed
+from .emulate import GB, MAX_CARD_GB, RESIDENT_REAL, VAE_FULL, fidelity, image, latent, rrdb, stage_fns
+from .vae import build_ldm
 
 HELP = "One prepared GPU run (< 8 min): capped 4/6/8 GB matrix, fp16 2048² decode, upscale batching, cuDNN."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--out", type=Path, default=Path("vram_guard_gpu.json"), help="the JSON file to write"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--out", type=Path, default=Path("vram_guard_gpu.json"), help="the JSON file to write")
+    add(
         "--budget-s",
         type=bounded_float("--budget-s", 0.0, MAX_SECONDS, why="one day", unit="s"),
         default=420.0,
         help="stop starting new parts after this many seconds (default 420, at most 86400)",
     )
-    parser.add_argument(
-        "--cards",
-        type=int_list("--cards", 1, MAX_CARD_GB, why="1 TiB", unit="GB"),
-        default="4,6,8",
-        help=f"card sizes in GB (default 4,6,8; each 1 to {MAX_CARD_GB})",
-    )
+    add("--cards", type=int_list("--cards", 1, MAX_CARD_GB, why="1 TiB", unit="GB"), default="4,6,8",
+        help=f"card sizes in GB (default 4,6,8; each 1 to {MAX_CARD_GB})")  # fmt: skip
 
 
 class _Clock:
@@ -77,21 +64,38 @@ class _Clock:
         return self.budget - (time.perf_counter() - self.t0)
 
 
-def _env(device) -> dict:  # noqa: ANN001
-    import torch
+def bench(args: argparse.Namespace) -> Bench:
+    cuda = torch.cuda.is_available()
+    device = resolve_device("cuda" if cuda else "cpu")
+    clock, cards = _Clock(args.budget_s), [int(c) for c in args.cards.split(",")]
+    skipped = (
+        []
+        if cuda
+        else ["no CUDA device: the matrix ran on the emulated CPU card at small sizes (x0.5 scale)"]
+    )
+    env = {"capabilities": capabilities(device).__dict__, "memory": memory_info(device).to_dict(),
+           "torch": torch.__version__, "cudnn": torch.backends.cudnn.version() if cuda else None}  # fmt: skip
+    result: dict = {"schema": 1, "device": str(device), "env": env}
+    parts = {"matrix": lambda *a: matrix(device, cards, clock, skipped), "decode_2048": decode_2048,
+             "upscale_batch": upscale_batch, "cudnn_workspace": cudnn_workspace,
+             "stream_unet": _stream_unet}  # fmt: skip
 
-    from lib_vram.core.device import capabilities, memory_info
+    def part(name: str) -> dict:
+        t0 = time.perf_counter()
+        result[name] = parts[name](device, clock, skipped)
+        result.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 2)
+        _write(args.out, {**result, "skipped": skipped})  # what is done survives a later failure
+        return {"part": name, "seconds": result["seconds"][name]}
 
-    cudnn = torch.backends.cudnn.version() if device.type == "cuda" else None
-    return {"capabilities": capabilities(device).__dict__, "memory": memory_info(device).to_dict(),
-            "torch": torch.__version__, "cudnn": cudnn}  # fmt: skip
+    def finish(records: list[dict]) -> str:
+        _write(args.out, {**result, "skipped": skipped})
+        lines = [f"wrote {args.out} ({sum(result['seconds'].values()):.0f} s)"]
+        return "\n".join(lines + [f"skipped: {line}" for line in skipped])
+
+    return Bench(list(parts), part, finish)
 
 
 def _reset(device) -> None:  # noqa: ANN001
-    import gc
-
-    import torch
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -100,65 +104,12 @@ def _reset(device) -> None:  # noqa: ANN001
 
 
 def _peak(device, card=None) -> int | None:  # noqa: ANN001
-    import torch
-
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return None if card is None else card.peak_bytes
 
 
-def _stage(stage: str, px: int, device, dtype):  # noqa: ANN001
-    """(module, plain(), guarded(reports), data range)."""
-    import torch
-
-    from lib_vram.planning import planner
-    from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
-    from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
-
-    if stage.startswith("vae"):
-        kind = "decoder" if stage == "vae_decode" else "encoder"
-        mod = _ldm(kind, VAE_FULL if device.type == "cuda" else VAE_NARROW).to(device, dtype)
-        x = (_latent(px) if kind == "decoder" else _image(px) * 2 - 1).to(device, dtype)
-        fn = tiled_decode if kind == "decoder" else tiled_encode
-
-        def plain():
-            with torch.no_grad():
-                return mod(x)
-
-        def guarded(reports):
-            reports.append(VAEReport())
-            return fn(mod, x, config=TiledVAEConfig(mode="auto"), report=reports[-1],
-                      original_forward=mod.forward, memory=planner.PlanMemory())  # fmt: skip
-
-        return mod, plain, guarded, 2.0
-    import tempfile
-
-    tmp = tempfile.mkdtemp()
-    desc = _rrdb(tmp, full=device.type == "cuda")
-    desc.to(device)
-    if dtype != torch.float32:
-        desc.to(dtype)
-    x = _image(px).to(device, dtype)
-
-    def plain_up():
-        with torch.inference_mode():
-            return desc(x)
-
-    def guarded_up(reports):
-        reports.append(UpscaleReport())
-        prec = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
-        return upscale_tensor(desc, x.float(), config=UpscaleConfig(precision=prec), report=reports[-1],
-                              memory=planner.PlanMemory())  # fmt: skip
-
-    return desc.model, plain_up, guarded_up, 1.0
-
-
 def matrix(device, cards: list[int], clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
-    import torch
-
-    from lib_vram.core.device import is_oom_error
-    from lib_vram.core.emulate import EmulatedCard, install
-
     cuda = device.type == "cuda"
     dtype = torch.float16 if cuda else torch.float32
     scale = 1.0 if cuda else 0.5  # the CPU run stands for FP16 at full width (see bench emulate)
@@ -171,66 +122,58 @@ def matrix(device, cards: list[int], clock: _Clock, skipped: list[str]) -> list[
                 skipped.append(f"matrix {stage} {px}²: out of time")
                 continue
             _reset(device)
-            module, plain, guarded, rng = _stage(stage, px, device, dtype)
-            ref, _, ref_cpu = _timed(plain)
-            ref = ref.float().cpu()
-            for gb in cards:
-                cap = int(gb * GB * scale)
-                rec = {
-                    "stage": stage,
-                    "image_px": px,
-                    "card_gb": gb,
-                    "card_bytes": cap,
-                    "device": str(device),
-                }
-                for which in ("plain", "guarded"):
-                    _reset(device)
-                    card = EmulatedCard(
-                        cap, device=device.type, resident=0 if cuda else int(RESIDENT_REAL * scale)
-                    )
-                    previous = install(card)
-                    reports: list = []
-                    try:
-                        with card:
-                            # the checkpoint's weights on the card, for real (CUDA)
-                            held = (
-                                torch.empty(RESIDENT_REAL, dtype=torch.uint8, device=device) if cuda else None
-                            )
-                            t0 = time.perf_counter()
-                            res = plain() if which == "plain" else guarded(reports)
-                            if cuda:
-                                torch.cuda.synchronize(device)
-                            rec[f"{which}_seconds"] = round(time.perf_counter() - t0, 3)
-                            rec[f"{which}_ok"] = True
-                            if which == "guarded":
-                                rec.update(_fidelity(res.float().cpu(), ref, rng))
-                                rec["plan"] = getattr(reports[-1], "plan", None)
-                            del res, held
-                    except Exception as exc:
-                        if not is_oom_error(exc):
-                            raise
-                        rec[f"{which}_ok"] = False
-                        rec[f"{which}_error"] = str(exc)[:160]
-                    finally:
-                        install(previous)
-                    rec[f"{which}_peak_bytes"] = _peak(device, card)
-                rec["peak_over_cap"] = round((rec["guarded_peak_bytes"] or 0) / cap, 3)
-                rec["ref_cpu_s"] = round(ref_cpu, 3)
-                out.append(rec)
-            del module, plain, guarded, ref
+            out += _matrix_rows(stage, px, device, dtype, scale, cards)
     return out
 
 
-def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
-    import torch
+def _matrix_rows(stage: str, px: int, device, dtype, scale: float, cards: list[int]) -> list[dict]:  # noqa: ANN001
+    """``stage`` at ``px``, plain then guarded, on a card of each size."""
 
+    cuda = device.type == "cuda"
+    module, plain, guarded, rng = stage_fns(stage, px, device, dtype)
+    ref, _, ref_cpu = timed(plain)
+    ref = ref.float().cpu()
+    rows = []
+    for gb in cards:
+        cap = int(gb * GB * scale)
+        rec = {"stage": stage, "image_px": px, "card_gb": gb, "card_bytes": cap, "device": str(device)}
+        for which in ("plain", "guarded"):
+            _reset(device)
+            card = EmulatedCard(cap, device=device.type, resident=0 if cuda else int(RESIDENT_REAL * scale))
+            reports: list = []
+
+            def step(which=which, reports=reports, rec=rec) -> None:  # noqa: ANN001
+                # the checkpoint's weights on the card, for real (CUDA)
+                held = torch.empty(RESIDENT_REAL, dtype=torch.uint8, device=device) if cuda else None
+                t0 = time.perf_counter()
+                res = plain() if which == "plain" else guarded(reports)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                rec[f"{which}_seconds"] = round(time.perf_counter() - t0, 3)
+                rec[f"{which}_ok"] = True
+                if which == "guarded":
+                    rec.update(fidelity(res.float().cpu(), ref, rng))
+                    rec["plan"] = getattr(reports[-1], "plan", None)
+                del res, held
+
+            got = attempt(step, card, install=True)
+            if not got.ok:
+                rec[f"{which}_ok"], rec[f"{which}_error"] = False, got.error[:160]
+            rec[f"{which}_peak_bytes"] = _peak(device, card)
+        rec["peak_over_cap"] = round((rec["guarded_peak_bytes"] or 0) / cap, 3)
+        rec["ref_cpu_s"] = round(ref_cpu, 3)
+        rows.append(rec)
+    return rows
+
+
+def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
     from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode
 
     if device.type != "cuda":
         skipped.append("decode_2048: needs CUDA (FP16 at 2048² with a full-size VAE)")
         return []
-    dec = _ldm("decoder", VAE_FULL).to(device)
-    z = _latent(2048).to(device)
+    dec = build_ldm("decoder", VAE_FULL).to(device)
+    z = latent(2048).to(device)
     _reset(device)
     with torch.no_grad():
         ref = dec(z).float().cpu()
@@ -249,26 +192,21 @@ def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noq
         with torch.no_grad():
             y = dec(z.half()) if cfg is None else tiled_decode(dec, z.half(), config=cfg, report=rep)
         torch.cuda.synchronize(device)
-        secs = round(time.perf_counter() - t0, 3)
-        rec = {"case": name, "seconds": secs, "max_memory_allocated": _peak(device),
-               "recomputed": len(rep.recomputed)}  # fmt: skip
-        rec.update(_fidelity(y.float().cpu(), ref, 2.0))
+        rec = {"case": name, "seconds": round(time.perf_counter() - t0, 3),
+               "max_memory_allocated": _peak(device), "recomputed": len(rep.recomputed)}  # fmt: skip
+        rec.update(fidelity(y.float().cpu(), ref, 2.0))
         out.append(rec)
         del y
     return out
 
 
 def upscale_batch(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
-    import tempfile
-
-    import torch
-
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
 
     cuda = device.type == "cuda"
-    desc = _rrdb(tempfile.mkdtemp(), full=cuda)
+    desc = rrdb(64, 23) if cuda else rrdb()
     desc.to(device)
-    x = _image(512 if cuda else 96).to(device)
+    x = image(512 if cuda else 96).to(device)
     out = []
     for name, batch in (("batched (auto)", None), ("one tile at a time", 1)):
         if clock.left() < 20:
@@ -287,8 +225,6 @@ def upscale_batch(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # n
 
 
 def cudnn_workspace(device, clock: _Clock, skipped: list[str]) -> dict:  # noqa: ANN001
-    import torch
-
     if device.type != "cuda":
         skipped.append("cudnn_workspace: needs CUDA")
         return {}
@@ -310,16 +246,13 @@ def cudnn_workspace(device, clock: _Clock, skipped: list[str]) -> dict:  # noqa:
                 y = conv(x)
                 torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - base
-            out_b = y.numel() * y.element_size()
-            in_b = x.numel() * x.element_size()
+            out_b, in_b = y.numel() * y.element_size(), x.numel() * x.element_size()
             rows.append({"dtype": str(dt), "in_ch": cin, "out_ch": cout, "px": px, "input_bytes": in_b,
                          "output_bytes": out_b, "workspace_bytes": max(0, peak - out_b)})  # fmt: skip
             del conv, x, y
-    fit = None
     pairs = [(max(r["input_bytes"], r["output_bytes"]), r["workspace_bytes"]) for r in rows]
     den = sum(a * a for a, _ in pairs)
-    if den:
-        fit = sum(a * w for a, w in pairs) / den
+    fit = sum(a * w for a, w in pairs) / den if den else None
     return {"rows": rows, "fit_bytes_per_max_in_out": fit,
             "benchmark_flag": bool(torch.backends.cudnn.benchmark)}  # fmt: skip
 
@@ -336,31 +269,4 @@ def _write(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from lib_vram.core.device import resolve_device
-
-    cuda = torch.cuda.is_available()
-    device = resolve_device("cuda" if cuda else "cpu")
-    clock = _Clock(args.budget_s)
-    skipped: list[str] = []
-    if not cuda:
-        skipped.append("no CUDA device: the matrix ran on the emulated CPU card at small sizes (x0.5 scale)")
-    cards = [int(c) for c in args.cards.split(",")]
-    result: dict = {"schema": 1, "device": str(device), "env": _env(device)}
-    for name, part in (("matrix", lambda: matrix(device, cards, clock, skipped)),
-                       ("decode_2048", lambda: decode_2048(device, clock, skipped)),
-                       ("upscale_batch", lambda: upscale_batch(device, clock, skipped)),
-                       ("cudnn_workspace", lambda: cudnn_workspace(device, clock, skipped)),
-                       ("stream_unet", lambda: _stream_unet(device, clock, skipped))):  # fmt: skip
-        t0 = time.perf_counter()
-        result[name] = part()
-        result.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 2)
-        _write(args.out, {**result, "skipped": skipped})  # what is done survives a later failure
-    result["skipped"] = skipped
-    _write(args.out, result)
-    print(f"wrote {args.out} ({sum(result['seconds'].values()):.0f} s)")
-    for line in skipped:
-        print(f"skipped: {line}")
-    return 0
+run = runner(bench)

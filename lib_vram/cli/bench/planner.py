@@ -1,6 +1,6 @@
 """``python -m lib_vram bench planner``: predicted vs measured peak memory, per case.
 
-Every case runs in a fresh subprocess on the CPU: build the model with random weights, create the
+Every case runs in a fresh process on the CPU: build the model with random weights, create the
 input, warm up on a tiny input, then run the stage inside ``StageTracker(owns_peak_counters=True)``,
 which reads Linux's resettable RSS high-water mark (``VmHWM``). The measured number is the peak
 *above* the memory in use when the stage began (weights and input are already resident); the
@@ -11,22 +11,23 @@ Models: the real ldm ``Decoder``/``Encoder`` classes (untiled cases; full SD wid
 allows, narrower ``ch`` for large sizes - same code, fewer channels), the engines themselves for
 the tiled plans (``vae-engine``/``upscale-engine`` cases, predicted by their fake-tensor runs), and
 spandrel's RRDBNet (ESRGAN; 2 blocks instead of 23: the peak depends on the width, not the
-depth) and SRVGGNetCompact. ``ldm`` is imported only inside the benchmark functions (it is a test
-dependency, never needed by the core).
+depth) and SRVGGNetCompact. ``ldm`` is imported only inside the benchmark functions.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
+
+import torch
 
 from lib_vram.cli.common import MAX_SECONDS, bounded_float
+from lib_vram.core import predict as P  # noqa: N812
+from lib_vram.core.tracker import StageTracker
+from lib_vram.planning import reference
+
+from ._harness import Bench, mib, runner
 
 HELP = "Predicted vs measured peak memory (CPU RSS) for VAE and upscaler stages, untiled and tiled."
 
@@ -77,6 +78,7 @@ CASES: tuple[Case, ...] = (
 code) above; VAE sizes stop at 1024² because the mid-block attention of a 2048² decode (65536
 tokens) alone takes minutes on two shared cores. Sizes are output px (decode, upscale) or input px
 (encode)."""
+BY_NAME = {c.name: c for c in CASES}
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 """glibc settings for the measured processes: every allocation above 64 KiB gets its own mapping,
@@ -91,108 +93,74 @@ SCALE = 4
 
 def _ldm_config(ch: int) -> dict:
     # v1-inference.yaml first_stage_config ddconfig, with a configurable base width.
-    return dict(
-        double_z=True,
-        z_channels=4,
-        resolution=256,
-        in_channels=3,
-        out_ch=3,
-        ch=ch,
-        ch_mult=[1, 2, 4, 4],
-        num_res_blocks=2,
-        attn_resolutions=[],
-        dropout=0.0,
-    )
+    return dict(double_z=True, z_channels=4, resolution=256, in_channels=3, out_ch=3, ch=ch,
+                ch_mult=[1, 2, 4, 4], num_res_blocks=2, attn_resolutions=[], dropout=0.0)  # fmt: skip
 
 
 def _build(case: Case):
     """The model and the input shape of ``case`` (build under a device/fake context as needed)."""
-    from lib_vram.planning import reference
 
     if case.engine in ("vae", "vae-engine"):
+        from .vae import build_ldm
+
         lat = case.size // 8
-        from ldm.modules.diffusionmodules.model import Decoder, Encoder
-
-        cls = Decoder if case.kind == "decode" else Encoder
-        model = cls(**_ldm_config(case.ch))
         shape = (1, 4, lat, lat) if case.kind == "decode" else (1, 3, case.size, case.size)
-        return model.eval(), shape
-    model = reference.build_upscaler(
-        case.kind, SCALE, num_blocks=RRDB_BLOCKS if case.kind == "rrdb" else None
-    )
+        kind = "decoder" if case.kind == "decode" else "encoder"
+        return build_ldm(kind, _ldm_config(case.ch), seed=None), shape
+    blocks = RRDB_BLOCKS if case.kind == "rrdb" else None
     side = case.size // SCALE
-    return model.eval(), (1, 3, side, side)
+    return reference.build_upscaler(case.kind, SCALE, num_blocks=blocks).eval(), (1, 3, side, side)
 
 
-def _runner(case: Case, model, *, dedupe: bool):
-    import torch
-
+def _runner(case: Case, model):
     if case.engine == "vae-engine":
         from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
 
-        cfg = TiledVAEConfig(
-            mode=case.mode,
-            tile=case.tile,
-            budget_bytes=2**50,
-            dtype=torch.float32,
-            guard=False,
-            state_offload="device",
-        )
+        cfg = TiledVAEConfig(mode=case.mode, tile=case.tile, budget_bytes=2**50, dtype=torch.float32,
+                             guard=False, state_offload="device")  # fmt: skip
         run = tiled_decode if case.kind == "decode" else tiled_encode
         return lambda x: run(model, x, config=cfg)
     if case.engine == "upscale-engine":
         from lib_vram.upscale import UpscaleConfig, upscale_tensor
 
-        ucfg = UpscaleConfig(
-            tile=case.tile,
-            batch=case.batch,
-            precision="fp32",
-            device="cpu",
-            budget_bytes=2**50,
-            accumulate_on="device",
-            check_finite=False,
-            calibrate=False,
-        )
+        ucfg = UpscaleConfig(tile=case.tile, batch=case.batch, precision="fp32", device="cpu",
+                             budget_bytes=2**50, accumulate_on="device", check_finite=False,
+                             calibrate=False)  # fmt: skip
         return lambda x: upscale_tensor(lambda t: model(t), x, config=ucfg, scale=SCALE)
     return model
 
 
 def predict(case: Case) -> dict:
     """The predictor's numbers for ``case`` (fake run; the model is built on the meta device)."""
-    import torch
 
     from lib_vram.cli import stageplan
-    from lib_vram.core import predict as P
-    from lib_vram.planning import reference
 
     with torch.device("meta"):
         model, shape = _build(case)
-    if case.engine in ("vae-engine", "upscale-engine"):
-        t0 = time.perf_counter()
-        if case.engine == "vae-engine":
-            pred = stageplan.predict_engine_vae(model, case.kind, shape, "fp32", case.tile, case.mode)
-        else:
-            pred = stageplan.predict_engine_upscale(model, shape, "fp32", case.tile, case.batch, SCALE)
-        return {"prediction": pred.to_dict(), "predict_seconds": time.perf_counter() - t0}
-    mode = P.new_fake_mode()
-    state = P.fake_state(model, mode, torch.float32)
-    fn = P.fake_call(model, state)
     t0 = time.perf_counter()
-    with reference.dry_run():
-        pred = P.predict_callable(fn, (shape,), weights=P.weights_bytes(model), backend="cpu", fake_mode=mode)
+    if case.engine == "vae-engine":
+        pred = stageplan.predict_engine_vae(model, case.kind, shape, "fp32", case.tile, case.mode)
+    elif case.engine == "upscale-engine":
+        pred = stageplan.predict_engine_upscale(model, shape, "fp32", case.tile, case.batch, SCALE)
+    else:
+        mode = P.new_fake_mode()
+        fn = P.fake_call(model, P.fake_state(model, mode, torch.float32))
+        t0 = time.perf_counter()
+        with reference.dry_run():
+            pred = P.predict_callable(
+                fn, (shape,), weights=P.weights_bytes(model), backend="cpu", fake_mode=mode
+            )
     return {"prediction": pred.to_dict(), "predict_seconds": time.perf_counter() - t0}
 
 
-def measure(case: Case) -> dict:
-    """Run ``case`` for real (call in a fresh process) and measure its peak RSS above the start."""
-    import torch
+def measure(name: str) -> dict:
+    """Run the case ``name`` for real (call in a fresh process) and measure its peak RSS above the start."""
 
-    from lib_vram.core.tracker import StageTracker
-
+    case = BY_NAME[name]
     torch.manual_seed(0)
     model, shape = _build(case)
     x = torch.randn(shape)
-    run = _runner(case, model, dedupe=False)
+    run = _runner(case, model)
     tracker = StageTracker("cpu", owns_peak_counters=True)
     with torch.no_grad():
         small = (1, shape[1], 8, 8) if case.kind == "decode" else (1, 3, 64, 64)
@@ -200,121 +168,72 @@ def measure(case: Case) -> dict:
             model(torch.randn(small))
         t0 = time.perf_counter()
         with tracker.stage(case.name) as rec:
-            y = run(x)
-            del y
+            run(x)  # the output is freed inside the stage
         seconds = time.perf_counter() - t0
-    return {
-        "measured_delta_bytes": rec.delta_peak_bytes,
-        "exact": rec.exact,
-        "seconds": seconds,
-        "threads": torch.get_num_threads(),
-    }
+    return {"measured_delta_bytes": rec.delta_peak_bytes, "exact": rec.exact, "seconds": seconds,
+            "threads": torch.get_num_threads()}  # fmt: skip
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="only the 4 light cases (~1-2 min)")
-    parser.add_argument("--case", action="append", default=None, help="run only these cases (repeatable)")
-    parser.add_argument("--json", action="store_true", help="print JSON records instead of the table")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument(
+    add = parser.add_argument
+    add("--quick", action="store_true", help="only the 4 light cases (~1-2 min)")
+    add("--case", action="append", default=None, help="run only these cases (repeatable)")
+    add("--json", action="store_true", help="print JSON records instead of the table")
+    add(
         "--glibc-default",
         action="store_true",
         help="run the cases with glibc's default malloc thresholds (RSS then also holds freed heap chunks)",
     )
-    parser.add_argument(
-        "--timeout",
-        type=bounded_float("--timeout", 0.0, MAX_SECONDS, why="one day", unit="s"),
-        default=900.0,
-        help="seconds per case (default 900, at most 86400)",
-    )
+    add("--timeout", type=bounded_float("--timeout", 0.0, MAX_SECONDS, why="one day", unit="s"),
+        default=900.0, help="seconds per case (default 900, at most 86400)")  # fmt: skip
 
 
-def _select(args: argparse.Namespace) -> list[Case]:
-    by_name = {c.name: c for c in CASES}
+def bench(args: argparse.Namespace) -> Bench:
     if args.case:
-        unknown = [n for n in args.case if n not in by_name]
+        unknown = [n for n in args.case if n not in BY_NAME]
         if unknown:
-            raise ValueError(f"`--case` {unknown} unknown; known: {sorted(by_name)}")
-        return [by_name[n] for n in args.case]
-    return [c for c in CASES if c.quick or not args.quick]
+            raise ValueError(f"`--case` {unknown} unknown; known: {sorted(BY_NAME)}")
+        cases = [BY_NAME[n] for n in args.case]
+    else:
+        cases = [c for c in CASES if c.quick or not args.quick]
+
+    def done(r: dict) -> str:
+        return (f"{r['case']:<22} {r['plan']:<12} pred {mib(r['predicted_bytes']):>8} MiB  meas "
+                f"{mib(r['measured_bytes']):>8} MiB  err {100 * (r['error'] or 0):+6.1f} %  "
+                f"({r['run_seconds']:.0f} s)")  # fmt: skip
+
+    def merge(name: str, measured: dict) -> dict:
+        return _record(BY_NAME[name], predict(BY_NAME[name]), measured)
+
+    return Bench([c.name for c in cases], None, _table, merge=merge, lines=False, done=done,
+                 env={} if args.glibc_default else MALLOC_ENV, timeout=args.timeout)  # fmt: skip
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f}"
+def _record(case: Case, pred: dict, meas: dict) -> dict:
+    p, measured = pred["prediction"], meas["measured_delta_bytes"]
+    return {
+        "case": case.name, "engine": case.engine, "kind": case.kind, "size": case.size,
+        "ch": case.ch if case.engine.startswith("vae") else None, "plan": case.plan,
+        "predicted_bytes": p["activation_bytes"], "measured_bytes": measured,
+        "error": p["activation_bytes"] / measured - 1 if measured else None,
+        "weights_bytes": p["weights_bytes"], "input_bytes": p["input_bytes"],
+        "predict_seconds": pred["predict_seconds"], "run_seconds": meas["seconds"], "exact": meas["exact"],
+    }  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.child:
-        case = {c.name: c for c in CASES}[args.child]
-        print(json.dumps(measure(case)))
-        return 0
-    records = []
-    failed: list[str] = []
-    for case in _select(args):
-        pred = predict(case)
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        if not args.glibc_default:
-            env.update(MALLOC_ENV)
-        proc = subprocess.run(
-            [sys.executable, "-m", "lib_vram", "bench", "planner", "--child", case.name],
-            capture_output=True,
-            text=True,
-            timeout=args.timeout,
-            env=env,
-            check=False,
-        )
-        if proc.returncode != 0:
-            print(f"case {case.name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
-            failed.append(case.name)
-            continue
-        meas = json.loads(proc.stdout.strip().splitlines()[-1])
-        p = pred["prediction"]
-        err = (
-            p["activation_bytes"] / meas["measured_delta_bytes"] - 1 if meas["measured_delta_bytes"] else None
-        )
-        rec = {
-            "case": case.name,
-            "engine": case.engine,
-            "kind": case.kind,
-            "size": case.size,
-            "ch": case.ch if case.engine.startswith("vae") else None,
-            "plan": case.plan,
-            "predicted_bytes": p["activation_bytes"],
-            "measured_bytes": meas["measured_delta_bytes"],
-            "error": err,
-            "weights_bytes": p["weights_bytes"],
-            "input_bytes": p["input_bytes"],
-            "predict_seconds": pred["predict_seconds"],
-            "run_seconds": meas["seconds"],
-            "exact": meas["exact"],
-        }
-        records.append(rec)
-        if not args.json:
-            print(
-                f"{rec['case']:<22} {rec['plan']:<12} pred {_mib(rec['predicted_bytes']):>8} MiB  "
-                f"meas {_mib(rec['measured_bytes']):>8} MiB  err {100 * (err or 0):+6.1f} %  "
-                f"({rec['run_seconds']:.0f} s)",
-                flush=True,
-            )
-    if args.json:
-        print(json.dumps(records, indent=2))
-        return 1 if failed else 0
-    errs = [abs(r["error"]) for r in records if r["error"] is not None]
-    print()
-    print("| case | engine | plan | predicted MiB | measured MiB | error |")
-    print("|---|---|---|---:|---:|---:|")
+def _table(records: list[dict]) -> str:
+    lines = [
+        "| case | engine | plan | predicted MiB | measured MiB | error |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     for r in records:
-        print(
-            f"| {r['case']} | {r['engine']} | {r['plan']} | {_mib(r['predicted_bytes'])} | "
-            f"{_mib(r['measured_bytes'])} | {100 * (r['error'] or 0):+.1f} % |"
-        )
+        lines.append(f"| {r['case']} | {r['engine']} | {r['plan']} | {mib(r['predicted_bytes'])} | "
+                     f"{mib(r['measured_bytes'])} | {100 * (r['error'] or 0):+.1f} % |")  # fmt: skip
+    errs = [abs(r["error"]) for r in records if r["error"] is not None]
     if errs:
-        print(
-            f"\n{len(records)} cases; max |error| {100 * max(errs):.1f} %, "
-            f"mean {100 * sum(errs) / len(errs):.1f} %"
-        )
-    if failed:
-        print(f"failed cases: {', '.join(failed)}")
-    return 1 if failed else 0
+        lines.append(f"\n{len(records)} cases; max |error| {100 * max(errs):.1f} %, "
+                     f"mean {100 * sum(errs) / len(errs):.1f} %")  # fmt: skip
+    return "\n".join(lines)
+
+
+run = runner(bench, child=measure)

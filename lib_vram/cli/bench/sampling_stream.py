@@ -18,15 +18,13 @@ Two parts (CLI module: it may print):
   in closed form). Nothing runs; the copy time per step is a **model** at a stated host<->device
   bandwidth (default 12 GB/s: PCIe 3.0 x16 from pinned memory), not a measurement.
 
-:func:`stream_cases` is what ``bench sampling`` calls for its streamed rows.
+:func:`cases` and :func:`run_one` are what ``bench sampling`` runs for its streamed rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import sys
 import time
 
 import torch
@@ -46,6 +44,8 @@ from lib_vram.sampling import (
     unit_bytes,
 )
 
+from ..common import UsageError
+from ._harness import Bench, attempt, mib, runner
 from ._unet import _omegaconf_for_ldm
 
 HELP = "Streamed UNet (budgeted residency): bytes per step vs --lowvram, plain vs guarded (emulated card)."
@@ -55,26 +55,13 @@ DEFAULT_BANDWIDTH_GB_S = 12.0
 
 
 def _config(shape: str, mc: int, context_dim: int) -> dict:
-    common = dict(
-        image_size=32,
-        in_channels=4,
-        out_channels=4,
-        model_channels=mc,
-        num_res_blocks=2,
-        use_spatial_transformer=True,
-        context_dim=context_dim,
-        legacy=False,
-    )
+    common = dict(image_size=32, in_channels=4, out_channels=4, model_channels=mc, num_res_blocks=2,
+                  use_spatial_transformer=True, context_dim=context_dim, legacy=False)  # fmt: skip
     if shape == "sd15":
         return dict(common, attention_resolutions=[1, 2, 4], channel_mult=(1, 2, 4, 4), num_heads=8)
     if shape == "sdxl":
-        return dict(
-            common,
-            attention_resolutions=[2, 4],
-            channel_mult=(1, 2, 4),
-            num_head_channels=min(64, mc),
-            use_linear_in_transformer=True,
-        )
+        return dict(common, attention_resolutions=[2, 4], channel_mult=(1, 2, 4),
+                    num_head_channels=min(64, mc), use_linear_in_transformer=True)  # fmt: skip
     raise ValueError(f"`shape` must be sd15 or sdxl, got {shape!r}")
 
 
@@ -159,11 +146,8 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
     cond/uncond forward (batch 2), micro-batched as the sampling plan says."""
     unet = build_unet(shape, mc)
     g = torch.Generator().manual_seed(1)
-    kw = {
-        "x": torch.randn(2, 4, side, side, generator=g),
-        "timesteps": torch.tensor([10, 700]),
-        "context": torch.randn(2, 77, 64, generator=g),
-    }
+    kw = {"x": torch.randn(2, 4, side, side, generator=g), "timesteps": torch.tensor([10, 700]),
+          "context": torch.randn(2, 77, 64, generator=g)}  # fmt: skip
     units = unit_bytes(unet)
     total = sum(b for _, b in units)
     act1 = _activations(unet, {k: v[:1] for k, v in kw.items()})
@@ -181,12 +165,8 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
     t0 = time.process_time()
     ref = _forward(fwd, kw)
     plain_cpu = time.process_time() - t0
-    plain_ok = True
-    try:
-        with EmulatedCard(capacity, resident=[unet]):
-            _forward(micro_batched(forward, sp.micro_batch, memory=planner.PlanMemory()), kw)
-    except torch.OutOfMemoryError:
-        plain_ok = False
+    plain = micro_batched(forward, sp.micro_batch, memory=planner.PlanMemory())
+    plain_ok = attempt(lambda: _forward(plain, kw), EmulatedCard(capacity, resident=[unet])).ok
     guarded_ok, identical, tries, plan, s, cpu, peak = False, False, 0, None, None, 0.0, 0
     refs = {sp.micro_batch: (ref, plain_cpu)}
     while tries < attempts:
@@ -216,27 +196,15 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
     first = next((b for n, b in units if plan.streamed and n == plan.streamed[0]), 0)
     moved = (s.stats.bytes_in - first) // steps if guarded_ok and s is not None else None
     return {
-        "stage": "sampling_stream",
-        "shape": f"{shape} mc{mc}",
-        "latent": side,
-        "card_bytes": capacity,
-        "card_holds": round(plan.resident_bytes / total, 3),
-        "plain_ok": plain_ok,
-        "guarded_ok": guarded_ok,
-        "identical": identical,
-        "attempts": tries,
-        "plan": plan.label,
-        "micro_batch": plan.micro_batch,
-        "unet_bytes": total,
-        "resident_bytes": plan.resident_bytes,
-        "buffer_bytes": plan.buffer_bytes,
-        "bytes_moved_per_step": moved,
-        "planned_bytes_per_step": plan.bytes_moved_per_step,
+        "stage": "sampling_stream", "shape": f"{shape} mc{mc}", "latent": side, "card_bytes": capacity,
+        "card_holds": round(plan.resident_bytes / total, 3), "plain_ok": plain_ok, "guarded_ok": guarded_ok,
+        "identical": identical, "attempts": tries, "plan": plan.label, "micro_batch": plan.micro_batch,
+        "unet_bytes": total, "resident_bytes": plan.resident_bytes, "buffer_bytes": plan.buffer_bytes,
+        "bytes_moved_per_step": moved, "planned_bytes_per_step": plan.bytes_moved_per_step,
         "lowvram_bytes_per_step": lowvram_bytes_per_forward(units),  # one forward a step (batch_cond_uncond)
-        "peak_bytes": peak,
-        "predicted_bytes": plan.predicted_peak_bytes + sp.input_bytes,
+        "peak_bytes": peak, "predicted_bytes": plan.predicted_peak_bytes + sp.input_bytes,
         "cpu_ratio": round(cpu / plain_cpu, 2) if plain_cpu > 0 and guarded_ok else None,
-    }
+    }  # fmt: skip
 
 
 def plan_case(arch: str, card_gib: float, px: int, bandwidth_gb_s: float, dtype=torch.float16) -> dict:
@@ -250,49 +218,52 @@ def plan_case(arch: str, card_gib: float, px: int, bandwidth_gb_s: float, dtype=
     mem = planner.PlanMemory()
     sp = plan_sampling(spec, budget_bytes=budget, memory=mem, **step)
     plan = plan_stream(units, spec, budget_bytes=budget, sampling=sp, memory=mem, **step)
-    bw = bandwidth_gb_s * GB
+    bw, streamed = bandwidth_gb_s * GB, not sp.fits
+    moved = plan.bytes_moved_per_step if streamed else 0
     return {
-        "stage": "sampling_stream_plan",
-        "shape": f"{arch} {str(dtype).replace('torch.', '')}",
-        "px": px,
-        "card_bytes": capacity,
-        "plain_ok": sp.fits,
-        "guarded_ok": plan.fits,
-        "plan": plan.label if not sp.fits else "whole UNet resident",
-        "micro_batch": plan.micro_batch if not sp.fits else sp.micro_batch,
-        "unet_bytes": plan.unet_bytes,
-        "resident_bytes": plan.resident_bytes if not sp.fits else plan.unet_bytes,
-        "bytes_moved_per_step": plan.bytes_moved_per_step if not sp.fits else 0,
-        "lowvram_bytes_per_step": plan.lowvram_bytes_per_step,
-        "bandwidth_gb_s": bandwidth_gb_s,
-        "modelled_copy_s_per_step": round((plan.bytes_moved_per_step if not sp.fits else 0) / bw, 3),
+        "stage": "sampling_stream_plan", "shape": f"{arch} {str(dtype).replace('torch.', '')}", "px": px,
+        "card_bytes": capacity, "plain_ok": sp.fits, "guarded_ok": plan.fits,
+        "plan": plan.label if streamed else "whole UNet resident",
+        "micro_batch": plan.micro_batch if streamed else sp.micro_batch, "unet_bytes": plan.unet_bytes,
+        "resident_bytes": plan.resident_bytes if streamed else plan.unet_bytes, "bytes_moved_per_step": moved,
+        "lowvram_bytes_per_step": plan.lowvram_bytes_per_step, "bandwidth_gb_s": bandwidth_gb_s,
+        "modelled_copy_s_per_step": round(moved / bw, 3),
         "lowvram_modelled_copy_s_per_step": round(plan.lowvram_bytes_per_step / bw, 3),
-    }
+    }  # fmt: skip
 
 
-def stream_cases(quick: bool = False, bandwidth_gb_s: float = DEFAULT_BANDWIDTH_GB_S) -> list[dict]:
+def cases(quick: bool = False) -> list[tuple]:
     """The streamed cases (what ``bench sampling`` adds): runs on the emulated card, then plans."""
+    runs = [("sd15", 32, 32)] if quick else [("sd15", 32, 32), ("sd15", 64, 32), ("sdxl", 64, 32)]
+    plans = [("sd15", 3.0, 512, "float32"), ("sdxl", 4.0, 1024, "float16")]
+    if not quick:
+        plans += [
+            ("sd15", 4.0, 1536, "float32"),
+            ("sdxl", 6.0, 1024, "float16"),
+            ("sdxl", 4.0, 768, "float16"),
+        ]
+    runs = [("run", s, mc, side, f) for s, mc, side in runs for f in (1 / 3, 1 / 2, 2 / 3)]
+    return runs + [("plan", *p) for p in plans]
+
+
+def run_one(case: tuple, bandwidth_gb_s: float = DEFAULT_BANDWIDTH_GB_S) -> dict:
+    """One of :func:`cases`, on one thread (a shared small machine: more threads only thrash; same
+    results)."""
     n = torch.get_num_threads()
-    torch.set_num_threads(1)  # a shared small machine: more threads only thrash (same results)
+    torch.set_num_threads(1)
     try:
-        rows = []
-        runs = [("sd15", 32, 32)] if quick else [("sd15", 32, 32), ("sd15", 64, 32), ("sdxl", 64, 32)]
-        for shape, mc, side in runs:
-            for fraction in (1 / 3, 1 / 2, 2 / 3):
-                rows.append(run_case(shape, mc, side, fraction))
-        f32, f16 = torch.float32, torch.float16
-        plans = [("sd15", 3.0, 512, f32), ("sdxl", 4.0, 1024, f16)]
-        if not quick:
-            plans += [("sd15", 4.0, 1536, f32), ("sdxl", 6.0, 1024, f16), ("sdxl", 4.0, 768, f16)]
-        for arch, gib, px, dt in plans:
-            rows.append(plan_case(arch, gib, px, bandwidth_gb_s, dt))
-        return rows
+        if case[0] == "run":
+            return run_case(*case[1:])
+        arch, gib, px, dtype = case[1:]
+        return plan_case(arch, gib, px, bandwidth_gb_s, getattr(torch, dtype))
     finally:
         torch.set_num_threads(n)
 
 
-def _mib(v) -> str:
-    return "-" if v is None else f"{v / MiB:.1f}"
+def label(case: tuple) -> str:
+    if case[0] == "run":
+        return f"{case[1]} mc{case[2]} {case[3]} lat, card holds {case[4]:.2f} of the UNet"
+    return f"{case[1]} {case[4]} {case[3]} px on {case[2]:g} GiB (plan)"
 
 
 def table(rows: list[dict]) -> str:
@@ -315,8 +286,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {case} | {r['card_bytes'] / MiB:.0f} | {'ok' if r['plain_ok'] else 'OOM'} | "
             f"{'ok' if r['guarded_ok'] else 'OOM'} | {r.get('identical', '-')} | "
-            f"{r.get('micro_batch', '-')} of 2 | {_mib(r['unet_bytes'])} | "
-            f"{_mib(r['resident_bytes'])} | {_mib(moved)} | {_mib(low)} | {ratio} | {note} |"
+            f"{r.get('micro_batch', '-')} of 2 | {mib(r['unet_bytes'])} | "
+            f"{mib(r['resident_bytes'])} | {mib(moved)} | {mib(low)} | {ratio} | {note} |"
         )
     return "\n".join(lines)
 
@@ -363,11 +334,9 @@ def gpu_stream(  # noqa: ANN001
     dtype = torch.float16
     unet = build_unet("sd15", 320, context_dim=768).to(dtype)
     g = torch.Generator().manual_seed(1)
-    kw = {
-        "x": torch.randn(2, 4, side, side, generator=g).to(device, dtype),
-        "timesteps": torch.tensor([10, 700], device=device),
-        "context": torch.randn(2, 77, 768, generator=g).to(device, dtype),
-    }
+    kw = {"x": torch.randn(2, 4, side, side, generator=g).to(device, dtype),
+          "timesteps": torch.tensor([10, 700], device=device),
+          "context": torch.randn(2, 77, 768, generator=g).to(device, dtype)}  # fmt: skip
     units = unit_bytes(unet)
     total = sum(b for _, b in units)
     plan = choose_resident(
@@ -452,14 +421,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def bench(args: argparse.Namespace) -> Bench:
     if not 0.1 <= args.bandwidth <= 1000:
-        print(f"`--bandwidth` must be in 0.1..1000 GB/s, got {args.bandwidth}", file=sys.stderr)
-        return 2
-    rows = stream_cases(args.quick, args.bandwidth)
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
-    else:
-        print(table(rows))
-    return 0
+        raise UsageError(f"`--bandwidth` must be in 0.1..1000 GB/s, got {args.bandwidth}")
+    return Bench(cases(args.quick), lambda c: run_one(c, args.bandwidth), table, label=label)
+
+
+run = runner(bench)

@@ -13,83 +13,93 @@ hardest case for sampling) and a tiled upscale of a spandrel ESRGAN ``RRDBNet`` 
 On the CPU the times are the process's CPU time (all threads; a shared machine disturbs it far
 less than wall time), on CUDA wall time after a synchronize. Both are noisy; the table also gives
 the cost of one sample measured alone (``tracker.sample()`` with and without a timeline: the fastest
-of 10 rounds of 2000 calls) and the overhead it implies: samples x extra cost per sample / job time.
+of 10 rounds of 2000 calls, measured once after the first job) and the overhead it implies:
+samples x extra cost per sample / job time.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
 import statistics
-import tempfile
 import time
 
-from lib_vram.cli.common import MAX_COUNT, MAX_THREADS, bounded_int
+import torch
+
+from lib_vram.cli.common import MAX_COUNT, MAX_THREADS, UsageError, bounded_int
+from lib_vram.core.timeline import Timeline
+from lib_vram.core.tracker import StageTracker
+from lib_vram.planning import planner
+
+from ._harness import Bench, runner
 
 HELP = "Memory timeline overhead: a job with and without sampling, side by side (VAE decode, upscale)."
+VARIANTS = ("none", "tracker", "timeline")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "--reps",
         type=bounded_int("--reps", 1, MAX_COUNT),
         default=5,
         help=f"runs per variant (default 5, at most {MAX_COUNT})",
     )
-    parser.add_argument("--quick", action="store_true", help="smaller jobs (under a minute)")
-    parser.add_argument("--json", action="store_true", help="print one JSON record per job")
-    parser.add_argument("--device", default="cpu", help="device (default cpu)")
-    parser.add_argument(
-        "--threads",
-        type=bounded_int("--threads", 1, MAX_THREADS),
-        default=None,
-        help=f"torch CPU threads (default: torch's; 1 = least noise; at most {MAX_THREADS})",
-    )
+    add("--quick", action="store_true", help="smaller jobs (under a minute)")
+    add("--json", action="store_true", help="print one JSON record per job")
+    add("--device", default="cpu", help="device (default cpu)")
+    add("--threads", type=bounded_int("--threads", 1, MAX_THREADS), default=None,
+        help=f"torch CPU threads (default: torch's; 1 = least noise; at most {MAX_THREADS})")  # fmt: skip
 
 
-def _decoder(ch: int):
-    import torch
+def bench(args: argparse.Namespace) -> Bench:
+    if args.reps < 1:
+        raise UsageError(f"`--reps` must be >= 1, got {args.reps}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"`--threads` must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    costs: dict[bool, float] = {}
 
-    from .vae import SD_VAE
+    def run_case(job: tuple) -> dict:
+        rec = _measure(*job, args.reps, args.device)
+        if not costs:  # one sample measured alone, once
+            costs.update({tl: _sample_cost(args.device, tl) for tl in (False, True)})
+        rec["sample_us_tracker"] = round(costs[False] * 1e6, 2)
+        rec["sample_us_timeline"] = round(costs[True] * 1e6, 2)
+        rec["implied_timeline_pct"] = round(
+            100 * rec["samples"] * (costs[True] - costs[False]) / rec["tracker_s"], 4
+        )
+        rec["implied_all_sampling_pct"] = round(100 * rec["samples"] * costs[True] / rec["none_s"], 4)
+        return rec
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        from ldm.modules.diffusionmodules.model import Decoder
-
-        torch.manual_seed(0)
-        return Decoder(**{**SD_VAE, "ch": ch}).eval()
+    return Bench(_jobs(args.quick, args.device), run_case, lambda rows: _table(rows, args.device),
+                 label=lambda job: job[0])  # fmt: skip
 
 
-def _jobs(quick: bool, device: str, tmp: str) -> list[tuple[str, object]]:
+def _jobs(quick: bool, device: str) -> list[tuple[str, object]]:
     """(name, run(tracker)) for each job."""
-    import spandrel
-    import torch
-    from safetensors.torch import save_file
 
-    from lib_vram.cli.bench._synthetic import image_like, make_imagelike_rrdb, rrdb_class
-    from lib_vram.planning import planner
     from lib_vram.upscale import UpscaleConfig, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, tiled_decode
 
+    from ._synthetic import image_like
+    from .emulate import VAE_NARROW, rrdb
+    from .vae import build_ldm
+
     px = 256 if quick else 512
-    dec = _decoder(32).to(device)
+    dec = build_ldm("decoder", VAE_NARROW).to(device)
     z = (image_like(px // 8, px // 8, 4, seed=3) * 4 - 2).to(device)
 
-    def vae(tracker):
+    def vae(tracker):  # noqa: ANN001, ANN202
         with torch.no_grad():
             return tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", tile=16), tracker=tracker,
                                 memory=planner.PlanMemory())  # fmt: skip
 
-    torch.manual_seed(0)
-    net = make_imagelike_rrdb(rrdb_class()(in_nc=3, out_nc=3, num_filters=16, num_blocks=3, scale=4))
-    path = f"{tmp}/rrdb.safetensors"
-    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, path)
-    desc = spandrel.ModelLoader().load_from_file(path)
+    desc = rrdb(16, 3)
     upx = 64 if quick else 128
     x = image_like(upx, upx, 3, seed=5).to(device)
 
-    def upscale(tracker):
+    def upscale(tracker):  # noqa: ANN001, ANN202
         cfg = UpscaleConfig(tile=32, batch=1, device=device)
         return upscale_tensor(desc, x, config=cfg, tracker=tracker, memory=planner.PlanMemory())
 
@@ -99,11 +109,49 @@ def _jobs(quick: bool, device: str, tmp: str) -> list[tuple[str, object]]:
     ]
 
 
+def _measure(name: str, job, reps: int, device: str) -> dict:  # noqa: ANN001
+    """``job`` ``reps`` times each way, interleaved, after a warm-up."""
+
+    # CPU: the process's CPU time (all threads), which other processes on a shared machine disturb
+    # far less than wall time; CUDA: wall time after a synchronize
+    cuda = device.startswith("cuda")
+    job(StageTracker(device))  # warm-up (the upscale engine measures a model once)
+    times: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    wall: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    samples = points = 0
+    for _ in range(reps):
+        for variant in VARIANTS:
+            timeline = Timeline() if variant == "timeline" else None
+            tracker = None if variant == "none" else StageTracker(device, timeline=timeline)
+            if cuda:
+                torch.cuda.synchronize()
+            t0, c0 = time.perf_counter(), time.process_time()
+            job(tracker)
+            if cuda:
+                torch.cuda.synchronize()
+            wall[variant].append(time.perf_counter() - t0)
+            times[variant].append(wall[variant][-1] if cuda else time.process_time() - c0)
+            if timeline is not None:
+                d = timeline.to_dict()
+                samples, points = sum(d["samples"].values()), len(d["points"]["t"])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    low = {k: min(v) for k, v in times.items()}
+    return {
+        "job": name, "reps": reps, "clock": "wall" if cuda else "cpu",
+        "wall_s": {k: round(statistics.median(v), 3) for k, v in wall.items()},
+        "none_s": round(med["none"], 4), "tracker_s": round(med["tracker"], 4),
+        "timeline_s": round(med["timeline"], 4),
+        "timeline_vs_tracker_pct": round(100 * (med["timeline"] / med["tracker"] - 1), 2),
+        "timeline_vs_none_pct": round(100 * (med["timeline"] / med["none"] - 1), 2),
+        "min_s": {k: round(v, 4) for k, v in low.items()},
+        "min_timeline_vs_tracker_pct": round(100 * (low["timeline"] / low["tracker"] - 1), 2),
+        "samples": samples, "points": points,
+    }  # fmt: skip
+
+
 def _sample_cost(device: str, with_timeline: bool, n: int = 2_000, rounds: int = 10) -> float:
     """Seconds per ``tracker.sample()`` inside an open stage: the fastest of ``rounds`` rounds of
     ``n`` calls (the least disturbed by other processes)."""
-    from lib_vram.core.timeline import Timeline
-    from lib_vram.core.tracker import StageTracker
 
     tracker = StageTracker(device, timeline=Timeline() if with_timeline else None)
     best = float("inf")
@@ -116,95 +164,28 @@ def _sample_cost(device: str, with_timeline: bool, n: int = 2_000, rounds: int =
     return best
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from lib_vram.cli.common import UsageError
-    from lib_vram.core.timeline import Timeline
-    from lib_vram.core.tracker import StageTracker
-
-    if args.reps < 1:
-        raise UsageError(f"`--reps` must be >= 1, got {args.reps}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"`--threads` must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    device = args.device
-    # CPU: the process's CPU time (all threads), which other processes on a shared machine disturb
-    # far less than wall time; CUDA: wall time after a synchronize
-    clock = "wall" if device.startswith("cuda") else "cpu"
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, job in _jobs(args.quick, device, tmp):
-            job(StageTracker(device))  # warm-up (the upscale engine measures a model once)
-            times: dict[str, list[float]] = {"none": [], "tracker": [], "timeline": []}
-            wall: dict[str, list[float]] = {k: [] for k in times}
-            samples = points = 0
-            for _ in range(args.reps):
-                for variant in times:
-                    timeline = Timeline() if variant == "timeline" else None
-                    tracker = None if variant == "none" else StageTracker(device, timeline=timeline)
-                    if device.startswith("cuda"):
-                        torch.cuda.synchronize()
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    job(tracker)
-                    if device.startswith("cuda"):
-                        torch.cuda.synchronize()
-                    wall[variant].append(time.perf_counter() - t0)
-                    times[variant].append(time.process_time() - c0 if clock == "cpu" else wall[variant][-1])
-                    if timeline is not None:
-                        d = timeline.to_dict()
-                        samples = sum(d["samples"].values())
-                        points = len(d["points"]["t"])
-            med = {k: statistics.median(v) for k, v in times.items()}
-            low = {k: min(v) for k, v in times.items()}
-            rows.append(
-                {
-                    "job": name,
-                    "reps": args.reps,
-                    "clock": clock,
-                    "wall_s": {k: round(statistics.median(v), 3) for k, v in wall.items()},
-                    "none_s": round(med["none"], 4),
-                    "tracker_s": round(med["tracker"], 4),
-                    "timeline_s": round(med["timeline"], 4),
-                    "timeline_vs_tracker_pct": round(100 * (med["timeline"] / med["tracker"] - 1), 2),
-                    "timeline_vs_none_pct": round(100 * (med["timeline"] / med["none"] - 1), 2),
-                    "min_s": {k: round(v, 4) for k, v in low.items()},
-                    "min_timeline_vs_tracker_pct": round(100 * (low["timeline"] / low["tracker"] - 1), 2),
-                    "samples": samples,
-                    "points": points,
-                }
-            )
-    cost_tracker = _sample_cost(device, False)
-    cost_timeline = _sample_cost(device, True)
+def _table(rows: list[dict], device: str) -> str:
+    if not rows:
+        return ""
+    r0 = rows[0]
+    what = "process CPU time" if r0["clock"] == "cpu" else "wall time"
+    lines = [f"device {device} ({torch.get_num_threads()} threads); {what}, medians of {r0['reps']} "
+             "interleaved runs per variant", "",
+             "| job | none s | tracker s | timeline s | timeline vs tracker | timeline vs none | samples "
+             "| points | µs/sample (tracker / +timeline) | implied by µs/sample |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
-        r["sample_us_tracker"] = round(cost_tracker * 1e6, 2)
-        r["sample_us_timeline"] = round(cost_timeline * 1e6, 2)
-        r["implied_timeline_pct"] = round(
-            100 * r["samples"] * (cost_timeline - cost_tracker) / r["tracker_s"], 4
-        )
-        r["implied_all_sampling_pct"] = round(100 * r["samples"] * cost_timeline / r["none_s"], 4)
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
-        return 0
-    what = "process CPU time" if clock == "cpu" else "wall time"
-    threads = torch.get_num_threads()
-    print(f"device {device} ({threads} threads); {what}, medians of {args.reps} interleaved runs per variant")
-    print()
-    print("| job | none s | tracker s | timeline s | timeline vs tracker | timeline vs none | samples "
-          "| points | µs/sample (tracker / +timeline) | implied by µs/sample |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
+        lines.append(
             f"| {r['job']} | {r['none_s']:.3f} | {r['tracker_s']:.3f} | {r['timeline_s']:.3f} | "
             f"{r['timeline_vs_tracker_pct']:+.2f} % | {r['timeline_vs_none_pct']:+.2f} % | {r['samples']} | "
             f"{r['points']} | {r['sample_us_tracker']:.1f} / {r['sample_us_timeline']:.1f} | "
             f"{r['implied_timeline_pct']:.3f} % (all sampling {r['implied_all_sampling_pct']:.3f} %) |"
         )
-    print()
-    print("fastest run per variant (s): " + "; ".join(
+    lines.append("\nfastest run per variant (s): " + "; ".join(
         f"{r['job']}: none {r['min_s']['none']:.3f}, tracker {r['min_s']['tracker']:.3f}, timeline "
         f"{r['min_s']['timeline']:.3f} ({r['min_timeline_vs_tracker_pct']:+.2f} %)" for r in rows
     ))  # fmt: skip
-    return 0
+    return "\n".join(lines)
+
+
+run = runner(bench)

@@ -1,11 +1,10 @@
 """``python -m lib_vram bench upscale``: untiled vs this engine vs a one-tile-at-a-time PIL loop.
 
-Every case runs in a fresh Python process (``--case JSON``), so peaks and caches do not leak
-between cases. Models are real spandrel architectures with random weights, saved to files and
-loaded through spandrel: Compact at the size of realesr-animevideov3 (64 features, 16 convs, x4),
-RRDBNet at the size of RealESRGAN_x4plus (64 filters, 23 blocks, x4), both initialised to behave
-like trained models (see :mod:`lib_vram.cli.bench._synthetic`), and a small Compact (16
-features, 4 convs) for the constant-peak series.
+Every case runs in a fresh process. Models are real spandrel architectures with random weights,
+saved to files and loaded through spandrel: Compact at the size of realesr-animevideov3 (64
+features, 16 convs, x4), RRDBNet at the size of RealESRGAN_x4plus (64 filters, 23 blocks, x4), both
+initialised to behave like trained models (:mod:`lib_vram.cli.bench._synthetic`), and a small
+Compact (16 features, 4 convs) for the constant-peak series.
 
 Columns: ``method`` (untiled | engine | pil_loop), ``arch``, ``image_px`` (input side), ``tile``,
 ``batch``, ``seconds`` (wall clock, uint8 image in -> uint8 image out), ``cpu_seconds`` (the
@@ -17,39 +16,30 @@ process's CPU time for the same span: the fairer measure on a shared machine), `
 (weights); on the CPU the peak of live tensor bytes created inside the model's forward passes plus
 the batch fed to them - the working set a device would need beyond weights, input and output (the
 CPU has no separate device memory; ``rss_peak_bytes`` is the whole process's high-water mark).
+``--archs`` and ``--fallback`` are the per-architecture tables (docs/upscale-architectures.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from ..common import strict_json
+import numpy as np
+import torch
+
+from lib_vram.core.device import resolve_device
+from lib_vram.core.livebytes import LiveBytesCounter
+from lib_vram.core.tracker import _read_vm_hwm, _reset_vm_hwm
+
+from ._harness import Bench, cell, runner, table
 
 HELP = "Tiled upscaling: untiled vs this engine (tiles x batches) vs a one-tile-at-a-time PIL loop."
 
-FIELDS = (
-    "method",
-    "arch",
-    "image_px",
-    "tile",
-    "batch",
-    "seconds",
-    "cpu_seconds",
-    "peak_bytes",
-    "psnr_db",
-    "max_err_lsb",
-    "flop_ratio",
-    "overlap",
-    "rss_peak_bytes",
-    "dtype",
-)
+FIELDS = ("method", "arch", "image_px", "tile", "batch", "seconds", "cpu_seconds", "peak_bytes", "psnr_db",
+          "max_err_lsb", "flop_ratio", "overlap", "rss_peak_bytes", "dtype")  # fmt: skip
 
 ARCHS = {
     "compact": {"kind": "compact", "num_feat": 64, "num_conv": 16, "scale": 4},
@@ -58,49 +48,37 @@ ARCHS = {
 }
 PIL_OVERLAP = 8
 """The WebUI's default ``ESRGAN_tile_overlap``."""
+ARCH_IMAGE = (110, 150)
+"""Height, width of the per-architecture table's image (neither a multiple of 8 nor of 16)."""
+ARCH_TILES = (64, 96)
+FALLBACK_PX = 512
+FALLBACK_PX_RANGE = (64, 4096)
+FALLBACK_TILES = (128, 256)
+"""Tile cores (input px) the fallback table measures: what a card that cannot hold the whole image
+runs (the engine gives an inexact model the largest tile that fits)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run of a few minutes)")
-    parser.add_argument("--large", action="store_true", help="add Compact 1024², RRDBNet 256² (slow on CPU)")
-    parser.add_argument("--json", action="store_true", help="print the records as JSON")
-    parser.add_argument("--device", default=None, help="device (default: the best available)")
-    parser.add_argument(
-        "--precision", default="auto", choices=("auto", "fp16", "bf16", "fp32"), help="auto: fp16 on GPU"
-    )
-    parser.add_argument("--workdir", type=Path, default=None, help="where model files and references go")
-    parser.add_argument(
-        "--only",
-        default=None,
-        metavar="ARCH:PX",
-        help="run only one architecture and size, e.g. rrdb:256 (with --large for the large ones)",
-    )
-    parser.add_argument(
-        "--archs",
-        nargs="?",
-        const="all",
-        default=None,
-        metavar="A,B,...",
+    add = parser.add_argument
+    # fmt: off
+    add("--quick", action="store_true", help="small sizes (a smoke run of a few minutes)")
+    add("--large", action="store_true", help="add Compact 1024², RRDBNet 256² (slow on CPU)")
+    add("--json", action="store_true", help="print the records as JSON")
+    add("--device", default=None, help="device (default: the best available)")
+    add("--precision", default="auto", choices=("auto", "fp16", "bf16", "fp32"), help="auto: fp16 on GPU")
+    add("--workdir", type=Path, default=None, help="where model files and references go")
+    add("--only", default=None, metavar="ARCH:PX",
+        help="run only one architecture and size, e.g. rrdb:256 (with --large for the large ones)")
+    add("--archs", nargs="?", const="all", default=None, metavar="A,B,...",
         help="instead: the per-architecture fidelity table (tiled vs untiled for every spandrel "
-        "architecture of lib_vram.cli.bench._archs, or the named ones)",
-    )
-    parser.add_argument(
-        "--fallback",
-        nargs="?",
-        const="auto",
-        default=None,
-        metavar="A,B,...",
+        "architecture of lib_vram.cli.bench._archs, or the named ones)")
+    add("--fallback", nargs="?", const="auto", default=None, metavar="A,B,...",
         help="instead: the tiled error of models flagged inexact at a real image size (--fallback-px), "
-        "for the named architectures of lib_vram.cli.bench._archs (default: every one the engine flags)",
-    )
-    parser.add_argument(
-        "--fallback-px",
-        type=int,
-        default=FALLBACK_PX,
+        "for the named architectures of lib_vram.cli.bench._archs (default: every one the engine flags)")
+    add("--fallback-px", type=int, default=FALLBACK_PX,
         help=f"input side for --fallback (default {FALLBACK_PX}; "
-        f"{FALLBACK_PX_RANGE[0]}-{FALLBACK_PX_RANGE[1]})",
-    )
-    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
+        f"{FALLBACK_PX_RANGE[0]}-{FALLBACK_PX_RANGE[1]})")
+    # fmt: on
 
 
 def plan(quick: bool, large: bool = False) -> list[dict]:
@@ -110,12 +88,9 @@ def plan(quick: bool, large: bool = False) -> list[dict]:
     def group(
         arch: str, px: int, engine: list[tuple[int, int]], pil: list[int], untiled: bool = True
     ) -> None:
-        if untiled:
-            cases.append({"method": "untiled", "arch": arch, "image_px": px, "tile": 0, "batch": 1})
-        for tile, batch in engine:
-            cases.append({"method": "engine", "arch": arch, "image_px": px, "tile": tile, "batch": batch})
-        for tile in pil:
-            cases.append({"method": "pil_loop", "arch": arch, "image_px": px, "tile": tile, "batch": 1})
+        runs = [("untiled", 0, 1)] if untiled else []
+        runs += [("engine", tile, batch) for tile, batch in engine] + [("pil_loop", tile, 1) for tile in pil]
+        cases.extend({"method": m, "arch": arch, "image_px": px, "tile": t, "batch": b} for m, t, b in runs)
 
     if quick:
         group("compact", 128, [(64, 4), (32, 8)], [64])
@@ -134,6 +109,49 @@ def plan(quick: bool, large: bool = False) -> list[dict]:
     return cases
 
 
+def _names(option: str, value: str, every: str) -> list[str]:
+    from ._archs import BUILDERS
+
+    names = list(BUILDERS) if value == every else value.split(",")
+    unknown = [n for n in names if n not in BUILDERS]
+    if unknown:
+        raise ValueError(f"`{option}`: unknown {unknown}; known: {', '.join(BUILDERS)}")
+    return names
+
+
+def bench(args: argparse.Namespace) -> Bench:
+    def workdir(what: str) -> Path:
+        path = args.workdir or Path(tempfile.mkdtemp(prefix=f"vram-guard-bench-{what}-"))
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    if args.fallback:
+        lo, hi = FALLBACK_PX_RANGE
+        if not lo <= args.fallback_px <= hi:
+            raise ValueError(f"`--fallback-px` must be {lo}-{hi}, got {args.fallback_px}")
+        names, work = _names("--fallback", args.fallback, "auto"), workdir("fallback")
+        return Bench(names, lambda n: fallback_rows([n], work, args.fallback_px, args.device), fallback_table,
+                     lines=False, done=lambda r: f"{r['arch']} t{r['tile']}: {r['max_err_lsb']} LSB, "
+                     f"{r['pct_over_1lsb']}% > 1 LSB, {r['psnr_db']} dB, exact {r['exact']}")  # fmt: skip
+    if args.archs:
+        names, work = _names("--archs", args.archs, "all"), workdir("archs")
+        return Bench(names, lambda n: arch_rows([n], work, args.device), arch_table, lines=False,
+                     done=lambda r: f"{r['arch']} {r['tile']}: {r['max_err_lsb']} LSB")  # fmt: skip
+    cases = plan(args.quick, args.large)
+    if args.only:
+        arch, _, px = args.only.partition(":")
+        cases = [c for c in cases if c["arch"] == arch and str(c["image_px"]) == px]
+        if not cases:
+            raise ValueError(f"`--only {args.only}` matches no case (try --large for the large sizes)")
+    work = workdir("upscale")
+    full = [dict(c, workdir=str(work), device=args.device, precision=args.precision) for c in cases]
+    return Bench(full, None, _table, lines=False, timeout=1800,
+                 prepare=lambda: build_models(work, {c["arch"] for c in cases}),
+                 label=lambda c: f"{c['method']} {c['arch']} {c['image_px']}² t{c['tile']} b{c['batch']}",
+                 done=lambda r: f"{r['seconds']:.2f}s (cpu {r['cpu_seconds']:.2f}s) psnr "
+                 f"{cell(r['psnr_db'])} {r['plan']}")  # fmt: skip
+
+
 # -- one case (child process) ------------------------------------------------------------------------
 
 
@@ -143,54 +161,30 @@ def _model_path(workdir: Path, arch: str) -> Path:
 
 def build_models(workdir: Path, archs: set[str]) -> None:
     """Save each architecture's random-weight model (seed 0) once."""
-    import torch
     from safetensors.torch import save_file
 
     from ._synthetic import compact_class, make_imagelike_compact, make_imagelike_rrdb, rrdb_class
 
     for arch in sorted(archs):
-        path = _model_path(workdir, arch)
+        path, cfg = _model_path(workdir, arch), ARCHS[arch]
         if path.exists():
             continue
-        cfg = ARCHS[arch]
         torch.manual_seed(0)
         if cfg["kind"] == "compact":
-            net = compact_class()(
-                num_in_ch=3,
-                num_out_ch=3,
-                num_feat=cfg["num_feat"],
-                num_conv=cfg["num_conv"],
-                upscale=cfg["scale"],
-            )
+            net = compact_class()(num_in_ch=3, num_out_ch=3, num_feat=cfg["num_feat"],
+                                  num_conv=cfg["num_conv"], upscale=cfg["scale"])  # fmt: skip
             make_imagelike_compact(net)
         else:
-            net = rrdb_class()(
-                in_nc=3,
-                out_nc=3,
-                num_filters=cfg["num_filters"],
-                num_blocks=cfg["num_blocks"],
-                scale=cfg["scale"],
-            )
+            net = rrdb_class()(in_nc=3, out_nc=3, num_filters=cfg["num_filters"],
+                               num_blocks=cfg["num_blocks"], scale=cfg["scale"])  # fmt: skip
             make_imagelike_rrdb(net)
         save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
-
-
-def _source(px: int):
-    import numpy as np
-    from PIL import Image
-
-    from ._synthetic import image_like
-
-    arr = (image_like(px, px, seed=1)[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
-    return Image.fromarray(arr, "RGB")
 
 
 def pil_loop(model, img, tile: int, overlap: int, device, dtype):  # noqa: ANN001
     """The WebUI's scheme, rewritten from its description: tiles of ``tile`` px spread evenly with
     at least ``overlap`` px overlap, one at a time, each through PIL -> float64 -> device -> PIL,
     pasted with a linear ramp over ``overlap`` output-scaled px at the new tile's left/top edge."""
-    import numpy as np
-    import torch
     from PIL import Image
 
     s = model.scale
@@ -218,56 +212,49 @@ def pil_loop(model, img, tile: int, overlap: int, device, dtype):  # noqa: ANN00
                 mask[:, :ramp] *= np.linspace(0, 1, ramp)[None, :]
             if y > 0:
                 mask[:ramp, :] *= np.linspace(0, 1, ramp)[:, None]
-            out.paste(
-                Image.fromarray(o8), (x * s, y * s), Image.fromarray((mask * 255).round().astype(np.uint8))
-            )
-    flop = len(xs) * len(ys) * tw * th / float(w * h)
-    return np.asarray(out), flop
+            alpha = Image.fromarray((mask * 255).round().astype(np.uint8))
+            out.paste(Image.fromarray(o8), (x * s, y * s), alpha)
+    return np.asarray(out), len(xs) * len(ys) * tw * th / float(w * h)
 
 
 def run_case(case: dict) -> dict:
     """Run one case in this process and return its record."""
-    import numpy as np
-    import torch
+    from PIL import Image
 
-    from lib_vram.core.device import resolve_device
-    from lib_vram.core.livebytes import LiveBytesCounter
-    from lib_vram.core.tracker import _read_vm_hwm, _reset_vm_hwm
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, context, load_model, upscale_tensor
 
-    workdir = Path(case["workdir"])
-    device = resolve_device(case.get("device"))
+    from ._synthetic import image_like
+
+    workdir, device, method = Path(case["workdir"]), resolve_device(case.get("device")), case["method"]
     precision = case.get("precision", "auto")
     if precision == "auto":
         precision = "fp16" if device.type == "cuda" else "fp32"
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
     model = load_model(_model_path(workdir, case["arch"]), device=device)
     model.to(dtype)
-    img = _source(case["image_px"])
+    px = case["image_px"]
+    arr = (image_like(px, px, seed=1)[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    img = Image.fromarray(arr, "RGB")
     cuda = device.type == "cuda"
-
     # Working-set meter: allocator peak on CUDA, live bytes inside forward passes elsewhere.
     meter = {"peak": 0}
-    modes: list[LiveBytesCounter] = []
+    counters: list[LiveBytesCounter] = []
 
     def pre(module, args):  # noqa: ANN001
-        m = LiveBytesCounter()
-        m.__enter__()
-        modes.append(m)
+        counters.append(LiveBytesCounter())
+        counters[-1].__enter__()
         meter["in"] = args[0].numel() * args[0].element_size()
 
     def post(module, args, out):  # noqa: ANN001
-        m = modes.pop()
+        m = counters.pop()
         m.__exit__(None, None, None)
         meter["peak"] = max(meter["peak"], m.peak_bytes + meter.get("in", 0))
 
     if not cuda:
         model.model.register_forward_pre_hook(pre)
         model.model.register_forward_hook(post)
-
-    overlap = None
-    calib_s = 0.0
-    if case["method"] == "engine":  # calibrate before timing (cached per process in real use)
+    overlap, calib_s = None, 0.0
+    if method == "engine":  # calibrate before timing (cached per process in real use)
         t0 = time.perf_counter()
         spec = as_spec(model)
         with spec.placed(device, dtype):
@@ -280,162 +267,67 @@ def run_case(case: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     _reset_vm_hwm()
     rss0 = _read_vm_hwm() or 0
-    rep = UpscaleReport()
-    flop = 1.0
-    t0 = time.perf_counter()
-    c0 = time.process_time()
-    if case["method"] == "pil_loop":
+    rep, flop = UpscaleReport(), 1.0
+    t0, c0 = time.perf_counter(), time.process_time()
+    if method == "pil_loop":
         out8, flop = pil_loop(model, img, case["tile"], PIL_OVERLAP, device, dtype)
     else:
         x = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None].float().div_(255)
-        if case["method"] == "untiled":
+        if method == "untiled":
             with torch.inference_mode():
                 y = model(x.to(device=device, dtype=dtype)).float()
         else:
-            cfg = UpscaleConfig(
-                tile=case["tile"],
-                batch=case["batch"],
-                overlap=overlap,
-                precision=precision,
-                device=device,
-                accumulate_on="cpu" if case["arch"] == "compact-s" else "auto",
-            )
+            acc = "cpu" if case["arch"] == "compact-s" else "auto"
+            cfg = UpscaleConfig(tile=case["tile"], batch=case["batch"], overlap=overlap, precision=precision,
+                                device=device, accumulate_on=acc)  # fmt: skip
             y = upscale_tensor(model, x, config=cfg, report=rep)
             flop = rep.flop_ratio
         out8 = (y[0] * 255).round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).cpu().numpy()
     if cuda:
         torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    cpu_seconds = time.process_time() - c0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     peak = (torch.cuda.max_memory_allocated(device) - base) if cuda else meter["peak"]
     rss = max(0, (_read_vm_hwm() or 0) - rss0)
-    ref_path = workdir / f"ref-{case['arch']}-{case['image_px']}-{precision}.npy"
+    ref_path = workdir / f"ref-{case['arch']}-{px}-{precision}.npy"
     psnr = max_err = None
-    if case["method"] == "untiled":
+    if method == "untiled":
         np.save(ref_path, out8)
         psnr, max_err = math.inf, 0
     elif ref_path.exists():
-        ref = np.load(ref_path).astype(np.float64)
-        diff = out8.astype(np.float64) - ref
+        diff = out8.astype(np.float64) - np.load(ref_path).astype(np.float64)
         mse = float((diff**2).mean())
         psnr = math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
         max_err = int(np.abs(diff).max())
     return {
-        "method": case["method"],
-        "arch": case["arch"],
-        "image_px": case["image_px"],
-        "tile": case["tile"],
-        "batch": case["batch"],
-        "seconds": round(seconds, 3),
-        "cpu_seconds": round(cpu_seconds, 3),
-        "peak_bytes": int(peak),
+        "method": method, "arch": case["arch"], "image_px": px, "tile": case["tile"], "batch": case["batch"],
+        "seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3), "peak_bytes": int(peak),
         "psnr_db": None if psnr is None else (psnr if math.isinf(psnr) else round(psnr, 2)),
-        "max_err_lsb": max_err,
-        "flop_ratio": round(flop, 3),
-        "overlap": overlap if overlap is not None else (PIL_OVERLAP if case["method"] == "pil_loop" else 0),
-        "rss_peak_bytes": int(rss),
-        "dtype": precision,
-        "device": str(device),
-        "calib_seconds": round(calib_s, 3),
-        "plan": rep.plan,
-    }
+        "max_err_lsb": max_err, "flop_ratio": round(flop, 3),
+        "overlap": overlap if overlap is not None else (PIL_OVERLAP if method == "pil_loop" else 0),
+        "rss_peak_bytes": int(rss), "dtype": precision, "device": str(device),
+        "calib_seconds": round(calib_s, 3), "plan": rep.plan,
+    }  # fmt: skip
 
 
-# -- the parent ---------------------------------------------------------------------------------------
+# -- the tables -------------------------------------------------------------------------------------
 
 
-def _fmt(v: object) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return "inf" if math.isinf(v) else f"{v:.2f}"
-    return str(v)
-
-
-def table(records: list[dict]) -> str:
-    cols = list(FIELDS)
-    rows = [[_fmt(r.get(c)) for c in cols] for r in records]
-    for r, row in zip(records, rows):
-        row[cols.index("peak_bytes")] = f"{r['peak_bytes'] / 2**20:.1f} MiB"
-        row[cols.index("rss_peak_bytes")] = f"{r['rss_peak_bytes'] / 2**20:.1f} MiB"
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    line = "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |"
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    body = ["| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |" for row in rows]
-    return "\n".join([line, sep, *body])
+def _table(records: list[dict]) -> str:
+    mib = {"peak_bytes", "rss_peak_bytes"}
+    cols = [(c, lambda r, c=c: f"{r[c] / 2**20:.1f} MiB") if c in mib else c for c in FIELDS]
+    return table(cols, records) + "\n\n" + "\n".join(ratios(records))
 
 
 def ratios(records: list[dict]) -> list[str]:
     """Time of each tiled case over the untiled time of the same arch and size."""
     key = "cpu_seconds" if all(r.get("cpu_seconds") for r in records) else "seconds"
     base = {(r["arch"], r["image_px"]): r[key] for r in records if r["method"] == "untiled"}
-    out = []
-    for r in records:
-        b = base.get((r["arch"], r["image_px"]))
-        if r["method"] != "untiled" and b:
-            out.append(
-                f"{r['arch']} {r['image_px']}² {r['method']} tile {r['tile']} batch {r['batch']}: "
-                f"{r[key] / b:.2f}x untiled {key}"
-            )
-    return out
-
-
-ARCH_IMAGE = (110, 150)
-"""Height, width of the per-architecture table's image (neither a multiple of 8 nor of 16)."""
-ARCH_TILES = (64, 96)
-
-
-def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[dict]:
-    """Per architecture: automatic plan, then each tile of ``ARCH_TILES`` with the calibrated
-    overlap, against spandrel's untiled call (8-bit max error and PSNR)."""
-    import torch
-
-    from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
-
-    from ._archs import build, save_and_load
-    from ._synthetic import image_like
-
-    rows = []
-    h, w = ARCH_IMAGE
-    x = image_like(h, w, seed=11)
-    for name in names:
-        t0 = time.perf_counter()
-        model = save_and_load(build(name), workdir / f"arch-{name}.safetensors")
-        spec = as_spec(model)
-        with torch.inference_mode():
-            ref = model(x)
-        kind = "windowed" if spec.grid > 1 else "local"
-        for tile in (None, *ARCH_TILES):
-            rep = UpscaleReport()
-            y = upscale_tensor(model, x, config=UpscaleConfig(tile=tile, device=device), report=rep)
-            a8, b8 = (y.float().cpu() * 255).round(), (ref.float() * 255).round()
-            mse = float(((a8 - b8) ** 2).mean())
-            rows.append(
-                {
-                    "arch": name,
-                    "spandrel": spec.name,
-                    "kind": kind,
-                    "grid": spec.grid,
-                    "tile": "auto" if tile is None else tile,
-                    "plan": rep.plan.split(" float")[0].split(" bfloat")[0],
-                    "max_err_lsb": int((a8 - b8).abs().max()),
-                    "psnr_db": math.inf if mse == 0 else round(10 * math.log10(255.0**2 / mse), 1),
-                    "exact": rep.exact,
-                    "note": "; ".join(rep.notes),
-                    "seconds": round(time.perf_counter() - t0, 1),
-                }
-            )
-            t0 = time.perf_counter()
-        print(f"    {name}: {[(r['tile'], r['max_err_lsb']) for r in rows if r['arch'] == name]}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    return rows
-
-
-FALLBACK_PX = 512
-FALLBACK_PX_RANGE = (64, 4096)
-FALLBACK_TILES = (128, 256)
-"""Tile cores (input px) the fallback table measures: what a card that cannot hold the whole image
-runs (the engine gives an inexact model the largest tile that fits)."""
+    return [
+        f"{r['arch']} {r['image_px']}² {r['method']} tile {r['tile']} batch {r['batch']}: "
+        f"{r[key] / base[(r['arch'], r['image_px'])]:.2f}x untiled {key}"
+        for r in records
+        if r["method"] != "untiled" and base.get((r["arch"], r["image_px"]))
+    ]
 
 
 def _lsb_stats(y, ref) -> tuple[int, float, float]:  # noqa: ANN001
@@ -447,11 +339,42 @@ def _lsb_stats(y, ref) -> tuple[int, float, float]:  # noqa: ANN001
     return int(diff.max()), round(100.0 * float((diff > 1).float().mean()), 3), psnr
 
 
+def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[dict]:
+    """Per architecture: automatic plan, then each tile of ``ARCH_TILES`` with the calibrated
+    overlap, against spandrel's untiled call (8-bit max error and PSNR)."""
+
+    from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
+
+    from ._archs import build, save_and_load
+    from ._synthetic import image_like
+
+    rows = []
+    x = image_like(*ARCH_IMAGE, seed=11)
+    for name in names:
+        t0 = time.perf_counter()
+        model = save_and_load(build(name), workdir / f"arch-{name}.safetensors")
+        spec = as_spec(model)
+        with torch.inference_mode():
+            ref = model(x)
+        for tile in (None, *ARCH_TILES):
+            rep = UpscaleReport()
+            y = upscale_tensor(model, x, config=UpscaleConfig(tile=tile, device=device), report=rep)
+            max_lsb, _, psnr = _lsb_stats(y, ref)
+            rows.append({
+                "arch": name, "spandrel": spec.name, "kind": "windowed" if spec.grid > 1 else "local",
+                "grid": spec.grid, "tile": "auto" if tile is None else tile,
+                "plan": rep.plan.split(" float")[0].split(" bfloat")[0], "max_err_lsb": max_lsb,
+                "psnr_db": psnr, "exact": rep.exact, "note": "; ".join(rep.notes),
+                "seconds": round(time.perf_counter() - t0, 1),
+            })  # fmt: skip
+            t0 = time.perf_counter()
+    return rows
+
+
 def fallback_rows(names: list[str], workdir: Path, px: int, device: object = None) -> list[dict]:
     """Per architecture the engine flags inexact: the tiled error against spandrel's untiled call on
     a ``px``² image, at each tile of ``FALLBACK_TILES`` smaller than the image, with the overlap the
     engine chooses (calibrated). Architectures it finds exact are listed with ``exact`` True."""
-    import torch
 
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
 
@@ -470,26 +393,13 @@ def fallback_rows(names: list[str], workdir: Path, px: int, device: object = Non
             rep = UpscaleReport()
             y = upscale_tensor(model, x, config=UpscaleConfig(tile=tile, device=device), report=rep)
             max_lsb, over, psnr = _lsb_stats(y, ref)
-            rows.append(
-                {
-                    "arch": name,
-                    "spandrel": spec.name,
-                    "image_px": px,
-                    "tile": tile,
-                    "overlap": rep.overlap,
-                    "exact": rep.exact,
-                    "max_err_lsb": max_lsb,
-                    "pct_over_1lsb": over,
-                    "psnr_db": psnr,
-                    "why": "; ".join(rep.notes).split("(", 1)[-1].split("); it did not fit")[0]
-                    if rep.notes
-                    else "",
-                    "seconds": round(time.perf_counter() - t0, 1),
-                }
-            )
+            why = "; ".join(rep.notes).split("(", 1)[-1].split("); it did not fit")[0] if rep.notes else ""
+            rows.append({
+                "arch": name, "spandrel": spec.name, "image_px": px, "tile": tile, "overlap": rep.overlap,
+                "exact": rep.exact, "max_err_lsb": max_lsb, "pct_over_1lsb": over, "psnr_db": psnr,
+                "why": why, "seconds": round(time.perf_counter() - t0, 1),
+            })  # fmt: skip
             t0 = time.perf_counter()
-            line = f"{name} t{tile}: {max_lsb} LSB, {over}% > 1 LSB, {psnr} dB, exact {rep.exact}"
-            print(f"    {line}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -500,91 +410,19 @@ def fallback_table(rows: list[dict]) -> str:
         "image_px",
         "tile",
         "overlap",
-        "exact",
         "max_err_lsb",
         "pct_over_1lsb",
         "psnr_db",
         "why",
     ]
-    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for r in rows:
-        out.append(
-            "| " + " | ".join(("yes" if r[c] else "no") if c == "exact" else _fmt(r[c]) for c in cols) + " |"
-        )
-    return "\n".join(out)
+    cols.insert(5, ("exact", lambda r: "yes" if r["exact"] else "no"))
+    return table(cols, rows)
 
 
 def arch_table(rows: list[dict]) -> str:
-    cols = ["arch", "spandrel", "kind", "grid", "tile", "plan", "max_err_lsb", "psnr_db", "exact", "note"]
-    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for r in rows:
-        out.append(
-            "| "
-            + " | ".join(_fmt(r[c]) if c != "exact" else ("yes" if r[c] else "**no**") for c in cols)
-            + " |"
-        )
-    return "\n".join(out)
+    cols = ["arch", "spandrel", "kind", "grid", "tile", "plan", "max_err_lsb", "psnr_db", "note"]
+    cols.insert(8, ("exact", lambda r: "yes" if r["exact"] else "**no**"))
+    return table(cols, rows)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.fallback:
-        from ._archs import BUILDERS
-
-        lo, hi = FALLBACK_PX_RANGE
-        if not lo <= args.fallback_px <= hi:
-            raise ValueError(f"`--fallback-px` must be {lo}-{hi}, got {args.fallback_px}")
-        names = list(BUILDERS) if args.fallback == "auto" else args.fallback.split(",")
-        unknown = [n for n in names if n not in BUILDERS]
-        if unknown:
-            raise ValueError(f"`--fallback`: unknown {unknown}; known: {', '.join(BUILDERS)}")
-        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vram-guard-bench-fallback-"))
-        workdir.mkdir(parents=True, exist_ok=True)
-        rows = fallback_rows(names, workdir, args.fallback_px, args.device)
-        print(strict_json(rows, indent=2) if args.json else fallback_table(rows))
-        return 0
-    if args.archs:
-        from ._archs import BUILDERS
-
-        names = list(BUILDERS) if args.archs == "all" else args.archs.split(",")
-        unknown = [n for n in names if n not in BUILDERS]
-        if unknown:
-            raise ValueError(f"`--archs`: unknown {unknown}; known: {', '.join(BUILDERS)}")
-        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vram-guard-bench-archs-"))
-        workdir.mkdir(parents=True, exist_ok=True)
-        rows = arch_rows(names, workdir, args.device)
-        print(strict_json(rows, indent=2) if args.json else arch_table(rows))
-        return 0
-    if args.case:
-        print(json.dumps(run_case(json.loads(args.case))))
-        return 0
-    cases = plan(args.quick, args.large)
-    if args.only:
-        arch, _, px = args.only.partition(":")
-        cases = [c for c in cases if c["arch"] == arch and str(c["image_px"]) == px]
-        if not cases:
-            raise ValueError(f"`--only {args.only}` matches no case (try --large for the large sizes)")
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vram-guard-bench-upscale-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    build_models(workdir, {c["arch"] for c in cases})
-    records = []
-    for i, case in enumerate(cases, 1):
-        full = dict(case, workdir=str(workdir), device=args.device, precision=args.precision)
-        what = f"{case['method']} {case['arch']} {case['image_px']}² t{case['tile']} b{case['batch']}"
-        label = f"[{i}/{len(cases)}] {what}"
-        print(label, file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "lib_vram", "bench", "upscale", "--case", json.dumps(full)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            print(proc.stderr[-2000:], file=sys.stderr)
-            return 1
-        rec = json.loads(proc.stdout.strip().splitlines()[-1])
-        records.append(rec)
-        secs = f"{rec['seconds']:.2f}s (cpu {rec['cpu_seconds']:.2f}s)"
-        print(f"    {secs} psnr {_fmt(rec['psnr_db'])} {rec['plan']}", file=sys.stderr, flush=True)
-    if args.json:
-        print(strict_json(records, indent=2))
-    else:
-        print(table(records))
-        print()
-        print("\n".join(ratios(records)))
-    return 0
+run = runner(bench, child=run_case)

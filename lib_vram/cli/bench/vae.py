@@ -1,134 +1,87 @@
 """``python -m lib_vram bench vae``: tiled VAE (exact, fast) against untiled and diffusers.
 
-Full-size SD1.x VAE architecture (ldm ``Decoder``/``Encoder``: ch 128, ch_mult 1,2,4,4, two ResNets
-per level) with random weights from a fixed seed. The latent is image-like, not white noise: a
-generated picture (gradients, discs, texture) pooled to latent resolution and mixed to the latent
-channels by a fixed random matrix, so GroupNorm statistics differ between tiles. Each case runs
-in a fresh process (clean peak counters); the untiled case of each size saves its output as the
-reference for the others (PSNR over the reference's value range, max abs error).
-
-``diffusers`` runs ``AutoencoderKL.tiled_decode`` on the same weights, converted with diffusers'
-own ``convert_ldm_vae_checkpoint``. The untiled ldm decoder runs with its mid-block attention
-computed by ``scaled_dot_product_attention`` (as the WebUI's SDP optimisation does), so the
-untiled baseline is not inflated by an N x N attention matrix.
-
-This module imports ``ldm``/``diffusers`` only inside the worker function (benchmarks, not core).
+Full-size SD1.x VAE (ldm ``Decoder``/``Encoder``), random weights from a fixed seed, on an
+image-like latent; each case in a fresh process; the untiled case of each size is the reference
+(PSNR over its value range). Method and columns: docs/benchmarks.md, "Tiled VAE". ``ldm`` and
+``diffusers`` are imported only inside the functions that build models (benchmarks, not core).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import gc
+import io
 import math
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from lib_vram.cli.common import MAX_SIDE, MAX_THREADS, bounded_int, int_list
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812
 
-SIDE_WHY = "the largest image side VAE Guard makes; see docs/cli.md"
+from lib_vram.cli.common import MAX_SIDE, MAX_THREADS, bounded_int, int_list
+from lib_vram.core.predict import LiveBytesCounter, fake_state, new_fake_mode
+from lib_vram.core.tracker import StageTracker
+
+from ._harness import Bench, runner
+
+SIDE_WHY = "the largest image side VRAM Guard makes; see docs/cli.md"
 MAX_FAST_SAMPLE = 256
 """``--fast-sample``: subsampling per axis; 256 leaves a 16384 px image's 2048 px latent 8 px."""
 MAX_PREDICT = MAX_SIDE
 
 HELP = "Tiled VAE: untiled vs exact vs fast vs diffusers tiled_decode (full-size SD VAE, random weights)."
 
-SD_VAE = {
-    "ch": 128,
-    "out_ch": 3,
-    "ch_mult": (1, 2, 4, 4),
-    "num_res_blocks": 2,
-    "attn_resolutions": [],
-    "in_channels": 3,
-    "resolution": 256,
-    "z_channels": 4,
-}
+SD_VAE = {"ch": 128, "out_ch": 3, "ch_mult": (1, 2, 4, 4), "num_res_blocks": 2, "attn_resolutions": [],
+          "in_channels": 3, "resolution": 256, "z_channels": 4}  # fmt: skip
 
 FULL_CASES = [
     # (kind, mode, image_px, tile)
-    ("decode", "untiled", 512, None),
-    ("decode", "exact", 512, 32),
-    ("decode", "fast", 512, 32),
-    ("decode", "diffusers", 512, 32),
-    ("encode", "untiled", 512, None),
-    ("encode", "exact", 512, 32),
-    ("decode", "untiled", 1024, None),
-    ("decode", "exact", 1024, 64),
-    ("decode", "exact", 1024, 32),
-    ("decode", "fast", 1024, 64),
-    ("decode", "diffusers", 1024, 64),
-    ("encode", "untiled", 1024, None),
+    ("decode", "untiled", 512, None), ("decode", "exact", 512, 32), ("decode", "fast", 512, 32),
+    ("decode", "diffusers", 512, 32), ("encode", "untiled", 512, None), ("encode", "exact", 512, 32),
+    ("decode", "untiled", 1024, None), ("decode", "exact", 1024, 64), ("decode", "exact", 1024, 32),
+    ("decode", "fast", 1024, 64), ("decode", "diffusers", 1024, 64), ("encode", "untiled", 1024, None),
     ("encode", "exact", 1024, 64),
     # 2048²: the untiled decode needs ~17 GiB of RAM here (run with --sizes 2048 on a quiet machine)
-    ("decode", "untiled", 2048, None),
-    ("decode", "exact", 2048, 64),
-    ("decode", "fast", 2048, 64),
-]
+    ("decode", "untiled", 2048, None), ("decode", "exact", 2048, 64), ("decode", "fast", 2048, 64),
+]  # fmt: skip
 QUICK_CASES = [
-    ("decode", "untiled", 256, None),
-    ("decode", "exact", 256, 16),
-    ("decode", "fast", 256, 16),
-    ("decode", "diffusers", 256, 16),
-    ("encode", "untiled", 256, None),
-    ("encode", "exact", 256, 16),
-]
+    ("decode", "untiled", 256, None), ("decode", "exact", 256, 16), ("decode", "fast", 256, 16),
+    ("decode", "diffusers", 256, 16), ("encode", "untiled", 256, None), ("encode", "exact", 256, 16),
+]  # fmt: skip
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="CI-sized run (256 px)")
-    parser.add_argument("--json", action="store_true", help="print one JSON record per case")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
-    parser.add_argument(
-        "--sizes",
-        type=int_list("--sizes", 8, MAX_SIDE, why=SIDE_WHY, unit="px", multiple_of=8),
+    add = parser.add_argument
+    # fmt: off
+    add("--quick", action="store_true", help="CI-sized run (256 px)")
+    add("--json", action="store_true", help="print one JSON record per case")
+    add("--device", default="cpu", help="cpu (default) or cuda")
+    add("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
+    add("--sizes", type=int_list("--sizes", 8, MAX_SIDE, why=SIDE_WHY, unit="px", multiple_of=8),
         default=None,
-        help=f"comma-separated image sizes to keep (e.g. 512,1024; each a multiple of 8, at most {MAX_SIDE})",
-    )
-    parser.add_argument(
-        "--modes", default=None, help="comma-separated modes to keep (untiled,exact,fast,diffusers)"
-    )
-    parser.add_argument("--workdir", default=".bench/vae", help="where references and images go")
-    parser.add_argument("--diff-image", default=None, help="write the fast-mode |diff| image here (PNG)")
-    parser.add_argument(
-        "--threads",
-        type=bounded_int("--threads", 0, MAX_THREADS),
-        default=0,
-        help=f"torch threads per case (0 = default; at most {MAX_THREADS})",
-    )
-    parser.add_argument(
-        "--state-offload",
-        default="cpu",
-        choices=("cpu", "device", "auto"),
+        help=f"comma-separated image sizes to keep (e.g. 512,1024; each a multiple of 8, at most {MAX_SIDE})")
+    add("--modes", default=None, help="comma-separated modes to keep (untiled,exact,fast,diffusers)")
+    add("--workdir", default=".bench/vae", help="where references and images go")
+    add("--diff-image", default=None, help="write the fast-mode |diff| image here (PNG)")
+    add("--threads", type=bounded_int("--threads", 0, MAX_THREADS), default=0,
+        help=f"torch threads per case (0 = default; at most {MAX_THREADS})")
+    add("--state-offload", default="cpu", choices=("cpu", "device", "auto"),
         help="where exact-mode tiles park their state (default cpu: on a GPU pinned CPU memory; on the "
-        "CPU nothing moves but the parked bytes are left out of the device peak)",
-    )
-    parser.add_argument(
-        "--fast-sample",
-        type=bounded_int("--fast-sample", 1, MAX_FAST_SAMPLE),
-        default=None,
-        help=f"fast mode's statistics subsampling per axis (1 to {MAX_FAST_SAMPLE})",
-    )
-    parser.add_argument(
-        "--predict",
-        type=int_list(
-            "--predict", 8, MAX_PREDICT, why="fake-tensor decodes walk every tile", unit="px", multiple_of=8
-        ),
-        default=None,
+        "CPU nothing moves but the parked bytes are left out of the device peak)")
+    add("--fast-sample", type=bounded_int("--fast-sample", 1, MAX_FAST_SAMPLE), default=None,
+        help=f"fast mode's statistics subsampling per axis (1 to {MAX_FAST_SAMPLE})")
+    add("--predict", default=None,
+        type=int_list("--predict", 8, MAX_PREDICT, why="fake-tensor decodes walk every tile", unit="px",
+                      multiple_of=8),
         help="comma-separated image sizes: instead of running, count the device peak of untiled, exact and "
         "fast decodes on fake tensors (same code, no memory; for sizes this machine cannot run; each a "
-        f"multiple of 8, at most {MAX_PREDICT})",
-    )
-    parser.add_argument(
-        "--tile",
-        type=bounded_int("--tile", 1, MAX_SIDE // 8, why="the largest image's latent side", unit="latent px"),
-        default=64,
-        help=f"tile for --predict (latent px, at most {MAX_SIDE // 8})",
-    )
-    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
+        f"multiple of 8, at most {MAX_PREDICT})")
+    add("--tile", type=bounded_int("--tile", 1, MAX_SIDE // 8, why="the largest image's latent side",
+                                   unit="latent px"),
+        default=64, help=f"tile for --predict (latent px, at most {MAX_SIDE // 8})")
+    # fmt: on
 
 
 def select_cases(args: argparse.Namespace) -> list[tuple]:
@@ -148,98 +101,56 @@ def select_cases(args: argparse.Namespace) -> list[tuple]:
     return cases
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.case:
-        rec = _worker(json.loads(args.case))
-        print("BENCH_RECORD " + json.dumps(rec), flush=True)
-        return 0
+def bench(args: argparse.Namespace) -> Bench:
     if args.predict:
-        return _run_predict(args)
+        sizes = [int(s) for s in args.predict.split(",")]
+        return Bench(sizes, lambda px: predict_device_peaks(px, args.tile, args.fast_sample), _predict_table,
+                     label=lambda px: f"decode {px}² on fake tensors")  # fmt: skip
     cases = select_cases(args)
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     biggest_fast = max((c[2] for c in cases if c[1] == "fast"), default=None)
-    records = []
-    for kind, mode, px, tile in cases:
-        spec = {
-            "kind": kind,
-            "mode": mode,
-            "image_px": px,
-            "tile": tile,
-            "device": args.device,
-            "dtype": args.dtype,
-            "workdir": str(workdir),
-            "threads": args.threads,
-            "state_offload": args.state_offload,
-            "fast_sample": args.fast_sample,
-            "diff_image": args.diff_image if (mode == "fast" and px == biggest_fast) else None,
-        }
-        cmd = [sys.executable, "-m", "lib_vram", "bench", "vae", "--case", json.dumps(spec)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-        rec = None
-        for line in proc.stdout.splitlines():
-            if line.startswith("BENCH_RECORD "):
-                rec = json.loads(line[len("BENCH_RECORD ") :])
-        if rec is None:
-            rec = {**spec, "method": kind, "error": (proc.stderr or proc.stdout)[-800:]}
-        records.append(rec)
-        if args.json:
-            print(json.dumps(rec), flush=True)
-        else:
-            print(_row(rec), flush=True)
-    if not args.json:
-        print()
-        print(table(records))
-    return 0 if all("error" not in r for r in records) else 1
+    specs = [
+        {"kind": kind, "mode": mode, "image_px": px, "tile": tile, "device": args.device, "dtype": args.dtype,
+         "workdir": args.workdir, "threads": args.threads, "state_offload": args.state_offload,
+         "fast_sample": args.fast_sample,
+         "diff_image": args.diff_image if (mode == "fast" and px == biggest_fast) else None}
+        for kind, mode, px, tile in cases
+    ]  # fmt: skip
+    return Bench(specs, None, table, label=_label, done=_row,
+                 prepare=lambda: Path(args.workdir).mkdir(parents=True, exist_ok=True))  # fmt: skip
+
+
+def _label(r: dict) -> str:
+    return f"{r.get('method', r.get('kind'))} {r['mode']} {r['image_px']} t{r['tile']}"
 
 
 def _row(r: dict) -> str:
-    if "error" in r:
-        return f"{r['method']} {r['mode']} {r['image_px']} t{r['tile']}: ERROR {r['error'][-300:]}"
-    return (
-        f"{r['method']} {r['mode']} {r['image_px']} t{r['tile']}: {r['seconds']:.1f}s "
-        f"peak {r['peak_bytes'] / 2**20:.0f} MiB psnr {r['psnr_db']} maxerr {r['max_abs_err']}"
-    )
+    return (f"{_label(r)}: {r['seconds']:.1f}s peak {r['peak_bytes'] / 2**20:.0f} MiB psnr {r['psnr_db']} "
+            f"maxerr {r['max_abs_err']}")  # fmt: skip
 
 
 def table(records: list[dict]) -> str:
     """Markdown table with ratios against the untiled case of the same method and size."""
-    base = {
-        (r["method"], r["image_px"]): r for r in records if r.get("mode") == "untiled" and "error" not in r
-    }
+    base = {(r["method"], r["image_px"]): r for r in records if r.get("mode") == "untiled"}
     lines = [
         "| method | mode | image | tile | seconds | CPU s | time vs untiled | RSS peak MiB | RSS vs untiled "
         "| device peak MiB | device vs untiled | PSNR dB | max abs err | seam ratio |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        if "error" in r:
-            lines.append(
-                f"| {r['method']} | {r['mode']} | {r['image_px']} | {r['tile']} | error | | | | | | | | | |"
-            )
-            continue
         b = base.get((r["method"], r["image_px"]))
         tr = f"{r['cpu_seconds'] / b['cpu_seconds']:.2f}x" if b else "-"
         pr = f"{100 * r['peak_bytes'] / b['peak_bytes']:.0f} %" if b and b["peak_bytes"] else "-"
-        dev = r.get("device_peak_bytes")
-        bdev = b.get("device_peak_bytes") if b else None
+        dev, bdev = r.get("device_peak_bytes"), b.get("device_peak_bytes") if b else None
         dr = f"{100 * dev / bdev:.1f} %" if dev and bdev else "-"
-        dev_mib = f"{dev / 2**20:.0f}" if dev else "-"
-        psnr = (
-            "inf"
-            if r["psnr_db"] is None and r["mode"] == "untiled"
-            else (r["psnr_db"] if r["psnr_db"] is not None else "-")
-        )
-        if isinstance(psnr, float):
-            psnr = f"{psnr:.1f}"
-        err = r["max_abs_err"]
-        err = f"{err:.2e}" if isinstance(err, float) else "-"
-        seam = r.get("seam_ratio")
-        seam = f"{seam:.2f}" if isinstance(seam, float) else "-"
+        psnr = r["psnr_db"]
+        psnr = "inf" if psnr is None and r["mode"] == "untiled" else "-" if psnr is None else f"{psnr:.1f}"
+        err, seam = r["max_abs_err"], r.get("seam_ratio")
         lines.append(
             f"| {r['method']} | {r['mode']} | {r['image_px']}² | {r['tile'] or '-'} | {r['seconds']:.1f} "
-            f"| {r['cpu_seconds']:.1f} | {tr} | {r['peak_bytes'] / 2**20:.0f} | {pr} | {dev_mib} | {dr} "
-            f"| {psnr} | {err} | {seam} |"
+            f"| {r['cpu_seconds']:.1f} | {tr} | {r['peak_bytes'] / 2**20:.0f} | {pr} "
+            f"| {f'{dev / 2**20:.0f}' if dev else '-'} | {dr} | {psnr} "
+            f"| {f'{err:.2e}' if isinstance(err, float) else '-'} "
+            f"| {f'{seam:.2f}' if isinstance(seam, float) else '-'} |"
         )
     return "\n".join(lines)
 
@@ -249,8 +160,6 @@ def table(records: list[dict]) -> str:
 
 def picture(n: int, seed: int = 0):
     """A generated test picture in [-1, 1]: gradients, a sine pattern, discs, fine texture."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     yy, xx = torch.meshgrid(torch.linspace(0, 1, n), torch.linspace(0, 1, n), indexing="ij")
     img = torch.stack([yy, xx, 0.5 + 0.5 * torch.sin(8 * xx + 4 * yy)])
@@ -266,36 +175,27 @@ def picture(n: int, seed: int = 0):
 def image_latent(px: int, channels: int = 4, seed: int = 0):
     """Image-like latent: the picture pooled to latent size, mixed to ``channels`` by a fixed
     random matrix, plus mild texture."""
-    import torch
-    import torch.nn.functional as F
-
     g = torch.Generator().manual_seed(seed + 1)
-    img = picture(px, seed)
-    pooled = F.avg_pool2d(img, 8)
-    mix = torch.randn(channels, 3, generator=g)
-    z = torch.einsum("oc,bchw->bohw", mix, pooled)
+    pooled = F.avg_pool2d(picture(px, seed), 8)
+    z = torch.einsum("oc,bchw->bohw", torch.randn(channels, 3, generator=g), pooled)
     z = z + 0.2 * torch.randn(z.shape, generator=g)
     return (z - z.mean()) / z.std()
 
 
-def _build(kind: str):
-    import contextlib
-    import io
-
-    import torch
-
+def build_ldm(kind: str, cfg: dict | None = None, seed: int | None = 0):
+    """An ldm ``Decoder`` or ``Encoder`` (``kind`` ``"decoder"``/``"encoder"``) of ``cfg`` (default
+    :data:`SD_VAE`), random weights from ``seed`` (None: the current generator), eval mode; ldm's
+    import-time prints silenced."""
     with contextlib.redirect_stdout(io.StringIO()):
         from ldm.modules.diffusionmodules.model import Decoder, Encoder
 
-        torch.manual_seed(0)
-        dec = Decoder(**SD_VAE).eval()
-        enc = Encoder(**SD_VAE).eval()
-    return dec, enc
+        if seed is not None:
+            torch.manual_seed(seed)
+        return (Decoder if kind == "decoder" else Encoder)(**(cfg or SD_VAE)).eval()
 
 
 def _sdp_attn_forward(block):
     """The ldm AttnBlock computed with SDPA (what the WebUI's --opt-sdp-attention installs)."""
-    import torch.nn.functional as F
 
     def forward(x):
         h = block.norm(x)
@@ -305,8 +205,7 @@ def _sdp_attn_forward(block):
         # CPU (and CUDA flash) SDPA to the math path, which holds the N x N matrix
         q, k, v = (t.flatten(2).transpose(1, 2).contiguous().unsqueeze(1) for t in (q, k, v))
         o = F.scaled_dot_product_attention(q, k, v)
-        o = o.squeeze(1).transpose(1, 2).reshape(b, c, hh, ww)
-        return x + block.proj_out(o)
+        return x + block.proj_out(o.squeeze(1).transpose(1, 2).reshape(b, c, hh, ww))
 
     return forward
 
@@ -315,33 +214,20 @@ def _to_diffusers(dec, enc, dtype, device):
     from diffusers import AutoencoderKL
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
-    config = {
-        "in_channels": 3,
-        "out_channels": 3,
-        "down_block_types": ["DownEncoderBlock2D"] * 4,
-        "up_block_types": ["UpDecoderBlock2D"] * 4,
-        "block_out_channels": [128, 256, 512, 512],
-        "layers_per_block": 2,
-        "latent_channels": 4,
-        "norm_num_groups": 32,
-        "use_quant_conv": False,
-        "use_post_quant_conv": False,
-    }
+    config = {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
+              "up_block_types": ["UpDecoderBlock2D"] * 4, "block_out_channels": [128, 256, 512, 512],
+              "layers_per_block": 2, "latent_channels": 4, "norm_num_groups": 32, "use_quant_conv": False,
+              "use_post_quant_conv": False}  # fmt: skip
     sd = {f"decoder.{k}": v for k, v in dec.state_dict().items()}
     sd.update({f"encoder.{k}": v for k, v in enc.state_dict().items()})
-    new = convert_ldm_vae_checkpoint(sd, config)
     vae = AutoencoderKL(**config).eval()
-    missing, unexpected = vae.load_state_dict(new, strict=False)
+    missing, unexpected = vae.load_state_dict(convert_ldm_vae_checkpoint(sd, config), strict=False)
     if missing or unexpected:
         raise RuntimeError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return vae.to(device=device, dtype=dtype)
 
 
 def _worker(spec: dict) -> dict:
-    import numpy as np
-    import torch
-
-    from lib_vram.core.tracker import StageTracker
     from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
 
     if spec.get("threads"):
@@ -349,31 +235,27 @@ def _worker(spec: dict) -> dict:
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[spec["dtype"]]
     device = torch.device(spec["device"])
     kind, mode, px, tile = spec["kind"], spec["mode"], spec["image_px"], spec["tile"]
-    dec, enc = _build(kind)
+    dec = build_ldm("decoder")
+    enc = build_ldm("encoder", seed=None)  # drawn after the decoder, as the references were made
     if mode == "diffusers":
-        vae = _to_diffusers(dec, enc, dtype, device)
-        del dec, enc
-        vae.enable_tiling()
-        vae.tile_sample_min_size = tile * 8
-        vae.tile_latent_min_size = tile
-        module = vae
+        module = _to_diffusers(dec, enc, dtype, device)
+        module.enable_tiling()
+        module.tile_sample_min_size, module.tile_latent_min_size = tile * 8, tile
     else:
         module = (dec if kind == "decode" else enc).to(device=device, dtype=dtype)
-        del dec, enc
         if mode == "untiled" and kind == "decode":
             module.mid.attn_1.forward = _sdp_attn_forward(module.mid.attn_1)
-    x = image_latent(px) if kind == "decode" else picture(px)
-    x = x.to(device=device, dtype=dtype)
+    del dec, enc
+    x = (image_latent(px) if kind == "decode" else picture(px)).to(device=device, dtype=dtype)
     tracker = StageTracker(device, owns_peak_counters=True)
     report = VAEReport()
     extra = {"fast_sample": spec["fast_sample"]} if spec.get("fast_sample") else {}
+    offload = spec.get("state_offload", "cpu")
     cfg = (
-        TiledVAEConfig(mode=mode, tile=tile, state_offload=spec.get("state_offload", "cpu"), **extra)
+        TiledVAEConfig(mode=mode, tile=tile, state_offload=offload, **extra)
         if mode in ("exact", "fast")
         else None
     )
-    import gc
-
     gc.collect()
     counter = _device_counter(device)
     c0, t0 = time.process_time(), time.perf_counter()
@@ -382,60 +264,38 @@ def _worker(spec: dict) -> dict:
             out = module(x)
         elif mode == "diffusers":
             out = module.tiled_decode(x).sample if kind == "decode" else module.encoder(x)
-        elif kind == "decode":
-            out = tiled_decode(module, x, config=cfg, report=report)
         else:
-            out = tiled_encode(module, x, config=cfg, report=report)
+            out = (tiled_decode if kind == "decode" else tiled_encode)(module, x, config=cfg, report=report)
         if device.type == "cuda":
             torch.cuda.synchronize()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     peak = rec.delta_peak_bytes
-    if counter is not None:
-        device_peak, live_peak = counter.device_peak_bytes, counter.peak_bytes
-    else:
-        device_peak = live_peak = peak
+    device_peak, live_peak = (counter.device_peak_bytes, counter.peak_bytes) if counter else (peak, peak)
     out = out.float().cpu()
-    work = Path(spec["workdir"])
-    ref_path = work / f"ref_{kind}_{px}_{spec['dtype']}_{spec['device'].split(':')[0]}.pt"
+    ref_path = Path(spec["workdir"]) / f"ref_{kind}_{px}_{spec['dtype']}_{spec['device'].split(':')[0]}.pt"
     psnr = err = seam = None
     if mode == "untiled":
         torch.save(out, ref_path)
     elif ref_path.exists():
         ref = torch.load(ref_path)
         diff = (out - ref).abs()
-        err = float(diff.max())
-        mse = float((diff**2).mean())
-        rng = float(ref.max() - ref.min())
-        psnr = math.inf if mse == 0 else 10 * math.log10(rng**2 / mse)
+        err, mse = float(diff.max()), float((diff**2).mean())
+        psnr = math.inf if mse == 0 else 10 * math.log10(float(ref.max() - ref.min()) ** 2 / mse)
         if kind == "decode" and report.tiles > 1 and mode in ("exact", "fast"):
             seam = _seam_ratio(diff, px, report.tile * 8)
         if spec.get("diff_image"):
             _save_diff(diff, Path(spec["diff_image"]), report.tile * 8 if report.tile else None)
     return {
-        "method": kind,
-        "mode": mode,
-        "image_px": px,
-        "tile": tile,
-        "device": spec["device"],
-        "dtype": spec["dtype"],
-        "seconds": round(seconds, 3),
-        "cpu_seconds": round(cpu_seconds, 3),
-        "peak_bytes": int(peak),
-        "peak_measure": rec.measure,
-        "device_peak_bytes": int(device_peak),
-        "live_peak_bytes": int(live_peak),
-        "parked_peak_bytes": report.parked_peak_bytes or None,
-        "state_offload": report.state_offload or None,
-        "fast_sample": report.fast_sample,
-        "peak_estimate_bytes": report.peak_estimate_bytes or None,
-        "tiles": report.tiles or None,
+        "method": kind, "mode": mode, "image_px": px, "tile": tile, "device": spec["device"],
+        "dtype": spec["dtype"], "seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3),
+        "peak_bytes": int(peak), "peak_measure": rec.measure, "device_peak_bytes": int(device_peak),
+        "live_peak_bytes": int(live_peak), "parked_peak_bytes": report.parked_peak_bytes or None,
+        "state_offload": report.state_offload or None, "fast_sample": report.fast_sample,
+        "peak_estimate_bytes": report.peak_estimate_bytes or None, "tiles": report.tiles or None,
         "psnr_db": None if psnr is None else (round(psnr, 2) if math.isfinite(psnr) else None),
-        "max_abs_err": err,
-        "seam_ratio": seam,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "numpy": np.__version__,
-    }
+        "max_abs_err": err, "seam_ratio": seam, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "numpy": np.__version__,
+    }  # fmt: skip
 
 
 def _device_counter(device):
@@ -444,7 +304,6 @@ def _device_counter(device):
     GPU: None (``torch.cuda.max_memory_allocated`` is the measurement)."""
     if device.type != "cpu":
         return None
-    from lib_vram.core.predict import LiveBytesCounter
     from lib_vram.vae import parked_bytes
 
     class DeviceBytes(LiveBytesCounter):
@@ -461,21 +320,18 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
     """Device peak of the untiled, exact and fast decodes of a ``px``² image, counted on fake
     tensors: the same code as :func:`_worker` runs (the same counter, parked state left out), but
     nothing is allocated or computed. The precision guard is off (it reads values)."""
-    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lib_vram.core.predict import fake_state, new_fake_mode
     from lib_vram.vae import TiledVAEConfig, tiled_decode
 
     with torch.device("meta"):
-        dec, _ = _build("decode")
+        dec = build_ldm("decoder")
     dec.mid.attn_1.forward = _sdp_attn_forward(dec.mid.attn_1)
 
     class Call(torch.nn.Module):
         def __init__(self, inner, fn):
             super().__init__()
-            self.inner = inner
-            self.fn = fn
+            self.inner, self.fn = inner, fn
 
         def forward(self, x):
             return self.fn(self.inner, x)
@@ -488,67 +344,43 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
             call = Call(dec, lambda m, x: m(x))
         else:
             extra = {"fast_sample": fast_sample} if fast_sample else {}
-            cfg = TiledVAEConfig(
-                mode=mode, tile=tile, guard=False, state_offload="cpu", budget_bytes=2**50, **extra
-            )
+            cfg = TiledVAEConfig(mode=mode, tile=tile, guard=False, state_offload="cpu", budget_bytes=2**50,
+                                 **extra)  # fmt: skip
             call = Call(dec, lambda m, x, cfg=cfg: tiled_decode(m, x, config=cfg))
-        counter = _device_counter(torch.device("cpu"))
-        flops = FlopCounterMode(display=False)
+        counter, flops = _device_counter(torch.device("cpu")), FlopCounterMode(display=False)
         t0 = time.perf_counter()
         with torch.no_grad(), fmode:
             x = torch.empty((1, 4, px // 8, px // 8))
             with counter, flops:
-                y = torch.func.functional_call(call, state, (x,))
-                del y
+                torch.func.functional_call(call, state, (x,))  # the output is freed inside the counter
         by_op = flops.get_flop_counts().get("Global", {})
-        conv = sum(n for op, n in by_op.items() if "convolution" in str(op))
-        out.append(
-            {
-                "method": "decode",
-                "mode": mode,
-                "image_px": px,
-                "tile": None if mode == "untiled" else tile,
-                "predicted_device_peak_bytes": int(counter.device_peak_bytes),
-                "predicted_live_peak_bytes": int(counter.peak_bytes),
-                "flops": int(flops.get_total_flops()),
-                "conv_flops": int(conv),
-                "fast_sample": fast_sample if mode == "fast" else None,
-                "predict_seconds": round(time.perf_counter() - t0, 2),
-            }
-        )
+        out.append({
+            "method": "decode", "mode": mode, "image_px": px, "tile": None if mode == "untiled" else tile,
+            "predicted_device_peak_bytes": int(counter.device_peak_bytes),
+            "predicted_live_peak_bytes": int(counter.peak_bytes), "flops": int(flops.get_total_flops()),
+            "conv_flops": int(sum(n for op, n in by_op.items() if "convolution" in str(op))),
+            "fast_sample": fast_sample if mode == "fast" else None,
+            "predict_seconds": round(time.perf_counter() - t0, 2),
+        })  # fmt: skip
     return out
 
 
-def _run_predict(args: argparse.Namespace) -> int:
-    records = []
-    for px in (int(s) for s in args.predict.split(",")):
-        records += predict_device_peaks(px, args.tile, args.fast_sample)
+def _predict_table(records: list[dict]) -> str:
+    base = {r["image_px"]: r for r in records if r["mode"] == "untiled"}
+    lines = ["| mode | image | tile | device peak MiB | vs untiled | conv FLOPs vs untiled "
+             "| all FLOPs vs untiled |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in records:
-        if args.json:
-            print(json.dumps(r), flush=True)
-    if not args.json:
-        base = {r["image_px"]: r["predicted_device_peak_bytes"] for r in records if r["mode"] == "untiled"}
-        fl = {r["image_px"]: r for r in records if r["mode"] == "untiled"}
-        print(
-            "| mode | image | tile | device peak MiB | vs untiled | conv FLOPs vs untiled "
-            "| all FLOPs vs untiled |"
+        u, peak = base[r["image_px"]], r["predicted_device_peak_bytes"]
+        lines.append(
+            f"| {r['mode']} | {r['image_px']}² | {r['tile'] or '-'} | {peak / 2**20:.0f} "
+            f"| {100 * peak / u['predicted_device_peak_bytes']:.1f} % "
+            f"| {r['conv_flops'] / u['conv_flops']:.3f}x | {r['flops'] / u['flops']:.3f}x |"
         )
-        print("|---|---|---|---|---|---|---|")
-        for r in records:
-            b, u = base[r["image_px"]], fl[r["image_px"]]
-            print(
-                f"| {r['mode']} | {r['image_px']}² | {r['tile'] or '-'} "
-                f"| {r['predicted_device_peak_bytes'] / 2**20:.0f} "
-                f"| {100 * r['predicted_device_peak_bytes'] / b:.1f} % "
-                f"| {r['conv_flops'] / u['conv_flops']:.3f}x | {r['flops'] / u['flops']:.3f}x |"
-            )
-    return 0
+    return "\n".join(lines)
 
 
 def _seam_ratio(diff, px: int, tile_px: int) -> float | None:
     """Mean |diff| within 2 px of a tile border over the mean elsewhere (1.0 = no seam)."""
-    import torch
-
     d = diff.mean(dim=(0, 1))
     mask = torch.zeros_like(d, dtype=torch.bool)
     for b in range(tile_px, px, tile_px):
@@ -561,14 +393,15 @@ def _seam_ratio(diff, px: int, tile_px: int) -> float | None:
 
 
 def _save_diff(diff, path: Path, tile_px: int | None) -> None:
-    import numpy as np
     from PIL import Image
 
     d = diff.mean(dim=1)[0].numpy()
     scale = float(np.percentile(d, 99.5)) or 1.0
-    img = (np.clip(d / scale, 0, 1) * 255).astype(np.uint8)
-    im = Image.fromarray(img, mode="L")
+    im = Image.fromarray((np.clip(d / scale, 0, 1) * 255).astype(np.uint8), mode="L")
     if im.width > 256:
         im = im.resize((256, 256), Image.BILINEAR)
     path.parent.mkdir(parents=True, exist_ok=True)
     im.save(path, optimize=True)
+
+
+run = runner(bench, child=_worker)
