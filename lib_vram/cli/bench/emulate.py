@@ -1,18 +1,12 @@
 """``python -m lib_vram bench emulate``: each stage, plain vs VRAM Guard, on emulated 4/6/8 GB cards.
 
-The card is :class:`lib_vram.core.emulate.EmulatedCard`: device memory counted in software, CUDA's
-out-of-memory error at its capacity. The stages are the real modules (ldm ``Decoder``/``Encoder``
-of the SD1.x layout, a spandrel ESRGAN ``RRDBNet`` loaded from a file) with random weights.
-
-**Scaling, so that this CPU can run it.** A GPU runs these stages in FP16 at full channel width;
-here they run in FP32 at 1/4 of the channels (VAE ``ch`` 32, RRDB 16 features and 6 blocks).
-Activation bytes scale with the channel count times the element size: 1/4 x 2 = 1/2. So a card of
-N GB is emulated as N/2 GiB, and the weights a WebUI keeps on the card during these stages (an
-SD1.5 checkpoint in FP16: 2.1 GB) are resident as half that. Image sizes are the real ones. The
-plain stage is the module's own forward on the whole input; the guarded one is VRAM Guard's engine
-in auto mode, planning from the card's free memory. ``cpu_ratio``: the guarded run's process CPU
-time over the uncapped plain run's; fidelity against the uncapped plain output. ``--overhead``
-adds the emulation's own cost on a full-size SD VAE decode and a full-size RRDB upscale.
+The card is :class:`lib_vram.core.emulate.EmulatedCard` (CUDA's out-of-memory error at its
+capacity); the stages are real modules with random weights (ldm ``Decoder``/``Encoder``, a spandrel
+``RRDBNet`` from a file). Scaling: FP32 at 1/4 of the channels stands for FP16 at full width, so a
+card of N GB is emulated as N/2 GiB, with an SD1.5 checkpoint's weights resident as half of 2.1 GB.
+Plain: the module's own forward; guarded: VRAM Guard's engine in auto mode. ``cpu_ratio``: guarded
+over uncapped plain CPU time; fidelity against the uncapped plain output. Method:
+docs/benchmarks.md, "Emulated cards".
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """``python -m lib_vram bench planner``: predicted vs measured peak memory, per case.
 
-Every case runs in a fresh process on the CPU: build the model with random weights, create the
-input, warm up on a tiny input, then run the stage inside ``StageTracker(owns_peak_counters=True)``,
-which reads Linux's resettable RSS high-water mark (``VmHWM``). The measured number is the peak
-*above* the memory in use when the stage began (weights and input are already resident); the
-predicted number is the predictor's activation bytes for the same model, shape and plan, from a
-fake run in this (parent) process. Error = predicted / measured - 1.
-
-Models: the real ldm ``Decoder``/``Encoder`` classes (untiled cases; full SD width where the CPU
-allows, narrower ``ch`` for large sizes - same code, fewer channels), the engines themselves for
-the tiled plans (``vae-engine``/``upscale-engine`` cases, predicted by their fake-tensor runs), and
-spandrel's RRDBNet (ESRGAN; 2 blocks instead of 23: the peak depends on the width, not the
-depth) and SRVGGNetCompact. ``ldm`` is imported only inside the benchmark functions.
+Each case is measured in a fresh process on the CPU: the stage's peak RSS (``VmHWM``, through
+``StageTracker(owns_peak_counters=True)``) above the memory in use when it began; the prediction is
+the predictor's activation bytes for the same model, shape and plan, from a fake run in this
+process. Error = predicted / measured - 1. Models: ldm ``Decoder``/``Encoder`` (narrower ``ch`` for
+large sizes), the engines themselves for the tiled plans, spandrel's RRDBNet (2 blocks: the peak
+depends on the width) and Compact. Method: docs/benchmarks.md, "Planner".
 """
 
 from __future__ import annotations

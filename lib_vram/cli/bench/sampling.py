@@ -1,22 +1,13 @@
 """``python -m lib_vram bench sampling``: one UNet sampling step on emulated 4/6/8 GB cards, the
 plain WebUI's way (the whole cond/uncond batch in one forward, the idle VAE and text encoders
-resident) against VRAM Guard's plan (the idle models off the card when the step does not fit beside
-them; the largest micro-batch that fits), then the streamed cases of
-:mod:`lib_vram.cli.bench.sampling_stream` (a UNet that does not fit beside one micro-batch: bytes
-moved per step against ``--lowvram``'s; their records add ``unet_bytes``, ``resident_bytes``,
-``bytes_moved_per_step``, ``lowvram_bytes_per_step``).
+resident) against VRAM Guard's plan (the idle models off when the step does not fit beside them;
+the largest micro-batch that fits), then the streamed cases of :mod:`.sampling_stream`.
 
-Models: the real ldm ``UNetModel`` at reduced width (``model_channels`` 32; SD1.5-shaped and
-SDXL-shaped, :data:`lib_vram.cli.bench._unet.SHAPES`), float32 on the CPU under the emulated card
-(:class:`lib_vram.core.emulate.EmulatedCard`: the real out-of-memory error). Scaling: a reduced
-model does not shrink every term alike (weights by ~width², convolution activations by width,
-attention scores not at all), so each case scales the card by its own factor
-``f = reduced plain peak / full-size plain peak`` (both from :func:`lib_vram.sampling.estimate_sampling`:
-the reduced model in float32 on the CPU backend, the full-size SD1.5/SDXL UNet in float16 on
-CUDA), and the idle VAE + text encoders' bytes by the same ``f``: the plain step fits the scaled
-card exactly when the full-size one fits the real card. The guarded step is planned by
-:func:`lib_vram.sampling.plan_sampling` for the reduced model on the scaled card and run through
-:func:`lib_vram.sampling.micro_batched`. Cases run in this process, one after another.
+Models: the real ldm ``UNetModel`` at ``model_channels`` 32 (:data:`._unet.SHAPES`), float32 on
+the CPU under :class:`~lib_vram.core.emulate.EmulatedCard`. Each case scales the card and the idle
+models by ``f = reduced plain peak / full-size plain peak`` (both from
+:func:`lib_vram.sampling.estimate_sampling`), so the plain step fits the scaled card exactly when
+the full-size one fits the real card. Method: docs/benchmarks.md, "Sampling step".
 """
 
 from __future__ import annotations

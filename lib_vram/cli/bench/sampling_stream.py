@@ -1,24 +1,15 @@
-"""``python -m lib_vram bench sampling-stream [--quick] [--json]``: the streamed UNet's cases.
+"""``python -m lib_vram bench sampling-stream``: the streamed UNet's cases (CLI module: it may print).
 
-Two parts (CLI module: it may print):
+* **run** rows, on an emulated card (CPU): a real ldm ``UNetModel`` at reduced width (SD1.5-shaped;
+  the full run adds an SDXL-shaped one at transformer depth 1) on cards that hold about 1/3, 1/2
+  and 2/3 of it beside the step's activations. Plain: the whole UNet resident; guarded:
+  :func:`plan_stream` + :class:`StreamedUNet`, re-planned after an out-of-memory error. Bytes moved
+  are the streamer's count; ``--lowvram``'s are its behaviour modelled on the same units.
+* **plan** rows for the full-size UNets (SD1.5, SDXL): the same planner on the real unit sizes;
+  nothing runs, and the copy time per step is a model at ``--bandwidth``, not a measurement.
 
-* **run** on an emulated card (CPU): a real ldm ``UNetModel`` at reduced width (SD1.5-shaped:
-  channel_mult 1,2,4,4, cross-attention at the first three levels; the full run adds an
-  SDXL-shaped one: channel_mult 1,2,4, attention at levels 2 and 3, linear projections; one
-  transformer block per level: this ldm's SpatialTransformer indexes its context per block, so a
-  deeper stack needs a list context the UNet's forward does not pass),
-  on cards that hold about 1/3, 1/2 and 2/3 of its UNet beside the step's activations. Plain: the
-  whole UNet resident (``plain_ok``); guarded: :func:`plan_stream` + :class:`StreamedUNet`, re-planned
-  from the planner memory after an out-of-memory error (``attempts``). Bytes moved are counted by
-  the streamer; ``--lowvram``'s bytes are its behaviour modelled on the same unit list
-  (:func:`lowvram_bytes_per_forward`); the output is compared bit for bit with the uncapped one.
-* **plan** for the full-size UNets (SD1.5, SDXL; FP16) on 4 and 6 GB cards at 512/1024 px: the
-  same planner on the real unit sizes (SD1.5: ldm's ``UNetModel`` built on the meta device; SDXL:
-  ldm at depth 1 plus the deeper transformer blocks counted from one real block, and ``label_emb``
-  in closed form). Nothing runs; the copy time per step is a **model** at a stated host<->device
-  bandwidth (default 12 GB/s: PCIe 3.0 x16 from pinned memory), not a measurement.
-
-:func:`cases` and :func:`run_one` are what ``bench sampling`` runs for its streamed rows.
+Method and columns: docs/benchmarks.md, "Streamed UNet". :func:`cases` and :func:`run_one` are
+what ``bench sampling`` runs for its streamed rows; :func:`gpu_stream` is ``bench gpu``'s part.
 """
 
 from __future__ import annotations
@@ -258,6 +249,11 @@ def run_one(case: tuple, bandwidth_gb_s: float = DEFAULT_BANDWIDTH_GB_S) -> dict
         return plan_case(arch, gib, px, bandwidth_gb_s, getattr(torch, dtype))
     finally:
         torch.set_num_threads(n)
+
+
+def stream_cases(quick: bool = False, bandwidth_gb_s: float = DEFAULT_BANDWIDTH_GB_S) -> list[dict]:
+    """Every streamed record, in this process."""
+    return [run_one(case, bandwidth_gb_s) for case in cases(quick)]
 
 
 def label(case: tuple) -> str:

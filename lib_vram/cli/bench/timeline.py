@@ -1,20 +1,12 @@
 """``python -m lib_vram bench timeline``: what the memory timeline costs a job.
 
-The same job three ways, interleaved run by run in one process (so that both see the same machine
-state): ``none`` (no tracker: nothing sampled), ``tracker`` (the per-stage tracker VRAM Guard always
-runs, sampled after every tile step) and ``timeline`` (the tracker plus a
-:class:`~lib_vram.core.timeline.Timeline`: every sample also stored). The overhead of the timeline is
-``timeline`` over ``tracker`` (medians); of all sampling, ``timeline`` over ``none``.
-
-Jobs (real modules, random weights): an exact tiled decode of the ldm ``Decoder`` (the SD layout at
-``ch`` 32, so that the CPU affords many tiles: small tiles make the most samples per second, the
-hardest case for sampling) and a tiled upscale of a spandrel ESRGAN ``RRDBNet`` loaded from a file.
-
-On the CPU the times are the process's CPU time (all threads; a shared machine disturbs it far
-less than wall time), on CUDA wall time after a synchronize. Both are noisy; the table also gives
-the cost of one sample measured alone (``tracker.sample()`` with and without a timeline: the fastest
-of 10 rounds of 2000 calls, measured once after the first job) and the overhead it implies:
-samples x extra cost per sample / job time.
+The same job three ways, interleaved run by run in one process: ``none`` (nothing sampled),
+``tracker`` (the per-stage tracker VRAM Guard always runs) and ``timeline`` (the tracker plus a
+:class:`~lib_vram.core.timeline.Timeline` storing every sample); jobs: an exact tiled decode of the
+ldm ``Decoder`` at ``ch`` 32 and a tiled upscale of a spandrel ``RRDBNet``. Times: process CPU
+time on the CPU, wall time after a synchronize on CUDA. The cost of one sample measured alone
+(``tracker.sample()``, the fastest of 10 rounds of 2000 calls, once after the first job) gives the
+overhead it implies. Method: docs/benchmarks.md, "Memory timeline overhead".
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """``python -m lib_vram bench upscale``: untiled vs this engine vs a one-tile-at-a-time PIL loop.
 
-Every case runs in a fresh process. Models are real spandrel architectures with random weights,
-saved to files and loaded through spandrel: Compact at the size of realesr-animevideov3 (64
-features, 16 convs, x4), RRDBNet at the size of RealESRGAN_x4plus (64 filters, 23 blocks, x4), both
-initialised to behave like trained models (:mod:`lib_vram.cli.bench._synthetic`), and a small
-Compact (16 features, 4 convs) for the constant-peak series.
-
-Columns: ``method`` (untiled | engine | pil_loop), ``arch``, ``image_px`` (input side), ``tile``,
-``batch``, ``seconds`` (wall clock, uint8 image in -> uint8 image out), ``cpu_seconds`` (the
-process's CPU time for the same span: the fairer measure on a shared machine), ``peak_bytes``,
-``psnr_db``/``max_err_lsb`` (8-bit, against the untiled output of the same run), ``flop_ratio``
-(input pixels processed / image pixels), plus ``overlap``, ``rss_peak_bytes``, ``dtype``.
-
-``peak_bytes``: on CUDA the allocator's peak during the case minus what was allocated before
-(weights); on the CPU the peak of live tensor bytes created inside the model's forward passes plus
-the batch fed to them - the working set a device would need beyond weights, input and output (the
-CPU has no separate device memory; ``rss_peak_bytes`` is the whole process's high-water mark).
-``--archs`` and ``--fallback`` are the per-architecture tables (docs/upscale-architectures.md).
+Each case in a fresh process. Models: real spandrel architectures with random weights, loaded
+from files: Compact at the size of realesr-animevideov3, RRDBNet at the size of RealESRGAN_x4plus
+(both made to behave like trained models, :mod:`._synthetic`), a small Compact for the
+constant-peak series. ``seconds``/``cpu_seconds``: uint8 image in to uint8 image out;
+``psnr_db``/``max_err_lsb``: 8-bit, against the untiled output; ``flop_ratio``: input pixels
+processed / image pixels. ``peak_bytes``: on CUDA the allocator's peak above the weights; on the
+CPU the live tensor bytes inside the model's forwards plus the batch fed to them
+(``rss_peak_bytes``: the whole process). ``--archs``/``--fallback``: the per-architecture tables.
+Method: docs/benchmarks.md, "Tiled upscaling".
 """
 
 from __future__ import annotations
@@ -339,90 +331,76 @@ def _lsb_stats(y, ref) -> tuple[int, float, float]:  # noqa: ANN001
     return int(diff.max()), round(100.0 * float((diff > 1).float().mean()), 3), psnr
 
 
-def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[dict]:
-    """Per architecture: automatic plan, then each tile of ``ARCH_TILES`` with the calibrated
-    overlap, against spandrel's untiled call (8-bit max error and PSNR)."""
-
+def _tiled_rows(names, workdir: Path, prefix: str, device, image, tiles, row) -> list[dict]:  # noqa: ANN001
+    """Per architecture (a random-weight model saved to a file, loaded through spandrel): at
+    each tile against spandrel's untiled call on ``image(spec)``; ``row(name, spec, tile, report,
+    max LSB, % over 1 LSB, PSNR)`` is the record, and its ``seconds``."""
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
 
     from ._archs import build, save_and_load
-    from ._synthetic import image_like
 
     rows = []
-    x = image_like(*ARCH_IMAGE, seed=11)
     for name in names:
         t0 = time.perf_counter()
-        model = save_and_load(build(name), workdir / f"arch-{name}.safetensors")
+        model = save_and_load(build(name), workdir / f"{prefix}-{name}.safetensors")
         spec = as_spec(model)
+        x = image(spec)
         with torch.inference_mode():
-            ref = model(x)
-        for tile in (None, *ARCH_TILES):
+            ref = model(x.to(model.device)).float().cpu()
+        for tile in tiles:
             rep = UpscaleReport()
             y = upscale_tensor(model, x, config=UpscaleConfig(tile=tile, device=device), report=rep)
-            max_lsb, _, psnr = _lsb_stats(y, ref)
-            rows.append({
-                "arch": name, "spandrel": spec.name, "kind": "windowed" if spec.grid > 1 else "local",
-                "grid": spec.grid, "tile": "auto" if tile is None else tile,
-                "plan": rep.plan.split(" float")[0].split(" bfloat")[0], "max_err_lsb": max_lsb,
-                "psnr_db": psnr, "exact": rep.exact, "note": "; ".join(rep.notes),
-                "seconds": round(time.perf_counter() - t0, 1),
-            })  # fmt: skip
+            rec = row(name, spec, tile, rep, *_lsb_stats(y, ref))
+            rows.append({**rec, "seconds": round(time.perf_counter() - t0, 1)})
             t0 = time.perf_counter()
     return rows
+
+
+def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[dict]:
+    """Per architecture: automatic plan, then each tile of ``ARCH_TILES`` with the calibrated
+    overlap, against spandrel's untiled call (8-bit max error and PSNR)."""
+    from ._synthetic import image_like
+
+    def row(name, spec, tile, rep, max_lsb, _over, psnr) -> dict:  # noqa: ANN001
+        return {"arch": name, "spandrel": spec.name, "kind": "windowed" if spec.grid > 1 else "local",
+                "grid": spec.grid, "tile": "auto" if tile is None else tile,
+                "plan": rep.plan.split(" float")[0].split(" bfloat")[0], "max_err_lsb": max_lsb,
+                "psnr_db": psnr, "exact": rep.exact, "note": "; ".join(rep.notes)}  # fmt: skip
+
+    x = image_like(*ARCH_IMAGE, seed=11)
+    return _tiled_rows(names, workdir, "arch", device, lambda spec: x, (None, *ARCH_TILES), row)
 
 
 def fallback_rows(names: list[str], workdir: Path, px: int, device: object = None) -> list[dict]:
     """Per architecture the engine flags inexact: the tiled error against spandrel's untiled call on
     a ``px``² image, at each tile of ``FALLBACK_TILES`` smaller than the image, with the overlap the
     engine chooses (calibrated). Architectures it finds exact are listed with ``exact`` True."""
-
-    from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
-
-    from ._archs import build, save_and_load
     from ._synthetic import image_like
 
-    rows = []
-    for name in names:
-        t0 = time.perf_counter()
-        model = save_and_load(build(name), workdir / f"fallback-{name}.safetensors")
-        spec = as_spec(model)
-        x = image_like(px, px, channels=spec.input_channels or 3, seed=21)
-        with torch.inference_mode():
-            ref = model(x.to(model.device)).float().cpu()
-        for tile in [t for t in FALLBACK_TILES if t < px]:
-            rep = UpscaleReport()
-            y = upscale_tensor(model, x, config=UpscaleConfig(tile=tile, device=device), report=rep)
-            max_lsb, over, psnr = _lsb_stats(y, ref)
-            why = "; ".join(rep.notes).split("(", 1)[-1].split("); it did not fit")[0] if rep.notes else ""
-            rows.append({
-                "arch": name, "spandrel": spec.name, "image_px": px, "tile": tile, "overlap": rep.overlap,
+    def row(name, spec, tile, rep, max_lsb, over, psnr) -> dict:  # noqa: ANN001
+        why = "; ".join(rep.notes).split("(", 1)[-1].split("); it did not fit")[0] if rep.notes else ""
+        return {"arch": name, "spandrel": spec.name, "image_px": px, "tile": tile, "overlap": rep.overlap,
                 "exact": rep.exact, "max_err_lsb": max_lsb, "pct_over_1lsb": over, "psnr_db": psnr,
-                "why": why, "seconds": round(time.perf_counter() - t0, 1),
-            })  # fmt: skip
-            t0 = time.perf_counter()
-    return rows
+                "why": why}  # fmt: skip
+
+    def image(spec):  # noqa: ANN001, ANN202
+        return image_like(px, px, channels=spec.input_channels or 3, seed=21)
+
+    tiles = [t for t in FALLBACK_TILES if t < px]
+    return _tiled_rows(names, workdir, "fallback", device, image, tiles, row)
 
 
 def fallback_table(rows: list[dict]) -> str:
-    cols = [
-        "arch",
-        "spandrel",
-        "image_px",
-        "tile",
-        "overlap",
-        "max_err_lsb",
-        "pct_over_1lsb",
-        "psnr_db",
-        "why",
-    ]
-    cols.insert(5, ("exact", lambda r: "yes" if r["exact"] else "no"))
-    return table(cols, rows)
+    exact = ("exact", lambda r: "yes" if r["exact"] else "no")
+    return table(["arch", "spandrel", "image_px", "tile", "overlap", exact, "max_err_lsb", "pct_over_1lsb",
+                  "psnr_db", "why"], rows)  # fmt: skip
 
 
 def arch_table(rows: list[dict]) -> str:
-    cols = ["arch", "spandrel", "kind", "grid", "tile", "plan", "max_err_lsb", "psnr_db", "note"]
-    cols.insert(8, ("exact", lambda r: "yes" if r["exact"] else "**no**"))
-    return table(cols, rows)
+    exact = ("exact", lambda r: "yes" if r["exact"] else "**no**")
+    return table(
+        ["arch", "spandrel", "kind", "grid", "tile", "plan", "max_err_lsb", "psnr_db", exact, "note"], rows
+    )
 
 
 run = runner(bench, child=run_case)

@@ -1,18 +1,8 @@
-"""``python -m lib_vram bench vae-estimate``: the tiled VAE engine's quick analytic estimate
-against the fake-tensor prediction of the engine itself (:func:`lib_vram.cli.stageplan.predict_engine_vae`).
-
-The analytic estimate (:func:`lib_vram.vae.estimate_peak_bytes`) is what ``mode="auto"`` and the
-automatic tile use at run time: milliseconds, no model run. The fake-tensor prediction runs the
-engine's own code on fake tensors (seconds): it counts every tensor the engine allocates, in
-order, plus the backend's convolution scratch, and is within 5 % of measured peaks (``bench
-planner``). So the prediction is the reference the estimate is checked against: the table gives
-both for every case, tensors only (what a GPU run uses: cuDNN's workspace is not modelled by
-either) and with the CPU backend's convolution term. The estimate has no fitted factors: each term
-is counted as the engine holds it (``tests/test_plan_path.py`` checks it within 10 % over a
-randomized set of architectures, sizes, tiles, modes and dtypes).
-
-Models: the real ldm ``Decoder``/``Encoder`` with the SD ``ddconfig`` (``ch`` 128, or 64), built on
-the meta device (no weights, no memory). ``ldm`` is imported only here (benchmark, not core).
+"""``python -m lib_vram bench vae-estimate``: the tiled VAE engine's analytic estimate (what auto mode
+uses at run time, milliseconds) against the fake-tensor prediction of the engine itself
+(:func:`lib_vram.cli.stageplan.predict_engine_vae`, within 5 % of measured peaks): tensors only, and
+with the CPU backend's convolution term. Models: the ldm ``Decoder``/``Encoder`` with the SD
+``ddconfig`` on the meta device. Method: docs/benchmarks.md, "The VAE engine's quick estimate".
 """
 
 from __future__ import annotations
