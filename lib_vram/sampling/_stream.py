@@ -48,11 +48,10 @@ import torch
 
 from lib_vram.core import emulate
 from lib_vram.core.device import is_oom_error, release
-from lib_vram.core.livebytes import itemsize
 from lib_vram.planning import planner
 
-from ._estimate import estimate_sampling
-from ._plan import MAX_BUDGET, SamplingPlan, plan_sampling, sampling_key
+from ._estimate import Step
+from ._plan import MAX_BUDGET, SamplingPlan, check_bytes, learned_choice, plan_step, step_key
 from ._spec import UNetSpec
 
 logger = logging.getLogger(__name__)
@@ -282,12 +281,8 @@ def choose_resident(
     bytes + buffers. The most resident candidate that fits (learned corrections applied) wins."""
     if not units:
         raise ValueError("`units` must not be empty")
-    for name, value in (
-        ("weights_budget_bytes", weights_budget_bytes),
-        ("activation_bytes", activation_bytes),
-    ):
-        if not isinstance(value, int) or not -MAX_BUDGET <= value <= MAX_BUDGET:
-            raise ValueError(f"`{name}` must be an integer in -{MAX_BUDGET}..{MAX_BUDGET}, got {value!r}")
+    check_bytes("weights_budget_bytes", weights_budget_bytes, -MAX_BUDGET)
+    check_bytes("activation_bytes", activation_bytes, -MAX_BUDGET)
     if not isinstance(forwards_per_step, int) or not 1 <= forwards_per_step <= MAX_FORWARDS_PER_STEP:
         raise ValueError(
             f"`forwards_per_step` must be an integer in 1..{MAX_FORWARDS_PER_STEP}, got {forwards_per_step!r}"
@@ -301,18 +296,13 @@ def choose_resident(
         res = set(chain[:k])
         peak = sum(sizes[n] for n in res) + _buffer_bytes(units, res)
         cands.append(planner.Candidate(f"{k} units resident", peak, None, k + 1))
-    adjusted = mem.adjust(key, cands) if key is not None else cands
-    choice = planner.choose(adjusted, max(0, weights_budget_bytes), 0)
-    k = choice.candidate.batch - 1
+    choice, naive = learned_choice(mem, key, cands, max(0, weights_budget_bytes))
+    k = choice.candidate.batch - 1 if choice.fits else 0
     notes = []
-    if choice.fits and key is not None:
-        naive = planner.choose(cands, max(0, weights_budget_bytes), 0).candidate.batch - 1
-        if naive != k:
-            notes.append(
-                f"{k} units resident instead of {naive}: learned from an earlier out-of-memory error"
-            )
-    if not choice.fits:
-        k = 0
+    if naive is not None:
+        notes.append(
+            f"{k} units resident instead of {naive - 1}: learned from an earlier out-of-memory error"
+        )
     res = set(chain[:k])
     resident = tuple(n for n, _ in units if n in res)
     streamed = tuple(n for n, _ in units if n not in res)
@@ -372,26 +362,14 @@ def plan_stream(
     mem = planner.MEMORY if memory is None else memory
     if sampling is not None and sampling.batch != batch:
         raise ValueError(f"`sampling` plans a batch of {sampling.batch}, not the step's {batch}")
-    sp = sampling
-    if sp is None:
-        sp = plan_sampling(
-            spec,
-            batch=batch,
-            latent_hw=latent_hw,
-            context_tokens=context_tokens,
-            attention=attention,
-            dtype=dtype,
-            budget_bytes=budget_bytes,
-            resident_bytes=resident_bytes,
-            backend=backend,
-            memory=mem,
-        )
+    step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend)
+    sp = plan_step(step, budget_bytes, resident_bytes, mem) if sampling is None else sampling
     notes = list(sp.notes)
     wb, ib, res = sp.weights_bytes, sp.input_bytes, sp.resident_bytes
     ratio = mem.ratio(sp.key) if sp.key else 1.0
     refused = any("refuses" in n for n in sp.notes)
     peaks = {c.batch: c.peak_bytes for c in sp.candidates}
-    key = sampling_key(spec, batch, latent_hw, context_tokens, attention, dtype, budget_bytes)
+    key = step_key(step, budget_bytes)
     plans: list[StreamPlan] = []
     for m in range(1, max(1, batch) + 1):
         if m in peaks and not refused:
@@ -402,19 +380,9 @@ def plan_stream(
             # the attention refused at the free memory the whole UNet would leave: with the
             # weights streamed the free memory is larger; estimate at what the budget leaves
             # without them
-            est = estimate_sampling(
-                spec,
-                batch=m,
-                latent_hw=latent_hw,
-                context_tokens=context_tokens,
-                attention=attention,
-                dtype=dtype,
-                free_bytes=max(0, budget_bytes - resident_bytes - ib),
-                backend=backend,
-            )
+            act, est = step.activation(m, max(0, budget_bytes - resident_bytes - ib))
             if est.refused:
                 continue
-            act = est.activation_bytes + _chunk_outputs(spec, batch, m, latent_hw, dtype)
         if act < 0:
             continue
         forwards = -(-batch // m)
@@ -452,21 +420,7 @@ def plan_stream(
             notes.append(f"streamed at micro-batch {plan.micro_batch} of {batch}: the only one that fits")
     else:
         plan = plans[0]  # the smallest micro-batch: the step's best chance
-    plan = replace(plan, batch=batch)
-    if notes:
-        plan = _with_notes(plan, notes)
-    return plan
-
-
-def _chunk_outputs(spec: UNetSpec, batch: int, m: int, latent_hw: tuple[int, int], dtype: torch.dtype) -> int:
-    """The micro-batches' outputs held and their concatenation (as :func:`plan_sampling` counts)."""
-    from ._plan import _outputs
-
-    return _outputs(spec, batch, m, latent_hw, itemsize(dtype))
-
-
-def _with_notes(plan: StreamPlan, notes: list[str]) -> StreamPlan:
-    return replace(plan, notes=plan.notes + tuple(notes))
+    return replace(plan, batch=batch, notes=plan.notes + tuple(notes))
 
 
 # -- the streamer --------------------------------------------------------------------------------
