@@ -22,8 +22,8 @@ from lib_vram.core.predict import WORKSPACE_TERMS
 from lib_vram.planning import planner
 
 from ._attention import DEFAULT_SCORE_BYTES, cpu_flash_kernel
-from ._engine import needs, split_first_level
 from ._layout import Resnet, VAESpec, decoder_spec, encoder_spec, signature
+from ._window import needs, split_first_level
 
 TILE_CANDIDATES = (256, 192, 160, 128, 112, 96, 80, 64, 56, 48, 40, 32, 24, 16, 8)
 """Tile sizes (latent px) tried by the auto planner and the out-of-memory retry, largest first."""
