@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -224,23 +225,12 @@ def _fits(step: Step, budget: int, resident: int) -> bool:
     return _peaks(step, budget, resident)[0][1] <= budget
 
 
-def suggest(
-    spec: UNetSpec,
-    *,
-    batch: int,
-    latent_hw: tuple[int, int],
-    context_tokens: int,
-    attention: str,
-    dtype: torch.dtype,
-    budget_bytes: int,
-    resident_bytes: int = 0,
-    backend: str = "cuda",
-) -> str:
+def suggest(spec: UNetSpec, *, budget_bytes: int, resident_bytes: int = 0, **step: Any) -> str:
     """One line for a step that does not fit: what it needs and has, the largest image (pixels,
     multiples of 64, the same aspect) that fits at micro-batch 1, and the largest batch that fits
-    at the asked size (or that none does)."""
-    step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend)
-    return _suggest(step, budget_bytes, resident_bytes)
+    at the asked size (or that none does). ``step``: ``batch`` .. ``backend`` as
+    :func:`plan_sampling` takes them."""
+    return _suggest(Step(spec, **step), budget_bytes, resident_bytes)
 
 
 def _suggest(step: Step, budget_bytes: int, resident_bytes: int) -> str:
