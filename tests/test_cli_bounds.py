@@ -36,6 +36,8 @@ def no_work(monkeypatch):
     from lib_vram.cli import upscale as cli_upscale
 
     monkeypatch.setattr(stageplan, "plan_job", _never)
+    monkeypatch.setattr(stageplan, "place_checkpoint", _never)
+    monkeypatch.setattr(stageplan, "plan_placed_job", _never)
     monkeypatch.setattr(profile, "_profile", _never)
     monkeypatch.setattr(cli_upscale, "_upscale_one", _never)
     for module_name in bench.TARGETS.values():

@@ -30,8 +30,10 @@ def _stage(rep: dict, name: str) -> dict:
 
 
 def test_sdxl_2048_decode_plans_to_fit_4gb(capsys):
-    rc, rep = _plan(capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "4GB")
-    # the decode fits; SDXL's sampling does not on 4 GB (its UNet alone is 4.8 GiB): exit 3
+    rc, rep = _plan(
+        capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "4GB", "--no-place"
+    )
+    # the decode fits; SDXL's sampling does not on 4 GB unplaced (its UNet alone is 4.8 GiB): exit 3
     assert rc == 3 and not _stage(rep, "sample")["fits"]
     assert rep["preset"] == "Auto" and rep["resolved_from"] == "4GB" and rep["emulated"]
     dec = _stage(rep, "vae_decode")
@@ -195,7 +197,9 @@ def test_bench_checks_the_device_first(capsys, target):
 
 
 def _sdxl_6144(capsys, vram: str, *extra: str) -> tuple[int, dict]:
-    return _plan(capsys, "--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", vram, *extra)
+    """The plain plan (not placed: the checkpoint placement is the WebUI's option)."""
+    argv = ("--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", vram, *extra)
+    return _plan(capsys, *argv, *(() if "--medvram" in extra else ("--no-place",)))
 
 
 def test_a_decode_that_fits_only_without_the_idle_models_plans_them_off_the_card(capsys):
@@ -213,7 +217,9 @@ def test_a_decode_that_fits_only_without_the_idle_models_plans_them_off_the_card
     a = vae_arch("sdxl")
     assert dec["predicted_peak_bytes"] + a.unet_bytes + a.text_encoder_bytes > dec["budget_bytes"]
     # a smaller image fits beside them: nothing moves
-    rc, rep = _plan(capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "8GB")
+    rc, rep = _plan(
+        capsys, "--arch", "sdxl", "--width", "2048", "--height", "2048", "--vram", "8GB", "--no-place"
+    )
     dec = _stage(rep, "vae_decode")
     assert dec["moved_off_card"] == [] and dec["resident_bytes"] == a.unet_bytes + a.text_encoder_bytes
 
@@ -225,8 +231,11 @@ def test_a_card_the_models_alone_fill_is_planned_as_the_hosts_own_swapping(capsy
     rc, rep = _sdxl_6144(capsys, "8GB", "--medvram")
     assert rep["host_swaps_models"] == "flag"
     assert all(s["resident_bytes"] == 0 for s in rep["stages"])
-    # SDXL's sampling does not fit 4 GB at any size (its UNet alone is 4.8 GiB): exit 3, said
-    assert main(["plan", "--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", "4GB"]) == 3
+    # unplaced, SDXL's sampling does not fit 4 GB at any size (its UNet alone is 4.8 GiB): exit 3, said
+    assert (
+        main(["plan", "--arch", "sdxl", "--width", "6144", "--height", "6144", "--vram", "4GB", "--no-place"])
+        == 3
+    )
     out = capsys.readouterr().out
     assert "--medvram/--lowvram" in out and "weights alone do not fit" in out
 
@@ -270,7 +279,7 @@ def test_sampling_micro_batches_when_activations_do_not_fit(capsys):
 
 
 def test_idle_models_leave_the_card_for_sampling_only_when_needed(capsys):
-    sd15 = ("--arch", "sd15", "--width", "512", "--height", "512", "--attention", "sdp")
+    sd15 = ("--arch", "sd15", "--width", "512", "--height", "512", "--attention", "sdp", "--no-place")
     rc, rep = _plan(capsys, *sd15, "--vram", "2.4GB")
     s = _stage(rep, "sample")
     assert s["fits"] and s["moved_off_card"] == [] and s["resident_bytes"] > 0  # VAE, text encoders stay
@@ -325,3 +334,243 @@ def test_an_unknown_attention_is_refused_in_one_line(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: `--attention flash`") and err.count("\n") == 1
+
+
+# -- the checkpoint placement (issue 29 item 3) ----------------------------------------------------
+
+PLAIN_KEYS = {
+    "schema", "arch", "width", "height", "batch", "hires", "upscaler", "preset", "resolved_from",
+    "total_bytes", "free_bytes", "emulated", "memory_fraction_set", "host_swaps_models", "models_bytes",
+    "stages", "planning_seconds",
+}  # fmt: skip
+"""The top-level keys of the plain plan (before the placement)."""
+STAGE_KEYS = RECORD_KEYS | {
+    "resident_bytes", "model_weights_bytes", "input_bytes", "activation_bytes", "tile", "batch", "dtype",
+    "moved_off_card", "candidates",
+}  # fmt: skip
+PLACED_KEYS = {
+    "placed",
+    "models",
+    "resident_mib",
+    "streamed_mib",
+    "bytes_moved_per_step",
+    "lowvram_bytes_per_step",
+}
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("arch", "side", "vram"),
+    [("sdxl", "1024", "4GB"), ("sd15", "512", "2GB")],
+)
+def test_a_checkpoint_larger_than_the_card_is_planned_placed(capsys, arch, side, vram):
+    """SDXL 1024² on 4 GB and SD1.5 512² on 2 GB: the plain plan says the UNet does not fit; the
+    WebUI's placement runs them (text encoders and VAE on the CPU until used, part of the UNet
+    resident, the rest streamed): ``plan`` plans that, per stage, and it fits."""
+    rc, rep = _plan(capsys, "--arch", arch, "--width", side, "--height", side, "--vram", vram)
+    assert rc == 0 and rep["placed"] is True and rep["placed_by"] == "auto"
+    assert set(rep) >= PLAIN_KEYS and rep["host_swaps_models"] is None
+    p = rep["placement"]
+    assert p["needed"] and p["fits"] and p["line"] is None
+    assert p["checkpoint_bytes"] + p["working_margin_bytes"] > rep["total_bytes"]
+    assert 0 < p["unet_resident_bytes"] < p["unet_bytes"] and p["units_streamed"] > 0
+    # host memory: the parked parts and the streamed units' copies
+    parked = sum(m["mib"] for m in p["parked"]) * MiB
+    assert rep["host_bytes"] == p["host_bytes"]
+    assert abs(rep["host_bytes"] - (p["unet_streamed_bytes"] + parked)) < MiB
+    assert [s["stage"] for s in rep["stages"]] == ["conditioning", "sample", "vae_decode"]
+    where = {}
+    for s in rep["stages"]:
+        assert set(s) >= STAGE_KEYS | PLACED_KEYS and s["placed"] is True
+        assert s["fits"] and s["predicted_peak_bytes"] <= s["budget_bytes"]
+        assert s["resident_mib"] > 0 and s["streamed_mib"] == pytest.approx(
+            p["unet_streamed_bytes"] / MiB, abs=0.1
+        )
+        models = {m["name"]: m for m in s["models"]}
+        assert set(models) == {"UNet", "text encoders", "VAE"}
+        assert models["UNet"]["where"] == "streamed"
+        assert models["UNet"]["card_mib"] == pytest.approx(p["unet_resident_bytes"] / MiB, abs=0.1)
+        where[s["stage"]] = (models["text encoders"]["where"], models["VAE"]["where"])
+        on_card = p["leftover_bytes"] + sum(m["card_mib"] for m in s["models"]) * MiB
+        assert s["resident_mib"] == pytest.approx(on_card / MiB, abs=0.3)
+    assert where == {
+        "conditioning": ("card", "host"),
+        "sample": ("host", "host"),
+        "vae_decode": ("host", "card"),
+    }
+    # sampling: the UNet's resident part + the stream buffer, the activations and the inputs; the
+    # bytes moved per step are a fraction of --lowvram's
+    s = _stage(rep, "sample")
+    assert s["model_weights_bytes"] == p["unet_resident_bytes"] + p["stream_buffer_bytes"]
+    assert s["predicted_peak_bytes"] == (
+        s["model_weights_bytes"] + s["resident_bytes"] + s["input_bytes"] + s["activation_bytes"]
+    )
+    assert 0 < s["bytes_moved_per_step"] < s["lowvram_bytes_per_step"]
+    assert s["lowvram_ratio"] == pytest.approx(
+        s["bytes_moved_per_step"] / s["lowvram_bytes_per_step"], abs=1e-3
+    )
+    # the text: where the parts are, the bytes per step against --lowvram's, the host memory
+    assert main(["plan", "--arch", arch, "--width", side, "--height", side, "--vram", vram]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint placed" in out and "on the CPU until used" in out and "host memory it needs" in out
+    assert f"{s['lowvram_ratio']:.2f}x" in out and "does not fit" not in out
+
+
+def test_a_card_too_small_even_placed_says_in_one_line_what_would_fit(capsys):
+    """SDXL on 1 GB: even placed it does not fit (its text encoders alone fill the card): one line
+    naming the card that would, and that card does."""
+    import re
+
+    rc, rep = _plan(capsys, "--arch", "sdxl", "--width", "1024", "--height", "1024", "--vram", "1GB")
+    assert rc == 3 and rep["placed"] and not rep["placement"]["fits"]
+    line = rep["placement"]["line"]
+    assert "\n" not in line and "cannot be placed" in line
+    gb = re.search(r"a card of ([\d.]+) GB or more would", line).group(1)
+    assert rep["placement"]["smallest_card_bytes"] == int(float(gb) * 2**30)
+    assert main(["plan", "--arch", "sdxl", "--width", "1024", "--height", "1024", "--vram", "1GB"]) == 3
+    out = capsys.readouterr().out
+    told = [ln for ln in out.splitlines() if ln.startswith(("does not fit", "warning"))]
+    assert told == [f"does not fit: {line}"]
+    rc, rep = _plan(capsys, "--arch", "sdxl", "--width", "1024", "--height", "1024", "--vram", f"{gb}GB")
+    assert rc == 0 and rep["placed"] and rep["placement"]["fits"]
+    # 256 MiB less does not
+    less = f"{int(float(gb) * 1024) - 256}MB"
+    rc, rep = _plan(
+        capsys, "--arch", "sdxl", "--width", "1024", "--height", "1024", "--vram", less, "--place"
+    )
+    assert rc == 3 and not rep["placement"]["fits"]
+
+
+def test_a_pass_too_large_for_the_placed_checkpoint_names_what_would_fit(capsys):
+    rc, rep = _plan(capsys, "--arch", "sd15", "--width", "4096", "--height", "4096", "--attention", "None",
+                    "--vram", "2GB")  # fmt: skip
+    assert rc == 3 and rep["placed"] and rep["placement"]["fits"]
+    s = _stage(rep, "sample")
+    assert (
+        not s["fits"]
+        and "with the checkpoint placed" in s["suggestion"]
+        and "fits at batch" in s["suggestion"]
+    )
+
+
+def test_no_place_gives_the_plain_plan_unchanged(capsys):
+    argv = ["plan", "--arch", "sdxl", "--width", "1024", "--height", "1024", "--vram", "4GB", "--no-place"]
+    assert main(argv) == 3
+    out = capsys.readouterr().out
+    assert "weights alone do not fit" in out and "placed" not in out and "conditioning" not in out
+    rc, rep = _plan(capsys, *argv[1:])
+    assert set(rep) == PLAIN_KEYS and rep["host_swaps_models"] == "inferred"
+    assert [s["stage"] for s in rep["stages"]] == ["sample", "vae_decode"]
+    assert all(set(s).isdisjoint(PLACED_KEYS) for s in rep["stages"])
+    # a checkpoint that fits the card is not placed: the same plain plan with or without the flag
+    fits = ["plan", "--arch", "sd15", "--width", "512", "--height", "512", "--vram", "8GB"]
+    assert main(fits) == 0
+    plain = capsys.readouterr().out
+    assert main([*fits, "--no-place"]) == 0
+    assert capsys.readouterr().out == plain and "placed" not in plain
+
+
+def test_place_plans_the_placement_where_the_webui_would_not(capsys):
+    rc, rep = _plan(
+        capsys, "--arch", "sd15", "--width", "512", "--height", "512", "--vram", "24GB", "--place"
+    )
+    assert rc == 0 and rep["placed_by"] == "flag" and not rep["placement"]["needed"]
+    assert rep["placement"]["units_streamed"] == 0 and _stage(rep, "sample")["bytes_moved_per_step"] == 0
+    assert (
+        main(["plan", "--arch", "sd15", "--width", "512", "--height", "512", "--vram", "24GB", "--place"])
+        == 0
+    )
+    assert "the WebUI would not place it" in capsys.readouterr().out
+
+
+def test_a_placed_hires_job_plans_every_stage(capsys):
+    rc, rep = _plan(
+        capsys, "--arch", "sdxl", "--width", "1024", "--height", "1024", "--hires", "1.5",
+        "--upscaler", "rrdb", "--vram", "6GB",
+    )  # fmt: skip
+    want = [
+        "conditioning",
+        "sample",
+        "vae_decode",
+        "hires_upscale",
+        "vae_encode",
+        "sample_hires",
+        "vae_decode_hires",
+    ]
+    assert rep["placed"] and [s["stage"] for s in rep["stages"]] == want
+    for s in rep["stages"]:
+        models = {m["name"]: m["where"] for m in s["models"]}
+        vae = "card" if s["stage"].startswith("vae_") else "host"
+        assert models["VAE"] == vae and models["UNet"] == "streamed"
+        assert (s["bytes_moved_per_step"] is not None) == s["stage"].startswith("sample")
+    assert (
+        _stage(rep, "sample_hires")["bytes_moved_per_step"] >= _stage(rep, "sample")["bytes_moved_per_step"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--place", "--medvram"], "`--place` and `--medvram` exclude each other"),
+        (["--place", "--no-place"], "not allowed with argument"),
+    ],
+)
+def test_place_conflicts_are_refused_in_one_line(capsys, argv, words):
+    assert _rc(["plan", "--arch", "sdxl", "--width", "1024", "--height", "1024", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
+
+
+def test_sd3_is_not_placed_in_one_line(capsys):
+    rc, rep = _plan(
+        capsys, "--arch", "sd3", "--width", "1024", "--height", "1024", "--vram", "24GB", "--place"
+    )
+    assert rep["placed"] is False and "not placed" in rep["place_note"]
+    assert [s["stage"] for s in rep["stages"]] == ["vae_decode"]
+    assert (
+        main(["plan", "--arch", "sd3", "--width", "1024", "--height", "1024", "--vram", "24GB", "--place"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert sum("not placed" in ln for ln in out.splitlines()) == 1
+
+
+# -- the reference UNet's units --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["sd15", "sd2", "sdxl"])
+def test_reference_units_sum_to_the_closed_form_parameter_count(arch):
+    from lib_vram.cli.refunet import reference_units
+    from lib_vram.sampling import param_count, reference_spec
+
+    units = reference_units(arch, 2)
+    total = sum(b for _, b in units)
+    assert total == 2 * param_count(reference_spec(arch))
+    assert len({n for n, _ in units}) == len(units)
+
+
+def test_reference_units_match_ldm_unet_for_sd15():
+    """Name for name and byte for byte: the SD1.5 UNet of ldm (the WebUI's) on the meta device."""
+    pytest.importorskip("ldm")
+    from lib_vram.cli.bench.sampling_stream import full_size_units
+    from lib_vram.cli.refunet import reference_units
+
+    assert reference_units("sd15", 2) == full_size_units("sd15", 2)
+    assert sum(b for _, b in reference_units("sdxl", 2)) == sum(b for _, b in full_size_units("sdxl", 2))
+
+
+def test_plan_checkpoint_of_a_card_too_small_for_any_micro_batch_does_not_fit():
+    """The attention refuses every micro-batch at this budget: the placed plan does not fit (the
+    WebUI's placement then says so in its line) instead of raising."""
+    import torch
+
+    from lib_vram.cli.refunet import reference_units
+    from lib_vram.residency import plan_checkpoint
+    from lib_vram.sampling import reference_spec
+
+    cp = plan_checkpoint(
+        reference_units("sdxl", 2), reference_spec("sdxl"), card_bytes=1 << 30, safety_bytes=256 * MiB,
+        leftover_bytes=0, parked=[("text encoders", 1564 * MiB), ("VAE", 160 * MiB)], batch=2,
+        latent_hw=(128, 128), context_tokens=77, attention="doggettx", dtype=torch.float16,
+    )  # fmt: skip
+    assert not cp.fits and cp.unet_resident_bytes == 0 and "can be planned" in cp.stream.notes[0]

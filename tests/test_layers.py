@@ -1,7 +1,8 @@
 """The package layout is the architecture: imports point one way and no modules import each other.
 
-Layers (docs/architecture.md): ``core`` <- ``planning`` <- engines (``vae``, ``upscale``) <- host
-adapter and UI (``webui``) and the command line (``cli``, benchmarks included). A module may import
+Layers (docs/architecture.md): ``core`` <- ``planning`` <- engines (``vae``, ``upscale``,
+``sampling``) <- the owner of the card (``residency``) <- host adapter and UI (``webui``) and the
+command line (``cli``, benchmarks included). A module may import
 its own layer and the layers below it, never one above; the two engines do not import each other,
 nor do ``webui`` and ``cli``. Every import counts, including the ones inside functions (a lazy
 import is still a dependency). The package root ``lib_vram/__init__.py`` is a facade over the core

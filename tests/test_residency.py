@@ -204,3 +204,18 @@ def test_bad_input_gets_one_clear_line():
         Model("x", "other", 1, ModuleMover(torch.nn.Linear(1, 1), torch.device("cpu")), home="gpu")
     with pytest.raises(ValueError, match="`nbytes` must be a non-negative integer"):
         Model("x", "other", -1, ModuleMover(torch.nn.Linear(1, 1), torch.device("cpu")))
+
+
+def test_a_wake_outside_any_stage_is_undone_by_the_next_settle_and_leaves_no_record_behind():
+    w = Parts(slack=4 * MiB)
+    with emulate.running_on(w.card):
+        te = w.models["text encoders"]
+        te.home = CARD
+        w.owner._move(te, CARD, "", "test", record=False)
+        w.card.set_resident(w.card.resident_bytes)  # (its bytes were admitted by the move)
+        w.owner.room("", [], None)  # e.g. a wake's room with no stage open: the text encoders leave
+        assert te.where == HOST and w.owner._stages == {}
+        w.vae.conv_in(torch.zeros(1, 4, 4, 4))  # a loose wake of the VAE
+        assert w.owner._stages == {} and len(w.owner._loose) == 2
+        w.owner.settle()
+        assert te.where == CARD and w.models["VAE"].where == HOST and w.owner._loose == []

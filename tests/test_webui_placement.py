@@ -315,6 +315,10 @@ def test_placed_at_load_it_samples_the_plain_output_bit_for_bit_within_the_card(
             " MiB resident, text encoders and VAE on the CPU until used"
         ), label
         assert r.status["placement"] == label
+        # where each model is: the status route's models and the readout's line
+        models = {m["name"]: m["where"] for m in r.status["models"]}
+        assert models == {"UNet": "streamed", "text encoders": "host", "VAE": "host"}, r.status["models"]
+        assert "Models now — UNet: streamed, " in r.status["html"], r.status["html"]
         # once in the notes (the job's "VRAM Guard: <label>"; the real WebUI's readout showed it twice)
         said = [n for n in r.status["notes"] if n in (label, f"VRAM Guard: {label}")]
         assert said == [f"VRAM Guard: {label}"], r.status["notes"]
@@ -712,3 +716,55 @@ def test_on_a_gpu_the_placed_checkpoint_loads_via_host_memory_and_gives_the_plai
         emulate.install(previous)
         torch.backends.cudnn.deterministic = deterministic
     untouched(host, model)
+
+
+def test_a_machine_without_host_room_for_the_placement_gets_one_line_before_loading(monkeypatch, caplog):
+    """The placement keeps the parked parts and the streamed blocks in host memory: when the
+    machine has less available than that, one line says so before anything moves."""
+    import logging
+
+    import psutil
+
+    caplog.set_level(logging.WARNING, logger="lib_vram.webui.placement")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 1 << 20})())
+    w = world(CAP)
+    try:
+        w.host.sd_models.load_model(MODEL, w.session)
+        assert w.session.placement.placed_for(MODEL) is not None
+    finally:
+        w.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("VRAM Guard: host memory:")]
+    assert (
+        len(lines) == 1
+        and "parked parts and streamed blocks" in lines[0]
+        and "1 MiB are available" in lines[0]
+    )
+
+
+def test_an_interrupt_during_a_placed_pass_leaves_every_model_where_the_plan_says_and_the_next_job_is_right():
+    """The job stops in the middle of a streamed pass (Interrupt, another extension's error): no
+    streamed unit stays on the card, the parts woken for the job go home, the next job gives the
+    uncapped output."""
+    ref = reference(MODEL)
+    w = world(CAP)
+    try:
+        w.host.sd_models.load_model(MODEL, w.session)
+        placed = w.session.placement.placed_for(MODEL)
+        base = w.card.resident_bytes
+
+        def stopped(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
+            model.cond_stage_model.embedding(torch.zeros(1, 77, dtype=torch.long))
+            jobs.before_sampling(p, x=X.clone(), c=[COND[0]], uc=[UNCOND[0]])
+            unet_of(model)(torch.cat([X, X]), SIGMAS[0], context=torch.cat([COND, UNCOND]))
+            raise RuntimeError("Interrupted")
+
+        r = job(w, stopped)
+        assert isinstance(r.error, RuntimeError)
+        assert all(u.state == "away" for u in placed.streamer._units)
+        assert w.card.resident_bytes == base and not placed.awake_names
+        models = {m["name"]: m["where"] for m in w.session.status()["models"]}
+        assert models == {"UNet": "streamed", "text encoders": "host", "VAE": "host"}, models
+        r = job(w)
+        assert r.error is None and torch.equal(r.out, ref)
+    finally:
+        w.close()

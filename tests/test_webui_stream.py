@@ -247,6 +247,7 @@ def test_in_a_job_a_pass_the_guard_would_stop_streams_and_gives_the_plain_sample
     from lib_vram.webui.sampling import _attention
 
     caplog.set_level(logging.INFO, logger="lib_vram.webui.stream")
+    caplog.set_level(logging.INFO, logger="lib_vram.residency")
     ref = ws._reference()
     spec = unet_spec(ws.UNET)
     attention = _attention(ws.FakeHost(ws.MODEL), "cpu")
@@ -285,6 +286,13 @@ def test_in_a_job_a_pass_the_guard_would_stop_streams_and_gives_the_plain_sample
     forwards = 2 * planned.stream.plan.forwards_per_step  # two sampling steps
     assert stats.forwards == forwards and stats.prefetched > 0, stats
     assert any(f"UNet streamed for {forwards} forward(s)" in rec.getMessage() for rec in caplog.records)
+    # the owner of the card knows it streamed (the readout's and the status route's models)
+    said = [
+        rec.getMessage()
+        for rec in caplog.records
+        if "VRAM Guard: UNet streams for sampling: " in rec.getMessage()
+    ]
+    assert len(said) == 1 and "the pass does not fit with the whole UNet" in said[0], said
     assert r.peak <= capacity
     import re
 

@@ -8,7 +8,7 @@ import time
 
 from lib_vram.core.device import capabilities, free_bytes, memory_info, resolve_device
 from lib_vram.core.emulate import parse_size as emulate_parse_size
-from lib_vram.planning.presets import PRESET_NAMES, resolve_preset
+from lib_vram.planning.presets import PRESET_NAMES, resolve_precision, resolve_preset
 from lib_vram.planning.reference import ARCHS, UPSCALERS, vae_arch
 
 from .common import MAX_IMAGES, MAX_SIDE, bounded_float, bounded_int
@@ -78,6 +78,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the WebUI runs with --medvram/--lowvram (it keeps the UNet and text encoders off the "
         "card outside sampling); assumed anyway when they alone leave no room",
     )
+    place = parser.add_mutually_exclusive_group()
+    place.add_argument(
+        "--place",
+        dest="place",
+        action="store_true",
+        help="plan the checkpoint placed, as the WebUI with --vram-guard-place-checkpoint runs it (text "
+        "encoders and VAE on the CPU until used, as much of the UNet on the card as fits, the rest "
+        "streamed); the default where the checkpoint and a working margin do not fit the card",
+    )
+    place.add_argument(
+        "--no-place", dest="place", action="store_false", help="the plain plan (the checkpoint not placed)"
+    )
+    parser.set_defaults(place=None)
     parser.add_argument("--json", action="store_true", help="print JSON: one record per stage")
 
 
@@ -94,8 +107,47 @@ def emulate_vram(total: int, device: object | None = None) -> bool:
     return True
 
 
+def _placement(
+    args: argparse.Namespace, total: int, caps: object, margin: int | None, preset: object
+) -> tuple[object | None, str | None]:
+    """(the placed plan, or None; a one-line note why a checkpoint is not placed, or None)."""
+    from lib_vram.sampling import attention_of
+
+    from .stageplan import SAMPLING_ARCHS, place_checkpoint
+
+    place = getattr(args, "place", None)
+    if place is False or args.medvram:
+        return None, None
+    if args.arch not in SAMPLING_ARCHS:
+        a = vae_arch(args.arch)
+        room = total - (preset.safety_margin(total) if margin is None else margin)
+        if place or a.unet_bytes + a.text_encoder_bytes >= room:
+            return None, (
+                f"{args.arch}: not placed: the checkpoint placement plans the ldm/sgm UNets (sd15, sdxl), "
+                f"not {args.arch}'s; the plain plan follows"
+            )
+        return None, None
+
+    def margin_of(t: int) -> int:
+        if margin is not None:
+            return margin
+        return resolve_preset(args.preset, t, caps).safety_margin(t)
+
+    backend = getattr(caps, "backend", "cuda")
+    placed = place_checkpoint(
+        args.arch,
+        total,
+        margin_of,
+        vae_dtype=resolve_precision(preset.precision_vae, caps),
+        attention=attention_of(args.attention or "Automatic", backend=backend),
+        backend=backend,
+        force=bool(place),
+    )
+    return placed, None
+
+
 def collect(args: argparse.Namespace) -> dict:
-    from .stageplan import plan_job
+    from .stageplan import plan_job, plan_placed_job
 
     dev = resolve_device(args.device)
     caps = capabilities(dev)
@@ -122,22 +174,48 @@ def collect(args: argparse.Namespace) -> dict:
     room = free - (preset.safety_margin(total) if margin is None else margin)
     swaps = "flag" if args.medvram else ("inferred" if models >= room else "")
     t0 = time.perf_counter()
-    plans = plan_job(
-        args.arch,
-        args.width,
-        args.height,
-        preset,
-        free,
-        total,
-        caps=caps_used,
-        batch=args.batch,
-        hires=args.hires,
-        upscaler=args.upscaler,
-        safety_margin_bytes=margin,
-        host_swaps=bool(swaps),
-        attention=args.attention,
-    )
-    return {
+    placed, note = _placement(args, total, caps_used, margin, preset)
+    if placed is not None:
+        swaps = ""
+        plans = plan_placed_job(
+            placed,
+            args.width,
+            args.height,
+            preset,
+            free,
+            preset.safety_margin(total) if margin is None else margin,
+            caps=caps_used,
+            batch=args.batch,
+            hires=args.hires,
+            upscaler=args.upscaler,
+        )
+    else:
+        plans = plan_job(
+            args.arch,
+            args.width,
+            args.height,
+            preset,
+            free,
+            total,
+            caps=caps_used,
+            batch=args.batch,
+            hires=args.hires,
+            upscaler=args.upscaler,
+            safety_margin_bytes=margin,
+            host_swaps=bool(swaps),
+            attention=args.attention,
+        )
+    extra: dict = {}
+    if placed is not None:
+        extra = {
+            "placed": True,
+            "placed_by": "flag" if getattr(args, "place", None) else "auto",
+            "host_bytes": placed.plan.host_bytes,
+            "placement": placed.to_dict(),
+        }
+    elif note:
+        extra = {"placed": False, "place_note": note}
+    return extra | {
         "schema": SCHEMA_VERSION,
         "arch": args.arch,
         "width": args.width,
@@ -186,8 +264,11 @@ def format_table(report: dict) -> str:
                 "yes" if s["fits"] else "NO",
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [head]
+    if report.get("placement"):
+        lines += _placement_lines(report)
+    elif report.get("place_note"):
+        lines.append(report["place_note"])
     if report.get("host_swaps_models") == "inferred":
         lines.append(
             f"the UNet and text encoders ({_gib(report['models_bytes'])}) leave no room on this card: "
@@ -196,8 +277,15 @@ def format_table(report: dict) -> str:
     elif report.get("host_swaps_models") == "flag":
         lines.append("--medvram: the UNet and text encoders stay off the card outside sampling")
     lines.append("")
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += _columns(rows)
+    if report.get("placement"):
+        lines += [""] + _placed_rows(report)
+    line = (report.get("placement") or {}).get("line")
+    if line:  # even the placed plan does not fit: one line, for all its stages
+        lines.append(f"does not fit: {line}")
     for s in report["stages"]:
+        if line and line in (s.get("suggestion"), s["warning"]):
+            continue
         if s.get("moved_off_card"):
             lines.append(
                 f"{s['stage']}: moves the {', '.join(s['moved_off_card'])} off the card for this pass "
@@ -210,8 +298,83 @@ def format_table(report: dict) -> str:
     lines.append(
         "peak = stage model weights + resident weights still on the card + input + predicted activations; "
         "budget = free - safety margin"
+        + (
+            " (placed: sampling's weights = the UNet's resident part + the stream buffer; the "
+            "text encoders' activations are not counted)"
+            if report.get("placement")
+            else ""
+        )
     )
     return "\n".join(lines)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def _placement_lines(report: dict) -> list[str]:
+    """The placed checkpoint in three lines: why, where its parts are, what it costs the host."""
+    p = report["placement"]
+    parked = " and ".join(f"{m['name']} ({m['mib']:.0f} MiB)" for m in p["parked"])
+    d = p["default_pass"]
+    if p["units_streamed"]:
+        unet = (
+            f"UNet {_mib(p['unet_resident_bytes'])} of {_mib(p['unet_bytes'])} on the card "
+            f"({p['units_resident']} of {p['units_resident'] + p['units_streamed']} units), "
+            f"{_mib(p['unet_streamed_bytes'])} streamed per forward"
+        )
+    else:
+        unet = f"UNet on the card ({_mib(p['unet_bytes'])})"
+    sizes = (
+        f"the checkpoint ({_gib(p['checkpoint_bytes'])}) and a working margin "
+        f"({_gib(p['working_margin_bytes'])})"
+    )
+    if report["placed_by"] == "flag" and not p["needed"]:
+        why = f"--place (the WebUI would not place it: {sizes} fit the card)"
+    else:
+        why = ("--place; " if report["placed_by"] == "flag" else "") + f"{sizes} do not fit the card"
+    return [
+        f"checkpoint placed, as the WebUI runs it with --vram-guard-place-checkpoint: {why}; "
+        "--no-place: the plain plan",
+        f"  {unet}; {parked} on the CPU until used",
+        f"  host memory it needs: {_gib(p['host_bytes'])} (the parked parts, the streamed units' copies); "
+        f"placed for a {d['width']}x{d['height']} pass at batch {d['batch']}, {d['context_tokens']} tokens, "
+        f"{d['attention']}, {d['dtype']}",
+    ]
+
+
+def _placed_rows(report: dict) -> list[str]:
+    """Per stage: where each model of the checkpoint is, its MiB on the card and streamed, and the
+    sampling stages' bytes moved per step against ``--lowvram``'s."""
+    where = {"card": "card", "host": "CPU"}
+    names = [m["name"] for m in report["stages"][0]["models"]]
+    rows = [("stage", *names, "resident", "streamed", "moved per step", "--lowvram", "ratio")]
+    for s in report["stages"]:
+        cells = []
+        for m in s["models"]:
+            if m["where"] == "streamed":
+                cells.append(f"streamed, {m['card_mib']:.0f} MiB on the card")
+            else:
+                cells.append(where[m["where"]])
+        moved = s.get("bytes_moved_per_step")
+        low = s.get("lowvram_bytes_per_step")
+        rows.append(
+            (
+                s["stage"],
+                *cells,
+                f"{s['resident_mib']:.0f} MiB",
+                f"{s['streamed_mib']:.0f} MiB",
+                _mib(moved) if moved is not None else "",
+                _mib(low) if moved is not None and low else "",
+                f"{s['lowvram_ratio']:.2f}x" if s.get("lowvram_ratio") is not None else "",
+            )
+        )
+    return _columns(rows)
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -243,6 +406,11 @@ def check_options(args: argparse.Namespace) -> None:
         card_size(args.vram, "--vram")
     if args.safety_margin is not None:
         card_size(args.safety_margin, "--safety-margin", allow_zero=True)
+    if getattr(args, "place", None) and args.medvram:
+        raise UsageError(
+            "`--place` and `--medvram` exclude each other: the WebUI does not place a checkpoint with "
+            "--medvram/--lowvram"
+        )
 
 
 PROGRESS_AFTER_S = 2.0

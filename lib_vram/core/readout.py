@@ -224,6 +224,14 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
+def _where(model: Mapping[str, Any]) -> str:
+    """``"card (160 MiB)"``, ``"CPU"``, ``"streamed, 2168 of 3279 MiB on the card"``."""
+    where = model.get("where")
+    if where == "streamed":
+        return f"streamed, {model.get('card_mib', 0):.0f} of {model.get('mib', 0):.0f} MiB on the card"
+    return f"card ({model.get('mib', 0):.0f} MiB)" if where == "card" else "CPU"
+
+
 def render_readout_body(payload: Mapping[str, Any]) -> str:
     """The readout's inner HTML (everything escaped)."""
     mem = payload.get("memory") or {}
@@ -253,6 +261,10 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
     elif payload.get("cpu_only"):
         rss = format_bytes(mem.get("process_rss_bytes"))
         parts.append(f'<div class="vram-guard-cpu">CPU only — this process uses {_e(rss)} of RAM.</div>')
+    models = payload.get("models") or []
+    if models:
+        cells = " · ".join(f"{_e(m['name'])}: {_e(_where(m))}" for m in models)
+        parts.append(f'<div class="vram-guard-models">Models now — {cells}</div>')
     parts.append(render_timeline_html(payload.get("timeline")))
     stages = payload.get("stages") or []
     listed = {s["stage"] for s in stages}

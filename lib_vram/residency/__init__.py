@@ -14,7 +14,7 @@ Host-free: the package imports torch, the core and the sampling engine, never th
 from __future__ import annotations
 
 from ._owner import CARD, HOST, STREAMED, Model, Move, Mover, Owner, Room
-from ._place import CheckpointPlan, plan_checkpoint
+from ._place import CheckpointPlan, host_shortfall, plan_checkpoint
 
 __all__ = [
     "CARD",
@@ -26,5 +26,6 @@ __all__ = [
     "Mover",
     "Owner",
     "Room",
+    "host_shortfall",
     "plan_checkpoint",
 ]

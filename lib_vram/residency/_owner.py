@@ -123,6 +123,8 @@ class Move:
 
     @property
     def text(self) -> str:
+        if self.to == STREAMED:
+            return f"{self.name} streamed ({self.nbytes / MiB:.0f} MiB of it off the card): {self.why}"
         dest = "to the card" if self.to == CARD else "to the CPU"
         return f"{self.name} ({self.nbytes / MiB:.0f} MiB) {dest}: {self.why}"
 
@@ -276,7 +278,8 @@ class Owner:
                     return Room(stage, False)
                 chosen = list(cands)
             moved = []
-            self._stages.setdefault(stage, [])  # (undone by end(stage), begun or not)
+            if stage:
+                self._stages.setdefault(stage, [])  # (undone by end(stage), begun or not)
             for m in chosen:
                 self._move(m, HOST, stage, why or f"{stage.replace('_', ' ')} needs the room")
                 moved.append(m)
@@ -289,13 +292,30 @@ class Owner:
             if model.where != HOST:
                 return
             what = why or f"{stage.replace('_', ' ') or 'a module of it runs'}"
+            stage = stage or (self._order[-1] if self._order else "")  # "": undone by settle()
             self.room(
-                stage or "use",
+                stage,
                 [model],
                 lambda freed: model.nbytes <= self.free() + freed,
                 why=f"the {model.name} need{'' if model.name.endswith('s') else 's'} the room",
             )
             self._move(model, CARD, stage, what)
+
+    def streams(self, model: Model, resident_bytes: int, stage: str, why: str) -> Callable[[], None]:
+        """``model`` streams for ``stage`` (its streamer moves the weights): ``resident_bytes`` of it
+        stay on the card. Returns the undo (the stage's end: the whole model on the card again)."""
+        with self._lock:
+            was = (model.where, model.resident_bytes)
+            model.where, model.resident_bytes = STREAMED, resident_bytes
+            text = f"{model.name} streams for {stage.replace('_', ' ')}: {resident_bytes / MiB:.0f} of "
+            self.moves.append(Move(model.name, STREAMED, stage, why, model.nbytes - resident_bytes, 0.0))
+            logger.info("VRAM Guard: %s%.0f MiB resident: %s", text, model.nbytes / MiB, why)
+
+        def undo() -> None:
+            with self._lock:
+                model.where, model.resident_bytes = was
+
+        return undo
 
     def settle(self, keep: Iterable[Model] = (), roles: Iterable[str] | None = None) -> int:
         """Models woken outside any stage go home unless in ``keep`` or busy (``roles``: only

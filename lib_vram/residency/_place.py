@@ -14,16 +14,19 @@ architectures): one plan, one set of numbers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from lib_vram.sampling import StreamPlan, UNetSpec, plan_stream
+from lib_vram.sampling import StreamPlan, UNetSpec, choose_resident, unit_bytes
+from lib_vram.sampling import plan_stream as _plan_stream
 from lib_vram.sampling._plan import MAX_BUDGET
 
 MiB = 1 << 20
 ROUNDS = 16
 """Each round keeps fewer UNet units resident until the largest parked part fits beside them."""
+STAGES = (("conditioning", "text encoders"), ("sampling", "UNet"), ("decode", "VAE"))
+"""A job's stages and the parked part each uses (:meth:`CheckpointPlan.stage_rows`)."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,15 @@ class CheckpointPlan:
     """(name, bytes) of the parts in host memory until used (text encoders, VAE)."""
 
     @property
+    def budget_bytes(self) -> int:
+        return max(0, self.card_bytes - self.safety_bytes - self.leftover_bytes)
+
+    @property
     def fits(self) -> bool:
-        return self.stream.fits
+        """The default pass fits, and the largest parked part finds room beside the resident UNet
+        when it wakes."""
+        room = self.budget_bytes - self.unet_resident_bytes
+        return self.stream.fits and self.largest_parked_bytes <= room
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -61,19 +71,45 @@ class CheckpointPlan:
         streamed = self.stream.unet_bytes - self.unet_resident_bytes
         return streamed + sum(b for _, b in self.parked)
 
-    def stage_rows(self) -> list[dict]:
-        """Per stage (conditioning, sampling, decode): which model is where; resident/streamed MiB."""
+    def stage_rows(self, stages: Sequence[tuple[str, str]] = STAGES) -> list[dict]:
+        """Per stage ((stage, the parked part it uses) of ``stages``): which model is where, the
+        MiB of it on the card and its MiB in all."""
         unet_where = "streamed" if self.stream.streamed else "card"
         rows = []
-        for stage, uses in (("conditioning", "text encoders"), ("sampling", "UNet"), ("decode", "VAE")):
-            models = [{"name": "UNet", "where": unet_where, "card_mib": self.unet_resident_bytes / MiB}]
+        for stage, uses in stages:
+            unet = self.stream.unet_bytes
+            models = [
+                {
+                    "name": "UNet",
+                    "where": unet_where,
+                    "card_mib": self.unet_resident_bytes / MiB,
+                    "mib": unet / MiB,
+                }
+            ]
             for name, b in self.parked:
                 on = name == uses
                 models.append(
-                    {"name": name, "where": "card" if on else "host", "card_mib": b / MiB if on else 0.0}
+                    {
+                        "name": name,
+                        "where": "card" if on else "host",
+                        "card_mib": b / MiB if on else 0.0,
+                        "mib": b / MiB,
+                    }
                 )
             rows.append({"stage": stage, "models": models})
         return rows
+
+
+def host_shortfall(nbytes: int) -> int | None:
+    """The host memory available now when ``nbytes`` do not fit in it (None: they fit, or the
+    machine cannot tell)."""
+    try:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    except (ImportError, OSError):
+        return None
+    return available if nbytes > available else None
 
 
 def plan_checkpoint(
@@ -103,7 +139,21 @@ def plan_checkpoint(
         backend=backend,
     )
     budget = min(max(0, card_bytes - safety_bytes - leftover_bytes), MAX_BUDGET)
-    plan = plan_stream(unet, spec, budget_bytes=budget, **step)
+
+    def plan_stream(budget_bytes: int) -> StreamPlan:
+        try:
+            return _plan_stream(unet, spec, budget_bytes=budget_bytes, **step)
+        except ValueError as exc:
+            if "can be planned" not in str(exc):
+                raise
+            # no micro-batch can be planned at this budget (the attention refuses): nothing fits
+            units = unit_bytes(unet) if isinstance(unet, torch.nn.Module) else list(unet)
+            none = choose_resident(
+                units, weights_budget_bytes=-1, activation_bytes=0, forwards_per_step=max(1, min(batch, 64))
+            )
+            return replace(none, batch=batch, notes=(str(exc),))
+
+    plan = plan_stream(budget)
     largest = max((b for _, b in parked), default=0)
     less = budget
     for _ in range(ROUNDS):
@@ -113,5 +163,5 @@ def plan_checkpoint(
         if not plan.fits or short <= 0 or less == 0:
             break
         less = max(0, less - max(short, MiB))
-        plan = plan_stream(unet, spec, budget_bytes=less, **step)
+        plan = plan_stream(less)
     return CheckpointPlan(plan, card_bytes, safety_bytes, leftover_bytes, tuple(parked))

@@ -173,6 +173,9 @@ class Job:
             self.end_span()
         with self._profiled(name), self.tracker.stage(name) as rec:
             yield rec
+            cards = self.cards() if threading.get_ident() == self.thread else None
+            if cards is not None and cards.owner.models:
+                rec.notes["models"] = cards.owner.summary()  # where each model is after the stage
         if rec.plan:
             self.plans[name] = rec.plan
             if self.info is not None:

@@ -214,3 +214,19 @@ class CardModels:
 
     def snapshot(self) -> list[dict]:
         return self.owner.snapshot()
+
+
+def loaded_bytes(sd_model: Any, *, half: bool) -> int | None:
+    """The checkpoint's bytes once loaded, from its (meta) parameters: FP16 except the VAE when the
+    WebUI loads in half precision (v1.10.1's ``weight_dtype_conversion``), else as they are."""
+    if not isinstance(sd_model, torch.nn.Module):
+        return None
+    vae = getattr(sd_model, "first_stage_model", None)
+    vae_ids = {id(t) for t in tensors_of([vae])} if isinstance(vae, torch.nn.Module) else set()
+    total = 0
+    for t in tensors_of([sd_model]):
+        size = t.element_size()
+        if half and t.is_floating_point() and id(t) not in vae_ids:
+            size = min(size, 2)
+        total += t.numel() * size
+    return total

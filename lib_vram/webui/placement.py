@@ -1,42 +1,20 @@
 """A checkpoint that does not fit the card at load: VRAM Guard places it by budget for the session.
 
-Issue 22 item 2. The WebUI v1.10.1 loads a checkpoint onto ``sd_models.model_target_device(m)``
-(the device unless ``--medvram``/``--lowvram``) and then calls ``send_model_to_device(m)``
-(``lowvram.apply`` and ``m.to(device)``); ``reload_model_weights`` ends with ``sd_model.to(device)``
-when the model is not in ``--lowvram`` mode; a switch or an unload calls ``send_model_to_cpu`` or
-``send_model_to_trash``. Without ``--lowvram`` a checkpoint larger than the card fails there.
+With 'Place a checkpoint that does not fit' (Settings) or ``--vram-guard-place-checkpoint``, no
+``--medvram``/``--lowvram``/``--medvram-sdxl``, not Forge, and a checkpoint whose weights plus a
+working margin exceed the card, the checkpoint is placed by :func:`lib_vram.residency.plan_checkpoint`:
+the text encoders and the VAE wait in host memory until used (the owner of the card wakes them and
+sends them home after the stage), as much of the UNet as the budget holds is resident and the rest
+streams by a session-long :class:`~lib_vram.sampling.StreamedUNet`, the checkpoint's few buffers
+are on the card.
 
-With 'Place a checkpoint that does not fit' on (Settings, section VRAM Guard) or the launch flag
-``--vram-guard-place-checkpoint``, no ``--medvram``/``--lowvram``/``--medvram-sdxl``, not Forge,
-and a checkpoint that does not fit the card with a working margin (the preset's safety margin plus
-the activations of a default pass: the model's native size at batch 2 with the attention the
-WebUI applied, :func:`lib_vram.sampling.estimate_sampling`), the checkpoint is *placed*:
-
-* the text encoders and the VAE stay on the CPU until something runs one of their modules (a
-  forward pre-hook brings them to the card); the sampling guard moves them off again when a pass
-  needs the room (the owner of the card, :mod:`lib_vram.residency`), and they go home after the stage;
-* as much of the UNet as the budget holds is resident, the rest streams through the card by a
-  session-long :class:`~lib_vram.sampling.StreamedUNet`, planned by
-  :func:`~lib_vram.sampling.plan_stream` with the card's budget (the same plan as the per-pass
-  streaming; no second estimate);
-* everything else of the checkpoint (its few buffers) is on the card.
-
-The host's functions are patched by name on ``modules.sd_models`` (where ``load_model`` and
-``reload_model_weights`` look them up) through :mod:`.patching`, only while the option is on:
-``model_target_device`` answers the CPU for a checkpoint that will be placed (its weights load into
-host memory), ``send_model_to_device`` places it, ``send_model_to_cpu``/``send_model_to_trash``
-end the placement first (the streamer gives its host copies back, so no weight is lost), and after
+The host's ``sd_models.model_target_device``/``send_model_to_device``/``send_model_to_cpu``/
+``send_model_to_trash`` are patched by name (:mod:`.patching`) only while the option is on; after
 ``send_model_to_cpu`` an instance patch on the model's ``to`` catches ``reload_model_weights``'s
-``sd_model.to(devices.device)`` and places the reloaded weights instead (removed at the placement,
-at the trash, at unload). Turning the option off, a switch, an unload and script unload put every
-weight back where the WebUI would have it: on the device when the checkpoint fits there, else it
-stays on the CPU with a warning.
-
-On the emulated card (``--vram-guard-emulate-vram``, CPU) the weights stay in host memory and the
-card's resident bytes are what a GPU would hold: the move at load admits each tensor that goes to
-the card one at a time (each may raise the card's out-of-memory error), and
-:meth:`Placement.model_loaded` runs after the card's own "the checkpoint is resident" update of
-``on_model_loaded``, so that the placement's count wins whichever comes first.
+``sd_model.to(devices.device)``. The option off, a switch, an unload and script unload put every
+weight back where the WebUI would have it. On the emulated card the move at load admits each tensor
+as a copy would (each may raise its out-of-memory error), and :meth:`Placement.model_loaded` runs
+after the card's own count at model load. The whole story: docs/streaming.md.
 """
 
 from __future__ import annotations
@@ -56,6 +34,7 @@ from lib_vram.residency._modules import admit as _admit
 from lib_vram.residency._modules import nbytes_of as _nbytes
 from lib_vram.residency._modules import tensors_of as _tensors_of
 
+from .models import loaded_bytes
 from .patching import patch_attr
 
 logger = logging.getLogger(__name__)
@@ -360,12 +339,13 @@ class Placement:
     # -- the host's functions (patched while the option is on) -------------------------------------
     def _target_device(self, previous: Any, m: Any) -> Any:
         if self.skip_reason() is None and self._device().type != "cpu":
-            est = _estimate_loaded_bytes(m, half=not self.host.cmd_opt("no_half", False))
+            est = loaded_bytes(m, half=not self.host.cmd_opt("no_half", False))
             if est is not None and self.fits(m, checkpoint_bytes=est) is False:
                 logger.info(
                     "VRAM Guard: the checkpoint (%.0f MiB) does not fit the card: it loads into host memory",
                     est / MiB,
                 )
+                _check_host_room(est, "the checkpoint loads into host memory to be placed")
                 return torch.device("cpu")
         return previous(m)
 
@@ -473,14 +453,16 @@ class Placement:
                 **step,
             )
             plan = cp.stream
-            if not plan.fits:
+            if not cp.fits:
                 raise PlacementOutOfMemory(
                     f"VRAM Guard could not place the checkpoint ({ckpt / MiB:.0f} MiB) on the card "
                     f"({total / MiB:.0f} MiB): even with the text encoders and VAE on the CPU and the UNet "
                     f"streamed, a {step['latent_hw'][1] * 8}x{step['latent_hw'][0] * 8} px pass would run "
                     f"out of memory; use --lowvram"
                 )
-            self._check_host(cp)
+            _check_host_room(
+                cp.host_bytes, "the placed checkpoint keeps its parked parts and streamed blocks there"
+            )
             placed = Placed(
                 sd_model,
                 dm,
@@ -524,25 +506,6 @@ class Placement:
             self.last_error = None
             logger.warning("VRAM Guard: %s (%s)", placed.label, self._plan_text(placed))
             return placed
-
-    def _check_host(self, cp: Any) -> None:
-        """One line when host memory has no room for the placement's host copies (the parked parts
-        and the streamed units): logged before anything moves; the placement goes on (the
-        operating system may swap), since the WebUI without it cannot run the checkpoint either."""
-        try:
-            import psutil
-
-            available = int(psutil.virtual_memory().available)
-        except (ImportError, OSError) as exc:
-            logger.debug("host memory unknown: %s", exc)
-            return
-        if cp.host_bytes > available:
-            logger.warning(
-                "VRAM Guard: the placed checkpoint keeps %.0f MiB in host memory (parked text encoders/VAE, "
-                "streamed UNet blocks) and %.0f MiB are available: the system may swap",
-                cp.host_bytes / MiB,
-                available / MiB,
-            )
 
     def _plan_text(self, placed: Placed) -> str:
         p = placed.plan
@@ -688,6 +651,21 @@ class Placement:
         return "checkpoint placement on: the checkpoint fits the card, nothing placed"
 
 
+def _check_host_room(nbytes: int, what: str) -> None:
+    """One line when host memory has no room for ``nbytes``, before anything moves (the placement
+    goes on: the system may swap, and the WebUI without it cannot run the checkpoint either)."""
+    from lib_vram.residency import host_shortfall
+
+    available = host_shortfall(nbytes)
+    if available is not None:
+        logger.warning(
+            "VRAM Guard: host memory: %s (%.0f MiB) and %.0f MiB are available: the system may swap",
+            what,
+            nbytes / MiB,
+            available / MiB,
+        )
+
+
 def _opt(host: Any, key: str, default: Any) -> Any:
     get = getattr(host, "opts_get", None)
     if get is None:
@@ -716,19 +694,3 @@ def _to_target(args: tuple, kwargs: dict) -> torch.device | None:
     if isinstance(cand, torch.Tensor):
         return cand.device
     return None
-
-
-def _estimate_loaded_bytes(sd_model: Any, *, half: bool) -> int | None:
-    """The checkpoint's bytes once loaded, from its (meta) parameters: FP16 except the VAE when the
-    WebUI loads in half precision (v1.10.1's ``weight_dtype_conversion``), else as they are."""
-    if not isinstance(sd_model, torch.nn.Module):
-        return None
-    vae = getattr(sd_model, "first_stage_model", None)
-    vae_ids = {id(t) for t in _tensors_of([vae])} if isinstance(vae, torch.nn.Module) else set()
-    total = 0
-    for t in _all_tensors(sd_model):
-        size = t.element_size()
-        if half and t.is_floating_point() and id(t) not in vae_ids:
-            size = min(size, 2)
-        total += t.numel() * size
-    return total

@@ -199,6 +199,12 @@ class SamplingGuard:
                 )
             if planned.stream is not None:
                 planned.stream.enter(self.stack)
+                if cards is not None:
+                    for m in cards.models(model, ["UNet"]):
+                        why = "the pass does not fit with the whole UNet on the card"
+                        self.stack.callback(
+                            cards.owner.streams(m, planned.stream.plan.resident_bytes, stage, why)
+                        )
                 job.note(f"VRAM Guard: {stage.replace('_', ' ')}: {planned.stream.describe()}")
             self._install(dm, planned)
         except BaseException:

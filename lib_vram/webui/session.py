@@ -248,6 +248,7 @@ class Session:
             payload["placement"] = placed
         if self._cards is not None and self._cards.owner.models:
             payload["models"] = self._cards.snapshot()  # where each model is now
+            payload["host_bytes"] = self._cards.owner.host_bytes  # their weights in host memory
             payload["moves"] = [m.text for m in self._cards.owner.moves][-8:]
         card = self.emulated_card()
         if card is not None:
