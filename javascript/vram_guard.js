@@ -96,7 +96,9 @@ function vramGuardRegisterTooltips(readouts) {
         Object.keys(tips).forEach(function(id) {
             var label = tips[id][0];
             var tip = tips[id][1];
-            if (typeof titles === "object" && titles !== null && !(label in titles)) {
+            // hints.js's titles[] keys on visible text anywhere on the page: only our own labels
+            // (an empty one, e.g. "Advanced"'s, would give every such text our hint)
+            if (label && typeof titles === "object" && titles !== null && !(label in titles)) {
                 titles[label] = tip;
             }
             var el = root.querySelector("#" + CSS.escape(id));

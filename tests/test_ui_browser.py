@@ -194,6 +194,11 @@ async def check_layout_and_hints(cdp: CDP) -> None:
             assert not c["visible"], (name, "should be folded under Advanced")
     assert got["advancedOpen"] is False and got["advancedTitle"] == ui.ADVANCED_TOOLTIP
     assert got["accordionTitle"] == FIELDS_BY_NAME["enabled"].tooltip  # on its header, not over all
+    # inside the WebUI the labels' hints also go to hints.js's titles[] (the page's label -> hint map),
+    # never a label that is not ours alone
+    titles = await cdp.js("titles")
+    assert titles["Memory preset"] == FIELDS_BY_NAME["preset"].tooltip and "Sampling steps" in titles
+    assert "Advanced" not in titles and "" not in titles
     assert got["readout"]["bottom"] <= got["advanced"]["top"], got  # the readout above the folded group
     # ... right under the common controls: in view without scrolling past the settings
     assert got["readout"]["top"] - got["accordion"]["top"] < 320, got

@@ -169,7 +169,9 @@ def build_app(state: DemoState) -> FastAPI:
     def favicon() -> Response:
         return Response(status_code=204)
 
-    head = b'<script src="./vram_guard_assets/vram_guard.js"></script>'
+    # the WebUI's hints.js: a global label -> hover text map its front end applies to new elements
+    head = b'<script>var titles = {"Sampling steps": "How many times to improve the image"};</script>'
+    head += b'<script src="./vram_guard_assets/vram_guard.js"></script>'
     head += b'<link rel="stylesheet" href="./vram_guard_assets/style.css">'
 
     @app.middleware("http")

@@ -271,7 +271,7 @@ def build_ui(
                     },
                     free_id: ("Free memory now", FREE_TOOLTIP),
                     **profile_tooltip(profile_id),
-                    advanced_id: (ADVANCED_LABEL, ADVANCED_TOOLTIP),
+                    advanced_id: ("", ADVANCED_TOOLTIP),  # ("": not for hints.js's titles[])
                     acc_id: (enable_field.label, enable_field.tooltip),  # the accordion's header
                 },
             )
