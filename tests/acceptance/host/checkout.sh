@@ -8,11 +8,17 @@
 set -euo pipefail
 MIRROR=$1 COMMIT=$2 DEST=$3 TAG=${4:-}
 full=$(git --git-dir="$MIRROR" rev-parse --verify "$COMMIT^{commit}")
-# an origin (the snapshot it came from): without one the WebUI logs a "Remote named 'origin'
-# didn't exist" traceback for an extension checkout at every start
-set_origin() { git -C "$DEST" remote add origin "$MIRROR" 2> /dev/null || git -C "$DEST" remote set-url origin "$MIRROR"; }
+# What the WebUI reads from an extension's repository (modules/extensions.py): an origin remote
+# and an active branch; without either it logs a traceback for that extension at every start
+# ("Remote named 'origin' didn't exist", "HEAD is a detached symbolic reference"). The origin is
+# the snapshot it came from (never fetched from), the branch `pinned` (ref changes only).
+finish() {
+  git -C "$DEST" remote add origin "$MIRROR" 2> /dev/null || git -C "$DEST" remote set-url origin "$MIRROR"
+  git -C "$DEST" update-ref refs/heads/pinned "$full"
+  git -C "$DEST" symbolic-ref HEAD refs/heads/pinned
+}
 if [ -d "$DEST/.git" ] && [ "$(git -C "$DEST" rev-parse -q --verify HEAD 2>/dev/null)" = "$full" ]; then
-  set_origin
+  finish
   echo "checkout: $DEST already at ${full:0:12}"
   exit 0
 fi
@@ -43,7 +49,7 @@ git -C "$DEST" sparse-checkout init --no-cone
 # those entries are skip-worktree and never read)
 git -C "$DEST" checkout -q -f --detach "$full" 2> >(grep -v "^error: invalid object" >&2)
 [ -n "$TAG" ] && git -C "$DEST" tag -f "$TAG" "$full" > /dev/null
-set_origin
+finish
 n=$(wc -l < "$missing")
 echo "checkout: $DEST at ${full:0:12}${TAG:+ ($TAG)}; $n path(s) left out (blob not in the snapshot)"
 sed 's/^/  left out: /' "$missing"
