@@ -209,12 +209,19 @@ def main() -> int:
             subprocess.run([str(args.tools / "stop.sh")], env=env, check=False)
     if log_path.exists():
         text = log_path.read_text(errors="replace")
-        bad = [line for line in text.splitlines() if "Traceback" in line or "Error" in line]
-        # a symlinked extension checkout without an origin remote: the WebUI's own harmless traceback
-        remote = "Remote named 'origin' didn't exist" in text
-        check(
-            "log_clean", len(bad) <= (2 if remote else 0), error_lines=bad[:10], origin_remote_notice=remote
-        )
+        # "*** Failed reading extension data from Git repository (NAME)" + its traceback up to
+        # "---": the WebUI's own notice for an extension folder that is not a clone with an origin
+        # and a branch (e.g. vram-guard linked to a worktree); not an extension error
+        bad, notices, in_notice = [], [], False
+        for line in text.splitlines():
+            if line.startswith("*** Failed reading extension data from Git repository"):
+                in_notice = True
+                notices.append(line.rsplit("(", 1)[-1].rstrip(")"))
+            elif in_notice:
+                in_notice = line.strip() != "---"
+            elif "Traceback" in line or "Error" in line:
+                bad.append(line)
+        check("log_clean", not bad, error_lines=bad[:10], git_info_notices=notices)
         for line in text.splitlines():
             if line.startswith(("Startup time:", "Model loaded in")):
                 results.setdefault("log", []).append(line)
