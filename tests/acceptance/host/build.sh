@@ -134,9 +134,17 @@ else:
 EOF2
 }
 
+# only when there is no link yet: the team relinks it to the worktree under test, and a rebuild
+# must not swap the extension under a WebUI that another session is starting (EXT_LINK=... with
+# RELINK=1 to replace it)
 step_link() {
-  ln -sfn "$EXT_LINK" "$WEBUI/extensions/vram-guard"
-  log "link: $WEBUI/extensions/vram-guard -> $EXT_LINK"
+  local link="$WEBUI/extensions/vram-guard"
+  if [ -L "$link" ] && [ "${RELINK:-0}" != 1 ]; then
+    log "link: $link -> $(readlink "$link") (kept; RELINK=1 EXT_LINK=DIR to change it)"
+    return
+  fi
+  ln -sfn "$EXT_LINK" "$link"
+  log "link: $link -> $EXT_LINK"
 }
 
 step_smoke() {
