@@ -574,3 +574,11 @@ def test_plan_checkpoint_of_a_card_too_small_for_any_micro_batch_does_not_fit():
         latent_hw=(128, 128), context_tokens=77, attention="doggettx", dtype=torch.float16,
     )  # fmt: skip
     assert not cp.fits and cp.unet_resident_bytes == 0 and "can be planned" in cp.stream.notes[0]
+
+
+def test_a_size_past_the_bound_names_vram_guard(capsys):
+    """The refusal's reason names the product (it said 'VAE Guard')."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--arch", "sd15", "--width", "99992", "--height", "512"])
+    err = capsys.readouterr().err
+    assert "the largest image side VRAM Guard plans" in err and "VAE Guard" not in err
