@@ -1,10 +1,13 @@
-// VRAM Guard: live memory readout and tooltips for the "VRAM Guard" accordion.
+// VRAM Guard: live memory readout and hover hints for the "VRAM Guard" accordion.
 //
 // Polls ./internal/vram-guard/status (JSON, see lib_vram/core/readout.py) about once a second while a job
 // runs - detected from the WebUI's Interrupt buttons or the payload's job_running flag - and once
 // after it ends, then swaps the payload's html into every readout (#vram_guard_readout_<tab>): the
 // per-stage table and the memory timeline's SVG, which so grows while the job runs.
-// When idle it refreshes an open readout every 10 s. Every global name starts with "vramGuard";
+// When idle it refreshes an open readout every 10 s. The controls' hover hints (their explanation:
+// labels are short) come with the readout's first HTML: each becomes the control's `title` (an
+// accordion's: its header's) and, inside the WebUI, an entry of hints.js's `titles`.
+// Every global name starts with "vramGuard";
 // nothing here throws if the elements are missing (pages without the accordion, other tabs).
 
 var vramGuardConfig = {
@@ -66,6 +69,13 @@ function vramGuardWebuiBusy() {
     return false;
 }
 
+function vramGuardHintTarget(el) {
+    // An accordion ("Advanced", the WebUI's InputAccordion): its header, where its label is; a title
+    // on the whole accordion would show over every control inside it.
+    var head = el.querySelector(":scope > .label-wrap");
+    return head || el;
+}
+
 function vramGuardRegisterTooltips(readouts) {
     if (vramGuardState.tooltipsDone) {
         return;
@@ -86,12 +96,15 @@ function vramGuardRegisterTooltips(readouts) {
         Object.keys(tips).forEach(function(id) {
             var label = tips[id][0];
             var tip = tips[id][1];
-            if (typeof titles === "object" && titles !== null && !(label in titles)) {
+            // hints.js's titles[] keys on visible text anywhere on the page: only our own labels
+            // (an empty one, e.g. "Advanced"'s, would give every such text our hint)
+            if (label && typeof titles === "object" && titles !== null && !(label in titles)) {
                 titles[label] = tip;
             }
             var el = root.querySelector("#" + CSS.escape(id));
-            if (el && !el.title) {
-                el.title = tip;
+            var target = el && vramGuardHintTarget(el);
+            if (target && !target.title) {
+                target.title = tip;
             }
         });
         vramGuardState.tooltipsDone = true;

@@ -574,3 +574,22 @@ def test_plan_checkpoint_of_a_card_too_small_for_any_micro_batch_does_not_fit():
         latent_hw=(128, 128), context_tokens=77, attention="doggettx", dtype=torch.float16,
     )  # fmt: skip
     assert not cp.fits and cp.unet_resident_bytes == 0 and "can be planned" in cp.stream.notes[0]
+
+
+def test_a_size_past_the_bound_names_vram_guard(capsys):
+    """The refusal's reason names the product (it said 'VAE Guard')."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--arch", "sd15", "--width", "99992", "--height", "512"])
+    err = capsys.readouterr().err
+    assert "the largest image side VRAM Guard plans" in err and "VAE Guard" not in err
+
+
+def test_invokeai_on_a_card_its_weights_fill_plans_without_a_division_by_zero(capsys):
+    """InvokeAI slices by the free memory; with none left (the weights took it) the plan still
+    answers (found by the sampling refactor: ZeroDivisionError)."""
+    from lib_vram.__main__ import main
+
+    rc = main(["plan", "--arch", "sd15", "--width", "768", "--height", "512", "--vram", "2GB",
+               "--attention", "invokeai", "--json"])  # fmt: skip
+    out = capsys.readouterr()
+    assert "ZeroDivisionError" not in out.out + out.err and rc in (0, 3), out

@@ -197,3 +197,9 @@ def test_the_profiler_is_stopped_when_the_stage_fails_or_is_interrupted(exc):
     assert prof.summary.ops[0].name == "aten::conv2d"
     with StageProfiler("again", "cpu"):  # a new profile can start
         pass
+
+
+def test_a_size_past_the_bound_names_vram_guard(capsys):
+    """The refusal's reason names the product (it said 'VAE Guard')."""
+    err = _err(capsys, ["profile", "vae", "--size", "99992"])
+    assert "the largest image side VRAM Guard makes" in err and "VAE Guard" not in err

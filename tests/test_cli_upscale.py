@@ -13,6 +13,7 @@ import io
 import os
 import struct
 import subprocess
+import warnings
 import zlib
 from pathlib import Path
 
@@ -421,6 +422,31 @@ def test_decompression_bomb_is_one_line_and_the_folder_goes_on(tmp_path, capsys)
     assert "error: bomb.png: too large to open safely" in res.err and "Traceback" not in res.err
     assert "1 done, 0 skipped, 1 failed: bomb.png" in res.out
     assert [p.name for p in out.iterdir()] == ["ok.png"]
+
+
+@pytest.mark.parametrize("folder", [False, True])
+def test_an_image_past_pillows_warning_limit_is_one_line_without_pillows_warning(tmp_path, capsys, folder):
+    """100 Mpx: above Pillow's limit for untrusted images (89 Mpx), below the size it refuses (179 Mpx).
+    Pillow would print its two-line DecompressionBombWarning first; the user gets only the refusal."""
+    model = _model(tmp_path)
+    src_dir = tmp_path / "in"
+    src_dir.mkdir()
+    src = _raw_png(src_dir / "huge.png", 10000, 10000, 8, 2, b"\x00")
+    limit = Image.MAX_IMAGE_PIXELS
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = _up(src_dir if folder else src, tmp_path / ("out" if folder else "out.png"), "--model", model)
+    res = capsys.readouterr()
+    assert rc == 1
+    lines = [line for line in res.err.splitlines() if line.strip()]
+    assert lines == [
+        "error: huge.png: too large to open safely (Image size (100000000 pixels) exceeds limit of "
+        f"{limit} pixels, could be decompression bomb DOS attack.)"
+    ]
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+    assert "Warning" not in res.err + res.out
+    assert limit == Image.MAX_IMAGE_PIXELS  # the limit itself is left alone
+    assert not list(tmp_path.glob("out*/*")) and not (tmp_path / "out.png").exists()
 
 
 def test_exif_orientation_is_applied_and_not_left_for_viewers(tmp_path, capsys):

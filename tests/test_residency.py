@@ -219,3 +219,15 @@ def test_a_wake_outside_any_stage_is_undone_by_the_next_settle_and_leaves_no_rec
         assert w.owner._stages == {} and len(w.owner._loose) == 2
         w.owner.settle()
         assert te.where == CARD and w.models["VAE"].where == HOST and w.owner._loose == []
+
+
+def test_a_stages_own_model_woken_just_before_it_began_goes_home_at_its_end():
+    """The WebUI's decoder module fires its wake hook before VRAM Guard's decode stage opens: the
+    stage's end still sends the VAE home (seen in the real WebUI: the VAE stayed on the card)."""
+    w = Parts()
+    with emulate.running_on(w.card):
+        w.vae.conv_in(torch.zeros(1, 4, 4, 4))  # woken outside any stage
+        w.owner.begin("decode", busy=[w.models["VAE"]])
+        w.owner.use(w.models["VAE"], "decode")  # already there
+        w.owner.end("decode")
+        assert w.where()["VAE"] == HOST and w.owner._loose == [] and w.card.resident_bytes == w.resident

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -157,6 +158,98 @@ def test_svg_is_valid_xml_with_labelled_bands_total_peak_events_and_hover_values
         e for e in root.iter(f"{SVG}line") if e.get("stroke") == "#dc2626" and e.get("y1") == e.get("y2")
     ]
     assert lines, "no total line"
+
+
+def _near_the_top_job() -> dict:
+    """The README's hires job on an emulated 4.15 GiB card: the checkpoint keeps 3.97 GiB resident,
+    so every sample lies between 3.97 and 4.10 GiB."""
+    clock = Clock()
+    total = int(4.15 * GiB)
+    tl = Timeline(total_bytes=total, measure="emulated", clock=clock)
+    for stage, n in (("sampling", 30), ("vae_decode", 20)):
+        tl.begin(stage)
+        for i in range(n):
+            clock.t += 0.5
+            tl.add(int((3.97 + 0.13 * (i % 6) / 5) * GiB), None, "step")
+        tl.end(stage, peak_bytes=int(4.10 * GiB))
+    tl.finish()
+    return tl.to_dict()
+
+
+def _y_scale(root: ET.Element) -> tuple[list[float], Callable[[float], float]]:
+    """The y axis's labelled values (GiB, top to bottom) and the value (GiB) at a height y, read
+    from where the labels are drawn (each is 3 px below its grid line)."""
+    ticks = []
+    for t in root.iter(f"{SVG}text"):
+        text = t.text or ""
+        if text.endswith(" GiB") and t.get("text-anchor") == "end" and float(t.get("x")) < 50:
+            ticks.append((float(text.split()[0]), float(t.get("y")) - 3))
+    ticks.sort(key=lambda v: v[1])
+    assert len(ticks) >= 3, ticks
+    (v0, y0), (v1, y1) = ticks[0], ticks[-1]
+    return [v for v, _ in ticks], lambda y: v0 + (v1 - v0) * (y - y0) / (y1 - y0)
+
+
+def test_y_axis_spans_the_range_used_and_the_total_is_a_labelled_line_near_the_top():
+    """A job near the top of the card: the axis starts near its lowest sample, not at 0, so the line
+    spreads over the plot instead of lying flat along the top; the card's total is a labelled red
+    line above it, inside the plot."""
+    from lib_vram.core import timeline as T
+
+    d = _near_the_top_job()
+    root = svg_of(d)
+    values, value_at = _y_scale(root)
+    assert values == sorted(values, reverse=True)
+    plot_top, plot_bottom = T._PAD_T, T.H - T._PAD_B
+    assert 3.8 <= value_at(plot_bottom) <= 3.97 and 4.15 < value_at(plot_top) <= 4.3
+    (used,) = [e for e in root.iter(f"{SVG}polyline") if e.get("class") == "vram-guard-tl-used"]
+    ys = [float(xy.split(",")[1]) for xy in used.get("points").split()]
+    # the job's 0.13 GiB of movement takes more than half the plot's height
+    assert max(ys) - min(ys) > 0.5 * (plot_bottom - plot_top), (min(ys), max(ys))
+    assert abs(value_at(max(ys)) - 3.97) < 0.005 and abs(value_at(min(ys)) - 4.10) < 0.005
+    (total,) = [g for g in root.iter(f"{SVG}g") if g.get("class") == "vram-guard-tl-total"]
+    (line,) = total.iter(f"{SVG}line")
+    (label,) = total.iter(f"{SVG}text")
+    yt = float(line.get("y1"))
+    assert line.get("y2") == line.get("y1") and line.get("stroke") == "#dc2626"
+    assert label.text == "total 4.15 GiB" and abs(value_at(yt) - 4.15) < 0.005
+    assert plot_top < yt < min(ys)
+    # its label sits just above the line, inside the plot, and clear of the peak's label
+    assert plot_top <= float(label.get("y")) - 11 and float(label.get("y")) < yt
+    (peak,) = [g for g in root.iter(f"{SVG}g") if g.get("class") == "vram-guard-tl-peak"]
+    (peak_label,) = peak.iter(f"{SVG}text")
+    assert abs(float(peak_label.get("y")) - float(label.get("y"))) >= 12
+    assert "total" not in T.legend_html(d)  # on the plot, so not in the legend
+
+
+def test_a_small_job_zooms_onto_its_range_and_the_legend_gives_the_total():
+    from lib_vram.core import timeline as T
+
+    clock = Clock()
+    tl = Timeline(total_bytes=24 * GiB, clock=clock)
+    for i in range(10):
+        clock.t += 0.1
+        tl.add(int((1.0 + 0.05 * (i % 3)) * GiB), None, "step")
+    tl.finish()
+    d = tl.to_dict()
+    root = svg_of(d)
+    _values, value_at = _y_scale(root)
+    assert 0.9 <= value_at(T.H - T._PAD_B) < 1.0 and 1.1 < value_at(T._PAD_T) < 1.2
+    assert not [g for g in root.iter(f"{SVG}g") if g.get("class") == "vram-guard-tl-total"]
+    assert "total 24.00 GiB: far above the plot" in T.legend_html(d)
+
+
+def test_a_job_that_starts_near_zero_keeps_zero_on_the_axis():
+    from lib_vram.core import timeline as T
+
+    clock = Clock()
+    tl = Timeline(total_bytes=6 * GiB, clock=clock)
+    for i in range(10):
+        clock.t += 0.1
+        tl.add(int((0.2 + 0.5 * i) * GiB), None, "step")
+    tl.finish()
+    _values, value_at = _y_scale(svg_of(tl.to_dict()))
+    assert abs(value_at(T.H - T._PAD_B)) < 0.01
 
 
 def test_svg_escapes_names_and_draws_nothing_without_points():

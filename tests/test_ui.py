@@ -316,34 +316,57 @@ def _one_line(text) -> bool:
     return isinstance(text, str) and 20 <= len(text) <= 125 and "\n" not in text and text.strip() == text
 
 
-def test_every_control_explains_itself_in_one_line():
-    """Accordion, Extras and Settings: every control shows a one-line ``info`` under its label; the
-    controls that cannot show one (the accordion's header switch, the buttons) have a tooltip."""
+def _short_label(text) -> bool:
+    """Fits one line in a third of the accordion: a few words, no units or '0 = Auto' in brackets."""
+    return isinstance(text, str) and 0 < len(text) <= 30 and "\n" not in text and "(" not in text
+
+
+def _hint(comp):
+    """The hover hint the WebUI's front end sets as the element's ``title`` (hints.js)."""
+    return getattr(comp, "webui_tooltip", None)
+
+
+def test_every_control_explains_itself_on_hover_under_a_short_label():
+    """Accordion and Extras: a short one-line label per control, its explanation as the hover hint
+    (the component's ``webui_tooltip``, which the WebUI's hints.js sets as the ``title``, and the
+    readout's tooltip map, from which javascript/vram_guard.js sets the same) and no paragraph under
+    it. Settings page: one line under every default (the WebUI's convention there)."""
     from lib_vram.webui.integration import settings_options
 
     for f in FIELDS:
+        assert _short_label(f.label), (f.name, f.label)
+        assert 40 <= len(f.tooltip) <= 400 and "\n" not in f.tooltip, (f.name, f.tooltip)
         assert _one_line(f.info), (f.name, f.info)
-        assert f.info != f.tooltip, f.name  # the short line, not the hover text again
-    # txt2img with the WebUI's InputAccordion: the header switch shows no info, its title does
+        assert f.info != f.tooltip, f.name  # the Settings page's short line, not the hover text again
+    # txt2img with the WebUI's InputAccordion: the header carries the switch's hint
     _demo, w = build(input_accordion=WebuiStyleInputAccordion)
-    for name, comp in w.controls.items():
-        if name != "enabled":
-            assert comp.info == O.FIELDS_BY_NAME[name].info, name
     tips = _tooltips_of(w.readout)
-    for eid in ("vram_guard_txt2img-checkbox", "vram_guard_txt2img_free", "vram_guard_txt2img_profile"):
-        assert eid in tips and len(tips[eid][1]) >= 20, (eid, tips.get(eid))
-    # a standalone page: the enable checkbox is visible, with its info
+    for name, comp in w.controls.items():
+        f = O.FIELDS_BY_NAME[name]
+        assert comp.info is None, (name, comp.info)  # no paragraph under the control
+        assert tips[comp.elem_id] == [f.label, f.tooltip], name
+        if name != "enabled":  # (an accordion's hint goes on its header only: the JS's)
+            assert _hint(comp) == f.tooltip, name
+    assert tips["vram_guard_txt2img"] == ["VRAM Guard", O.FIELDS_BY_NAME["enabled"].tooltip]
+    for button in (w.free_button, w.profile_button):
+        assert len(_hint(button)) >= 20 and tips[button.elem_id][1] == _hint(button)
+    # "Advanced" is no label of ours alone: not given to hints.js's titles[] (the JS skips "")
+    assert tips["vram_guard_txt2img_advanced"] == ["", ui.ADVANCED_TOOLTIP]
+    # a standalone page: the enable checkbox is visible, with its hint
     _demo, w = build()
-    assert w.controls["enabled"].info == O.FIELDS_BY_NAME["enabled"].info
+    enable = w.controls["enabled"]
+    assert enable.info is None and _hint(enable) == O.FIELDS_BY_NAME["enabled"].tooltip
     # Extras
     with gr.Blocks():
         ew = ui.build_extras_widgets(VRAMGuardOptions())
-    assert _one_line(ew.inputs["enabled"].info) and "Upscale" in ew.inputs["enabled"].info
+    assert ew.inputs["enabled"].info is None and "Upscale" in _hint(ew.inputs["enabled"])
     for name, comp in ew.inputs.items():
+        assert comp.info is None, name
         if name != "enabled":
-            assert comp.info == O.FIELDS_BY_NAME[name].info, name
-    assert "vram_guard_extras_free" in _tooltips_of(ew.readout)
-    # Settings page: every default carries the same line
+            assert _hint(comp) == O.FIELDS_BY_NAME[name].tooltip, name
+    extras_tips = _tooltips_of(ew.readout)
+    assert "vram_guard_extras_free" in extras_tips and "vram_guard_extras_upscale_tile" in extras_tips
+    # Settings page: every default carries its one line
     from lib_vram.webui.placement import SETTING as PLACEMENT  # a session setting, no job field
 
     for key, spec in settings_options():
@@ -351,3 +374,38 @@ def test_every_control_explains_itself_in_one_line():
             assert _one_line(spec["info"]), (key, spec["info"])
             if key != PLACEMENT:
                 assert spec["info"] == O.FIELDS_BY_NAME[key.removeprefix("vram_guard_")].info, key
+
+
+def _page_order(root) -> list:
+    """Every block under ``root``, depth first: the order the page shows them in."""
+    out = []
+    for child in getattr(root, "children", []):
+        out.append(child)
+        out.extend(_page_order(child))
+    return out
+
+
+def test_common_controls_first_then_the_readout_then_advanced_folded():
+    """The WebUI's convention: the common controls first, the readout (and its timeline) right after
+    them, the rest folded in a closed "Advanced" accordion under it; the API's argument order (the
+    order ``ui()`` returns) does not change with the layout."""
+    _demo, w = build(input_accordion=WebuiStyleInputAccordion)
+    acc = w.inputs[0].accordion
+    (advanced,) = [b for b in _page_order(acc) if isinstance(b, gr.Accordion)]
+    assert advanced.label == "Advanced" and advanced.open is False
+    assert advanced.elem_id == "vram_guard_txt2img_advanced"
+    common = ["preset", "vae_tiling", "upscale_tiling", "guard_sampling"]
+    assert sorted(n for row in ui.COMMON for n in row) == sorted(common)
+    folded = [n for n in O.API_ARG_ORDER[1:] if n not in common]
+    assert sorted(n for row in ui.ADVANCED for n in row) == sorted(folded)
+    for name in common:
+        assert advanced not in ancestors(w.controls[name]), name
+    for name in folded:
+        assert advanced in ancestors(w.controls[name]), name
+    order = _page_order(acc)
+    where = {id(b): i for i, b in enumerate(order)}
+    last_common = max(where[id(w.controls[n])] for n in common)
+    assert last_common < where[id(w.readout)] < where[id(w.free_button)] < where[id(advanced)]
+    # the API's order and ids are the table's, whatever the layout
+    assert [c.elem_id for c in w.inputs[1:]] == [f"vram_guard_txt2img_{n}" for n in O.API_ARG_ORDER[1:]]
+    assert w.inputs == [w.controls[n] for n in O.API_ARG_ORDER]

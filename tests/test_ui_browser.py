@@ -90,7 +90,7 @@ def launch_chromium(user_dir: Path) -> tuple[subprocess.Popen, int]:
         "--remote-debugging-address=127.0.0.1",
         "--remote-debugging-port=0",
         "--remote-allow-origins=*",
-        "--window-size=900,1000",
+        "--window-size=1280,1000",
         "about:blank",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -135,6 +135,92 @@ TIMELINE_POINTS = (
 """How many points the readout's memory line has (0 without a plot)."""
 
 
+LAYOUT = """(() => {
+  const acc = document.querySelector('#vram_guard_txt2img');
+  const adv = document.querySelector('#vram_guard_txt2img_advanced');
+  const box = (el) => {
+    const r = el.getBoundingClientRect();
+    return {top: r.top, bottom: r.bottom, h: r.height};
+  };
+  const controls = {};
+  for (const name of NAMES) {
+    const el = document.querySelector('#vram_guard_txt2img_' + name);
+    const label = el && el.querySelector('label > span, [data-testid="block-info"]');
+    const cs = label ? getComputedStyle(label) : null;
+    const lh = cs ? parseFloat(cs.lineHeight) || parseFloat(cs.fontSize) * 1.25 : 1;
+    // any text of more than a few words in the control besides its label: a paragraph under it
+    const texts = el ? Array.from(el.querySelectorAll('*')).filter((n) => n !== label && Array.from(
+      n.childNodes).some((t) => t.nodeType === Node.TEXT_NODE && t.textContent.trim().length > 25)) : [];
+    controls[name] = {
+      visible: !!el && el.offsetParent !== null,
+      text: label ? label.textContent.trim() : null,
+      lines: label ? Math.round(label.getBoundingClientRect().height / lh) : 0,
+      title: el ? el.title : null,
+      paragraphs: texts.map((n) => n.textContent.trim()),
+    };
+  }
+  const head = adv && adv.querySelector(':scope > .label-wrap');
+  const accHead = acc.querySelector(':scope > .label-wrap');
+  return {controls, advanced: adv ? box(adv) : null, advancedTitle: head ? head.title : null,
+          accordionTitle: accHead ? accHead.title : null,
+          advancedOpen: adv ? adv.querySelector(':scope > .label-wrap').classList.contains('open') : null,
+          readout: box(document.querySelector('#vram_guard_readout_txt2img')),
+          accordion: box(acc), viewport: window.innerHeight};
+})()"""
+
+
+async def check_layout_and_hints(cdp: CDP) -> None:
+    """Short one-line labels, each control's explanation as its hover hint (``title``), no paragraph
+    under a control, the common controls and the readout first, the rest folded under Advanced."""
+    from lib_vram.webui import ui
+    from lib_vram.webui.options import API_ARG_ORDER, FIELDS_BY_NAME
+
+    names = [n for n in API_ARG_ORDER if n != "enabled"]
+    common = [n for row in ui.COMMON for n in row]
+    # the hints arrive with the readout's first HTML (the JS sets them within a second)
+    await cdp.wait_for(
+        "document.querySelector('#vram_guard_txt2img_preset').title.length > 0", what="the hover hints"
+    )
+    got = await cdp.js(LAYOUT.replace("NAMES", json.dumps(names)))
+    for name in common:
+        c = got["controls"][name]
+        f = FIELDS_BY_NAME[name]
+        assert c["visible"] and c["text"] == f.label and c["lines"] == 1, (name, c)
+        assert c["title"] == f.tooltip and c["paragraphs"] == [], (name, c)
+    for name in names:
+        c = got["controls"][name]
+        assert c["title"] == FIELDS_BY_NAME[name].tooltip, (name, c)  # hints are there when folded too
+        if name not in common:
+            assert not c["visible"], (name, "should be folded under Advanced")
+    assert got["advancedOpen"] is False and got["advancedTitle"] == ui.ADVANCED_TOOLTIP
+    assert got["accordionTitle"] == FIELDS_BY_NAME["enabled"].tooltip  # on its header, not over all
+    # inside the WebUI the labels' hints also go to hints.js's titles[] (the page's label -> hint map),
+    # never a label that is not ours alone
+    titles = await cdp.js("titles")
+    assert titles["Memory preset"] == FIELDS_BY_NAME["preset"].tooltip and "Sampling steps" in titles
+    assert "Advanced" not in titles and "" not in titles
+    assert got["readout"]["bottom"] <= got["advanced"]["top"], got  # the readout above the folded group
+    # ... right under the common controls: in view without scrolling past the settings
+    assert got["readout"]["top"] - got["accordion"]["top"] < 320, got
+    assert got["advanced"]["h"] < 60, got  # folded: its header only
+
+    # Opened, the folded controls show their short labels on one line too.
+    await cdp.js("document.querySelector('#vram_guard_txt2img_advanced > .label-wrap').click()")
+    await cdp.wait_for(
+        "document.querySelector('#vram_guard_txt2img_vae_tile').offsetParent !== null", what="Advanced opens"
+    )
+    got = await cdp.js(LAYOUT.replace("NAMES", json.dumps(names)))
+    for name in names:
+        c = got["controls"][name]
+        f = FIELDS_BY_NAME[name]
+        assert c["visible"] and c["text"] == f.label and c["lines"] == 1, (name, c)
+        assert c["paragraphs"] == [], (name, c)
+    await cdp.js("document.querySelector('#vram_guard_txt2img_advanced > .label-wrap').click()")
+    await cdp.wait_for(
+        "document.querySelector('#vram_guard_txt2img_vae_tile').offsetParent === null", what="Advanced folds"
+    )
+
+
 async def scenario(url: str, ws_url: str, server, shot: Path, timeline_shot: Path) -> None:
     import websockets
     from ui_demo_server import demo_timeline
@@ -144,15 +230,18 @@ async def scenario(url: str, ws_url: str, server, shot: Path, timeline_shot: Pat
         cdp = CDP(ws)
         await cdp.call("Page.enable")
         await cdp.call("Runtime.enable")
+        # A page taller than the accordion, so screenshots need no capture beyond the viewport (which
+        # re-lays the page out while it shoots: the clip measured before it no longer fits).
+        await cdp.call(
+            "Emulation.setDeviceMetricsOverride", width=1280, height=2000, deviceScaleFactor=1, mobile=False
+        )
         await cdp.call("Page.navigate", url=url)
         await cdp.wait_for(f"!!{READOUT}", timeout=90, what="the accordion's readout")
         # The JS's first fetch replaces the placeholder with the route's payload.
         await cdp.wait_for(f"{readout_text()}.includes('Demo GPU 6GB')", what="first status fetch")
         assert await cdp.js("typeof vramGuardTick === 'function' && typeof vramGuardState === 'object'")
         assert "idle" in await cdp.js(readout_text())
-        # Tooltips: set as title on the controls (and registered in titles[] inside the WebUI).
-        title = await cdp.js("document.querySelector('#vram_guard_txt2img_preset').title")
-        assert title.startswith("Auto picks the preset")
+        await check_layout_and_hints(cdp)
 
         assert await cdp.js(f"{READOUT}.querySelectorAll('svg').length") == 0  # no job yet: no plot
 
@@ -246,7 +335,6 @@ async def scenario(url: str, ws_url: str, server, shot: Path, timeline_shot: Pat
             "Page.captureScreenshot",
             format="png",
             clip={"x": box["x"], "y": box["y"], "width": box["width"], "height": box["height"], "scale": 1},
-            captureBeyondViewport=True,
         )
         timeline_shot.write_bytes(base64.b64decode(plot_shot["data"]))
         rect = await cdp.js(
@@ -254,16 +342,9 @@ async def scenario(url: str, ws_url: str, server, shot: Path, timeline_shot: Pat
             " return {x: r.x, y: r.y + window.scrollY, width: r.width, height: r.height}; })()"
         )
         assert rect["height"] > 200, rect
-        clip = {
-            "x": max(0, rect["x"] - 8),
-            "y": max(0, rect["y"] - 8),
-            "width": rect["width"] + 16,
-            "height": rect["height"] + 16,
-            "scale": 1,
-        }
-        shot_data = await cdp.call(
-            "Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=True
-        )
+        assert rect["y"] + rect["height"] <= await cdp.js("window.innerHeight"), rect
+        # the accordion's own element, nothing around it
+        shot_data = await cdp.call("Page.captureScreenshot", format="png", clip={**rect, "scale": 1})
         shot.write_bytes(base64.b64decode(shot_data["data"]))
 
         # "Free memory now": gradio calls the server's callback, whose HTML lands in the readout.

@@ -140,7 +140,15 @@ def build_app(state: DemoState) -> FastAPI:
 
     with gr.Blocks(title="VRAM Guard demo", analytics_enabled=False) as demo:
         gr.Textbox(label="Prompt", value="a lighthouse at dusk", lines=2)
-        build_ui(tab="txt2img", defaults=VRAMGuardOptions(enabled=True, preset="6GB"), on_free=on_free)
+        # txt2img's two columns: the settings (and the accordion) left, the gallery right
+        with gr.Row():
+            with gr.Column(scale=1):
+                gr.Slider(label="Sampling steps", minimum=1, maximum=150, value=20, step=1)
+                build_ui(
+                    tab="txt2img", defaults=VRAMGuardOptions(enabled=True, preset="6GB"), on_free=on_free
+                )
+            with gr.Column(scale=1):
+                gr.HTML('<div style="min-height: 24em">(the gallery)</div>')
 
     app = FastAPI()
 
@@ -161,7 +169,9 @@ def build_app(state: DemoState) -> FastAPI:
     def favicon() -> Response:
         return Response(status_code=204)
 
-    head = b'<script src="./vram_guard_assets/vram_guard.js"></script>'
+    # the WebUI's hints.js: a global label -> hover text map its front end applies to new elements
+    head = b'<script>var titles = {"Sampling steps": "How many times to improve the image"};</script>'
+    head += b'<script src="./vram_guard_assets/vram_guard.js"></script>'
     head += b'<link rel="stylesheet" href="./vram_guard_assets/style.css">'
 
     @app.middleware("http")

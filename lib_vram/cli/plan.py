@@ -13,7 +13,7 @@ from lib_vram.planning.reference import ARCHS, UPSCALERS, vae_arch
 
 from .common import MAX_IMAGES, MAX_SIDE, bounded_float, bounded_int
 
-SIDE_WHY = "the largest image side VAE Guard plans; see docs/cli.md"
+SIDE_WHY = "the largest image side VRAM Guard plans; see docs/cli.md"
 IMAGES_WHY = "the sampling stage plans a UNet batch of at most 2 x 32 (cond and uncond)"
 
 NAME = "plan"

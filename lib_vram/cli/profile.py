@@ -39,7 +39,7 @@ LAYOUTS = ("sd", "small")
 """``sd``: the SD1.x/2.x VAE (ch 128); ``small``: the same layout at 1/4 of the channels (ch 32)."""
 
 
-SIZE_WHY = "the largest image side VAE Guard makes; see docs/cli.md"
+SIZE_WHY = "the largest image side VRAM Guard makes; see docs/cli.md"
 
 
 def _common(p: argparse.ArgumentParser, size_help: str, default_size: int, multiple_of: int) -> None:

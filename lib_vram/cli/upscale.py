@@ -22,6 +22,9 @@ import logging
 import os
 import sys
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -289,9 +292,9 @@ def _check_sizes(jobs: list[_Job], folder: bool, args: argparse.Namespace, model
         if job.error or job.skip:
             continue
         try:
-            with Image.open(job.src) as im:
+            with _image_file(job.src) as im:
                 w, h = im.size
-        except (OSError, ValueError, Image.DecompressionBombError):
+        except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning):
             continue  # not readable: the upscale itself says why, in one line
         pw, ph = largest_pass(w, h, target, model_scale)
         if pw * ph <= MAX_PIXELS:
@@ -306,11 +309,25 @@ def _check_sizes(jobs: list[_Job], folder: bool, args: argparse.Namespace, model
         job.error = why
 
 
+@contextmanager
+def _image_file(src: Path) -> Iterator:
+    """``Image.open(src)``, with Pillow's decompression-bomb *warning* (an image above
+    ``Image.MAX_IMAGE_PIXELS``, below twice that) raised as an error while the file is read: the
+    user gets the one-line refusal (:func:`_reason`), not Pillow's two-line warning before it. The
+    limit itself is left as it is."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with Image.open(src) as im:
+            yield im
+
+
 def _open(src: Path, notes: list[str]):
     """Read ``src`` as one upright still image; notes say what was done to it."""
-    from PIL import Image, ImageOps
+    from PIL import ImageOps
 
-    with Image.open(src) as im:
+    with _image_file(src) as im:
         frames = getattr(im, "n_frames", 1)
         if frames > 1:
             notes.append(f"animated ({frames} frames): only the first frame is upscaled")
@@ -368,7 +385,7 @@ def _reason(exc: BaseException) -> str:
 
     from lib_vram.upscale import UpscaleError
 
-    if isinstance(exc, Image.DecompressionBombError):
+    if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
         return f"too large to open safely ({exc})"
     if isinstance(exc, UnidentifiedImageError):
         return "cannot read image (not an image file, or damaged)"

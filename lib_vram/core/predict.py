@@ -93,18 +93,13 @@ def cpu_conv_workspace_bytes(
     return copy + max(in_bytes, _nbytes(output_shape, elem)) + _nbytes(weight_shape, elem)
 
 
-def cuda_conv_workspace_bytes(
-    input_shape: tuple[int, ...],
-    weight_shape: tuple[int, ...],
-    output_shape: tuple[int, ...],
-    elem: int,
-    input_contiguous: bool = True,
-) -> int:
+def cuda_conv_workspace_bytes(*args: object) -> int:
     """cuDNN's convolution workspace: not modelled (0) until a GPU measurement calibrates it.
 
     cuDNN picks an algorithm per shape (``torch.backends.cudnn.benchmark``) and may ask for a
     workspace of up to its limit; PyTorch allocates it from the caching allocator and frees it after
-    the call. The term is kept separate so that a measured model can replace it.
+    the call. The term is kept separate so that a measured model can replace it. Takes what every
+    :data:`~lib_vram.core.livebytes.WorkspaceTerm` takes (as :func:`cpu_conv_workspace_bytes`).
     """
     return 0
 

@@ -292,7 +292,7 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
             plan = f"{plan} — failed: {row.get('error') or 'error'}"
         parts.append(
             f'<tr class="{cls}" data-stage="{sid}"><td>{_e(row["label"])}{_e(count)}</td>'
-            f'<td class="vram-guard-peak">{_e(peak)}</td><td>{_e(plan)}</td>'
+            f'<td class="vram-guard-peak">{_e(peak)}</td><td class="vram-guard-plan">{_e(plan)}</td>'
             f"<td>{float(row.get('seconds') or 0.0):.2f} s</td></tr>"
         )
     parts.append("</tbody></table>")

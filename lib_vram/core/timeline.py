@@ -315,26 +315,37 @@ def _byte_ticks(span: float, top: float) -> tuple[float, float, str]:
     """(step in bytes, unit in bytes, unit name) for a y axis of ``span`` bytes reaching ``top``:
     round steps in the unit the labels use."""
     unit, name = (2**30, "GiB") if top >= 2**30 else (2**20, "MiB") if top >= 2**20 else (1024, "KiB")
-    return _nice_step(span / unit, 4) * unit, unit, name
+    return _nice_step(span / unit, 5) * unit, unit, name
+
+
+TOTAL_NEAR = 0.3
+"""The card's total is drawn on the plot when the job's highest sample reaches this share of it;
+below, the axis keeps to the job's own range and the legend gives the total."""
+_TOP_ROOM = 0.12
+"""Share of the plot's height above its highest value (the total's label sits there)."""
 
 
 def _y_range(data: Mapping[str, Any]) -> tuple[float, float, bool]:
-    """(bottom, top, whether the card's total is drawn) of the plot's y axis: from 0 to the total
-    when the job came within 30 % of it; otherwise zoomed onto the range the job used."""
+    """(bottom, top, whether the card's total is drawn) of the plot's y axis.
+
+    The axis spans the range the job used, from its lowest sample to its highest (and up to the
+    card's total when the job came within :data:`TOTAL_NEAR` of it), with a little room around:
+    never from 0 when the job never went near 0, so a job that keeps most of the card filled (a
+    resident checkpoint) shows its movement instead of a flat line along the total."""
     pts = data.get("points") or {}
     used = list(pts.get("used") or []) or [0]
     res = [v for v in (pts.get("reserved") or []) if v]
     band_peaks = [int(b["peak_bytes"]) for b in (data.get("bands") or []) if b.get("peak_bytes")]
     top = max([*used, *res, *band_peaks, 1])
     total = data.get("total_bytes") or 0
-    if total and top >= 0.3 * total:
-        return 0.0, max(top, total) * 1.05, True
+    near = bool(total) and top >= TOTAL_NEAR * total
+    high = max(top, total) if near else top
     low = min(used)
-    span = max(top - low, top * 0.05, 1.0)
-    y_max = top + 0.25 * span
-    bottom = max(0.0, low - 0.25 * span)
-    step = _byte_ticks(y_max - bottom, y_max)[0]
-    return math.floor(bottom / step) * step, y_max, False
+    span = max(high - low, high * 0.02, 1.0)  # (a flat job: not its noise blown up)
+    bottom = max(0.0, low - 0.1 * span)
+    if bottom < 0.5 * _byte_ticks(high - bottom, high)[0]:
+        bottom = 0.0  # (near 0 anyway: from 0)
+    return bottom, high + (high - bottom) * _TOP_ROOM / (1 - _TOP_ROOM), near
 
 
 MEASURE_WORDS = {
@@ -423,8 +434,9 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
         out.append("</g>")
     # axes: y ticks in bytes, x ticks in seconds
     ystep, unit, unit_name = _byte_ticks(y_max - y_lo, y_max)
-    for i in range(int((y_max - y_lo) // ystep) + 1):
-        k = y_lo + i * ystep
+    first = math.ceil(y_lo / ystep - 1e-6)  # round values inside the range (its bottom need not be)
+    for i in range(first, int(y_max / ystep + 1e-6) + 1):
+        k = i * ystep
         yy = Y(k)
         out.append(
             f'<line x1="{x0}" x2="{x1}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="currentColor" '
@@ -438,13 +450,13 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
             f'<text x="{X(k):.1f}" y="{H - 6}" text-anchor="middle" fill="currentColor" '
             f'fill-opacity="0.7">{k:g} s</text>'
         )
-    # the card's total
+    # the card's total: a red line, labelled just above it at the left
     if total and total_on_scale:  # (off the scale: the legend says where it is)
         yt = Y(total)
         out.append(
             f'<g class="vram-guard-tl-total"><title>card total {_e(_fmt(total))}</title>'
             f'<line x1="{x0}" x2="{x1}" y1="{yt:.1f}" y2="{yt:.1f}" stroke="#dc2626" '
-            f'stroke-width="1.5"/><text x="{x1 - 2}" y="{yt + 12:.1f}" text-anchor="end" '
+            f'stroke-width="1.5"/><text x="{x0 + 3}" y="{yt - 4:.1f}" '
             f'fill="#dc2626">total {_e(_fmt(total))}</text></g>'
         )
     # the memory line(s)
@@ -488,10 +500,13 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
         px, py = X(float(peak["t"])), Y(pb)
         anchor = "end" if px > (x0 + x1) / 2 else "start"
         dx = -6 if anchor == "end" else 6
+        ty = max(y0 + 8, py - 4)
+        if total and total_on_scale and py - Y(total) < 16:  # under the total's label: go below
+            ty = min(py + 14, y1 - 2)
         out.append(
             f'<g class="vram-guard-tl-peak"><title>{_e(note)}</title>'
             f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3.5" fill="none" stroke="#dc2626" stroke-width="1.5"/>'
-            f'<text x="{px + dx:.1f}" y="{max(y0 + 8, py - 4):.1f}" text-anchor="{anchor}" '
+            f'<text x="{px + dx:.1f}" y="{ty:.1f}" text-anchor="{anchor}" '
             f'fill="currentColor" font-weight="bold">peak {_e(_fmt(pb))}</text></g>'
         )
     # hover columns: the highest values in each slice of time

@@ -28,7 +28,7 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from lib_vram.core.release import RELEASE_POINTS
 
@@ -98,20 +98,10 @@ class Preset:
         return max(self.safety_margin_bytes, int(self.safety_margin_fraction * total_bytes))
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "tier_gb": self.tier_gb,
-            "vae_mode": self.vae_mode,
-            "precision_vae": self.precision_vae,
-            "precision_upscale": self.precision_upscale,
-            "release_at": sorted(self.release_at, key=RELEASE_POINTS.index),
-            "offload_unet_during_vae": self.offload_unet_during_vae,
-            "offload_text_encoder_during_vae": self.offload_text_encoder_during_vae,
-            "safety_margin_bytes": self.safety_margin_bytes,
-            "safety_margin_fraction": self.safety_margin_fraction,
-            "allocator": dict(self.allocator),
-            "resolved_from": self.resolved_from,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["release_at"] = sorted(self.release_at, key=RELEASE_POINTS.index)
+        out["allocator"] = dict(self.allocator)
+        return out
 
 
 _ALL_RELEASES = frozenset(RELEASE_POINTS)
@@ -122,102 +112,47 @@ _MINIMAL_RELEASES = frozenset({"job_end", "failure"})
 
 # The table. One row per tier; the reasons for each value are in the comments and in
 # docs/how-it-works.md's "Memory presets" table. Tile sizes and batches are not here: the engines
-# choose them from the budget.
+# choose them from the budget. Every tier:
+# - vae_mode "auto": exact tiling whenever the untiled decode does not fit; fast only as the last
+#   resort;
+# - precision "auto" (half precision halves activations; the guard recomputes overflowing tiles
+#   wider), except the 24GB+ VAE: fp32, memory is plentiful, so skip the guard's recomputes and
+#   keep reference output;
+# - the idle UNet and text encoders leave the card only for a VAE pass whose plan does not fit with
+#   them there (and come back after it): every tier allows it, since the alternative is an
+#   out-of-memory error (SD1.5's UNet, 1.7 GB fp16, is 40 % of a 4 GB card; SDXL's, 5 GB, does not
+#   fit beside the VAE on 6 GB, nor beside a 6144² decode's whole-latent stage, 2.9 GiB, on 8 GB);
+# - expandable_segments: growable segments avoid fragmentation when tile sizes change between
+#   stages.
+_TIERS = (
+    # name, GB, release at, safety margin, margin fraction, allocator GC threshold, VAE precision
+    # 4GB: release at every boundary (~ms per gc.collect, small next to an OOM); 256 MiB covers the
+    # CUDA context's growth, cuDNN workspaces and the display; reclaim cached blocks early (60 %)
+    ("4GB", 4, _ALL_RELEASES, 256 * MiB, 0.06, 0.6, "auto"),
+    ("6GB", 6, _ALL_RELEASES, 320 * MiB, 0.05, 0.6, "auto"),
+    # 8GB: postprocess_batch and process releases matter little once the VAE is tiled
+    ("8GB", 8, _TIGHT_RELEASES, 384 * MiB, 0.05, 0.7, "auto"),
+    ("12GB", 12, _LIGHT_RELEASES, 512 * MiB, 0.05, 0.8, "auto"),
+    ("16GB", 16, _LIGHT_RELEASES, 640 * MiB, 0.05, 0.8, "auto"),
+    # 24GB+: plenty of memory: let the allocator cache freely (no early GC threshold)
+    ("24GB+", 24, _MINIMAL_RELEASES, 1 * GiB, 0.04, None, "fp32"),
+)
 PRESETS: Mapping[str, Preset] = types.MappingProxyType(
     {
-        "4GB": Preset(
-            name="4GB",
-            tier_gb=4,
-            # Exact tiling whenever the untiled decode does not fit; fast only as the last resort.
+        name: Preset(
+            name=name,
+            tier_gb=gb,
             vae_mode="auto",
-            # Half precision halves activations; the guard recomputes overflowing tiles wider.
-            precision_vae="auto",
+            precision_vae=precision_vae,
             precision_upscale="auto",
-            # Release at every boundary: the cost (~ms per gc.collect) is small next to an OOM.
-            release_at=_ALL_RELEASES,
-            # The idle UNet and text encoders leave the card only for a VAE pass whose plan does not
-            # fit with them there (and come back after it): every tier allows it, since the
-            # alternative is an out-of-memory error. SD1.5's UNet (1.7 GB fp16) is 40 % of this card.
+            release_at=release_at,
             offload_unet_during_vae=True,
             offload_text_encoder_during_vae=True,
-            # 256 MiB covers the CUDA context's growth, cuDNN workspaces and the display.
-            safety_margin_bytes=256 * MiB,
-            safety_margin_fraction=0.06,
-            # Reclaim cached blocks early (60 % usage) and map memory in growable segments, which
-            # avoids fragmentation when tile sizes change between stages.
-            allocator=_frozen_map(garbage_collection_threshold=0.6, expandable_segments=True),
-        ),
-        "6GB": Preset(
-            name="6GB",
-            tier_gb=6,
-            vae_mode="auto",
-            precision_vae="auto",
-            precision_upscale="auto",
-            release_at=_ALL_RELEASES,
-            # SD1.5 fits beside the VAE; SDXL (5 GB UNet) does not.
-            offload_unet_during_vae=True,
-            offload_text_encoder_during_vae=True,
-            safety_margin_bytes=320 * MiB,
-            safety_margin_fraction=0.05,
-            allocator=_frozen_map(garbage_collection_threshold=0.6, expandable_segments=True),
-        ),
-        "8GB": Preset(
-            name="8GB",
-            tier_gb=8,
-            vae_mode="auto",
-            precision_vae="auto",
-            precision_upscale="auto",
-            # postprocess_batch and process releases matter little once the VAE is tiled.
-            release_at=_TIGHT_RELEASES,
-            # SDXL's UNet (5 GB) beside a 6144² decode's whole-latent stage (2.9 GiB) is over 8 GB.
-            offload_unet_during_vae=True,
-            offload_text_encoder_during_vae=True,
-            safety_margin_bytes=384 * MiB,
-            safety_margin_fraction=0.05,
-            allocator=_frozen_map(garbage_collection_threshold=0.7, expandable_segments=True),
-        ),
-        "12GB": Preset(
-            name="12GB",
-            tier_gb=12,
-            vae_mode="auto",
-            precision_vae="auto",
-            precision_upscale="auto",
-            release_at=_LIGHT_RELEASES,
-            offload_unet_during_vae=True,
-            offload_text_encoder_during_vae=True,
-            safety_margin_bytes=512 * MiB,
-            safety_margin_fraction=0.05,
-            allocator=_frozen_map(garbage_collection_threshold=0.8, expandable_segments=True),
-        ),
-        "16GB": Preset(
-            name="16GB",
-            tier_gb=16,
-            vae_mode="auto",
-            precision_vae="auto",
-            precision_upscale="auto",
-            release_at=_LIGHT_RELEASES,
-            offload_unet_during_vae=True,
-            offload_text_encoder_during_vae=True,
-            safety_margin_bytes=640 * MiB,
-            safety_margin_fraction=0.05,
-            allocator=_frozen_map(garbage_collection_threshold=0.8, expandable_segments=True),
-        ),
-        "24GB+": Preset(
-            name="24GB+",
-            tier_gb=24,
-            vae_mode="auto",
-            # fp32 VAE: memory is plentiful, so skip the guard's recomputes and keep reference output.
-            precision_vae="fp32",
-            precision_upscale="auto",
-            release_at=_MINIMAL_RELEASES,
-            offload_unet_during_vae=True,
-            offload_text_encoder_during_vae=True,
-            safety_margin_bytes=1 * GiB,
-            safety_margin_fraction=0.04,
-            # Plenty of memory: let the allocator cache freely (no early GC threshold); expandable
-            # segments still help fragmentation.
-            allocator=_frozen_map(garbage_collection_threshold=None, expandable_segments=True),
-        ),
+            safety_margin_bytes=margin,
+            safety_margin_fraction=fraction,
+            allocator=_frozen_map(garbage_collection_threshold=gc, expandable_segments=True),
+        )
+        for name, gb, release_at, margin, fraction, gc, precision_vae in _TIERS
     }
 )
 """The tier presets by name (Auto is resolved by :func:`resolve_preset`, not stored)."""

@@ -348,9 +348,14 @@ class Owner:
             moves = self._stages.pop(stage, [])
             if stage in self._order:
                 self._order.remove(stage)
-            for i in self._busy_of.pop(stage, []):
+            used = self._busy_of.pop(stage, [])
+            for i in used:
                 self.busy.discard(i)
-            return self._home(moves, f"{stage.replace('_', ' ')} is done")
+            # the stage's own models that wait elsewhere go home too, wherever their wake was
+            # recorded (a forward pre-hook can wake one just before the stage began)
+            mine = [(m, CARD) for m in self.models if id(m) in used and m.home == HOST and m.where == CARD]
+            self._loose = [(m, w) for m, w in self._loose if id(m) not in used]
+            return self._home(moves + mine, f"{stage.replace('_', ' ')} is done")
 
     def open_stages(self) -> list[str]:
         with self._lock:

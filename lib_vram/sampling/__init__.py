@@ -13,7 +13,8 @@ Public API:
 * :func:`micro_batched`: a forward that splits its batch, halving it on an out-of-memory error.
 * :func:`plan_stream` -> :class:`StreamPlan`, :class:`StreamedUNet`: when the step does not fit
   even at micro-batch 1, keep the largest UNet units resident within the budget and stream the
-  others with prefetch (``_stream.py``); :func:`unit_bytes`, :func:`lowvram_bytes_per_forward`.
+  others with prefetch (units ``_units``, plan ``_stream_plan``, copies ``_copy``, hooks
+  ``_stream``); :func:`unit_bytes`, :func:`lowvram_bytes_per_forward`.
 
 The package never imports ``ldm``, ``sgm`` or the WebUI.
 """
@@ -21,22 +22,20 @@ The package never imports ``ldm``, ``sgm`` or the WebUI.
 from __future__ import annotations
 
 from ._attention import ATTENTIONS, attention_of
+from ._copy import StreamStats
 from ._estimate import MAX_BATCH, MAX_LATENT_SIDE, SamplingEstimate, estimate_sampling
 from ._micro import MicroBatched, micro_batched
 from ._plan import SamplingPlan, plan_sampling, sampling_key, suggest
 from ._spec import REFERENCES, UNetSpec, param_count, reference_spec, unet_spec
-from ._stream import (
-    UNIT_PARTS,
-    StreamedUNet,
+from ._stream import StreamedUNet
+from ._stream_plan import (
     StreamPlan,
-    StreamStats,
     choose_resident,
     lowvram_bytes_per_forward,
     lowvram_step_seconds,
     plan_stream,
-    unet_units,
-    unit_bytes,
 )
+from ._units import UNIT_PARTS, unet_units, unit_bytes
 
 __all__ = [
     "ATTENTIONS",

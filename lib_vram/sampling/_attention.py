@@ -228,7 +228,8 @@ def attend(
                 res = w.hold(q_b)
                 w.drop(p)
             else:
-                div = 1 << int((size_mb - 1) / max_mb).bit_length()
+                # no free memory at all (the weights took it): the smallest slices, not a division by 0
+                div = 1 << int((size_mb - 1) / max(max_mb, 1 / MiB)).bit_length()
                 res = w.hold(q_b)
                 if div <= bh:
                     per = bh // div

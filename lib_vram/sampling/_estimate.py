@@ -72,15 +72,8 @@ def _check(batch: int, latent_hw: tuple[int, int], context_tokens: int, attentio
 
 class _UNetWalk:
     def __init__(self, spec: UNetSpec, b: int, m: int, attention: str, s: int, backend: str, w: Walk) -> None:
-        self.spec, self.b, self.m, self.attention, self.s, self.backend, self.w = (
-            spec,
-            b,
-            m,
-            attention,
-            s,
-            backend,
-            w,
-        )
+        self.spec, self.b, self.m, self.attention = spec, b, m, attention
+        self.s, self.backend, self.w = s, backend, w
         self.ws_term = WORKSPACE_TERMS.get(backend)
 
     def conv(self, cin: int, cout: int, k: int, hw_in: tuple[int, int], hw_out: tuple[int, int]) -> int:
@@ -249,24 +242,6 @@ class _UNetWalk:
         del out
 
 
-def activation_bytes(
-    spec: UNetSpec,
-    *,
-    batch: int,
-    latent_hw: tuple[int, int],
-    context_tokens: int,
-    attention: str,
-    dtype: torch.dtype,
-    free_bytes: int | None = None,
-    backend: str = "cuda",
-) -> tuple[int, str | None]:
-    """Peak bytes one UNet forward allocates (its output included), and the attention's refusal."""
-    h, w = _check(batch, latent_hw, context_tokens, attention)
-    walk = Walk(free_bytes)
-    _UNetWalk(spec, batch, context_tokens, attention, itemsize(dtype), backend, walk).forward((h, w))
-    return walk.peak, walk.refused
-
-
 def weights_bytes(spec: UNetSpec, dtype: torch.dtype) -> int:
     return spec.params * itemsize(dtype)
 
@@ -302,16 +277,56 @@ def estimate_sampling(
     ``backend``: ``"cuda"`` (default: the WebUI's target; no convolution scratch counted, SDP on
     flash/memory-efficient kernels, see :func:`._attention.flash_kernel`) or ``"cpu"`` (oneDNN's
     convolution scratch, InvokeAI's fixed 32 MiB slices)."""
-    act, refused = activation_bytes(
-        spec,
-        batch=batch,
-        latent_hw=latent_hw,
-        context_tokens=context_tokens,
-        attention=attention,
-        dtype=dtype,
-        free_bytes=free_bytes,
-        backend=backend,
-    )
+    h, w = _check(batch, latent_hw, context_tokens, attention)
+    walk = Walk(free_bytes)
+    _UNetWalk(spec, batch, context_tokens, attention, itemsize(dtype), backend, walk).forward((h, w))
     wb = weights_bytes(spec, dtype)
     ib = input_bytes(spec, batch, latent_hw, context_tokens, dtype)
-    return SamplingEstimate(wb, act, wb + ib + act, ib, refused)
+    return SamplingEstimate(wb, walk.peak, wb + ib + walk.peak, ib, walk.refused)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One sampling step as the estimate, the plan and the streamed plan size it: the UNet, the
+    host's batch (the sampler holds all of it), the latent, the context tokens, the attention, the
+    dtype and the backend (see :func:`estimate_sampling`)."""
+
+    spec: UNetSpec
+    batch: int
+    latent_hw: tuple[int, int]
+    context_tokens: int
+    attention: str
+    dtype: torch.dtype
+    backend: str = "cuda"
+
+    @property
+    def weights_bytes(self) -> int:
+        return weights_bytes(self.spec, self.dtype)
+
+    @property
+    def input_bytes(self) -> int:
+        """The inputs of the whole batch."""
+        return input_bytes(self.spec, self.batch, self.latent_hw, self.context_tokens, self.dtype)
+
+    def outputs(self, m: int) -> int:
+        """The micro-batches' outputs held while the last one runs, or during their concatenation
+        (none when one forward runs the whole batch)."""
+        if m >= self.batch:
+            return 0
+        one = self.spec.out_channels * self.latent_hw[0] * self.latent_hw[1] * itemsize(self.dtype)
+        return max((self.batch - m) * one, 2 * self.batch * one)
+
+    def activation(self, m: int, free_bytes: int | None) -> tuple[int, SamplingEstimate]:
+        """The activations at micro-batch ``m`` (its forward's and the chunks' outputs) and the
+        forward's estimate, with ``free_bytes`` free when it starts."""
+        est = estimate_sampling(
+            self.spec,
+            batch=m,
+            latent_hw=self.latent_hw,
+            context_tokens=self.context_tokens,
+            attention=self.attention,
+            dtype=self.dtype,
+            free_bytes=free_bytes,
+            backend=self.backend,
+        )
+        return est.activation_bytes + self.outputs(m), est

@@ -81,6 +81,11 @@ class MicroBatched:
             cand = planner.Candidate(f"micro-batch {m}", planner.EXCLUDED, None, m)
         self.memory.record(self.key, planner.Outcome.of(cand, oom=oom))
 
+    def _out_of_memory(self, m: int) -> None:
+        release()
+        self.ooms += 1
+        self._report(m, oom=True)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         batch = _batch_of(args, kwargs)
         if batch is None:
@@ -104,9 +109,7 @@ class MicroBatched:
                 failed = True
             if failed:
                 # outside the except block: the traceback's frames (and their tensors) are gone
-                release()
-                self.ooms += 1
-                self._report(m, oom=True)
+                self._out_of_memory(m)
                 self.micro_batch = max(1, m // 2)
                 self._reported_ok = False
                 logger.info(
@@ -135,9 +138,7 @@ class MicroBatched:
                     raise
                 failed = True
             if failed:
-                release()
-                self.ooms += 1
-                self._report(m, oom=True)
+                self._out_of_memory(m)
                 logger.info("UNet outputs' concatenation ran out of memory: released, trying once more")
         raise AssertionError("unreachable")
 

@@ -14,20 +14,25 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from lib_vram.core.livebytes import itemsize
 from lib_vram.planning import planner
 
-from ._estimate import SamplingEstimate, estimate_sampling, input_bytes, weights_bytes
+from ._estimate import SamplingEstimate, Step
 from ._spec import UNetSpec
 
 MiB = 1 << 20
 BUDGET_BUCKET = 256 * MiB
 """Budgets within one bucket share what the planner memory learned."""
 MAX_BUDGET = 1 << 50
+
+
+def check_bytes(name: str, value: object, low: int = 0) -> None:
+    if not isinstance(value, int) or not low <= value <= MAX_BUDGET:
+        raise ValueError(f"`{name}` must be an integer in {low}..{MAX_BUDGET}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,13 @@ def sampling_key(
     )
 
 
+def step_key(step: Step, budget_bytes: int) -> tuple:
+    """:func:`sampling_key` of ``step``."""
+    return sampling_key(
+        step.spec, step.batch, step.latent_hw, step.context_tokens, step.attention, step.dtype, budget_bytes
+    )
+
+
 _PEAKS: OrderedDict[Hashable, dict[int, int]] = OrderedDict()
 _PEAKS_LOCK = threading.Lock()
 
@@ -105,48 +117,34 @@ def _candidate(m: int, peak: int) -> planner.Candidate:
     return planner.Candidate(f"micro-batch {m}", int(peak), None, m)
 
 
-def _outputs(spec: UNetSpec, batch: int, m: int, latent_hw: tuple[int, int], s: int) -> int:
-    """The chunks' outputs held while the last chunk runs, or during their concatenation."""
-    if m >= batch:
-        return 0
-    one = spec.out_channels * latent_hw[0] * latent_hw[1] * s
-    return max((batch - m) * one, 2 * batch * one)
-
-
-def _peaks(
-    spec: UNetSpec,
-    batch: int,
-    latent_hw: tuple[int, int],
-    context_tokens: int,
-    attention: str,
-    dtype: torch.dtype,
-    budget: int,
-    resident: int,
-    backend: str,
-) -> tuple[dict[int, int], dict[int, SamplingEstimate], int, int]:
-    wb = weights_bytes(spec, dtype)
-    ib = input_bytes(spec, batch, latent_hw, context_tokens, dtype)
-    free = max(0, budget - wb - resident - ib)
-    s = itemsize(dtype)
+def _peaks(step: Step, budget: int, resident: int) -> tuple[dict[int, int], dict[int, SamplingEstimate]]:
+    """Each micro-batch's predicted peak (the weights, ``resident``, the inputs, its activations)
+    and estimate, the attention's slices sized from what ``budget`` leaves free."""
+    base = step.weights_bytes + resident + step.input_bytes
+    free = max(0, budget - base)
     peaks, ests = {}, {}
-    for m in range(batch, 0, -1):
-        est = estimate_sampling(
-            spec,
-            batch=m,
-            latent_hw=latent_hw,
-            context_tokens=context_tokens,
-            attention=attention,
-            dtype=dtype,
-            free_bytes=free,
-            backend=backend,
-        )
-        act = est.activation_bytes + _outputs(spec, batch, m, latent_hw, s)
-        peak = wb + resident + ib + act
+    for m in range(step.batch, 0, -1):
+        act, est = step.activation(m, free)
+        peak = base + act
         if est.refused:
             peak = max(peak, budget + 1)  # the host's attention raises: never a fitting plan
         peaks[m] = peak
         ests[m] = est
-    return peaks, ests, wb, ib
+    return peaks, ests
+
+
+def learned_choice(
+    memory: planner.PlanMemory, key: Hashable | None, candidates: list[planner.Candidate], budget: int
+) -> tuple[planner.Choice, int | None]:
+    """The candidate that fits ``budget`` once ``memory``'s corrections for ``key`` are applied (no
+    key: none are), and the ``batch`` of the one the estimates alone would choose when learning
+    changed the choice (else None)."""
+    adjusted = memory.adjust(key, candidates) if key is not None else candidates
+    choice = planner.choose(adjusted, budget, 0)
+    if not choice.fits or key is None:
+        return choice, None
+    naive = planner.choose(candidates, budget, 0).candidate.batch
+    return choice, None if naive == choice.candidate.batch else naive
 
 
 def _label(m: int, batch: int) -> str:
@@ -176,93 +174,69 @@ def plan_sampling(
         backend: see :func:`estimate_sampling`.
         memory: the planner memory consulted (default :data:`lib_vram.planning.planner.MEMORY`).
     """
-    if not isinstance(budget_bytes, int) or not 0 <= budget_bytes <= MAX_BUDGET:
-        raise ValueError(f"`budget_bytes` must be an integer in 0..{MAX_BUDGET}, got {budget_bytes!r}")
-    if not isinstance(resident_bytes, int) or not 0 <= resident_bytes <= MAX_BUDGET:
-        raise ValueError(f"`resident_bytes` must be an integer in 0..{MAX_BUDGET}, got {resident_bytes!r}")
+    step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend)
+    return plan_step(step, budget_bytes, resident_bytes, memory)
+
+
+def plan_step(
+    step: Step, budget_bytes: int, resident_bytes: int = 0, memory: planner.PlanMemory | None = None
+) -> SamplingPlan:
+    """:func:`plan_sampling` of ``step``."""
+    check_bytes("budget_bytes", budget_bytes)
+    check_bytes("resident_bytes", resident_bytes)
     mem = planner.MEMORY if memory is None else memory
-    peaks, ests, wb, ib = _peaks(
-        spec, batch, latent_hw, context_tokens, attention, dtype, budget_bytes, resident_bytes, backend
-    )
-    key = sampling_key(spec, batch, latent_hw, context_tokens, attention, dtype, budget_bytes)
+    peaks, ests = _peaks(step, budget_bytes, resident_bytes)
+    key = step_key(step, budget_bytes)
     _remember(key, peaks)
     cands = [_candidate(m, p) for m, p in peaks.items()]
-    adjusted = mem.adjust(key, cands)
-    choice = planner.choose(adjusted, budget_bytes, 0)
+    choice, naive = learned_choice(mem, key, cands, budget_bytes)
     notes: list[str] = []
-    if choice.fits:
-        m = choice.candidate.batch
-        naive = planner.choose(cands, budget_bytes, 0).candidate.batch
-        if naive != m:
-            notes.append(f"micro-batch {m} instead of {naive}: learned from an earlier out-of-memory error")
-    else:
-        # nothing fits: the smallest micro-batch is the step's best chance
-        m = 1
+    # nothing fits: the smallest micro-batch is the step's best chance
+    m = choice.candidate.batch if choice.fits else 1
+    if naive is not None:
+        notes.append(f"micro-batch {m} instead of {naive}: learned from an earlier out-of-memory error")
     peak = int(peaks[m] * mem.ratio(key))
-    act = peak - wb - resident_bytes - ib
-    fits = choice.fits
+    wb, ib = step.weights_bytes, step.input_bytes
     suggestion = None
-    if not fits:
-        suggestion = suggest(
-            spec,
-            batch=batch,
-            latent_hw=latent_hw,
-            context_tokens=context_tokens,
-            attention=attention,
-            dtype=dtype,
-            budget_bytes=budget_bytes,
-            resident_bytes=resident_bytes,
-            backend=backend,
-        )
+    if not choice.fits:
+        suggestion = _suggest(step, budget_bytes, resident_bytes)
         if ests[m].refused:
             notes.append(ests[m].refused)
     return SamplingPlan(
         micro_batch=m,
         predicted_peak_bytes=peak,
-        activation_bytes=act,
+        activation_bytes=peak - wb - resident_bytes - ib,
         weights_bytes=wb,
-        fits=fits,
-        label=_label(m, batch),
+        fits=choice.fits,
+        label=_label(m, step.batch),
         suggestion=suggestion,
         key=key,
-        batch=batch,
+        batch=step.batch,
         budget_bytes=budget_bytes,
         resident_bytes=resident_bytes,
         input_bytes=ib,
-        attention=attention,
+        attention=step.attention,
         candidates=tuple(cands),
         notes=tuple(notes),
     )
 
 
-def _fits_at(spec: UNetSpec, batch: int, hw: tuple[int, int], kw: dict, budget: int, resident: int) -> bool:
-    peaks, _, _, _ = _peaks(
-        spec, batch, hw, kw["context_tokens"], kw["attention"], kw["dtype"], budget, resident, kw["backend"]
-    )
-    return peaks[1] <= budget
+def _fits(step: Step, budget: int, resident: int) -> bool:
+    return _peaks(step, budget, resident)[0][1] <= budget
 
 
-def suggest(
-    spec: UNetSpec,
-    *,
-    batch: int,
-    latent_hw: tuple[int, int],
-    context_tokens: int,
-    attention: str,
-    dtype: torch.dtype,
-    budget_bytes: int,
-    resident_bytes: int = 0,
-    backend: str = "cuda",
-) -> str:
+def suggest(spec: UNetSpec, *, budget_bytes: int, resident_bytes: int = 0, **step: Any) -> str:
     """One line for a step that does not fit: what it needs and has, the largest image (pixels,
     multiples of 64, the same aspect) that fits at micro-batch 1, and the largest batch that fits
-    at the asked size (or that none does)."""
-    kw = dict(context_tokens=context_tokens, attention=attention, dtype=dtype, backend=backend)
-    h, w = latent_hw
-    peaks, _, wb, _ = _peaks(
-        spec, batch, latent_hw, context_tokens, attention, dtype, budget_bytes, resident_bytes, backend
-    )
-    need = peaks[1]
+    at the asked size (or that none does). ``step``: ``batch`` .. ``backend`` as
+    :func:`plan_sampling` takes them."""
+    return _suggest(Step(spec, **step), budget_bytes, resident_bytes)
+
+
+def _suggest(step: Step, budget_bytes: int, resident_bytes: int) -> str:
+    h, w = step.latent_hw
+    peaks, _ = _peaks(step, budget_bytes, resident_bytes)
+    need, wb = peaks[1], step.weights_bytes
     head = (
         f"sampling {w * 8}x{h * 8} px needs {need / MiB:.0f} MiB at micro-batch 1 "
         f"(UNet weights {wb / MiB:.0f} MiB), the card offers {budget_bytes / MiB:.0f} MiB"
@@ -277,12 +251,12 @@ def suggest(
             continue
         short = max(8, int(round(min(h, w) * long_lat / side / 8)) * 8)
         hw = (long_lat, short) if h >= w else (short, long_lat)
-        if _fits_at(spec, 1, hw, kw, budget_bytes, resident_bytes):
+        if _fits(replace(step, batch=1, latent_hw=hw), budget_bytes, resident_bytes):
             size = hw
             break
     best_b = None
-    for b in range(batch - 1, 0, -1):
-        if _fits_at(spec, b, latent_hw, kw, budget_bytes, resident_bytes):
+    for b in range(step.batch - 1, 0, -1):
+        if _fits(replace(step, batch=b), budget_bytes, resident_bytes):
             best_b = b
             break
     size_txt = f"{size[1] * 8}x{size[0] * 8} px fits at batch 1" if size else "no size fits"

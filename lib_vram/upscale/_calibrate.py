@@ -28,7 +28,9 @@ from __future__ import annotations
 import logging
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -329,8 +331,21 @@ def measure_reach(spec: ModelSpec, device: torch.device, dtype: torch.dtype, hal
     )
 
 
-def _cached(spec: ModelSpec, key: tuple, compute, fallback):  # noqa: ANN001
-    """``compute()`` once per (model, key); an OOM during the probe gives ``fallback`` (uncached)."""
+def _cached(
+    name: str,
+    probe: Callable[..., Any],
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    fallback: Any,
+    measure: bool,
+    *extra: Any,
+) -> Any:
+    """``probe(spec, device, dtype, *extra)`` once per (model, ``name``, ``extra``, dtype, device
+    type); ``fallback`` when not measuring, and (uncached) when the probe runs out of memory."""
+    if not measure:
+        return fallback
+    key = (name, *extra, dtype, device.type)
     try:
         per_model = _cache.setdefault(spec.owner, {})
     except TypeError:  # not weak-referenceable: measure every time
@@ -339,7 +354,7 @@ def _cached(spec: ModelSpec, key: tuple, compute, fallback):  # noqa: ANN001
         return per_model[key]
     oom = False
     try:
-        value = compute()
+        value = probe(spec, device, dtype, *extra)
     except Exception as exc:
         if not is_oom_error(exc):
             raise
@@ -357,10 +372,7 @@ def bytes_per_px(spec: ModelSpec, device: torch.device, dtype: torch.dtype, *, m
     """Working-set bytes per input pixel: measured once per (model, dtype, device type), else
     predicted from ``DEFAULT_BYTES_PER_PX_FP32``."""
     predicted = DEFAULT_BYTES_PER_PX_FP32 * itemsize(dtype) / 4.0
-    if not measure:
-        return predicted
-    key = ("bpp", dtype, device.type)
-    return _cached(spec, key, lambda: measure_bytes_per_px(spec, device, dtype), predicted)
+    return _cached("bpp", measure_bytes_per_px, spec, device, dtype, predicted, measure)
 
 
 def context_info(
@@ -369,10 +381,7 @@ def context_info(
     """Effective context: measured once per (model, dtype, device type), else ``DEFAULT_CONTEXT``
     (rounded up to the model's grid)."""
     default = Context(_round_up(DEFAULT_CONTEXT, math.lcm(2, max(1, spec.grid))), DEFAULT_CONTEXT, True)
-    if not measure:
-        return default
-    key = ("context", dtype, device.type)
-    return _cached(spec, key, lambda: measure_context(spec, device, dtype), default)
+    return _cached("context", measure_context, spec, device, dtype, default, measure)
 
 
 def batching(
@@ -381,21 +390,14 @@ def batching(
     """Why the model takes one image per call (:func:`measure_batching`, once per model, dtype and
     device type), or None; None too when not measuring (the engine then learns it from a failing
     batch)."""
-    if not measure:
-        return None
-    return _cached(
-        spec, ("batching", dtype, device.type), lambda: measure_batching(spec, device, dtype), None
-    )
+    return _cached("batching", measure_batching, spec, device, dtype, None, measure)
 
 
 def reach(
     spec: ModelSpec, device: torch.device, dtype: torch.dtype, halo: int, *, measure: bool = True
 ) -> str | None:
     """:func:`measure_reach` once per (model, dtype, device type, halo); None when not measuring."""
-    if not measure:
-        return None
-    key = ("reach", halo, dtype, device.type)
-    return _cached(spec, key, lambda: measure_reach(spec, device, dtype, halo), None)
+    return _cached("reach", measure_reach, spec, device, dtype, None, measure, halo)
 
 
 def tiling_verdict(
@@ -408,9 +410,7 @@ def tiling_verdict(
     why = None
     if overlap is not None:
         halo = overlap
-        if measure:
-            key = ("margin", overlap, dtype, device.type)
-            why = _cached(spec, key, lambda: measure_margin(spec, device, dtype, overlap), None)
+        why = _cached("margin", measure_margin, spec, device, dtype, None, measure, overlap)
     else:
         ctx = context_info(spec, device, dtype, measure=measure)
         halo = ctx.halo

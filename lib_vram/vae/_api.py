@@ -19,8 +19,6 @@ from lib_vram.planning import planner
 
 from ._config import TiledVAEConfig, VAEOutOfMemory, VAEReport
 from ._engine import (
-    TT,
-    Box,
     Program,
     Run,
     Ticker,
@@ -31,10 +29,7 @@ from ._engine import (
     encoder_tiles,
     finite,
     lockstep,
-    needs,
     replay,
-    split_first_level,
-    sync_count,
 )
 from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec
 from ._plan import (
@@ -46,6 +41,7 @@ from ._plan import (
     sample_boxes,
     smaller,
 )
+from ._window import TT, Box, needs, split_first_level, sync_count
 
 logger = logging.getLogger(__name__)
 

@@ -287,96 +287,77 @@ def _mid(module: nn.Module, layout: str, what: str) -> tuple[Resnet | Attention,
     return tuple(items)
 
 
-def decoder_spec(module: nn.Module) -> VAESpec:
-    """Describe a VAE decoder; raises :class:`UnsupportedLayout` with the reason."""
+def _levels(module: nn.Module, layout: str, what: str, *, up: bool) -> tuple[Level, ...]:
+    """The decoder's levels (``up``; in processing order, which ldm registers reversed) or the
+    encoder's."""
+    ldm = layout == "ldm"
+    name = ("up" if up else "down") if ldm else ("up_blocks" if up else "down_blocks")
+    seq = _need(module, name, what)
+    pairs = [(i, seq[i]) for i in reversed(range(len(seq)))] if ldm and up else enumerate(seq)  # type: ignore
+    resample = _up_conv if up else _down_conv
+    levels = []
+    for i, lv in pairs:
+        at = f"{name}.{i}"
+        if ldm:
+            _no_attn(getattr(lv, "attn", None), at)
+            blocks = tuple(_resnet(b, f"{at}.block.{j}") for j, b in enumerate(lv.block))
+            sampler = "upsample" if up else "downsample"
+            conv, kind = resample(getattr(lv, sampler, None), f"{at}.{sampler}")
+        else:
+            _no_attn(getattr(lv, "attentions", None), at)
+            blocks = tuple(_resnet(b, f"{at}.resnets.{j}") for j, b in enumerate(lv.resnets))
+            samplers = "upsamplers" if up else "downsamplers"
+            some = getattr(lv, samplers, None)
+            if some is not None and len(some) > 1:
+                raise UnsupportedLayout(f"{at}: several {samplers}")
+            conv, kind = resample(some[0] if some else None, f"{at}.{samplers}.0")
+        levels.append(Level(blocks, conv, kind))
+    return tuple(levels)
+
+
+def _out(module: nn.Module, layout: str) -> tuple[nn.GroupNorm, nn.Module | None]:
+    """``norm_out`` and the activation after it (None: SiLU)."""
+    if layout == "ldm":
+        return _gn(module.norm_out, "norm_out"), None
+    return _gn(module.conv_norm_out, "conv_norm_out"), getattr(module, "conv_act", None)
+
+
+def _describe(module: nn.Module, kind: str) -> VAESpec:
     layout = _layout_name(module)
     what = type(module).__name__
+    dec = kind == "decoder"
     conv_in = _conv(_need(module, "conv_in", what), "conv_in", kernel=(1, 3))
-    mid = _mid(module, layout, what)
-    levels: list[Level] = []
-    if layout == "ldm":
-        ups = _need(module, "up", what)
-        for i in reversed(range(len(ups))):  # type: ignore[arg-type]
-            up = ups[i]  # type: ignore[index]
-            _no_attn(getattr(up, "attn", None), f"up.{i}")
-            blocks = tuple(_resnet(b, f"up.{i}.block.{j}") for j, b in enumerate(up.block))
-            conv, kind = _up_conv(getattr(up, "upsample", None), f"up.{i}.upsample")
-            levels.append(Level(blocks, conv, kind))
-        norm_out = _gn(module.norm_out, "norm_out")
-        act_out = None
-        tanh = bool(getattr(module, "tanh_out", False))
-        pre_end = bool(getattr(module, "give_pre_end", False))
-    else:
-        for i, ub in enumerate(_need(module, "up_blocks", what)):  # type: ignore[call-overload]
-            _no_attn(getattr(ub, "attentions", None), f"up_blocks.{i}")
-            blocks = tuple(_resnet(b, f"up_blocks.{i}.resnets.{j}") for j, b in enumerate(ub.resnets))
-            ups = getattr(ub, "upsamplers", None)
-            if ups is not None and len(ups) > 1:
-                raise UnsupportedLayout(f"up_blocks.{i}: several upsamplers")
-            conv, kind = _up_conv(ups[0] if ups else None, f"up_blocks.{i}.upsamplers.0")
-            levels.append(Level(blocks, conv, kind))
-        norm_out = _gn(module.conv_norm_out, "conv_norm_out")
-        act_out = getattr(module, "conv_act", None)
-        tanh = False
-        pre_end = False
+    mid = _mid(module, layout, what) if dec else ()  # (checked in the order the forward runs)
+    levels = _levels(module, layout, what, up=dec)
+    norm_out, act_out = _out(module, layout)
+    mid = mid if dec else _mid(module, layout, what)
     conv_out = _conv(_need(module, "conv_out", what), "conv_out", kernel=(1, 3))
+    ldm_dec = dec and layout == "ldm"
     return VAESpec(
-        kind="decoder",
+        kind=kind,
         layout=layout,
         conv_in=conv_in,
         mid=mid,
-        levels=tuple(levels),
+        levels=levels,
         norm_out=norm_out,
         act_out=act_out,
         conv_out=conv_out,
-        tanh_out=tanh,
-        give_pre_end=pre_end,
+        tanh_out=ldm_dec and bool(getattr(module, "tanh_out", False)),
+        give_pre_end=ldm_dec and bool(getattr(module, "give_pre_end", False)),
         in_channels=conv_in.in_channels,
         out_channels=conv_out.out_channels,
-        mid_channels=conv_in.out_channels,
+        mid_channels=conv_in.out_channels if dec else norm_out.num_channels,
     )
+
+
+def decoder_spec(module: nn.Module) -> VAESpec:
+    """Describe a VAE decoder; raises :class:`UnsupportedLayout` with the reason."""
+    return _describe(module, "decoder")
 
 
 def encoder_spec(module: nn.Module) -> VAESpec:
     """Describe a VAE encoder; raises :class:`UnsupportedLayout` with the reason."""
-    layout = _layout_name(module)
-    what = type(module).__name__
-    conv_in = _conv(_need(module, "conv_in", what), "conv_in", kernel=(1, 3))
-    levels: list[Level] = []
-    if layout == "ldm":
-        for i, dn in enumerate(_need(module, "down", what)):  # type: ignore[call-overload]
-            _no_attn(getattr(dn, "attn", None), f"down.{i}")
-            blocks = tuple(_resnet(b, f"down.{i}.block.{j}") for j, b in enumerate(dn.block))
-            conv, kind = _down_conv(getattr(dn, "downsample", None), f"down.{i}.downsample")
-            levels.append(Level(blocks, conv, kind))
-        norm_out = _gn(module.norm_out, "norm_out")
-        act_out = None
-    else:
-        for i, db in enumerate(_need(module, "down_blocks", what)):  # type: ignore[call-overload]
-            _no_attn(getattr(db, "attentions", None), f"down_blocks.{i}")
-            blocks = tuple(_resnet(b, f"down_blocks.{i}.resnets.{j}") for j, b in enumerate(db.resnets))
-            dns = getattr(db, "downsamplers", None)
-            if dns is not None and len(dns) > 1:
-                raise UnsupportedLayout(f"down_blocks.{i}: several downsamplers")
-            conv, kind = _down_conv(dns[0] if dns else None, f"down_blocks.{i}.downsamplers.0")
-            levels.append(Level(blocks, conv, kind))
-        norm_out = _gn(module.conv_norm_out, "conv_norm_out")
-        act_out = getattr(module, "conv_act", None)
-    mid = _mid(module, layout, what)
-    conv_out = _conv(_need(module, "conv_out", what), "conv_out", kernel=(1, 3))
-    return VAESpec(
-        kind="encoder",
-        layout=layout,
-        conv_in=conv_in,
-        mid=mid,
-        levels=tuple(levels),
-        norm_out=norm_out,
-        act_out=act_out,
-        conv_out=conv_out,
-        in_channels=conv_in.in_channels,
-        out_channels=conv_out.out_channels,
-        mid_channels=norm_out.num_channels,
-    )
+    return _describe(module, "encoder")
 
 
 def signature(spec: VAESpec) -> tuple:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,8 +23,8 @@ from lib_vram.core.predict import WORKSPACE_TERMS
 from lib_vram.planning import planner
 
 from ._attention import DEFAULT_SCORE_BYTES, cpu_flash_kernel
-from ._engine import needs, split_first_level
 from ._layout import Resnet, VAESpec, decoder_spec, encoder_spec, signature
+from ._window import needs, split_first_level
 
 TILE_CANDIDATES = (256, 192, 160, 128, 112, 96, 80, 64, 56, 48, 40, 32, 24, 16, 8)
 """Tile sizes (latent px) tried by the auto planner and the out-of-memory retry, largest first."""
@@ -360,31 +361,10 @@ def combine(c: Components) -> int:
     return int(max(c.global_peak, tiled))
 
 
-def estimate_spec_bytes(
-    spec: VAESpec,
-    input_shape: tuple[int, ...],
-    dtype: torch.dtype,
-    *,
-    tile: int | None,
-    mode: str = "exact",
-    state_on_device: bool = True,
-    out_dtype: torch.dtype | None = None,
-    backend: str = "cpu",
-    fast_sample: int | None = None,
-) -> int:
-    """Peak bytes of one pass of ``spec`` on ``input_shape`` (see :func:`estimate_peak_bytes`)."""
-    comps = estimate_components(
-        spec,
-        input_shape,
-        dtype,
-        tile=tile,
-        mode=mode,
-        state_on_device=state_on_device,
-        out_dtype=out_dtype,
-        backend=backend,
-        fast_sample=fast_sample,
-    )
-    return combine(comps)
+def estimate_spec_bytes(spec: VAESpec, input_shape: tuple[int, ...], dtype: torch.dtype, **kw: Any) -> int:
+    """Peak bytes of one pass of ``spec`` on ``input_shape`` (see :func:`estimate_peak_bytes`;
+    ``kw``: :func:`estimate_components`')."""
+    return combine(estimate_components(spec, input_shape, dtype, **kw))
 
 
 def estimate_peak_bytes(

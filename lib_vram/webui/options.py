@@ -1,7 +1,8 @@
 """VRAM Guard's user options: one validated model and one table that drives everything else.
 
 :class:`VRAMGuardOptions` is what a generation runs with. :data:`FIELDS` describes every option
-once (label, default, kind, choices or range, settings key, infotext group, tooltip); the gradio
+once (short label, default, kind, choices or range, settings key, infotext group, hover hint, the
+Settings page's line); the gradio
 accordion (:mod:`lib_vram.webui.ui`), the Settings page (registered by the host adapter), the infotext and
 the API (``alwayson_scripts``) are all built from it, so they cannot drift apart.
 
@@ -77,7 +78,7 @@ class OptionField:
     name: str
     """Field name in :class:`VRAMGuardOptions`, keyword in the name-keyed API form."""
     label: str
-    """Visible label (unique: the WebUI's ``ui-config.json`` keys on it)."""
+    """Visible label: short, one line (unique: the WebUI's ``ui-config.json`` keys on it)."""
     default: Any
     kind: str
     """``"bool"`` (checkbox), ``"choice"`` (dropdown/radio) or ``"int"`` (slider)."""
@@ -92,10 +93,11 @@ class OptionField:
     """Infotext group word of the summary entry (see the module docstring); ``"VRAM Guard"`` for
     the enable switch, whose presence is the key itself."""
     tooltip: str = ""
-    """The longer explanation shown when hovering the control."""
+    """The control's explanation, shown when hovering it (the WebUI's way: short label, hint on
+    hover): what it does and when to change it."""
     info: str = ""
-    """One line in the user's terms, shown under the control's label in the accordion, the Extras
-    section and on the Settings page: what it changes and when to use it."""
+    """One line in the user's terms, shown under the option's label on the Settings page (the
+    WebUI's convention there): what it changes and when to use it."""
 
     @property
     def settings_key(self) -> str:
@@ -171,8 +173,9 @@ FIELDS: tuple[OptionField, ...] = (
         False,
         BOOL,
         infotext=INFOTEXT_KEY,
-        tooltip="Turn VRAM Guard on for this tab: tiled VAE, tiled upscaling, precision control and "
-        "memory release between stages.",
+        tooltip="Turn VRAM Guard on for this tab when its jobs run out of GPU memory: tiled VAE, tiled "
+        "upscaling, a check before each sampling pass, precision control and memory release between "
+        "stages. Off, the WebUI runs exactly as without VRAM Guard.",
         info="Turn on when this tab's jobs run out of GPU memory; off, the WebUI runs exactly as "
         "without VRAM Guard.",
     ),
@@ -183,9 +186,9 @@ FIELDS: tuple[OptionField, ...] = (
         CHOICE,
         choices=PRESET_CHOICES,
         infotext="preset",
-        tooltip="Auto picks the preset for this card's memory at generation time; a size (e.g. 6GB) "
-        "plans for that card; Custom uses only the controls below. Controls left on Auto follow the "
-        "preset.",
+        tooltip="The card to plan for. Auto reads this card's memory at each job; a size (e.g. 6GB) "
+        "plans for a card of that size: pick a smaller one if a job still runs out of memory; Custom "
+        "uses only the controls. Controls left on Auto (under Advanced) follow the preset.",
         info="The card to plan for: Auto reads yours at each job; pick a smaller size if a job still "
         "runs out of memory.",
     ),
@@ -197,7 +200,7 @@ FIELDS: tuple[OptionField, ...] = (
         choices=VAE_TILING_CHOICES,
         infotext="VAE",
         tooltip="Auto tiles the VAE decode/encode only when the whole image would not fit in free "
-        "memory; Always tiles every time; Off never tiles.",
+        "memory; Always tiles every time (if Auto still runs out of memory); Off never tiles.",
         info="Auto tiles the VAE only when the image would not fit; Always if Auto still runs out; "
         "Off never tiles.",
     ),
@@ -216,14 +219,14 @@ FIELDS: tuple[OptionField, ...] = (
     ),
     OptionField(
         "vae_tile",
-        "VAE tile (latent px, 0 = Auto)",
+        "VAE tile size",
         0,
         INT,
         range=(0, 512, 16),
         auto_zero=True,
         infotext="VAE",
-        tooltip="Tile edge in latent pixels (x8 in image pixels). 0 = Auto: the largest tile that "
-        "fits in free memory.",
+        tooltip="VAE tile edge in latent pixels (x8 in image pixels). 0 = Auto: the largest tile that "
+        "fits in free memory. Smaller tiles need less memory and take a little longer.",
         info="Smaller tiles need less memory and take a little longer; 0 = the largest that fits "
         "(latent px, x8 on the image).",
     ),
@@ -233,31 +236,34 @@ FIELDS: tuple[OptionField, ...] = (
         True,
         BOOL,
         infotext="upscale",
-        tooltip="Run ESRGAN-family upscalers tile by tile on the GPU (hires fix, img2img, SD upscale), "
-        "without seams, retrying with smaller tiles on out-of-memory.",
+        tooltip="Run ESRGAN-family upscalers tile by tile on the GPU (hires fix, img2img resize, SD "
+        "upscale), in tiles that fit, without seams, retrying with smaller tiles on out-of-memory. Off "
+        "uses the WebUI's own upscaling.",
         info="Run ESRGAN-family upscalers in tiles that fit (hires fix, img2img resize, SD upscale); "
         "off uses the WebUI's own.",
     ),
     OptionField(
         "upscale_tile",
-        "Upscale tile (px, 0 = Auto)",
+        "Upscale tile size",
         0,
         INT,
         range=(0, 2048, 32),
         auto_zero=True,
         infotext="upscale",
-        tooltip="Upscaler tile edge in input pixels. 0 = Auto: chosen from free memory.",
+        tooltip="Upscaler tile edge in input pixels. 0 = Auto: chosen from free memory. Smaller tiles "
+        "need less memory.",
         info="Smaller tiles need less memory; 0 = chosen from free memory (input px).",
     ),
     OptionField(
         "upscale_batch",
-        "Upscale batch (tiles, 0 = Auto)",
+        "Upscale batch size",
         0,
         INT,
         range=(0, 64, 1),
         auto_zero=True,
         infotext="upscale",
-        tooltip="How many tiles go through the upscaler at once. 0 = Auto: chosen from free memory.",
+        tooltip="How many tiles go through the upscaler at once: fewer need less memory, more run "
+        "faster. 0 = Auto: chosen from free memory.",
         info="Tiles per upscaler pass: fewer need less memory, more run faster; 0 = chosen from free memory.",
     ),
     OptionField(
@@ -268,7 +274,8 @@ FIELDS: tuple[OptionField, ...] = (
         choices=PRECISION_CHOICES,
         infotext="VAE",
         tooltip="Auto keeps the WebUI's choice (BF16 where the card supports it on small cards). "
-        "FP16/BF16 halve the VAE's memory; tiles that overflow are recomputed in a wider type.",
+        "FP16/BF16 halve the VAE's memory; tiles that overflow are recomputed in a wider type. Choose "
+        "BF16 or FP16 if you get black or NaN images.",
         info="FP16/BF16 halve the VAE's memory; choose BF16 or FP16 if you get black or NaN images; "
         "Auto keeps the WebUI's.",
     ),
@@ -279,8 +286,8 @@ FIELDS: tuple[OptionField, ...] = (
         CHOICE,
         choices=PRECISION_CHOICES,
         infotext="upscale",
-        tooltip="Auto uses FP16/BF16 when the model supports it; batches with NaN/Inf are recomputed "
-        "in FP32.",
+        tooltip="FP16/BF16 halve the upscaler's memory. Auto uses them when the model supports them, "
+        "else FP32; batches with NaN/Inf are recomputed in FP32.",
         info="FP16/BF16 halve the upscaler's memory; Auto uses them where the model supports them, "
         "else FP32.",
     ),
@@ -290,19 +297,19 @@ FIELDS: tuple[OptionField, ...] = (
         False,
         BOOL,
         infotext="UNet",
-        tooltip="Run the UNet in FP16 when the WebUI would run it in FP32 (e.g. --no-half): halves "
-        "its memory.",
+        tooltip="Run the UNet in FP16 for the job when the WebUI would run it in FP32 (e.g. --no-half): "
+        "halves its memory. Use it when sampling runs out of memory.",
         info="Halves the UNet's memory for the job when the WebUI runs it in FP32 (--no-half); use "
         "it when sampling runs out.",
     ),
     OptionField(
         "release_between_stages",
-        "Release memory between stages",
+        "Free memory between stages",
         True,
         BOOL,
         infotext="release",
         tooltip="Collect garbage and return cached GPU memory between sampling, hires fix, decode and "
-        "postprocessing.",
+        "postprocessing. Costs milliseconds; keep it on.",
         info="Frees unused GPU memory between sampling, hires fix and decode; costs milliseconds, "
         "keep it on.",
     ),
@@ -316,7 +323,8 @@ FIELDS: tuple[OptionField, ...] = (
         "or a clear stop. Keep it on.",
         tooltip="Before each sampling pass, check that it fits: when it does not, run the batch in "
         "smaller pieces (same picture) or move the VAE and text encoders off the card for the pass; "
-        "when nothing fits, stop before sampling with what would fit instead of running out of memory.",
+        "when nothing fits, stop before sampling with what would fit instead of running out of memory. "
+        "Keep it on.",
     ),
 )
 

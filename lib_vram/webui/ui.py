@@ -4,6 +4,10 @@ Builds from :data:`lib_vram.webui.options.FIELDS` and plain data handed in by th
 imports the WebUI (``modules``). Works with gradio 3.41.2 (A1111) and 4.x (Forge): only
 ``gr.update``, context-manager layout blocks and constructor keywords both versions know.
 
+The WebUI's way: short labels, the explanation on hover (the ``title`` the WebUI's front end
+sets from a component's ``webui_tooltip``, and ``javascript/vram_guard.js`` from the readout's
+tooltip map), the common controls first, then the readout, the rest folded under "Advanced".
+
 The WebUI's ``InputAccordion`` (an accordion that is also the enable checkbox) is passed in as
 ``input_accordion``; without it, one already imported by the WebUI is used if present, otherwise a
 plain ``gr.Accordion`` with an "Enable VRAM Guard" checkbox stands in (standalone pages, tests).
@@ -49,13 +53,25 @@ AUTO_VALUES: dict[str, Any] = {
 }
 """Controls that can "follow the preset"; choosing a preset puts them back to these values."""
 
-LAYOUT: tuple[tuple[str, ...], ...] = (
-    ("preset", "precision_vae", "precision_upscale"),
-    ("vae_tiling", "vae_mode", "vae_tile"),
-    ("upscale_tiling", "upscale_tile", "upscale_batch"),
-    ("release_between_stages", "unet_fp16", "guard_sampling"),
+COMMON: tuple[tuple[str, ...], ...] = (
+    ("preset", "vae_tiling"),
+    ("upscale_tiling", "guard_sampling"),
 )
+"""Rows above the readout: what most jobs need."""
+ADVANCED: tuple[tuple[str, ...], ...] = (
+    ("vae_mode", "vae_tile"),
+    ("upscale_tile", "upscale_batch"),
+    ("precision_vae", "precision_upscale"),
+    ("unet_fp16", "release_between_stages"),
+)
+"""Rows of the folded "Advanced" accordion under the readout (Auto/on fits most jobs)."""
+LAYOUT: tuple[tuple[str, ...], ...] = COMMON + ADVANCED
 """Rows of the accordion (display only; the input order is always ``API_ARG_ORDER``)."""
+ADVANCED_LABEL = "Advanced"
+ADVANCED_TOOLTIP = (
+    "Tiled VAE mode, precisions, tile and batch sizes, FP16 UNet and memory release. Auto (0) and the "
+    "defaults fit most jobs; the preset sets what is left on Auto."
+)
 
 DROPDOWNS = frozenset({"preset", "precision_vae", "precision_upscale"})
 """Choice fields shown as dropdowns (the rest are radio buttons)."""
@@ -68,7 +84,7 @@ EXTRAS_ENABLE_INFO = (
     "Run the Upscale operation's upscaler in tiles that fit your card's free memory; use it when Extras "
     "runs out of memory."
 )
-"""The Extras section's enable switch, in the user's terms (its field's info speaks of a tab)."""
+"""The Extras section's enable switch's hover hint, in the user's terms (its field's speaks of a tab)."""
 
 PRESET_TARGETS: tuple[str, ...] = tuple(n for n in API_ARG_ORDER if n not in ("enabled", "preset"))
 """The controls a preset change updates, in order (the outputs of the preset's ``change`` event)."""
@@ -116,18 +132,41 @@ def readout_elem_id(tab: str, prefix: str = "vram_guard") -> str:
     return f"{prefix}_readout_{tab}"
 
 
+def with_hint(comp: Any, tooltip: str) -> Any:
+    """``comp`` with ``tooltip`` as its hover hint: the WebUI (A1111 1.6+, Forge) sends a component's
+    ``webui_tooltip`` to the page, whose ``hints.js`` sets it as the element's ``title`` on load
+    (what its own ``tooltip=`` keyword does; plain gradio rejects that keyword, so it is set here).
+    Elsewhere the attribute is unused and ``javascript/vram_guard.js`` sets the same ``title``."""
+    comp.webui_tooltip = tooltip
+    return comp
+
+
 def _component(f: OptionField, value: Any, eid: str) -> Any:
-    """The control of ``f``, with its one-line ``info`` under the label (gradio 3.41 and 4.x)."""
-    common = {"label": f.label, "elem_id": eid, "info": f.info or None}
+    """The control of ``f``: its short label, its explanation as the hover hint (no text under it)."""
+    common = {"label": f.label, "elem_id": eid}
     if f.kind == "bool":
-        return gr.Checkbox(value=value, **common)
-    if f.kind == "int":
+        comp = gr.Checkbox(value=value, **common)
+    elif f.kind == "int":
         lo, hi, step = f.range or (0, 0, 1)
-        return gr.Slider(minimum=lo, maximum=hi, step=step, value=value, **common)
-    choices = list(f.choices or ())
-    if f.name in DROPDOWNS:
-        return gr.Dropdown(choices=choices, value=value, **common)
-    return gr.Radio(choices=choices, value=value, **common)
+        comp = gr.Slider(minimum=lo, maximum=hi, step=step, value=value, **common)
+    elif f.name in DROPDOWNS:
+        comp = gr.Dropdown(choices=list(f.choices or ()), value=value, **common)
+    else:
+        comp = gr.Radio(choices=list(f.choices or ()), value=value, **common)
+    return with_hint(comp, f.tooltip)
+
+
+def _rows(
+    rows: tuple[tuple[str, ...], ...], defaults: VRAMGuardOptions, prefix: str, tab: str
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for row in rows:
+        with gr.Row():
+            for name in row:
+                out[name] = _component(
+                    FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(prefix, tab, name)
+                )
+    return out
 
 
 def tooltips_for(
@@ -144,9 +183,10 @@ def tooltips_for(
     out: dict[str, tuple[str, str]] = {}
     for name, comp in controls.items():
         f = FIELDS_BY_NAME[name]
-        eid = getattr(comp, "elem_id", None) or getattr(comp, "accordion_id", None)
-        if eid:
-            out[str(eid)] = own.get(name, (f.label, f.tooltip))
+        # An InputAccordion: its (hidden) checkbox's id and the accordion's, whose header shows it.
+        for eid in (getattr(comp, "elem_id", None), getattr(comp, "accordion_id", None)):
+            if eid:
+                out[str(eid)] = own.get(name, (f.label, f.tooltip))
     out.update(dict(extra))
     return out
 
@@ -207,27 +247,32 @@ def build_ui(
     )
     with body:
         if enable is None:
-            enable = gr.Checkbox(
-                value=defaults.enabled,
-                label="Enable VRAM Guard",
-                elem_id=elem_id(elem_prefix, tab, "enabled"),
-                info=enable_field.info,
+            enable = with_hint(
+                gr.Checkbox(
+                    value=defaults.enabled,
+                    label="Enable VRAM Guard",
+                    elem_id=elem_id(elem_prefix, tab, "enabled"),
+                ),
+                enable_field.tooltip,
             )
         controls["enabled"] = enable
         with gr.Column(elem_classes=["vram-guard", "vram-guard-controls"]):
-            for row in LAYOUT:
-                with gr.Row():
-                    for name in row:
-                        controls[name] = _component(
-                            FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
-                        )
+            controls.update(_rows(COMMON, defaults, elem_prefix, tab))
             free_id = elem_id(elem_prefix, tab, "free")
             profile_id = elem_id(elem_prefix, tab, "profile")
+            advanced_id = elem_id(elem_prefix, tab, "advanced")
+            folded = [name for row in ADVANCED for name in row]
             tips = tooltips_for(
                 controls,
                 {
+                    **{
+                        elem_id(elem_prefix, tab, n): (FIELDS_BY_NAME[n].label, FIELDS_BY_NAME[n].tooltip)
+                        for n in folded
+                    },
                     free_id: ("Free memory now", FREE_TOOLTIP),
                     **profile_tooltip(profile_id),
+                    advanced_id: ("", ADVANCED_TOOLTIP),  # ("": not for hints.js's titles[])
+                    acc_id: (enable_field.label, enable_field.tooltip),  # the accordion's header
                 },
             )
             readout = gr.HTML(
@@ -236,10 +281,15 @@ def build_ui(
                 elem_classes=["vram-guard-readout-box"],
             )
             with gr.Row():
-                free_button = gr.Button(
-                    value="Free memory now", elem_id=free_id, variant="secondary", size="sm"
+                free_button = with_hint(
+                    gr.Button(value="Free memory now", elem_id=free_id, variant="secondary", size="sm"),
+                    FREE_TOOLTIP,
                 )
                 profile_button = profile_button_component(profile_id)
+            with gr.Accordion(
+                ADVANCED_LABEL, open=False, elem_id=advanced_id, elem_classes=["vram-guard-advanced"]
+            ):
+                controls.update(_rows(ADVANCED, defaults, elem_prefix, tab))
     inputs = [controls[name] for name in API_ARG_ORDER]
     targets = [controls[name] for name in PRESET_TARGETS]
     controls["preset"].change(
@@ -270,7 +320,9 @@ def profile_tooltip(eid: str) -> dict[str, tuple[str, str]]:
 
 def profile_button_component(eid: str) -> Any:
     """The accordion's 'Profile the next job' button (:mod:`lib_vram.webui.profiling`)."""
-    return gr.Button(value=PROFILE_BUTTON, elem_id=eid, variant="secondary", size="sm")
+    return with_hint(
+        gr.Button(value=PROFILE_BUTTON, elem_id=eid, variant="secondary", size="sm"), BUTTON_TOOLTIP
+    )
 
 
 def preset_changed(
@@ -316,23 +368,24 @@ def build_extras_widgets(
     )
     with body:
         if enable is None:
-            enable = gr.Checkbox(
-                value=defaults.enabled,
-                label="Enable VRAM Guard upscaling",
-                elem_id=elem_id(elem_prefix, tab, "enabled"),
-                info=EXTRAS_ENABLE_INFO,
+            enable = with_hint(
+                gr.Checkbox(
+                    value=defaults.enabled,
+                    label="Enable VRAM Guard upscaling",
+                    elem_id=elem_id(elem_prefix, tab, "enabled"),
+                ),
+                EXTRAS_ENABLE_INFO,
             )
         inputs["enabled"] = enable
         with gr.Column(elem_classes=["vram-guard", "vram-guard-controls"]):
-            with gr.Row():
-                for name in EXTRAS_FIELDS[1:]:
-                    inputs[name] = _component(
-                        FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(elem_prefix, tab, name)
-                    )
+            inputs.update(_rows((EXTRAS_FIELDS[1:],), defaults, elem_prefix, tab))
             free_id = elem_id(elem_prefix, tab, "free")
             tips = tooltips_for(
                 inputs,
-                {free_id: ("Free memory now", FREE_TOOLTIP)},
+                {
+                    free_id: ("Free memory now", FREE_TOOLTIP),
+                    f"{elem_prefix}_{tab}": ("VRAM Guard upscaling", EXTRAS_ENABLE_INFO),
+                },
                 labels={"enabled": ("VRAM Guard upscaling", EXTRAS_ENABLE_INFO)},
             )
             readout = gr.HTML(
@@ -340,7 +393,10 @@ def build_extras_widgets(
                 elem_id=readout_elem_id(tab, elem_prefix),
                 elem_classes=["vram-guard-readout-box"],
             )
-            free_button = gr.Button(value="Free memory now", elem_id=free_id, variant="secondary", size="sm")
+            free_button = with_hint(
+                gr.Button(value="Free memory now", elem_id=free_id, variant="secondary", size="sm"),
+                FREE_TOOLTIP,
+            )
     if on_free is not None:
         free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress="hidden")
     return ExtrasWidgets(inputs=inputs, readout=readout, free_button=free_button)

@@ -164,6 +164,7 @@ def main() -> int:
     ap.add_argument("--order", default=",".join(TYPES))
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--plain", action="store_true", help="run: VRAM Guard's accordion off (the plain WebUI)")
     ap.add_argument("--upscaler", default="ESRGAN_x4-tiny-random")
     ap.add_argument(
         "--xyz-size-index", type=int, default=0, help="the 'Size' axis type's index in this WebUI"
@@ -185,7 +186,7 @@ def main() -> int:
     with (out / "run.jsonl").open("a") as log:
         for n, kind in enumerate(a.order.split(",")):
             k = n % 2  # the prompt alternates: no job reuses the previous job's conditioning
-            rec = run_one(a, kind, PROMPTS[k], vg=True)
+            rec = run_one(a, kind, PROMPTS[k], vg=not a.plain)
             imgs = rec.pop("images")
             rec["index"] = n
             rec["after"] = a.order.split(",")[n - 1] if n else "(start)"

@@ -29,6 +29,7 @@ TARGETS: dict[str, str] = {
     "timeline": "lib_vram.cli.bench.timeline",
     "sampling": "lib_vram.cli.bench.sampling",
     "sampling-stream": "lib_vram.cli.bench.sampling_stream",
+    "soak": "lib_vram.cli.bench.soak",
 }
 
 
