@@ -357,6 +357,11 @@ class Owner:
             self._loose = [(m, w) for m, w in self._loose if id(m) not in used]
             return self._home(moves + mine, f"{stage.replace('_', ' ')} is done")
 
+    def send_home(self, models: Iterable[Model], why: str) -> int:
+        """These models go home now, outside any stage (an extension's models at the job's end)."""
+        with self._lock:
+            return self._home([(m, m.where) for m in models], why)
+
     def open_stages(self) -> list[str]:
         with self._lock:
             return list(self._stages)

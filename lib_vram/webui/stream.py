@@ -141,6 +141,7 @@ def plan_pass(
     resident_bytes: int = 0,
     backend: str = "cuda",
     settings: Any = None,
+    controls: tuple = (),
 ) -> StreamPass | None:
     """The streamed plan for a pass whose ``sampling`` plan does not fit (None when streaming may
     not be used, see :func:`skip_reason`, or does not fit either). The arguments are the sampling
@@ -162,6 +163,7 @@ def plan_pass(
         resident_bytes=resident_bytes,
         backend=backend,
         sampling=sampling,
+        controls=controls,
     )
     if not plan.fits or not plan.streamed:
         return None
