@@ -1,4 +1,4 @@
-"""ControlNet inside the budget (lib_vram.webui.controlnet, the sampling guard, the one owner).
+"""ControlNet inside the budget (lib_vram.residency.controlnet, the sampling guard, the one owner).
 
 The control model is a ControlNet in cldm's layout made of a real ldm UNet's encoder
 (tests/controlnet_model.py); the hook on the UNet does what sd-webui-controlnet's ``UnetHook``

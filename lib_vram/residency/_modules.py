@@ -111,7 +111,7 @@ class ModuleMover:
 
     def _to(self, device: Any) -> None:
         """``module.to(device)``; past a ``to`` that holds an extension's own moves (its
-        ``moves`` attribute: the real move, see :mod:`lib_vram.webui.controlnet`)."""
+        ``moves`` attribute: the real move, see :mod:`lib_vram.residency.controlnet`)."""
         to = self.module.to
         getattr(to, "moves", to)(device)
 

@@ -19,7 +19,7 @@ error where the card runs out) and what VRAM Guard does there — with the accor
   placed by VRAM Guard (:mod:`.placement`) counts what a GPU would hold of it: the placement
   recounts after this update.
 * **ControlNet's models** (sd-webui-controlnet) are built in host memory and count on the card
-  when ControlNet moves them there (:func:`lib_vram.webui.controlnet.emulate_moves`).
+  when ControlNet moves them there (:func:`lib_vram.residency.controlnet.emulate_moves`).
 * The card is :func:`~lib_vram.core.emulate.install`\\ ed: the readout, ``GET /vram-guard/v1/status``,
   the Auto preset and the engines' budgets see its total and free memory.
 
@@ -161,7 +161,7 @@ class WebUICard:
         result = original(*args, **kwargs)
         runners = getattr(self.host, "script_runners", None)
         if callable(runners):  # ControlNet's models as a GPU would see them (once installed)
-            from .controlnet import emulate_moves
+            from lib_vram.residency.controlnet import emulate_moves
 
             emulate_moves(self.card, self.stack, runners().values())
         self.enter()

@@ -89,7 +89,7 @@ class PassPlan:
     placed: str = ""
     """The checkpoint placement's label when the checkpoint is placed (:mod:`.placement`)."""
     controls: list = dataclasses.field(default_factory=list)
-    """The ControlNet units the pass runs (:class:`lib_vram.webui.controlnet.Unit`)."""
+    """The ControlNet units the pass runs (:class:`lib_vram.residency.controlnet.Unit`)."""
 
     @property
     def changed(self) -> bool:
@@ -156,7 +156,7 @@ class SamplingGuard:
         self._stage: str | None = None
         self._all_units: list = []
         self._controls: Any = None
-        """The job's :class:`~lib_vram.webui.controlnet.Controls` (ControlNet's models in the owner)."""
+        """The job's :class:`~lib_vram.residency.controlnet.Controls` (ControlNet's models in the owner)."""
 
     # -- the pass ----------------------------------------------------------------------------
     def before(self, p: Any, stage: str, *, x: Any = None, c: Any = None, uc: Any = None) -> PassPlan | None:
@@ -290,14 +290,14 @@ class SamplingGuard:
         others = sum(m.card_bytes for m in parts)
         margin = int(getattr(job.settings, "sampling_margin_bytes", 0))
         # ControlNet's units of the pass: their weights and activations in the plan (on the card
-        # for the pass, see lib_vram.webui.controlnet); the job's models on the card now count free
-        from . import controlnet
+        # for the pass, see lib_vram.residency.controlnet); the job's models on the card now count free
+        from lib_vram.residency import controlnet
 
         self._all_units = controlnet.units(p, dm)
         used = [u for u in self._all_units if u.used_in(stage == "hires_sampling")]
         joined = self._join_controls(self._all_units)
         on_card = sum(m.card_bytes for m in joined)
-        from .controlnet import distinct
+        from lib_vram.residency.controlnet import distinct
 
         controls = tuple(u.spec for u in distinct(used) if u.spec is not None)
         unsized = sum(emulate.module_bytes([u.module]) for u in used if u.spec is None)
@@ -383,7 +383,7 @@ class SamplingGuard:
         if cards is None or not found:
             return []
         if self._controls is None:
-            from .controlnet import Controls
+            from lib_vram.residency.controlnet import Controls
 
             self._controls = Controls(cards, self.job)
             self.job.stack.callback(self._release_controls)

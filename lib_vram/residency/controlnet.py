@@ -1,5 +1,8 @@
 """sd-webui-controlnet's control models: counted in the sampling plan, placed by the one owner.
 
+Host-free like the rest of the package: ControlNet's objects are read by attribute names (nothing
+of the WebUI or of the extension is imported); the WebUI adapter passes them in.
+
 ControlNet (Mikubill/sd-webui-controlnet) hooks the UNet in its ``process``: its ``UnetHook``
 (the ControlNet script's ``latest_network``) replaces the UNet's ``forward`` and keeps the enabled
 units as ``control_params``; each unit's ``control_model`` (a ``PlugableControlModel``, with the
@@ -8,8 +11,8 @@ handling moves every unit's model to the card at each forward (``fullvram()`` / 
 with the unit's Low VRAM option back to the CPU after it, and leaves cached models wherever they
 were last (on the card, also for jobs that do not use them).
 
-While VRAM Guard guards a sampling pass (:class:`Controls`, used by
-:class:`~lib_vram.webui.sampling.SamplingGuard`):
+While VRAM Guard guards a sampling pass (:class:`Controls`, used by the WebUI adapter's
+``SamplingGuard``):
 
 * the pass's units are found (:func:`units`): the hook on this UNet, minus the units switched off
   for this pass by their hires option ("low res only" in the hires pass, "high res only" in the
