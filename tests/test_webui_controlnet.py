@@ -317,3 +317,21 @@ def test_the_plain_webui_with_controlnet_fails_where_vram_guard_finishes():
         assert_clean(r)
     assert "fullvram" not in EmuPlugable.__dict__ and "build_control_model" in ScriptWithLoader.__dict__
     assert not getattr(ScriptWithLoader.__dict__["build_control_model"].__func__, "_vram_guard", False)
+
+
+def test_a_control_model_that_does_not_fit_beside_the_whole_unet_streams_the_unet():
+    """Beside the control model the whole UNet does not fit even with the VAE and the text
+    encoders off the card: the UNet streams for the pass (the streamed plan counts the control
+    model's weights and activations), the control model stays whole on the card, the outputs are
+    the plain ones."""
+    ref = _plain()
+    big = _controlnet_run(BIG)
+    cap = big.out[2][0] - (VAE_BYTES + TE_BYTES) - emulate.module_bytes([UNET]) // 2
+    assert _controlnet_run(cap).error is not None  # without streaming: the named stop
+    r = _controlnet_run(cap, settings={"stream_unet": True})
+    assert r.error is None, r.error
+    assert torch.equal(r.out[0][0], ref.out[0][0])
+    assert r.peak <= cap
+    plans = [st["plan"] for st in r.status["stages"] if st["stage"] == "sampling"]
+    assert plans and "UNet streamed" in plans[0] and "ControlNet" in plans[0], plans
+    assert_clean(r)
