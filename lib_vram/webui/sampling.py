@@ -155,6 +155,8 @@ class SamplingGuard:
         self._dm: Any = None
         self._stage: str | None = None
         self._all_units: list = []
+        self._computing: list = []
+        """The pass's control models (busy while a UNet forward runs)."""
         self._controls: Any = None
         """The job's :class:`~lib_vram.residency.controlnet.Controls` (ControlNet's models in the owner)."""
 
@@ -194,7 +196,10 @@ class SamplingGuard:
         if cards is not None:
             owner = cards.owner
             controls = self._control_models(planned)
-            owner.begin(stage, busy=[*cards.models(model, ["UNet"]), *controls])
+            # (the control models are busy only while a forward runs: between the pass's forwards
+            # a wake, such as the hires conditioning's, may send them home; they wake again)
+            owner.begin(stage, busy=cards.models(model, ["UNet"]))
+            self._computing = controls
             self.stack.callback(owner.end, stage)  # what moved for the pass goes home after it
             self._stage = stage
         placed = _placed(job, model)
@@ -210,6 +215,8 @@ class SamplingGuard:
                 self._controls.hold(self._all_units, self.stack)  # (ControlNet moves every unit)
                 for m in controls:
                     cards.owner.use(m, stage, why=f"{stage.replace('_', ' ')} runs it")
+                done = f"{stage.replace('_', ' ')} is done"
+                self.stack.callback(cards.owner.send_home, list(controls), done)  # (also one found there)
             if planned.stream is not None:
                 planned.stream.enter(self.stack)
                 if cards is not None:
@@ -243,6 +250,7 @@ class SamplingGuard:
                 stack.close()
         finally:
             self._stage = None
+            self._computing = []
 
     # -- deciding ----------------------------------------------------------------------------
     def _skip_reason(self, model: Any) -> str | None:
@@ -489,6 +497,9 @@ class SamplingGuard:
                 # (ControlNet's wrapper runs the control on the whole batch's image: no split)
                 mb_of = planned.plan.micro_batch
                 state["mb"] = inner if planned.controls else micro_batched(inner, mb_of, key=planned.plan.key)
+                cards = _cards(guard.job)
+                if guard._computing and cards is not None:
+                    state["mb"] = _computing(cards.owner, guard._computing, state["mb"])
             mb = state["mb"]
             try:
                 return mb(*args, **kwargs)
@@ -567,6 +578,16 @@ class _Idle:
     @property
     def nbytes(self) -> int:
         return sum(m.card_bytes for m in self.models)
+
+
+def _computing(owner: Any, models: list, forward: Any) -> Any:
+    """``forward`` with ``models`` busy in ``owner`` while it runs."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with owner.computing(models):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def _cards(job: Any) -> Any:
