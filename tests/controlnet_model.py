@@ -1,74 +1,20 @@
-"""A ControlNet in cldm's layout (what sd-webui-controlnet loads for SD1.5/SDXL control models),
-made of a real ldm ``UNetModel``'s encoder, for the tests.
+"""sd-webui-controlnet's objects as far as VRAM Guard reads them, for the tests.
 
-cldm's ``ControlNet`` is the UNet's down path and middle block (``time_embed``, ``input_blocks``,
-``middle_block``: here the real ldm modules of a UNet built at reduced width, with their own
-copies of the weights), a zero convolution after each input block (``zero_convs``) and after the
-middle (``middle_block_out``), and a hint block (``input_hint_block``: 3x3 convolutions with SiLU
-that take the control image down 8x). sd-webui-controlnet wraps it as ``PlugableControlModel``
-(``.control_model``); its hook calls ``control_model(x=, hint=, timesteps=, context=)`` and adds the
-13 outputs to the UNet's skips and middle. Not importable from PyPI (the extension is not a
-package): this is the layout, written here, with the weights random (not zero: a zero convolution
-would make every control a no-op and hide a wrong residual).
+The control model is :class:`lib_vram.cli.bench._controlnet.ControlNet` (cldm's layout over a real
+ldm UNet's encoder, random weights); sd-webui-controlnet wraps it as ``PlugableControlModel``
+(``.control_model``), keeps each unit's ``ControlParams`` and hooks the UNet with ``UnetHook``;
+its script is found in ``p.scripts.alwayson_scripts`` by its ``latest_network``. The extension is
+not a package (not importable here): these classes hold what its v1.1.455 objects hold.
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
-from lib_vram.sampling._spec import HINT_BLOCK
+from lib_vram.cli.bench._controlnet import ControlNet, controlled
 
-
-class ControlNet(nn.Module):
-    """cldm's layout over a copy of ``unet``'s encoder (see the module docstring)."""
-
-    def __init__(self, unet: nn.Module, hint_channels: int = 3, seed: int = 7) -> None:
-        from ldm.modules.diffusionmodules.openaimodel import TimestepEmbedSequential
-
-        super().__init__()
-        torch.manual_seed(seed)
-        self.in_channels = unet.in_channels
-        self.model_channels = unet.model_channels
-        self.channel_mult = unet.channel_mult
-        self.num_res_blocks = unet.num_res_blocks
-        self.dtype = next(unet.parameters()).dtype
-        self.time_embed = copy.deepcopy(unet.time_embed)
-        self.input_blocks = copy.deepcopy(unet.input_blocks)
-        self.middle_block = copy.deepcopy(unet.middle_block)
-        chans = [_out_channels(b) for b in self.input_blocks]
-        self.zero_convs = nn.ModuleList(TimestepEmbedSequential(nn.Conv2d(c, c, 1)) for c in chans)
-        mid = _out_channels(self.middle_block)
-        self.middle_block_out = TimestepEmbedSequential(nn.Conv2d(mid, mid, 1))
-        layers: list[nn.Module] = []
-        cin = hint_channels
-        for cout, stride in HINT_BLOCK:
-            layers += [nn.Conv2d(cin, cout, 3, stride=stride, padding=1), nn.SiLU()]
-            cin = cout
-        layers.append(nn.Conv2d(cin, self.model_channels, 3, padding=1))
-        self.input_hint_block = TimestepEmbedSequential(*layers)
-        for p in (*self.zero_convs.parameters(), *self.middle_block_out.parameters()):
-            nn.init.normal_(p, std=0.05)
-        self.eval()
-
-    def forward(self, x, hint, timesteps, context, y=None, **kwargs):
-        from ldm.modules.diffusionmodules.util import timestep_embedding
-
-        emb = self.time_embed(timestep_embedding(timesteps, self.model_channels, repeat_only=False))
-        guided = self.input_hint_block(hint, emb, context)
-        outs = []
-        h = x
-        for module, zero_conv in zip(self.input_blocks, self.zero_convs):
-            h = module(h, emb, context)
-            if guided is not None:
-                h += guided
-                guided = None
-            outs.append(zero_conv(h, emb, context))
-        h = self.middle_block(h, emb, context)
-        outs.append(self.middle_block_out(h, emb, context))
-        return outs
+__all__ = ["ControlNet", "ControlNetScript", "ControlParams", "PlugableControlModel", "Runner", "UnetHook"]
 
 
 class PlugableControlModel(nn.Module):
@@ -79,20 +25,11 @@ class PlugableControlModel(nn.Module):
         self.control_model = control_model
         self.device = torch.device(device)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
         return self.control_model(*args, **kwargs)
 
     def fullvram(self) -> None:
         self.to(self.device)
-
-
-def _out_channels(block: nn.Module) -> int:
-    last = None
-    for m in block.modules():
-        if isinstance(m, nn.Conv2d):
-            last = m.out_channels
-    assert last is not None
-    return last
 
 
 class ControlParams:
@@ -142,15 +79,10 @@ class UnetHook:
             for param in outer.control_params:
                 if not getattr(param.control_model, "disable_memory_management", False):
                     param.control_model.fullvram()
-            total = None
-            for param in outer.control_params:
-                if param.disabled_by_hr_option(outer.hires):
-                    continue
-                control = param.control_model(x=x, hint=param.hint_cond, timesteps=timesteps, context=context)
-                control = [c * param.weight for c in control]
-                total = control if total is None else [c + t for c, t in zip(control, total)]
+            used = [p for p in outer.control_params if not p.disabled_by_hr_option(outer.hires)]
+            controls, hints = [p.control_model for p in used], [p.hint_cond for p in used]
             try:
-                return _unet_with_residuals(model, x, timesteps, context, total)
+                return controlled(model, controls, hints, x, timesteps, context, [p.weight for p in used])
             finally:
                 if outer.lowvram:
                     for param in outer.control_params:
@@ -175,23 +107,3 @@ class ControlNetScript:
 class Runner:
     def __init__(self, *scripts: object) -> None:
         self.alwayson_scripts = list(scripts)
-
-
-def _unet_with_residuals(unet, x, timesteps, context, residuals):
-    """The ldm UNet's forward with ControlNet's residuals added to the skips and the middle (what
-    ControlNet's hooked forward computes; ``residuals`` None: the UNet's own forward)."""
-    from ldm.modules.diffusionmodules.util import timestep_embedding
-
-    if residuals is None:
-        return unet._original_forward(x, timesteps=timesteps, context=context)
-    res = list(residuals)
-    emb = unet.time_embed(timestep_embedding(timesteps, unet.model_channels, repeat_only=False))
-    hs, h = [], x
-    for module in unet.input_blocks:
-        h = module(h, emb, context)
-        hs.append(h)
-    h = unet.middle_block(h, emb, context) + res.pop()
-    for module in unet.output_blocks:
-        h = torch.cat([h, hs.pop() + res.pop()], dim=1)
-        h = module(h, emb, context)
-    return unet.out(h)

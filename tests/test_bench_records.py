@@ -292,3 +292,17 @@ def test_sampling_stream_records():
 
     _keys([sampling_stream.run_case("sd15", 32, 16, 1 / 2)], STREAM_RUN)
     _keys([sampling_stream.plan_case("sd15", 3.0, 512, 12.0, torch.float32)], STREAM_PLAN)
+
+
+def test_sampling_controlnet_records(monkeypatch):
+    """``bench sampling``'s ControlNet records (issue 30 item 5) on the smallest case."""
+    from lib_vram.cli.bench import _controlnet, sampling
+
+    recs = _controlnet.records(("sd15", 16, 16, 2, "none"), {}, sampling._idle_bytes("sd15"))
+    assert [r["card_gib"] for r in recs] == list(sampling.CARDS)
+    keys = ("plain_ok", "guarded_ok", "controlnet_bytes", "controlnet_resident_bytes", "bytes_moved_per_step",
+            "controlnet_lowvram_bytes_per_step", "predicted_bytes", "peak_bytes")  # fmt: skip
+    for key in keys:
+        assert all(key in r for r in recs), key
+    assert all(r["bytes_moved_per_step"] < r["controlnet_lowvram_bytes_per_step"] for r in recs)
+    assert "ControlNet" in sampling._table(recs)

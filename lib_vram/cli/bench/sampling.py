@@ -1,7 +1,8 @@
 """``python -m lib_vram bench sampling``: one UNet sampling step on emulated 4/6/8 GB cards, the
 plain WebUI's way (the whole cond/uncond batch in one forward, the idle VAE and text encoders
 resident) against VRAM Guard's plan (the idle models off when the step does not fit beside them;
-the largest micro-batch that fits), then the streamed cases of :mod:`.sampling_stream`.
+the largest micro-batch that fits), then the streamed cases of :mod:`.sampling_stream` and the
+ControlNet cases of :mod:`._controlnet`.
 
 Models: the real ldm ``UNetModel`` at ``model_channels`` 32 (:data:`._unet.SHAPES`), float32 on
 the CPU under :class:`~lib_vram.core.emulate.EmulatedCard`. Each case scales the card and the idle
@@ -22,7 +23,7 @@ from lib_vram.planning import planner
 from lib_vram.planning.reference import vae_arch
 from lib_vram.sampling import estimate_sampling, micro_batched, plan_sampling, reference_spec, unet_spec
 
-from . import sampling_stream
+from . import _controlnet, sampling_stream
 from ._harness import Bench, attempt, runner, table
 
 HELP = (
@@ -56,13 +57,17 @@ def bench(args: argparse.Namespace) -> Bench:
     step, models = QUICK if args.quick else FULL, {}
     streamed = sampling_stream.cases(args.quick)
 
+    controls = [("controlnet", *c) for c in _controlnet.CASES]
+
     def run_case(case: tuple) -> list[dict]:
+        if case in controls:
+            return _controlnet.records(case[1:], models, _idle_bytes(case[1]))
         return _case_records(*case, models) if case in step else [sampling_stream.run_one(case)]
 
     def label(case: tuple) -> str:
         return "streamed: " + sampling_stream.label(case) if case in streamed else " ".join(map(str, case))
 
-    return Bench([*step, *streamed], run_case, _table, lines=False, label=label)
+    return Bench([*step, *streamed, *controls], run_case, _table, lines=False, label=label)
 
 
 def records(quick: bool) -> list[dict]:
@@ -145,7 +150,8 @@ def _case_records(shape: str, h: int, w: int, batch: int, attention: str, models
 
 def _table(records: list[dict]) -> str:
     sample = [r for r in records if r["stage"] == "sample"]
-    streamed = [r for r in records if r["stage"] != "sample"]
+    controls = [r for r in records if r["stage"] == "controlnet"]
+    streamed = [r for r in records if r["stage"] not in ("sample", "controlnet")]
     cols = [
         "shape", ("latent", lambda r: f"{r['latent'][0]}x{r['latent'][1]}"), "batch", "attention",
         ("card", lambda r: f"{r['card_gib']} GB ({r['card_bytes'] / 2**20:.0f} MiB)"),
@@ -160,7 +166,11 @@ def _table(records: list[dict]) -> str:
         "case's card and idle models scaled by f = reduced plain peak / full-size (fp16) plain peak\n"
         + table(cols, sample)
         + "\n\nStreamed UNet (the plan's last rung when even micro-batch 1 does not fit beside the whole "
-        "UNet):\n" + sampling_stream.table(streamed)
+        "UNet):\n"
+        + sampling_stream.table(streamed)
+        + "\n\nWith one ControlNet unit (cldm layout over the UNet's encoder; plain: ControlNet's model "
+        "on the card beside everything, as it keeps it; its Low VRAM has the same peak in the forward):\n"
+        + table(_controlnet.table_columns(), controls)
     )
 
 
