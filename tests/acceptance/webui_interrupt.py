@@ -152,7 +152,8 @@ def main() -> int:
                     Image.fromarray(imgs[0]).save(out / (f"{case}.png" if a.mode == "ref" else f"{tag}.png"))
                 rec["n_images"] = len(imgs)
                 if a.mode == "run" and not rec["interrupted"] and imgs and a.ref:
-                    r = np.asarray(Image.open(Path(a.ref) / f"{case}.png").convert("RGB")).astype(int)
+                    same = "sampling" if case == "skip" else case  # (the same job)
+                    r = np.asarray(Image.open(Path(a.ref) / f"{same}.png").convert("RGB")).astype(int)
                     rec["after_vs_fresh"] = (
                         int(np.abs(r - imgs[0].astype(int)).max()) if r.shape == imgs[0].shape else None
                     )
