@@ -581,3 +581,36 @@ def test_an_extras_job_after_a_failed_job_starts_with_its_leftovers_collected():
         jobs.close()
         host.state.end()
         wc.close()
+
+
+def test_lora_loads_and_backups_are_host_memory_on_the_emulated_card(monkeypatch):
+    """The built-in Lora extension loads a LoRA and backs up each weight it changes with
+    ``weight.to(devices.cpu, copy=True)``: host memory on a GPU. On the emulated card (the CPU)
+    they are host work; a tensor of the job itself still counts (and runs out of memory)."""
+    import sys
+    import types
+
+    mib4 = 1 << 20  # float32 elements in 4 MiB
+    networks = types.ModuleType("networks")
+    networks.store_weights_backup = lambda w: w.to("cpu", copy=True)
+    networks.load_network = lambda name, on_disk: torch.ones(mib4)
+    originals = (networks.store_weights_backup, networks.load_network)
+    monkeypatch.setitem(sys.modules, "networks", networks)
+    host = FakeHost(fake_sd_model())
+    wc = WebUICard(4 << 20, host=host)
+    wc.install()
+    wc.card.capacity = wc.card.resident_bytes + (6 << 20)
+    weight = torch.zeros(mib4)
+    host.state.begin()
+    try:
+        kept = [networks.store_weights_backup(weight), networks.load_network("vg-lora", None)]
+        kept.append(networks.store_weights_backup(weight))
+        assert wc.card.live_bytes == 0
+        kept.append(torch.ones(mib4))  # the job's own tensor: on the card
+        assert wc.card.live_bytes == 4 << 20
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.ones(mib4)
+    finally:
+        host.state.end()
+        wc.close()
+    assert (networks.store_weights_backup, networks.load_network) == originals

@@ -18,6 +18,7 @@ error where the card runs out) and what VRAM Guard does there — with the accor
   loaded inside a job (a checkpoint switch) stop counting as the job's tensors then. A checkpoint
   placed by VRAM Guard (:mod:`.placement`) counts what a GPU would hold of it: the placement
   recounts after this update.
+* **LoRA**: the built-in Lora extension's loads and weight backups are host memory, as on a GPU.
 * **ControlNet's models** (sd-webui-controlnet) are built in host memory and count on the card
   when ControlNet moves them there (:func:`lib_vram.residency.controlnet.emulate_moves`).
 * The card is :func:`~lib_vram.core.emulate.install`\\ ed: the readout, ``GET /vram-guard/v1/status``,
@@ -29,6 +30,7 @@ Everything is undone when the script unloads (:meth:`WebUICard.close`).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -164,8 +166,19 @@ class WebUICard:
             from lib_vram.residency.controlnet import emulate_moves
 
             emulate_moves(self.card, self.stack, runners().values())
+        self._host_side_lora()
         self.enter()
         return result
+
+    def _host_side_lora(self) -> None:
+        """The built-in Lora extension loads a LoRA and keeps its backup of each weight it changes
+        in host memory (``networks.load_network``; ``store_weights_backup``: ``weight.to(cpu)``):
+        on the emulated card (the CPU) they run as host work, as on a GPU (once patched)."""
+        networks = sys.modules.get("networks")
+        for name in ("load_network", "store_weights_backup"):
+            fn = getattr(networks, name, None)
+            if callable(fn) and getattr(fn, "fn", None) is not _as_host_work:
+                patch_attr(networks, name, _as_host_work, self.stack)
 
     def _leave_after(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -194,6 +207,11 @@ class WebUICard:
         self.card.set_resident(modules)
         resident = _mib(self.card.resident_bytes)
         logger.info("VRAM Guard: %s: %s resident (the loaded checkpoint)", self.card.label, resident)
+
+
+def _as_host_work(original: Any, *args: Any, **kwargs: Any) -> Any:
+    with emulate.host_work():
+        return original(*args, **kwargs)
 
 
 def _mib(n: int) -> str:
