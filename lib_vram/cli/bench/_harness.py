@@ -179,6 +179,26 @@ def mib_of(key: str, digits: int = 1) -> Callable[[dict], str]:
     return lambda r: mib(r.get(key), digits)
 
 
+def fmt(key: str, spec: str = "", unit: str = "") -> Callable[[dict], str]:
+    """A table cell: the record's ``key`` formatted by ``spec``, then ``unit`` (``-`` when it is missing)."""
+    return lambda r: "-" if r.get(key) is None else format(r[key], spec) + unit
+
+
+def known(option: str, text: str | None, choices: Sequence[str], every: str | None = None) -> list[str]:
+    """The comma-separated names of ``option`` (all of ``choices`` for ``every``); unknown ones:
+    ValueError naming the option."""
+    names = list(choices) if text == every else str(text).split(",")
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        raise ValueError(f"`{option}`: unknown {unknown}; known: {', '.join(choices)}")
+    return names
+
+
+def psnr(mse: float, peak: float) -> float:
+    """PSNR in dB of a mean squared error against a value range of ``peak`` (inf when equal)."""
+    return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
+
+
 def ok(flag: object, yes: str = "OK") -> str:
     """A table cell: ``yes`` or ``OOM``."""
     return yes if flag else "OOM"

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from lib_vram.cli.common import MAX_SECONDS, bounded_float, int_list
+from lib_vram.cli.common import MAX_SECONDS, bounded_float
 from lib_vram.core.device import capabilities, memory_info, resolve_device
 from lib_vram.core.emulate import EmulatedCard
 
 from ._harness import Bench, attempt, runner, timed
-from .emulate import GB, MAX_CARD_GB, RESIDENT_REAL, VAE_FULL, fidelity, image, latent, rrdb, stage_fns
+from .emulate import GB, RESIDENT_REAL, VAE_FULL, add_cards, fidelity, image, latent, rrdb, stage_fns
 from .vae import build_ldm
 
 HELP = "One prepared GPU run (< 8 min): capped 4/6/8 GB matrix, fp16 2048² decode, upscale batching, cuDNN."
@@ -45,14 +45,10 @@ HELP = "One prepared GPU run (< 8 min): capped 4/6/8 GB matrix, fp16 2048² deco
 def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--out", type=Path, default=Path("vram_guard_gpu.json"), help="the JSON file to write")
-    add(
-        "--budget-s",
-        type=bounded_float("--budget-s", 0.0, MAX_SECONDS, why="one day", unit="s"),
+    add("--budget-s", type=bounded_float("--budget-s", 0.0, MAX_SECONDS, why="one day", unit="s"),
         default=420.0,
-        help="stop starting new parts after this many seconds (default 420, at most 86400)",
-    )
-    add("--cards", type=int_list("--cards", 1, MAX_CARD_GB, why="1 TiB", unit="GB"), default="4,6,8",
-        help=f"card sizes in GB (default 4,6,8; each 1 to {MAX_CARD_GB})")  # fmt: skip
+        help="stop starting new parts after this many seconds (default 420, at most 86400)")  # fmt: skip
+    add_cards(parser)
 
 
 class _Clock:

@@ -21,7 +21,8 @@ from lib_vram.core import predict as P  # noqa: N812
 from lib_vram.core.tracker import StageTracker
 from lib_vram.planning import reference
 
-from ._harness import Bench, mib, runner
+from ._harness import Bench, known, mib, mib_of, runner
+from ._harness import table as grid
 
 HELP = "Predicted vs measured peak memory (CPU RSS) for VAE and upscaler stages, untiled and tiled."
 
@@ -173,21 +174,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--quick", action="store_true", help="only the 4 light cases (~1-2 min)")
     add("--case", action="append", default=None, help="run only these cases (repeatable)")
     add("--json", action="store_true", help="print JSON records instead of the table")
-    add(
-        "--glibc-default",
-        action="store_true",
-        help="run the cases with glibc's default malloc thresholds (RSS then also holds freed heap chunks)",
-    )
+    add("--glibc-default", action="store_true", help="run the cases with glibc's default malloc thresholds "
+        "(RSS then also holds freed heap chunks)")  # fmt: skip
     add("--timeout", type=bounded_float("--timeout", 0.0, MAX_SECONDS, why="one day", unit="s"),
         default=900.0, help="seconds per case (default 900, at most 86400)")  # fmt: skip
 
 
 def bench(args: argparse.Namespace) -> Bench:
     if args.case:
-        unknown = [n for n in args.case if n not in BY_NAME]
-        if unknown:
-            raise ValueError(f"`--case` {unknown} unknown; known: {sorted(BY_NAME)}")
-        cases = [BY_NAME[n] for n in args.case]
+        cases = [BY_NAME[n] for n in known("--case", ",".join(args.case), list(BY_NAME))]
     else:
         cases = [c for c in CASES if c.quick or not args.quick]
 
@@ -216,13 +211,9 @@ def _record(case: Case, pred: dict, meas: dict) -> dict:
 
 
 def _table(records: list[dict]) -> str:
-    lines = [
-        "| case | engine | plan | predicted MiB | measured MiB | error |",
-        "|---|---|---|---:|---:|---:|",
-    ]
-    for r in records:
-        lines.append(f"| {r['case']} | {r['engine']} | {r['plan']} | {mib(r['predicted_bytes'])} | "
-                     f"{mib(r['measured_bytes'])} | {100 * (r['error'] or 0):+.1f} % |")  # fmt: skip
+    lines = [grid(["case", "engine", "plan", ("predicted MiB", mib_of("predicted_bytes")),
+                   ("measured MiB", mib_of("measured_bytes")),
+                   ("error", lambda r: f"{100 * (r['error'] or 0):+.1f} %")], records)]  # fmt: skip
     errs = [abs(r["error"]) for r in records if r["error"] is not None]
     if errs:
         lines.append(f"\n{len(records)} cases; max |error| {100 * max(errs):.1f} %, "

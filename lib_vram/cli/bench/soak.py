@@ -72,7 +72,6 @@ class _Library:
         import tempfile
 
         import torch
-        from safetensors.torch import save_file
 
         from lib_vram import sampling
         from lib_vram.core import emulate
@@ -81,7 +80,8 @@ class _Library:
         from lib_vram.residency._modules import ModuleMover, nbytes_of, tensors_of
         from lib_vram.vae import TiledVAEConfig
 
-        from ._synthetic import image_like, make_imagelike_rrdb, rrdb_class
+        from ._archs import save
+        from ._synthetic import image_like, rrdb_net
         from ._unet import build_unet
         from .vae import SD_VAE, build_ldm
 
@@ -119,10 +119,9 @@ class _Library:
             mover.hook()
         self.baseline = self.card.used_bytes
         torch.manual_seed(0)
-        net = make_imagelike_rrdb(rrdb_class()(in_nc=3, out_nc=3, num_filters=8, num_blocks=1, scale=4))
         self.tmp = tempfile.TemporaryDirectory()
         self.path = os.path.join(self.tmp.name, "rrdb.safetensors")
-        save_file({k: v.contiguous() for k, v in net.state_dict().items()}, self.path)
+        save(rrdb_net(8, 1), self.path)
         self.lora = [m for n, m in self.unet.named_modules() if n.endswith(("attn2.to_k", "attn2.to_v"))][:2]
         g = torch.Generator().manual_seed(1)
         self.deltas = [torch.randn(m.weight.shape[0], 4, generator=g) @ torch.randn(4, m.weight.shape[1],
