@@ -148,47 +148,40 @@ def _make_sdp(math_kernel: bool = False):  # noqa: ANN202
     return fwd
 
 
-def _split_v1(self, x, context=None, mask=None):  # noqa: ANN001, ANN202
-    h = self.heads
-    q_in, k_in, v_in = _proj(self, x, context)
-    q, k, v = (_heads_first(t, h) for t in (q_in, k_in, v_in))
-    del q_in, k_in, v_in
-    r1 = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
-    for i in range(0, q.shape[0], 2):
-        s1 = torch.einsum("b i d, b j d -> b i j", q[i : i + 2], k[i : i + 2])
-        s1 *= self.scale
-        s2 = s1.softmax(dim=-1)
-        del s1
-        r1[i : i + 2] = torch.einsum("b i j, b j d -> b i d", s2, v[i : i + 2])
-        del s2
-    del q, k, v
-    r2 = _heads_last(r1, h)
-    del r1
-    return self.to_out(r2)
+def _compvis(q, k, v, scale: float | None = None):  # noqa: ANN001, ANN202
+    s = torch.einsum("b i d, b j d -> b i j", q, k)
+    if scale is not None:
+        s *= scale
+    s = s.softmax(dim=-1, dtype=s.dtype)
+    return torch.einsum("b i j, b j d -> b i d", s, v)
 
 
-def _make_doggettx(free: Callable[[], float]):  # noqa: ANN202
+def _sliced(q, k, v, dim: int, step, scale: float | None = None):  # noqa: ANN001, ANN202
+    """Attention of ``(b h) n d`` tensors ``step`` at a time along ``dim`` (0: batch x heads, each
+    with its keys; 1: queries, against all keys) into one preallocated output (``step`` callable:
+    asked once that is allocated, as Doggettx probes the free memory)."""
+    r = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    step = step() if callable(step) else step
+    for i in range(0, q.shape[dim], step):
+        at = slice(i, i + step) if dim == 0 else (slice(None), slice(i, i + step))
+        r[at] = _compvis(q[at], k[at] if dim == 0 else k, v[at] if dim == 0 else v, scale)
+    return r
+
+
+def _heads(attend, *, prescale: bool, keep: bool = False):  # noqa: ANN001, ANN202
+    """A forward that runs ``attend(self, q, k, v)`` on the host's ``(b h) n d`` copies (``k``
+    scaled first with ``prescale``; ``keep``: q, k, v still held while the output is rearranged)."""
+
     def fwd(self, x, context=None, mask=None):  # noqa: ANN001, ANN202
         h = self.heads
         q_in, k_in, v_in = _proj(self, x, context)
-        k_in = k_in * self.scale
+        if prescale:
+            k_in = k_in * self.scale
         q, k, v = (_heads_first(t, h) for t in (q_in, k_in, v_in))
         del q_in, k_in, v_in
-        r1 = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
-        size = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size()
-        need = size * (3 if q.element_size() == 2 else 2.5)
-        avail = free()
-        steps = 1 if need <= avail else 2 ** math.ceil(math.log2(need / max(avail, 1)))
-        if steps > 64:
-            raise RuntimeError("Not enough memory, use lower resolution")
-        rows = q.shape[1] // steps if q.shape[1] % steps == 0 else q.shape[1]
-        for i in range(0, q.shape[1], rows):
-            s1 = torch.einsum("b i d, b j d -> b i j", q[:, i : i + rows], k)
-            s2 = s1.softmax(dim=-1, dtype=q.dtype)
-            del s1
-            r1[:, i : i + rows] = torch.einsum("b i j, b j d -> b i d", s2, v)
-            del s2
-        del q, k, v
+        r1 = attend(self, q, k, v)
+        if not keep:
+            del q, k, v
         r2 = _heads_last(r1, h)
         del r1
         return self.to_out(r2)
@@ -196,39 +189,37 @@ def _make_doggettx(free: Callable[[], float]):  # noqa: ANN202
     return fwd
 
 
-def _compvis(q, k, v):  # noqa: ANN001, ANN202
-    s = torch.einsum("b i d, b j d -> b i j", q, k)
-    s = s.softmax(dim=-1, dtype=s.dtype)
-    return torch.einsum("b i j, b j d -> b i d", s, v)
+_split_v1 = _heads(lambda self, q, k, v: _sliced(q, k, v, 0, 2, self.scale), prescale=False)
+
+
+def _make_doggettx(free: Callable[[], float]):  # noqa: ANN202
+    def attend(self, q, k, v):  # noqa: ANN001, ANN202
+        def rows() -> int:
+            size = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size()
+            need = size * (3 if q.element_size() == 2 else 2.5)
+            avail = free()
+            steps = 1 if need <= avail else 2 ** math.ceil(math.log2(need / max(avail, 1)))
+            if steps > 64:
+                raise RuntimeError("Not enough memory, use lower resolution")
+            return q.shape[1] // steps if q.shape[1] % steps == 0 else q.shape[1]
+
+        return _sliced(q, k, v, 1, rows)
+
+    return _heads(attend, prescale=True)
 
 
 def _make_invokeai(free: Callable[[], float], backend: str):  # noqa: ANN202
-    def einsum_op(q, k, v):  # noqa: ANN001, ANN202
+    def attend(self, q, k, v):  # noqa: ANN001, ANN202
         max_mb = free() / 3.3 / MiB if backend in ("cuda", "rocm") else 32
         size_mb = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size() // MiB
         if size_mb <= max_mb:
             return _compvis(q, k, v)
         div = 1 << int((size_mb - 1) / max_mb).bit_length()
-        r = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
         if div <= q.shape[0]:
-            step = q.shape[0] // div
-            for i in range(0, q.shape[0], step):
-                r[i : i + step] = _compvis(q[i : i + step], k[i : i + step], v[i : i + step])
-        else:
-            step = max(q.shape[1] // div, 1)
-            for i in range(0, q.shape[1], step):
-                r[:, i : i + step] = _compvis(q[:, i : i + step], k, v)
-        return r
+            return _sliced(q, k, v, 0, q.shape[0] // div)
+        return _sliced(q, k, v, 1, max(q.shape[1] // div, 1))
 
-    def fwd(self, x, context=None, mask=None):  # noqa: ANN001, ANN202
-        h = self.heads
-        q, k, v = _proj(self, x, context)
-        k = k * self.scale
-        q, k, v = (_heads_first(t, h) for t in (q, k, v))
-        r = einsum_op(q, k, v)
-        return self.to_out(_heads_last(r, h))
-
-    return fwd
+    return _heads(attend, prescale=True, keep=True)
 
 
 def _make_sub_quad(free: Callable[[], float], q_chunk: int = 1024):  # noqa: ANN202

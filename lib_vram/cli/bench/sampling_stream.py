@@ -299,8 +299,7 @@ def gpu_stream(  # noqa: ANN001
                  "bytes_moved_per_step": 0, "max_memory_allocated": peak, "identical": True})  # fmt: skip
     secs = {}
     for prefetch in (True, False):
-        if clock is not None and clock.left() < 30:
-            skipped.append(f"stream_unet prefetch {prefetch}: out of time")
+        if clock is not None and clock.late(skipped, f"stream_unet prefetch {prefetch}", 30):
             continue
         with StreamedUNet(unet, plan, device, prefetch=prefetch) as s:
             t, out, peak = timed()
@@ -329,7 +328,7 @@ def gpu_stream(  # noqa: ANN001
         # the share of the copy time prefetch hid behind compute (1: all of it)
         rec["overlap"] = round(max(0.0, min(1.0, (secs[False] - secs[True]) / copy_s)), 3)
     rows.append(rec)
-    if clock is None or clock.left() >= 30:
+    if clock is None or not clock.late(skipped, "stream_unet --lowvram", 30):
         hooks = _lowvram_hooks(unet, device)
         try:
             t, out, peak = timed()
@@ -340,8 +339,6 @@ def gpu_stream(  # noqa: ANN001
         rows.append({**base, "case": "--lowvram's way", "seconds_per_step": round(t, 4),
                      "bytes_moved_per_step": lowvram_bytes_per_forward(unit_bytes(unet, 1)),
                      "max_memory_allocated": peak, "identical": bool(torch.equal(out, ref))})  # fmt: skip
-    else:
-        skipped.append("stream_unet --lowvram: out of time")
     unet.to("cpu")  # the next parts get the card back
     torch.cuda.empty_cache()
     return rows
