@@ -32,13 +32,8 @@ DEFAULT_DRIFT_TOLERANCE = 64 * 2**20
 above allocator and RSS noise, below a leaked SD VAE tile or image tensor)."""
 
 RELEASE_POINTS: tuple[str, ...] = (
-    "process",
-    "before_hr",
-    "post_sample",
-    "postprocess_batch",
-    "job_end",
-    "failure",
-)
+    "process", "before_hr", "post_sample", "postprocess_batch", "job_end", "failure",
+)  # fmt: skip
 """Stage boundaries where :func:`release_at` may run ``gc.collect()`` + cache release:
 
 * ``process`` - job start, before the text encoder and UNet run (drops leftovers of the last job);

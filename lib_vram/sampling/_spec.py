@@ -65,17 +65,9 @@ class UNetSpec:
     def signature(self) -> tuple:
         """A hashable key of the architecture (the planner memory's ``model`` part)."""
         return (
-            "unet",
-            self.model_channels,
-            self.channel_mult,
-            self.num_res_blocks,
-            self.depth,
-            self.depth_middle,
-            self.heads,
-            self.context_dim,
-            self.use_linear,
-            self.adm_in_channels,
-        )
+            "unet", self.model_channels, self.channel_mult, self.num_res_blocks, self.depth,
+            self.depth_middle, self.heads, self.context_dim, self.use_linear, self.adm_in_channels,
+        )  # fmt: skip
 
 
 def _transformer_of(block: nn.Module) -> nn.Module | None:
@@ -128,21 +120,11 @@ def unet_spec(module: nn.Module) -> UNetSpec:
             seen.add(id(t))
             params += t.numel()
     return UNetSpec(
-        name=type(module).__name__,
-        in_channels=int(module.in_channels),
-        out_channels=int(module.out_channels),
-        model_channels=int(module.model_channels),
-        channel_mult=mult,
-        num_res_blocks=nres,
-        depth=tuple(depth),
-        depth_middle=dmid,
-        heads=tuple(heads),
-        heads_middle=hmid,
-        context_dim=context_dim or 1,
-        use_linear=use_linear,
-        adm_in_channels=adm,
-        params=params,
-    )
+        name=type(module).__name__, in_channels=int(module.in_channels),
+        out_channels=int(module.out_channels), model_channels=int(module.model_channels), channel_mult=mult,
+        num_res_blocks=nres, depth=tuple(depth), depth_middle=dmid, heads=tuple(heads), heads_middle=hmid,
+        context_dim=context_dim or 1, use_linear=use_linear, adm_in_channels=adm, params=params,
+    )  # fmt: skip
 
 
 # -- closed-form parameter count (reference specs have no module to count) --------------------
