@@ -66,12 +66,9 @@ def _nbytes(shape: tuple[int, ...] | torch.Size, elem: int) -> int:
 
 
 def cpu_conv_workspace_bytes(
-    input_shape: tuple[int, ...],
-    weight_shape: tuple[int, ...],
-    output_shape: tuple[int, ...],
-    elem: int,
+    input_shape: tuple[int, ...], weight_shape: tuple[int, ...], output_shape: tuple[int, ...], elem: int,
     input_contiguous: bool = True,
-) -> int:
+) -> int:  # fmt: skip
     """Scratch bytes the CPU convolution allocates besides its output.
 
     On torch's CPU backend (oneDNN available and enabled, the default: ``torch._C._select_conv_backend``
@@ -231,12 +228,9 @@ def _quiet_fake() -> Iterator[None]:
 
 
 def count_peak(
-    fn: Callable[..., object],
-    *args: object,
-    fake_mode: FakeTensorMode | None = None,
-    workspace: WorkspaceTerm | None = None,
-    **kwargs: object,
-) -> tuple[int, int]:
+    fn: Callable[..., object], *args: object, fake_mode: FakeTensorMode | None = None,
+    workspace: WorkspaceTerm | None = None, **kwargs: object,
+) -> tuple[int, int]:  # fmt: skip
     """Run ``fn(*args, **kwargs)`` under a fake mode; return ``(peak_bytes, ops)`` allocated by it.
 
     ``args`` may be fake tensors of ``fake_mode``, real tensors (converted on use) or anything else.
@@ -253,14 +247,10 @@ def count_peak(
 
 
 def predict_callable(
-    fn: Callable[..., object],
-    input_shapes: tuple[tuple[int, ...], ...],
-    *,
-    dtype: torch.dtype | str = torch.float32,
-    weights: int = 0,
-    backend: str = "cpu",
+    fn: Callable[..., object], input_shapes: tuple[tuple[int, ...], ...], *,
+    dtype: torch.dtype | str = torch.float32, weights: int = 0, backend: str = "cpu",
     fake_mode: FakeTensorMode | None = None,
-) -> PeakPrediction:
+) -> PeakPrediction:  # fmt: skip
     """Predict ``fn(*inputs)`` where ``inputs`` are fresh fake tensors of ``input_shapes``."""
     dt = dtype_of(dtype)
     mode = fake_mode or new_fake_mode()
@@ -280,13 +270,9 @@ def predict_callable(
 
 
 def predict_module_peak(
-    module: torch.nn.Module,
-    input_shape: tuple[int, ...],
-    dtype: torch.dtype | str = torch.float32,
-    *,
-    backend: str = "cpu",
-    fake_mode: FakeTensorMode | None = None,
-) -> PeakPrediction:
+    module: torch.nn.Module, input_shape: tuple[int, ...], dtype: torch.dtype | str = torch.float32, *,
+    backend: str = "cpu", fake_mode: FakeTensorMode | None = None,
+) -> PeakPrediction:  # fmt: skip
     """Predict the peak of ``module(x)`` for an input of ``input_shape`` at ``dtype`` (untiled).
 
     ``module`` may hold real weights (they are copied as fake tensors, nothing is allocated) or be

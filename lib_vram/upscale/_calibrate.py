@@ -332,15 +332,9 @@ def measure_reach(spec: ModelSpec, device: torch.device, dtype: torch.dtype, hal
 
 
 def _cached(
-    name: str,
-    probe: Callable[..., Any],
-    spec: ModelSpec,
-    device: torch.device,
-    dtype: torch.dtype,
-    fallback: Any,
-    measure: bool,
-    *extra: Any,
-) -> Any:
+    name: str, probe: Callable[..., Any], spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+    fallback: Any, measure: bool, *extra: Any,
+) -> Any:  # fmt: skip
     """``probe(spec, device, dtype, *extra)`` once per (model, ``name``, ``extra``, dtype, device
     type); ``fallback`` when not measuring, and (uncached) when the probe runs out of memory."""
     if not measure:

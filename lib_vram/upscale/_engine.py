@@ -113,17 +113,10 @@ def _axis_weights(
 
 class _Run:
     def __init__(
-        self,
-        spec: ModelSpec,
-        cfg: UpscaleConfig,
-        device: torch.device,
-        dtype: torch.dtype,
-        rep: UpscaleReport,
-        tracker: object | None,
-        should_interrupt: Callable[[], bool] | None,
-        progress: Callable[[int, int], None] | None,
-        memory: planner.PlanMemory,
-    ) -> None:
+        self, spec: ModelSpec, cfg: UpscaleConfig, device: torch.device, dtype: torch.dtype,
+        rep: UpscaleReport, tracker: object | None, should_interrupt: Callable[[], bool] | None,
+        progress: Callable[[int, int], None] | None, memory: planner.PlanMemory,
+    ) -> None:  # fmt: skip
         self.spec, self.cfg, self.device, self.dtype = spec, cfg, device, dtype
         self.rep, self.tracker = rep, tracker
         self.should_interrupt, self.progress = should_interrupt, progress
@@ -411,13 +404,8 @@ class _Run:
         return pieces
 
     def loop(
-        self,
-        xp: Tensor,
-        tiles: list[_Tile],
-        tile: int,
-        batch: int,
-        acc_dev: torch.device,
-    ) -> Tensor:
+        self, xp: Tensor, tiles: list[_Tile], tile: int, batch: int, acc_dev: torch.device,
+    ) -> Tensor:  # fmt: skip
         spec, rep, device = self.spec, self.rep, self.device
         bsz, _, hp, wp = xp.shape
         h_out, w_out = hp * spec.scale, wp * spec.scale
@@ -509,17 +497,11 @@ class _Run:
 
 
 def upscale_tensor(
-    model: object,
-    x: Tensor,
-    *,
-    config: UpscaleConfig | None = None,
-    scale: int | None = None,
-    should_interrupt: Callable[[], bool] | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    tracker: object | None = None,
-    report: UpscaleReport | None = None,
+    model: object, x: Tensor, *, config: UpscaleConfig | None = None, scale: int | None = None,
+    should_interrupt: Callable[[], bool] | None = None, progress: Callable[[int, int], None] | None = None,
+    tracker: object | None = None, report: UpscaleReport | None = None,
     memory: planner.PlanMemory | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """Upscale ``x`` (``[B, C, H, W]``, float in [0, 1]) with ``model``, tiled as memory requires.
 
     Args:
@@ -582,12 +564,9 @@ def upscale_tensor(
 
 
 def _once_more(
-    fn: Callable[[], Tensor],
-    rep: UpscaleReport,
-    device: torch.device,
-    what: str,
+    fn: Callable[[], Tensor], rep: UpscaleReport, device: torch.device, what: str,
     on_oom: Callable[[str], None] | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """``fn()``; after an out-of-memory error, release and try once more (the error may have been a
     moment of pressure); a second one propagates. ``on_oom(text)`` records the event (default:
     ``rep.events``)."""

@@ -197,12 +197,9 @@ def default_cache() -> ModelCache:
 
 
 def load_model(
-    path: str | os.PathLike,
-    *,
-    device: torch.device | str | None = None,
-    cache: ModelCache | None = None,
+    path: str | os.PathLike, *, device: torch.device | str | None = None, cache: ModelCache | None = None,
     dtype: torch.dtype | None = None,
-) -> object:
+) -> object:  # fmt: skip
     """Load an upscaler (``.pth``, ``.pt``, ``.ckpt``, ``.safetensors``) as a spandrel
     ``ImageModelDescriptor`` on ``device``, through ``cache`` (default: :func:`default_cache`).
 

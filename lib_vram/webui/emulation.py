@@ -70,12 +70,8 @@ class WebUICard:
     """The emulated card of this WebUI process (see the module docstring)."""
 
     def __init__(
-        self,
-        capacity: int | str | emulate.EmulatedCard,
-        *,
-        host: Any,
-        device: torch.device | str = "cpu",
-    ) -> None:
+        self, capacity: int | str | emulate.EmulatedCard, *, host: Any, device: torch.device | str = "cpu",
+    ) -> None:  # fmt: skip
         if isinstance(capacity, emulate.EmulatedCard):
             self.card = capacity
         else:
