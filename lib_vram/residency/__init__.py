@@ -7,6 +7,8 @@ Public API:
   every model of the session with its bytes, home and place; each stage's room; the moves.
 * :func:`plan_checkpoint` -> :class:`CheckpointPlan` (``_place.py``): the UNet's resident and
   streamed parts, the parked parts, the host memory it takes.
+* :mod:`.controlnet`: sd-webui-controlnet's control models in the owner (duck-typed), and its
+  moves on the emulated card.
 
 Host-free: the package imports torch, the core and the sampling engine, never the WebUI.
 """

@@ -84,9 +84,9 @@ class ModuleMover:
                 self.card.set_resident(self.card.resident_bytes + self.nbytes)
             else:
                 try:
-                    self.module.to(self.device)
+                    self._to(self.device)
                 except BaseException:
-                    self.module.to("cpu")
+                    self._to("cpu")
                     raise
             self.unhook()
 
@@ -106,8 +106,14 @@ class ModuleMover:
             if self.card is not None:
                 self.card.set_resident(max(0, self.card.resident_bytes - self.nbytes))
             else:
-                self.module.to("cpu")
+                self._to("cpu")
             self.hook()
+
+    def _to(self, device: Any) -> None:
+        """``module.to(device)``; past a ``to`` that holds an extension's own moves (its
+        ``moves`` attribute: the real move, see :mod:`lib_vram.residency.controlnet`)."""
+        to = self.module.to
+        getattr(to, "moves", to)(device)
 
     def hook(self) -> None:
         """``on_use`` at the first forward of any submodule while off the card."""

@@ -27,11 +27,12 @@ Every move is logged once, with its reason, and kept in :attr:`Owner.moves` for 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -356,6 +357,23 @@ class Owner:
             mine = [(m, CARD) for m in self.models if id(m) in used and m.home == HOST and m.where == CARD]
             self._loose = [(m, w) for m, w in self._loose if id(m) not in used]
             return self._home(moves + mine, f"{stage.replace('_', ' ')} is done")
+
+    @contextlib.contextmanager
+    def computing(self, models: Iterable[Model]) -> Iterator[None]:
+        """``models`` are busy (never moved) while the enclosed forward runs."""
+        with self._lock:
+            new = {id(m) for m in models} - self.busy
+            self.busy |= new
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.busy -= new
+
+    def send_home(self, models: Iterable[Model], why: str) -> int:
+        """These models go home now, outside any stage (an extension's models at the job's end)."""
+        with self._lock:
+            return self._home([(m, m.where) for m in models], why)
 
     def open_stages(self) -> list[str]:
         with self._lock:

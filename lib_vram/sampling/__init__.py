@@ -3,7 +3,8 @@
 Public API:
 
 * :class:`UNetSpec`, :func:`unet_spec` (from a live ldm/sgm ``UNetModel``, duck-typed),
-  :func:`reference_spec` (``"sd15"``, ``"sd2"``, ``"sdxl"``: no weights, no ldm).
+  :func:`reference_spec` (``"sd15"``, ``"sd2"``, ``"sdxl"``: no weights, no ldm); a cldm
+  ControlNet's (``is_control``; :func:`reference_control`): a pass's ``controls``.
 * :data:`ATTENTIONS`, :func:`attention_of`: the WebUI's cross-attention optimizations.
 * :func:`estimate_sampling` -> :class:`SamplingEstimate`: closed-form weights, activations and
   peak of one UNet forward (no fitted factors; checked against the real ldm ``UNetModel`` on fake
@@ -26,7 +27,7 @@ from ._copy import StreamStats
 from ._estimate import MAX_BATCH, MAX_LATENT_SIDE, SamplingEstimate, estimate_sampling
 from ._micro import MicroBatched, micro_batched
 from ._plan import SamplingPlan, plan_sampling, sampling_key, suggest
-from ._spec import REFERENCES, UNetSpec, param_count, reference_spec, unet_spec
+from ._spec import CONTROLS, REFERENCES, UNetSpec, param_count, reference_control, reference_spec, unet_spec
 from ._stream import StreamedUNet
 from ._stream_plan import (
     StreamPlan,
@@ -39,6 +40,7 @@ from ._units import UNIT_PARTS, unet_units, unit_bytes
 
 __all__ = [
     "ATTENTIONS",
+    "CONTROLS",
     "MAX_BATCH",
     "MAX_LATENT_SIDE",
     "REFERENCES",
@@ -61,6 +63,7 @@ __all__ = [
     "micro_batched",
     "param_count",
     "plan_sampling",
+    "reference_control",
     "reference_spec",
     "sampling_key",
     "suggest",

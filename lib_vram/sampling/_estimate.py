@@ -26,7 +26,7 @@ from lib_vram.core.livebytes import itemsize
 from lib_vram.core.predict import WORKSPACE_TERMS
 
 from ._attention import ATTENTIONS, Walk, attend
-from ._spec import UNetSpec
+from ._spec import HINT_BLOCK, UNetSpec
 
 MAX_BATCH = 64
 """The largest UNet batch estimated or planned (the WebUI's batch size x batch count bound is 8 x
@@ -241,6 +241,57 @@ class _UNetWalk:
         w.drop(a, h, emb)
         del out
 
+    def control(self, hw: tuple[int, int]) -> int:
+        """cldm ``ControlNet.forward``: the hint block on the control image (8x the latent), the
+        down path (a block's output leaves after the next block; each zero convolution's output
+        is held for the UNet), the middle block and its zero convolution. Returns the bytes of
+        the outputs (the residuals, held at the end)."""
+        spec, w, b, s = self.spec, self.w, self.b, self.s
+        mc = spec.model_channels
+        emb = w.hold(b * 4 * mc * s)
+        cur, cin, prev = (hw[0] * 8, hw[1] * 8), spec.hint_channels, 0
+        for cout, stride in HINT_BLOCK:
+            nxt = cur if stride == 1 else ((cur[0] + 1) // 2, (cur[1] + 1) // 2)
+            c = self.conv(cin, cout, 3, cur, nxt)
+            w.drop(prev)
+            prev = w.hold(b * cout * nxt[0] * nxt[1] * s)  # SiLU
+            w.drop(c)
+            cin, cur = cout, nxt
+        guided = self.conv(cin, mc, 3, cur, cur)
+        w.drop(prev)
+        cur = hw
+        h = self.conv(spec.in_channels, mc, 3, cur, cur)
+        w.drop(guided)  # (added in place)
+        outs = [self.conv(mc, mc, 1, cur, cur)]
+        ch = mc
+        for lv in range(spec.levels):
+            for _ in range(spec.num_res_blocks[lv]):
+                r = self.resblock(ch, spec.channels(lv), cur)
+                ch = spec.channels(lv)
+                t = self.transformer(ch, spec.depth[lv], spec.heads[lv], cur)
+                if t:
+                    w.drop(r)
+                    r = t
+                w.drop(h)
+                h = r
+                outs.append(self.conv(ch, ch, 1, cur, cur))
+            if lv != spec.levels - 1:
+                nxt = ((cur[0] + 1) // 2, (cur[1] + 1) // 2)
+                d = self.conv(ch, ch, 3, cur, nxt)
+                w.drop(h)
+                h, cur = d, nxt
+                outs.append(self.conv(ch, ch, 1, cur, cur))
+        r1 = self.resblock(ch, ch, cur)
+        t = self.transformer(ch, spec.depth_middle, spec.heads_middle, cur)
+        if t:
+            w.drop(r1)
+            r1 = t
+        r2 = self.resblock(ch, ch, cur)
+        w.drop(r1, h)
+        outs.append(self.conv(ch, ch, 1, cur, cur))
+        w.drop(r2, emb)
+        return sum(outs)
+
 
 def weights_bytes(spec: UNetSpec, dtype: torch.dtype) -> int:
     return spec.params * itemsize(dtype)
@@ -251,6 +302,8 @@ def input_bytes(
 ) -> int:
     s = itemsize(dtype)
     h, w = latent_hw
+    if spec.is_control:  # the control image (its latent, context and timesteps are the UNet's)
+        return batch * spec.hint_channels * h * w * 64 * s
     x = batch * spec.in_channels * h * w * s
     ctx = batch * context_tokens * spec.context_dim * s
     return x + ctx + batch * 4 + batch * spec.adm_in_channels * s
@@ -279,17 +332,34 @@ def estimate_sampling(
     convolution scratch, InvokeAI's fixed 32 MiB slices)."""
     h, w = _check(batch, latent_hw, context_tokens, attention)
     walk = Walk(free_bytes)
-    _UNetWalk(spec, batch, context_tokens, attention, itemsize(dtype), backend, walk).forward((h, w))
+    unet = _UNetWalk(spec, batch, context_tokens, attention, itemsize(dtype), backend, walk)
+    (unet.control if spec.is_control else unet.forward)((h, w))
     wb = weights_bytes(spec, dtype)
     ib = input_bytes(spec, batch, latent_hw, context_tokens, dtype)
     return SamplingEstimate(wb, walk.peak, wb + ib + walk.peak, ib, walk.refused)
+
+
+def residual_bytes(spec: UNetSpec, batch: int, latent_hw: tuple[int, int], dtype: torch.dtype) -> int:
+    """One set of a ControlNet's outputs (the residuals it hands the UNet: one per input block,
+    the sizes of the UNet's skips, and one for the middle)."""
+    h, w = latent_hw
+    total, ch = spec.model_channels * h * w, spec.model_channels
+    for lv in range(spec.levels):
+        total += spec.num_res_blocks[lv] * spec.channels(lv) * h * w
+        ch = spec.channels(lv)
+        if lv != spec.levels - 1:
+            h, w = (h + 1) // 2, (w + 1) // 2
+            total += ch * h * w
+    return (total + ch * h * w) * batch * itemsize(dtype)
 
 
 @dataclass(frozen=True)
 class Step:
     """One sampling step as the estimate, the plan and the streamed plan size it: the UNet, the
     host's batch (the sampler holds all of it), the latent, the context tokens, the attention, the
-    dtype and the backend (see :func:`estimate_sampling`)."""
+    dtype and the backend (see :func:`estimate_sampling`), and the ControlNets of the pass
+    (``controls``: their specs, :func:`~._spec.reference_control` or :func:`~._spec.unet_spec` of a
+    live one)."""
 
     spec: UNetSpec
     batch: int
@@ -298,15 +368,28 @@ class Step:
     attention: str
     dtype: torch.dtype
     backend: str = "cuda"
+    controls: tuple[UNetSpec, ...] = ()
 
     @property
     def weights_bytes(self) -> int:
         return weights_bytes(self.spec, self.dtype)
 
     @property
+    def control_bytes(self) -> int:
+        """The ControlNets' weights (on the card for the pass)."""
+        return sum(weights_bytes(c, self.dtype) for c in self.controls)
+
+    @property
     def input_bytes(self) -> int:
-        """The inputs of the whole batch."""
-        return input_bytes(self.spec, self.batch, self.latent_hw, self.context_tokens, self.dtype)
+        """The inputs of the whole batch (and the control images)."""
+        hint = sum(input_bytes(c, self.batch, self.latent_hw, 1, self.dtype) for c in self.controls)
+        return input_bytes(self.spec, self.batch, self.latent_hw, self.context_tokens, self.dtype) + hint
+
+    @property
+    def micro_batches(self) -> range:
+        """The micro-batches a plan may choose: ControlNet's forward wrapper runs the control
+        models on the whole batch's control image, so a pass with ControlNets runs whole."""
+        return range(self.batch, self.batch - 1 if self.controls else 0, -1)
 
     def outputs(self, m: int) -> int:
         """The micro-batches' outputs held while the last one runs, or during their concatenation
@@ -318,15 +401,23 @@ class Step:
 
     def activation(self, m: int, free_bytes: int | None) -> tuple[int, SamplingEstimate]:
         """The activations at micro-batch ``m`` (its forward's and the chunks' outputs) and the
-        forward's estimate, with ``free_bytes`` free when it starts."""
-        est = estimate_sampling(
-            self.spec,
-            batch=m,
-            latent_hw=self.latent_hw,
-            context_tokens=self.context_tokens,
-            attention=self.attention,
-            dtype=self.dtype,
-            free_bytes=free_bytes,
-            backend=self.backend,
-        )
-        return est.activation_bytes + self.outputs(m), est
+        forward's estimate, with ``free_bytes`` free when it starts. With ControlNets (as
+        sd-webui-controlnet's hook runs them): each control model's forward, while the running
+        total of the residuals and the previous unit's scaled outputs are held, then the UNet's
+        forward with both held and one skip-sized sum at each of its concatenations."""
+        kw = dict(
+            latent_hw=self.latent_hw, context_tokens=self.context_tokens, attention=self.attention,
+            dtype=self.dtype, free_bytes=free_bytes, backend=self.backend,
+        )  # fmt: skip
+        est = estimate_sampling(self.spec, batch=m, **kw)
+        act = est.activation_bytes + self.outputs(m)
+        if not self.controls:
+            return act, est
+        h, w = self.latent_hw
+        sets = [residual_bytes(c, m, self.latent_hw, self.dtype) for c in self.controls]
+        peaks = [act + 2 * max(sets) + m * self.spec.model_channels * h * w * itemsize(self.dtype)]
+        for i, c in enumerate(self.controls):
+            held = 2 * max(sets[:i]) if i else 0
+            peaks.append(estimate_sampling(c, batch=m, **kw).activation_bytes + held)
+            peaks.append((3 if i else 2) * sets[i])
+        return max(peaks), est

@@ -62,6 +62,8 @@ class SamplingPlan:
     attention: str = ""
     candidates: tuple[planner.Candidate, ...] = ()
     notes: tuple[str, ...] = ()
+    control_bytes: int = 0
+    """The ControlNets' weights of the pass (in the peak, not in ``weights_bytes``)."""
 
 
 def sampling_key(
@@ -88,10 +90,11 @@ def sampling_key(
 
 
 def step_key(step: Step, budget_bytes: int) -> tuple:
-    """:func:`sampling_key` of ``step``."""
-    return sampling_key(
+    """:func:`sampling_key` of ``step`` (with its ControlNets' signatures)."""
+    key = sampling_key(
         step.spec, step.batch, step.latent_hw, step.context_tokens, step.attention, step.dtype, budget_bytes
     )
+    return key + tuple(c.signature() for c in step.controls)
 
 
 _PEAKS: OrderedDict[Hashable, dict[int, int]] = OrderedDict()
@@ -120,10 +123,10 @@ def _candidate(m: int, peak: int) -> planner.Candidate:
 def _peaks(step: Step, budget: int, resident: int) -> tuple[dict[int, int], dict[int, SamplingEstimate]]:
     """Each micro-batch's predicted peak (the weights, ``resident``, the inputs, its activations)
     and estimate, the attention's slices sized from what ``budget`` leaves free."""
-    base = step.weights_bytes + resident + step.input_bytes
+    base = step.weights_bytes + step.control_bytes + resident + step.input_bytes
     free = max(0, budget - base)
     peaks, ests = {}, {}
-    for m in range(step.batch, 0, -1):
+    for m in step.micro_batches:
         act, est = step.activation(m, free)
         peak = base + act
         if est.refused:
@@ -163,6 +166,7 @@ def plan_sampling(
     resident_bytes: int = 0,
     backend: str = "cuda",
     memory: planner.PlanMemory | None = None,
+    controls: tuple[UNetSpec, ...] = (),
 ) -> SamplingPlan:
     """The micro-batch one sampling step runs and its predicted peak (see the module docstring).
 
@@ -173,8 +177,9 @@ def plan_sampling(
             (other models left on the card) and the step's inputs and activations.
         backend: see :func:`estimate_sampling`.
         memory: the planner memory consulted (default :data:`lib_vram.planning.planner.MEMORY`).
+        controls: the ControlNets of the pass (their weights are in the peak; the pass runs whole).
     """
-    step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend)
+    step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend, tuple(controls))
     return plan_step(step, budget_bytes, resident_bytes, memory)
 
 
@@ -192,11 +197,11 @@ def plan_step(
     choice, naive = learned_choice(mem, key, cands, budget_bytes)
     notes: list[str] = []
     # nothing fits: the smallest micro-batch is the step's best chance
-    m = choice.candidate.batch if choice.fits else 1
+    m = choice.candidate.batch if choice.fits else min(peaks)
     if naive is not None:
         notes.append(f"micro-batch {m} instead of {naive}: learned from an earlier out-of-memory error")
     peak = int(peaks[m] * mem.ratio(key))
-    wb, ib = step.weights_bytes, step.input_bytes
+    wb, ib, cb = step.weights_bytes, step.input_bytes, step.control_bytes
     suggestion = None
     if not choice.fits:
         suggestion = _suggest(step, budget_bytes, resident_bytes)
@@ -205,7 +210,7 @@ def plan_step(
     return SamplingPlan(
         micro_batch=m,
         predicted_peak_bytes=peak,
-        activation_bytes=peak - wb - resident_bytes - ib,
+        activation_bytes=peak - wb - cb - resident_bytes - ib,
         weights_bytes=wb,
         fits=choice.fits,
         label=_label(m, step.batch),
@@ -218,11 +223,13 @@ def plan_step(
         attention=step.attention,
         candidates=tuple(cands),
         notes=tuple(notes),
+        control_bytes=cb,
     )
 
 
 def _fits(step: Step, budget: int, resident: int) -> bool:
-    return _peaks(step, budget, resident)[0][1] <= budget
+    peaks = _peaks(step, budget, resident)[0]
+    return peaks[min(peaks)] <= budget
 
 
 def suggest(spec: UNetSpec, *, budget_bytes: int, resident_bytes: int = 0, **step: Any) -> str:
@@ -236,13 +243,16 @@ def suggest(spec: UNetSpec, *, budget_bytes: int, resident_bytes: int = 0, **ste
 def _suggest(step: Step, budget_bytes: int, resident_bytes: int) -> str:
     h, w = step.latent_hw
     peaks, _ = _peaks(step, budget_bytes, resident_bytes)
-    need, wb = peaks[1], step.weights_bytes
+    m = min(peaks)
+    need, wb, cb = peaks[m], step.weights_bytes, step.control_bytes
+    cn = f", ControlNet {cb / MiB:.0f} MiB" if cb else ""
     head = (
-        f"sampling {w * 8}x{h * 8} px needs {need / MiB:.0f} MiB at micro-batch 1 "
-        f"(UNet weights {wb / MiB:.0f} MiB), the card offers {budget_bytes / MiB:.0f} MiB"
+        f"sampling {w * 8}x{h * 8} px needs {need / MiB:.0f} MiB at micro-batch {m} "
+        f"(UNet weights {wb / MiB:.0f} MiB{cn}), the card offers {budget_bytes / MiB:.0f} MiB"
     )
-    if wb + resident_bytes >= budget_bytes:
-        return head + ": the UNet's weights alone do not fit; no size or batch does"
+    if wb + cb + resident_bytes >= budget_bytes:
+        what = "the UNet's and the ControlNets' weights" if cb else "the UNet's weights alone"
+        return head + f": {what} do not fit; no size or batch does"
     size = None
     side = max(h, w)
     # the longer side in steps of 8 latent px (64 px); the shorter keeps the aspect

@@ -9,7 +9,7 @@ checkpoint. The parameter count of a reference spec is the closed form of the la
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -39,6 +39,13 @@ class UNetSpec:
     """SDXL's vector conditioning ``y`` (0: none)."""
     params: int = 0
     """Parameter count (weights and buffers), for the weights' bytes."""
+    hint_channels: int = 0
+    """A ControlNet (cldm ``ControlNet``: the UNet's down path and middle block, a zero convolution
+    after each, and a hint block reading the control image): its hint's channels. 0: a UNet."""
+
+    @property
+    def is_control(self) -> bool:
+        return self.hint_channels > 0
 
     def __post_init__(self) -> None:
         n = len(self.channel_mult)
@@ -65,9 +72,18 @@ class UNetSpec:
     def signature(self) -> tuple:
         """A hashable key of the architecture (the planner memory's ``model`` part)."""
         return (
-            "unet", self.model_channels, self.channel_mult, self.num_res_blocks, self.depth,
-            self.depth_middle, self.heads, self.context_dim, self.use_linear, self.adm_in_channels,
-        )  # fmt: skip
+            "unet",
+            self.model_channels,
+            self.channel_mult,
+            self.num_res_blocks,
+            self.depth,
+            self.depth_middle,
+            self.heads,
+            self.context_dim,
+            self.use_linear,
+            self.adm_in_channels,
+            self.hint_channels,
+        )
 
 
 def _transformer_of(block: nn.Module) -> nn.Module | None:
@@ -78,12 +94,20 @@ def _transformer_of(block: nn.Module) -> nn.Module | None:
 
 
 def unet_spec(module: nn.Module) -> UNetSpec:
-    """The :class:`UNetSpec` of a live ldm/sgm ``UNetModel`` (duck-typed: ``input_blocks``,
-    ``middle_block``, ``model_channels``, ``channel_mult``, SpatialTransformers with
-    ``transformer_blocks``). Raises ``ValueError`` naming what is missing for another layout."""
-    for attr in ("input_blocks", "middle_block", "output_blocks", "model_channels", "channel_mult"):
+    """The :class:`UNetSpec` of a live ldm/sgm ``UNetModel`` or a cldm ``ControlNet`` (duck-typed:
+    ``input_blocks``, ``middle_block``, ``model_channels``, ``channel_mult``, SpatialTransformers
+    with ``transformer_blocks``; a UNet's ``output_blocks``, a ControlNet's ``input_hint_block``,
+    ``zero_convs``, ``middle_block_out``). Raises ``ValueError`` naming what is missing."""
+    control = hasattr(module, "input_hint_block")
+    needs = ("zero_convs", "middle_block_out") if control else ("output_blocks",)
+    for attr in ("input_blocks", "middle_block", "model_channels", "channel_mult", *needs):
         if not hasattr(module, attr):
-            raise ValueError(f"not an ldm/sgm UNetModel: it has no `{attr}`")
+            kind = "a cldm ControlNet" if control else "an ldm/sgm UNetModel"
+            raise ValueError(f"not {kind}: it has no `{attr}`")
+    hint = 0
+    if control:
+        first = next((m for m in module.input_hint_block.modules() if isinstance(m, nn.Conv2d)), None)
+        hint = int(first.in_channels) if first is not None else 3
     mult = tuple(int(m) for m in module.channel_mult)
     nres = module.num_res_blocks
     nres = tuple(int(n) for n in (nres if isinstance(nres, (list, tuple)) else [nres] * len(mult)))
@@ -120,11 +144,22 @@ def unet_spec(module: nn.Module) -> UNetSpec:
             seen.add(id(t))
             params += t.numel()
     return UNetSpec(
-        name=type(module).__name__, in_channels=int(module.in_channels),
-        out_channels=int(module.out_channels), model_channels=int(module.model_channels), channel_mult=mult,
-        num_res_blocks=nres, depth=tuple(depth), depth_middle=dmid, heads=tuple(heads), heads_middle=hmid,
-        context_dim=context_dim or 1, use_linear=use_linear, adm_in_channels=adm, params=params,
-    )  # fmt: skip
+        name=type(module).__name__,
+        in_channels=int(module.in_channels),
+        out_channels=0 if control else int(module.out_channels),
+        model_channels=int(module.model_channels),
+        channel_mult=mult,
+        num_res_blocks=nres,
+        depth=tuple(depth),
+        depth_middle=dmid,
+        heads=tuple(heads),
+        heads_middle=hmid,
+        context_dim=context_dim or 1,
+        use_linear=use_linear,
+        adm_in_channels=adm,
+        params=params,
+        hint_channels=hint,
+    )
 
 
 # -- closed-form parameter count (reference specs have no module to count) --------------------
@@ -161,9 +196,14 @@ def _transformer(c: int, depth: int, ctx: int, linear: bool) -> int:
     return 2 * c + proj + depth * block
 
 
+HINT_BLOCK = ((16, 1), (16, 1), (32, 2), (32, 1), (96, 2), (96, 1), (256, 2))
+"""cldm's hint block: (channels, stride) of its 3x3 convolutions (SiLU after each), then a zero
+convolution to ``model_channels``; it takes the control image down 8x to the latent's size."""
+
+
 def param_count(spec: UNetSpec) -> int:
-    """Parameters of the openaimodel ``UNetModel`` that ``spec`` describes (conv resampling, no
-    scale-shift norm), in closed form."""
+    """Parameters of the openaimodel ``UNetModel`` (or cldm ``ControlNet``) that ``spec``
+    describes (conv resampling, no scale-shift norm), in closed form."""
     mc = spec.model_channels
     emb = 4 * mc
     n = _lin(mc, emb) + _lin(emb, emb)
@@ -182,6 +222,10 @@ def param_count(spec: UNetSpec) -> int:
             n += _conv(ch, ch, 3)
             chans.append(ch)
     n += 2 * _resblock(ch, ch, emb) + _transformer(ch, spec.depth_middle, spec.context_dim, spec.use_linear)
+    if spec.is_control:  # a zero convolution after each input block and the middle, the hint block
+        n += sum(_conv(c, c, 1) for c in chans) + _conv(ch, ch, 1)
+        hint = [spec.hint_channels, *(c for c, _ in HINT_BLOCK)]
+        return n + sum(_conv(a, b, 3) for a, b in zip(hint, hint[1:])) + _conv(256, mc, 3)
     for lv in reversed(range(spec.levels)):
         for i in range(spec.num_res_blocks[lv] + 1):
             n += _resblock(ch + chans.pop(), spec.channels(lv), emb)
@@ -194,6 +238,7 @@ def param_count(spec: UNetSpec) -> int:
 
 
 REFERENCES = ("sd15", "sd2", "sdxl")
+CONTROLS = ("sd15", "sdxl")
 
 
 def reference_spec(arch: str) -> UNetSpec:
@@ -217,7 +262,16 @@ def reference_spec(arch: str) -> UNetSpec:
     return _with_params(spec)
 
 
-def _with_params(spec: UNetSpec) -> UNetSpec:
-    from dataclasses import replace
+def reference_control(arch: str) -> UNetSpec:
+    """The ControlNet of a reference architecture (cldm layout, a 3-channel control image):
+    ``"sd15"`` (the UNet's down path and middle, ~361 M parameters: 1.45 GB in FP32) or ``"sdxl"``."""
+    if arch in ("sd1", "sd1.5"):
+        arch = "sd15"
+    if arch not in CONTROLS:
+        raise ValueError(f"a ControlNet's `arch` must be one of {CONTROLS}, got {arch!r}")
+    unet = reference_spec(arch)
+    return _with_params(replace(unet, name=f"controlnet-{arch}", out_channels=0, hint_channels=3))
 
+
+def _with_params(spec: UNetSpec) -> UNetSpec:
     return replace(spec, params=param_count(spec))

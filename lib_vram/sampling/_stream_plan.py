@@ -239,6 +239,7 @@ def plan_stream(
     backend: str = "cuda",
     sampling: SamplingPlan | None = None,
     memory: planner.PlanMemory | None = None,
+    controls: tuple[UNetSpec, ...] = (),
 ) -> StreamPlan:
     """The streamed plan of a sampling step that does not fit with the whole UNet resident.
 
@@ -252,12 +253,12 @@ def plan_stream(
     runner-up would move. When none fits: the plan at micro-batch 1, ``fits`` False.
 
     ``unet``: the live module, or its :func:`unit_bytes`. ``sampling``: a plan already made for the
-    same step (the same ``batch``)."""
+    same step (the same ``batch``). ``controls``: the pass's ControlNets (resident, whole batch)."""
     units = unit_bytes(unet) if isinstance(unet, torch.nn.Module) else list(unet)
     mem = planner.MEMORY if memory is None else memory
     if sampling is not None and sampling.batch != batch:
         raise ValueError(f"`sampling` plans a batch of {sampling.batch}, not the step's {batch}")
-    step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend)
+    step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend, tuple(controls))
     sp = plan_step(step, budget_bytes, resident_bytes, mem) if sampling is None else sampling
     notes = list(sp.notes)
     wb, ib, res = sp.weights_bytes, sp.input_bytes, sp.resident_bytes
@@ -266,7 +267,7 @@ def plan_stream(
     peaks = {c.batch: c.peak_bytes for c in sp.candidates}
     key = step_key(step, budget_bytes)
     plans: list[StreamPlan] = []
-    for m in range(1, max(1, batch) + 1):
+    for m in sorted(step.micro_batches):
         if m in peaks and not refused:
             # the sampling plan's own candidate for this micro-batch (its activations, the
             # chunks' outputs and their concatenation), the learned correction applied as there
@@ -276,6 +277,7 @@ def plan_stream(
             # weights streamed the free memory is larger; estimate at what the budget leaves
             # without them
             act, est = step.activation(m, max(0, budget_bytes - resident_bytes - ib))
+            act += step.control_bytes  # (on the card beside the resident units)
             if est.refused:
                 continue
         if act < 0:

@@ -18,6 +18,8 @@ error where the card runs out) and what VRAM Guard does there — with the accor
   loaded inside a job (a checkpoint switch) stop counting as the job's tensors then. A checkpoint
   placed by VRAM Guard (:mod:`.placement`) counts what a GPU would hold of it: the placement
   recounts after this update.
+* **ControlNet's models** (sd-webui-controlnet) are built in host memory and count on the card
+  when ControlNet moves them there (:func:`lib_vram.residency.controlnet.emulate_moves`).
 * The card is :func:`~lib_vram.core.emulate.install`\\ ed: the readout, ``GET /vram-guard/v1/status``,
   the Auto preset and the engines' budgets see its total and free memory.
 
@@ -153,6 +155,11 @@ class WebUICard:
     def _begin(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         self.leave()  # a job of this thread that ended without state.end() (it raised)
         result = original(*args, **kwargs)
+        runners = getattr(self.host, "script_runners", None)
+        if callable(runners):  # ControlNet's models as a GPU would see them (once installed)
+            from lib_vram.residency.controlnet import emulate_moves
+
+            emulate_moves(self.card, self.stack, runners().values())
         self.enter()
         return result
 

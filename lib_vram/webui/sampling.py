@@ -88,6 +88,8 @@ class PassPlan:
     """The :class:`lib_vram.webui.stream.StreamPass` when the UNet streams for this pass."""
     placed: str = ""
     """The checkpoint placement's label when the checkpoint is placed (:mod:`.placement`)."""
+    controls: list = dataclasses.field(default_factory=list)
+    """The ControlNet units the pass runs (:class:`lib_vram.residency.controlnet.Unit`)."""
 
     @property
     def changed(self) -> bool:
@@ -104,6 +106,9 @@ class PassPlan:
             parts.append(f"{self.moved} off the card")
         if self.placed:
             parts.append(self.placed)
+        if self.controls:
+            n = len(self.controls)
+            parts.append(f"{n} ControlNet unit{'s' if n > 1 else ''} on the card")
         return ", ".join(parts)
 
 
@@ -149,6 +154,11 @@ class SamplingGuard:
         self._patch: Any = None
         self._dm: Any = None
         self._stage: str | None = None
+        self._all_units: list = []
+        self._computing: list = []
+        """The pass's control models (busy while a UNet forward runs)."""
+        self._controls: Any = None
+        """The job's :class:`~lib_vram.residency.controlnet.Controls` (ControlNet's models in the owner)."""
 
     # -- the pass ----------------------------------------------------------------------------
     def before(self, p: Any, stage: str, *, x: Any = None, c: Any = None, uc: Any = None) -> PassPlan | None:
@@ -185,7 +195,11 @@ class SamplingGuard:
         cards = _cards(job)
         if cards is not None:
             owner = cards.owner
+            controls = self._control_models(planned)
+            # (the control models are busy only while a forward runs: between the pass's forwards
+            # a wake, such as the hires conditioning's, may send them home; they wake again)
             owner.begin(stage, busy=cards.models(model, ["UNet"]))
+            self._computing = controls
             self.stack.callback(owner.end, stage)  # what moved for the pass goes home after it
             self._stage = stage
         placed = _placed(job, model)
@@ -197,6 +211,12 @@ class SamplingGuard:
                 self._move_off(
                     stage, planned.moved.split(", "), "the sampling plan does not fit with them there"
                 )
+            if cards is not None and self._controls is not None:
+                self._controls.hold(self._all_units, self.stack)  # (ControlNet moves every unit)
+                for m in controls:
+                    cards.owner.use(m, stage, why=f"{stage.replace('_', ' ')} runs it")
+                done = f"{stage.replace('_', ' ')} is done"
+                self.stack.callback(cards.owner.send_home, list(controls), done)  # (also one found there)
             if planned.stream is not None:
                 planned.stream.enter(self.stack)
                 if cards is not None:
@@ -230,6 +250,7 @@ class SamplingGuard:
                 stack.close()
         finally:
             self._stage = None
+            self._computing = []
 
     # -- deciding ----------------------------------------------------------------------------
     def _skip_reason(self, model: Any) -> str | None:
@@ -276,6 +297,20 @@ class SamplingGuard:
         parts = cards.models(model, ["text encoders", "VAE"]) if cards is not None else []
         others = sum(m.card_bytes for m in parts)
         margin = int(getattr(job.settings, "sampling_margin_bytes", 0))
+        # ControlNet's units of the pass: their weights and activations in the plan (on the card
+        # for the pass, see lib_vram.residency.controlnet); the job's models on the card now count free
+        from lib_vram.residency import controlnet
+
+        self._all_units = controlnet.units(p, dm)
+        used = [u for u in self._all_units if u.used_in(stage == "hires_sampling")]
+        joined = self._join_controls(self._all_units)
+        on_card = sum(m.card_bytes for m in joined)
+        from lib_vram.residency.controlnet import distinct
+
+        controls = tuple(u.spec for u in distinct(used) if u.spec is not None)
+        unsized = sum(emulate.module_bytes([u.module]) for u in used if u.spec is None)
+        others += unsized
+        free += on_card
         budget = max(0, free + unet_bytes + others - margin)
         # -- the checkpoint placement (issue 22 item 2): its streamer is the UNet's; plan with what
         # it keeps on the card (resident part + stream buffer), never a second streamer
@@ -286,7 +321,7 @@ class SamplingGuard:
         # --
         kw = dict(
             batch=batch, latent_hw=hw, context_tokens=tokens, attention=attention, dtype=dtype,
-            budget_bytes=budget + inflate, backend=backend,
+            budget_bytes=budget + inflate, backend=backend, controls=controls,
         )  # fmt: skip
         plan = sampling.plan_sampling(spec, resident_bytes=others, **kw)
         moved = ""
@@ -306,7 +341,7 @@ class SamplingGuard:
             if not plan.fits:
                 error = _placed_error(stage, plan, placed, budget, idle)
             args = (stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, None)
-            return PassPlan(*args, placed.label)
+            return PassPlan(*args, placed.label, used)
         base = plan
         if not plan.fits:
             # the last rung before the named error: stream the UNet (lib_vram.webui.stream)
@@ -319,6 +354,7 @@ class SamplingGuard:
             streamed = plan_pass(
                 model, dm, spec, base, latent_hw=hw, context_tokens=tokens, attention=attention,
                 dtype=dtype, budget_bytes=budget, resident_bytes=rest, backend=backend, settings=job.settings,
+                controls=controls,
             )  # fmt: skip
             if streamed is not None:
                 # the readout's prediction for the pass: the resident part of the UNet, the
@@ -345,7 +381,36 @@ class SamplingGuard:
             # exceed the budget and the line said "no size or batch does" where a smaller one fits)
             error = _error_line(stage, base, idle)
             plan = base  # the readout's "stopped: predicted N MiB" gives the line's numbers
-        return PassPlan(stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, streamed)
+        args = (stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, streamed)
+        return PassPlan(*args, controls=used)
+
+    def _join_controls(self, found: list) -> list:
+        """The job's ControlNet models in the owner (joined at the job's first pass; they leave it
+        at the job's end)."""
+        cards = _cards(self.job)
+        if cards is None or not found:
+            return []
+        if self._controls is None:
+            from lib_vram.residency.controlnet import Controls
+
+            self._controls = Controls(cards, self.job)
+            self.job.stack.callback(self._release_controls)
+        return self._controls.join(found)
+
+    def _release_controls(self) -> None:
+        controls, self._controls = self._controls, None
+        if controls is not None:
+            controls.release()
+
+    def _control_models(self, planned: PassPlan) -> list:
+        """The owner's models of the pass's units; the job's other units go home for the pass."""
+        if self._controls is None:
+            return []
+        mine = self._controls.of(planned.controls)
+        rest = [m for m in self._controls.models.values() if m not in mine]
+        if rest:
+            self._controls.cards.owner.send_home(rest, f"{planned.stage.replace('_', ' ')} does not use it")
+        return mine
 
     def _movable(self, p: Any, stage: str, model: Any) -> _Idle | None:
         """The VAE and text encoders on the card that may leave it for this pass (None: none may).
@@ -405,7 +470,7 @@ class SamplingGuard:
         from lib_vram.sampling import micro_batched
 
         assert self.stack is not None
-        if "forward" in dm.__dict__:
+        if "forward" in dm.__dict__ and not planned.controls:  # (ControlNet's: the pass runs whole)
             other = dm.__dict__["forward"]
             self.job.warn_once(
                 "sampling-wrapped-before",
@@ -429,7 +494,12 @@ class SamplingGuard:
                     # forward, which fires none of the UNet module's hooks): the first learns the
                     # streamed units' order, prefetch runs from the second micro-batch on
                     inner = streamer.forward_of(previous)
-                state["mb"] = micro_batched(inner, planned.plan.micro_batch, key=planned.plan.key)
+                # (ControlNet's wrapper runs the control on the whole batch's image: no split)
+                mb_of = planned.plan.micro_batch
+                state["mb"] = inner if planned.controls else micro_batched(inner, mb_of, key=planned.plan.key)
+                cards = _cards(guard.job)
+                if guard._computing and cards is not None:
+                    state["mb"] = _computing(cards.owner, guard._computing, state["mb"])
             mb = state["mb"]
             try:
                 return mb(*args, **kwargs)
@@ -510,6 +580,16 @@ class _Idle:
         return sum(m.card_bytes for m in self.models)
 
 
+def _computing(owner: Any, models: list, forward: Any) -> Any:
+    """``forward`` with ``models`` busy in ``owner`` while it runs."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with owner.computing(models):
+            return forward(*args, **kwargs)
+
+    return run
+
+
 def _cards(job: Any) -> Any:
     """The session's :class:`~lib_vram.webui.models.CardModels` (None: no session, no card)."""
     session = getattr(job, "session", None)
@@ -528,7 +608,7 @@ def _placed_error(stage: str, plan: Any, placed: Any, budget: int, idle: Any) ->
     """The named error's line for a placed checkpoint's pass that does not fit even so."""
     what = "the hires pass" if stage == "hires_sampling" else "sampling"
     off = f", the {idle.names} off the card" if idle is not None else ""
-    tried = f"with micro-batch 1, {placed.label}{off}"
+    tried = f"{_tried(plan)}, {placed.label}{off}"
     # the suggestion's sizes and batches are right (the budget was raised by what the UNet does not
     # keep on the card); its head's MiB are not: ours replace them
     rest = plan.suggestion.split(": ", 1)[1] if plan.suggestion and ": " in plan.suggestion else ""
@@ -599,9 +679,14 @@ def _latent_of(p: Any, x: Any) -> tuple[int, tuple[int, int]]:
     return images, (max(1, h // 8), max(1, w // 8))
 
 
+def _tried(plan: Any) -> str:
+    """A pass with ControlNet runs whole (its wrapper computes the control on the whole batch)."""
+    return "with ControlNet's whole batch" if getattr(plan, "control_bytes", 0) else "with micro-batch 1"
+
+
 def _error_line(stage: str, plan: Any, idle: Any) -> str:
     what = "the hires pass" if stage == "hires_sampling" else "sampling"
-    tried = "with micro-batch 1" + (f" and the {idle.names} off the card" if idle is not None else "")
+    tried = _tried(plan) + (f" and the {idle.names} off the card" if idle is not None else "")
     text = plan.suggestion or (
         f"needs {plan.predicted_peak_bytes / MiB:.0f} MiB, the card offers {plan.budget_bytes / MiB:.0f} MiB"
     )

@@ -1,0 +1,310 @@
+"""sd-webui-controlnet's control models: counted in the sampling plan, placed by the one owner.
+
+Host-free like the rest of the package: ControlNet's objects are read by attribute names (nothing
+of the WebUI or of the extension is imported); the WebUI adapter passes them in.
+
+ControlNet (Mikubill/sd-webui-controlnet) hooks the UNet in its ``process``: its ``UnetHook``
+(the ControlNet script's ``latest_network``) replaces the UNet's ``forward`` and keeps the enabled
+units as ``control_params``; each unit's ``control_model`` (a ``PlugableControlModel``, with the
+cldm ``ControlNet`` as ``.control_model``) runs at every UNet forward. ControlNet's own memory
+handling moves every unit's model to the card at each forward (``fullvram()`` / ``.to(device)``),
+with the unit's Low VRAM option back to the CPU after it, and leaves cached models wherever they
+were last (on the card, also for jobs that do not use them).
+
+While VRAM Guard guards a sampling pass (:class:`Controls`, used by the WebUI adapter's
+``SamplingGuard``):
+
+* the pass's units are found (:func:`units`): the hook on this UNet, minus the units switched off
+  for this pass by their hires option ("low res only" in the hires pass, "high res only" in the
+  first);
+* their weights and activations are in the pass's plan (:class:`lib_vram.sampling.Step`'s
+  ``controls``; the pass then runs its whole batch: ControlNet's wrapper computes the control on
+  the whole batch's control image);
+* each control model joins the one owner (role ``control``, home: host memory); the pass's units
+  wake on the card after the owner made room, the others stay in host memory; ControlNet's own
+  moves are held for the pass (its ``disable_memory_management`` flag, which it honours for
+  IP-Adapter, and the model's ``to``: Low VRAM's move to the CPU after each forward), undone at
+  the pass's end; at the pass's end the owner sends them home;
+* at the job's end they leave the owner (in host memory): a later job with VRAM Guard off finds
+  ControlNet working as it does without VRAM Guard.
+
+A unit whose model is not a cldm ControlNet (a T2I adapter, IP-Adapter, a ControlLoRA) is placed
+by its bytes; its activations are not counted (a note says so once).
+
+On the emulated card (``--vram-guard-emulate-vram``, :func:`emulate_moves`) ControlNet's memory is
+what a GPU would see: a control model is built in host memory (ControlNet builds it on the CPU),
+its ``fullvram()`` puts it on the card (the card admits its weights: the out-of-memory error a GPU
+raises there) and its ``to("cpu")`` (Low VRAM, an error) takes it off; so the plain WebUI with
+ControlNet fails where a GPU of that size would.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lib_vram.core import emulate
+from lib_vram.residency import CARD, HOST, Model
+from lib_vram.residency._modules import ModuleMover, admit, nbytes_of, tensors_of
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+@dataclass
+class Unit:
+    """One enabled ControlNet unit of the job."""
+
+    index: int
+    param: Any
+    """ControlNet's ``ControlParams``."""
+    module: torch.nn.Module
+    """``param.control_model`` (what ControlNet moves)."""
+    spec: Any
+    """Its :class:`~lib_vram.sampling.UNetSpec` (None: not a cldm ControlNet)."""
+
+    @property
+    def name(self) -> str:
+        return f"ControlNet unit {self.index}"
+
+    def used_in(self, hires: bool) -> bool:
+        """Whether ControlNet runs it in the first pass (``hires`` False) or the hires pass."""
+        off = getattr(self.param, "disabled_by_hr_option", None)
+        try:
+            return not (callable(off) and off(hires))
+        except (AssertionError, AttributeError, TypeError):
+            return True
+
+
+def hook_of(p: Any, unet: Any) -> Any:
+    """ControlNet's ``UnetHook`` on ``unet`` for this job (the ControlNet script's
+    ``latest_network`` whose ``model`` is the UNet and which has units), or None."""
+    runner = getattr(p, "scripts", None)
+    for script in getattr(runner, "alwayson_scripts", None) or ():
+        net = getattr(script, "latest_network", None)
+        if net is not None and getattr(net, "model", None) is unet and getattr(net, "control_params", None):
+            return net
+    return None
+
+
+def units(p: Any, unet: Any) -> list[Unit]:
+    """The job's enabled ControlNet units with a model VRAM Guard may place (see the module
+    docstring); [] without ControlNet."""
+    from lib_vram.sampling import unet_spec
+
+    net = hook_of(p, unet)
+    out: list[Unit] = []
+    for i, param in enumerate(getattr(net, "control_params", None) or ()):
+        module = getattr(param, "control_model", None)
+        if not isinstance(module, torch.nn.Module):
+            continue
+        if getattr(module, "disable_memory_management", False) and not getattr(module, "_vram_guard", False):
+            continue  # (IP-Adapter: ControlNet leaves it where it is; so do we)
+        inner = getattr(module, "control_model", module)
+        try:
+            spec = unet_spec(inner)
+        except (ValueError, AttributeError, TypeError):
+            spec = None
+        out.append(Unit(i, param, module, spec if spec is not None and spec.is_control else None))
+    return out
+
+
+def distinct(found: Iterable[Unit]) -> list[Unit]:
+    """One unit per model (units of one cached model share its weights; the plan counts them once
+    and each forward's activations as one: they run one after the other)."""
+    seen: set[int] = set()
+    out = []
+    for unit in found:
+        if _key(unit.module) not in seen:
+            seen.add(_key(unit.module))
+            out.append(unit)
+    return out
+
+
+class Controls:
+    """The control models of one job in the owner (see the module docstring)."""
+
+    def __init__(self, cards: Any, job: Any) -> None:
+        self.cards = cards
+        self.job = job
+        self.models: dict[int, Model] = {}
+        """:func:`_key` of a unit's module -> its model in the owner."""
+
+    def join(self, found: Iterable[Unit]) -> list[Model]:
+        """Each unit's model in the owner (once per job), in host memory until a pass wakes it."""
+        out = []
+        for unit in found:
+            key = _key(unit.module)  # (units of one cached model share its weights: one model)
+            model = self.models.get(key)
+            if model is None:
+                model = self._join(unit)
+                self.models[key] = model
+            if model not in out:
+                out.append(model)
+        return out
+
+    def of(self, found: Iterable[Unit]) -> list[Model]:
+        """The owner's models of these units (each once)."""
+        out: list[Model] = []
+        for unit in found:
+            model = self.models.get(_key(unit.module))
+            if model is not None and model not in out:
+                out.append(model)
+        return out
+
+    def _join(self, unit: Unit) -> Model:
+        cards = self.cards
+        device, card = cards.device(), cards.card()
+        tensors = tensors_of([unit.module])
+        first = tensors[0] if tensors else None
+        on_card = first is not None and first.device.type == device.type and device.type != "cpu"
+        if card is not None:
+            for t in tensors:  # (loaded inside the job: host memory on a GPU, not the card's)
+                card.to_host(t)
+        mover = ModuleMover(unit.module, device, card)
+        dtype = str(first.dtype).replace("torch.", "") if first is not None else ""
+        if card is not None and _ON_CARD.pop(_key(unit.module), None) is not None:
+            on_card = True  # (ControlNet's fullvram() put it there in an earlier job: the owner's now)
+        model = Model(unit.name, "control", nbytes_of(tensors), mover, dtype=dtype, home=HOST)
+        model.where = CARD if on_card else HOST
+        mover.on_use = lambda: cards.owner.use(model, why=f"the {unit.name} is needed now")
+        if model.where == HOST:
+            mover.hook()
+        cards.owner.join(model)
+        if unit.spec is None:
+            self.job.warn_once(
+                f"controlnet-unknown-{unit.index}",
+                f"VRAM Guard: {unit.name} is not a ControlNet VRAM Guard can size "
+                f"({type(getattr(unit.module, 'control_model', unit.module)).__name__}): its weights are "
+                "placed, its activations are not in the plan",
+            )
+        return model
+
+    def hold(self, found: Iterable[Unit], stack: ExitStack) -> None:
+        """ControlNet's own moves of these models stop until ``stack`` closes (the pass's end)."""
+        for unit in found:
+            module = unit.module
+            d = module.__dict__
+            saved = {k: d[k] for k in ("disable_memory_management", "to", "_vram_guard") if k in d}
+            d["disable_memory_management"] = True
+            d["_vram_guard"] = True
+            d["to"] = _held(module)
+            stack.callback(_restore, module, saved)
+
+    def release(self) -> None:
+        """The job is over: every control model home (host memory) and out of the owner."""
+        owner = self.cards.owner
+        models, self.models = list(self.models.values()), {}
+        try:
+            owner.send_home(models, "the job is over")
+        finally:
+            for model in models:
+                model.mover.unhook()
+                owner.leave(model)
+
+
+def _held(module: torch.nn.Module) -> Any:
+    def to(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        """ControlNet's move of a model VRAM Guard places: a no-op for the pass (a dtype change
+        still applies)."""
+        dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
+        if dtype is not None:
+            torch.nn.Module.to(module, dtype=dtype)
+        return module
+
+    to.moves = lambda device: torch.nn.Module.to(module, device)  # (the owner's moves)
+    return to
+
+
+def _restore(module: torch.nn.Module, saved: dict) -> None:
+    d = module.__dict__
+    for k in ("disable_memory_management", "to", "_vram_guard"):
+        d.pop(k, None)
+    d.update(saved)
+
+
+# -- the emulated card: ControlNet's own moves, counted as a GPU would see them ----------------------
+
+_ON_CARD: dict[int, int] = {}
+"""Control models ControlNet put on the emulated card (key: :func:`_key`): their bytes."""
+
+
+def _key(module: torch.nn.Module) -> int:
+    """Its first weight's id (ControlNet's per-job shallow copies of a cached model share it)."""
+    first = next(iter(tensors_of([module])), None)
+    return id(first) if first is not None else id(module)
+
+
+def emulate_moves(card: emulate.EmulatedCard, stack: ExitStack, runners: Iterable[Any]) -> bool:
+    """Under ``--vram-guard-emulate-vram`` (see the module docstring): ControlNet's
+    ``build_control_model`` runs as host work, and the class of the models it builds counts their
+    ``fullvram()`` and ``to("cpu")`` on ``card``; undone when ``stack`` closes. Idempotent; False
+    when ControlNet is not installed."""
+    for runner in runners:
+        for script in getattr(runner, "alwayson_scripts", None) or ():
+            cls = type(script)
+            build = cls.__dict__.get("build_control_model")
+            if not isinstance(build, staticmethod) or not hasattr(script, "latest_network"):
+                continue
+            if getattr(build.__func__, "_vram_guard", False):
+                return True
+            original = build.__func__
+
+            def built(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                with emulate.host_work():
+                    control = _original(*args, **kwargs)
+                _count_moves(type(getattr(control, "model", None)), card, stack)
+                return control
+
+            built._vram_guard = True  # type: ignore[attr-defined]
+            cls.build_control_model = staticmethod(built)
+            stack.callback(setattr, cls, "build_control_model", build)
+            stack.callback(_ON_CARD.clear)
+            return True
+    return False
+
+
+def _count_moves(cls: type, card: emulate.EmulatedCard, stack: ExitStack) -> None:
+    full, to = getattr(cls, "fullvram", None), getattr(cls, "to", torch.nn.Module.to)
+    if not callable(full) or getattr(full, "_vram_guard", False):
+        return
+
+    def fullvram(self: torch.nn.Module) -> Any:
+        out = full(self)
+        key = _key(self)
+        if key not in _ON_CARD:
+            tensors = tensors_of([self])
+            admit(card, tensors)  # (each may raise the card's out-of-memory error, as a copy would)
+            n = nbytes_of(tensors)
+            card.set_resident(card.resident_bytes + n)
+            _ON_CARD[key] = n
+            if tensors:  # a model ControlNet drops from its cache leaves the card
+                weakref.finalize(tensors[0], _off, card, key)
+        return out
+
+    def moved(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = to(self, *args, **kwargs)
+        if args and isinstance(args[0], str) and args[0] == "cpu":  # (its device is a torch.device)
+            _off(card, _key(self))
+        return out
+
+    fullvram._vram_guard = True  # type: ignore[attr-defined]
+    for name, fn in (("fullvram", fullvram), ("to", moved)):
+        if name in cls.__dict__:
+            stack.callback(setattr, cls, name, cls.__dict__[name])
+        else:
+            stack.callback(delattr, cls, name)
+        setattr(cls, name, fn)
+
+
+def _off(card: emulate.EmulatedCard, key: int) -> None:
+    n = _ON_CARD.pop(key, 0)
+    if n:
+        card.set_resident(max(0, card.resident_bytes - n))

@@ -1,0 +1,163 @@
+"""Issue 30 in a real WebUI: ControlNet (sd-webui-controlnet) jobs against the uncapped pictures.
+
+Talks to a running AUTOMATIC1111 WebUI (``--api``) with sd-webui-controlnet installed, by HTTP only.
+Each case is a txt2img/img2img request with ControlNet units (preprocessor ``none``: the control
+image is the hint as it is, so no annotator download and no preprocessor rounding):
+
+* ``one`` — one unit; ``two`` — two units with two model files (two models on the card);
+* ``lowres`` — hires fix (Latent) with the unit on "Low res only" (the hires pass does not use it);
+* ``img2img`` — img2img with one unit; ``off`` — a job without ControlNet (run it after one with);
+* ``one_lowvram`` — one unit with ControlNet's own Low VRAM.
+
+Modes: ``ref`` (a WebUI with nothing capped: VRAM Guard's accordion off; the pictures go to
+``--out``) and ``run`` (``--cases`` in order, with VRAM Guard on, or off with ``--plain``): each
+picture against the reference's (max level difference), the status route's card peak and the
+moves the owner made during the job (and how many bytes they moved). One JSON line per case in
+``--out/run.jsonl``, one printed line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from webui_acceptance import call, decode, init_image  # noqa: E402
+
+CASES = ("one", "two", "lowres", "img2img", "off", "one_lowvram")
+MODELS = ("control_sd15_random", "control_sd15_random-b")
+
+
+def unit(a: argparse.Namespace, model: str, *, hr_option: str = "Both", low_vram: bool = False) -> dict:
+    return {
+        "enabled": True, "module": "none", "model": model, "weight": 1.0,
+        "image": init_image(a.size), "resize_mode": "Crop and Resize", "low_vram": low_vram,
+        "processor_res": a.size, "guidance_start": 0.0, "guidance_end": 1.0, "control_mode": "Balanced",
+        "pixel_perfect": False, "hr_option": hr_option,
+    }  # fmt: skip
+
+
+def job(case: str, a: argparse.Namespace, vg: bool, models: list[str]) -> tuple[str, dict]:
+    s = a.size
+    base = {"prompt": "a red apple on a wooden table", "negative_prompt": "", "cfg_scale": 7,
+            "sampler_name": "Euler a", "seed": 1234, "steps": a.steps, "width": s, "height": s}  # fmt: skip
+    scripts: dict = {"VRAM Guard": {"args": [{"enabled": vg}]}}
+    units: list[dict] = []
+    path = "/sdapi/v1/txt2img"
+    if case in ("one", "img2img"):
+        units = [unit(a, models[0])]
+    elif case == "one_lowvram":
+        units = [unit(a, models[0], low_vram=True)]
+    elif case == "two":
+        units = [unit(a, models[0]), unit(a, models[1])]
+    elif case == "lowres":
+        units = [unit(a, models[0], hr_option="Low res only")]
+        base.update(
+            enable_hr=True, hr_scale=2, hr_second_pass_steps=1, denoising_strength=0.5, hr_upscaler="Latent"
+        )
+    elif case != "off":
+        raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
+    if case == "img2img":
+        path = "/sdapi/v1/img2img"
+        base.update(init_images=[init_image(s)], denoising_strength=0.6)
+    if units:
+        scripts["controlnet"] = {"args": units}
+    base["alwayson_scripts"] = scripts
+    return path, base
+
+
+def model_names(url: str) -> list[str]:
+    body, _ = call(url, "/controlnet/model_list", method="GET", timeout=60)
+    names = body.get("model_list") or []
+    out = []
+    for want in MODELS:
+        hit = next((n for n in names if n.split(" [")[0] == want), None)
+        if hit is None:
+            raise SystemExit(f"ControlNet model {want!r} not listed by the WebUI: {names}")
+        out.append(hit)
+    return out
+
+
+def status(url: str) -> dict:
+    try:
+        st, _ = call(url, "/vram-guard/v1/status", timeout=60)
+        return st
+    except RuntimeError as exc:
+        return {"error": str(exc)[:200]}
+
+
+def run_case(a: argparse.Namespace, case: str, vg: bool, models: list[str]) -> dict:
+    path, payload = job(case, a, vg, models)
+    before = status(a.url).get("moves") or []
+    t0 = time.time()
+    try:
+        body, _ = call(a.url, path, payload)
+        error = None
+    except RuntimeError as exc:
+        body, error = {}, str(exc)[:400]
+    rec = {
+        "case": case,
+        "vram_guard": vg,
+        "ok": error is None,
+        "error": error,
+        "seconds": round(time.time() - t0, 1),
+    }
+    imgs = [decode(i) for i in (body.get("images") or [])[:1]]  # (ControlNet appends its control images)
+    rec["images"] = imgs
+    st = status(a.url)
+    moves = st.get("moves") or []
+    new = moves[len(before) :] if moves[: len(before)] == before else moves
+    rec["moves"] = new
+    rec["card"] = st.get("card")
+    rec["models"] = st.get("models")
+    rec["stages"] = [{k: s.get(k) for k in ("stage", "plan", "peak_bytes")} for s in st.get("stages") or []]
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=("ref", "run"))
+    ap.add_argument("--url", default="http://127.0.0.1:7863")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ref", help="run: the ref mode's --out")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--size", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--plain", action="store_true", help="run: VRAM Guard's accordion off (the plain WebUI)")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    models = model_names(a.url)
+    failed = 0
+    with (out / "run.jsonl").open("a") as log:
+        for n, case in enumerate(a.cases.split(",")):
+            rec = run_case(a, case, vg=a.mode == "run" and not a.plain, models=models)
+            imgs = rec.pop("images")
+            rec["index"] = n
+            if imgs:
+                Image.fromarray(imgs[0]).save(out / f"{n:02d}-{case}.png")
+                if a.mode == "ref":
+                    Image.fromarray(imgs[0]).save(out / f"{case}.png")
+            diff = None
+            if a.mode == "run" and imgs and a.ref and (Path(a.ref) / f"{case}.png").is_file():
+                r = np.asarray(Image.open(Path(a.ref) / f"{case}.png").convert("RGB")).astype(int)
+                diff = int(np.abs(r - imgs[0].astype(int)).max()) if r.shape == imgs[0].shape else None
+            rec["max_levels_vs_ref"] = diff
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            failed += not rec["ok"]
+            peak = (rec.get("card") or {}).get("peak_bytes")
+            cn = [m for m in rec["moves"] if m.startswith("ControlNet")]
+            print(f"{n:2d} {case:12s} ok={rec['ok']} {rec['seconds']:6.1f}s max_levels={diff} "
+                  f"card_peak={peak} controlnet_moves={len(cn)} | {(rec['error'] or '')[:160]}", flush=True)  # fmt: skip
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
