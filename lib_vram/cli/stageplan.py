@@ -406,16 +406,22 @@ def predict_engine_vae(
     engine supports: the WebUI's own VAE, ldm, diffusers, :mod:`lib_vram.planning.reference`), predicted by
     running the engine itself on fake tensors (its finite-check guard off, its state kept on the
     device). ``tile=None`` predicts the untiled pass the engine runs when everything fits."""
-    from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
-
     if kind not in ("decode", "encode"):
         raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
     dt = dtype_of(dtype)
-    fmode = new_fake_mode()
+    loop = vae_loop(kind, tile, mode, dt, state_offload)
+    return _predict_loop(module, loop, input_shape, dt, backend, new_fake_mode())
+
+
+def vae_loop(kind: str, tile: int | None, mode: str, dt: torch.dtype, state_offload: str = "device"):  # noqa: ANN201
+    """``loop(module, x)``: the tiled VAE engine as the predictions run it (unbounded budget, the
+    finite-check guard off; ``tile=None``: auto, the untiled pass when everything fits)."""
+    from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
+
     cfg = TiledVAEConfig(mode="auto" if tile is None else mode, tile=tile, budget_bytes=2**50, dtype=dt,
                          guard=False, state_offload=state_offload)  # fmt: skip
     run = tiled_decode if kind == "decode" else tiled_encode
-    return _predict_loop(module, lambda m, x: run(m, x, config=cfg), input_shape, dt, backend, fmode)
+    return lambda m, x: run(m, x, config=cfg)
 
 
 def _predict_loop(net, loop, input_shape, dt, backend, fmode) -> PeakPrediction:  # noqa: ANN001
@@ -433,20 +439,19 @@ def predict_engine_upscale(
     """Peak of :func:`lib_vram.upscale.upscale_tensor` with ``model`` (a ``torch.nn.Module``),
     predicted by running the engine on fake tensors (finite check off, accumulator on the device;
     ``overlap`` None: the engine's default for an uncalibrated model)."""
+    net = getattr(model, "model", model)
+    precision = dtype if isinstance(dtype, str) else str(dtype).replace("torch.float", "fp")
+    loop = upscale_loop(max(input_shape[-2:]) if tile is None else tile, batch, scale, precision, overlap)
+    return _predict_loop(net, loop, input_shape, dtype_of(dtype), backend, new_fake_mode())
+
+
+def upscale_loop(tile: int, batch: int, scale: int, precision: str = "fp32", overlap: int | None = None):  # noqa: ANN201
+    """``loop(module, x)``: the upscale engine as the predictions run it (on the CPU device, unbounded
+    budget, accumulator on the device, no finite check, no calibration)."""
     from lib_vram.upscale import UpscaleConfig, upscale_tensor
 
-    net = getattr(model, "model", model)
-    dt = dtype_of(dtype)
-    fmode = new_fake_mode()
-    side = max(input_shape[-2:])
-    precision = dtype if isinstance(dtype, str) else str(dtype).replace("torch.float", "fp")
-    cfg = UpscaleConfig(tile=side if tile is None else tile, batch=batch, overlap=overlap, device="cpu",
-                        precision=precision.replace("torch.bfloat16", "bf16"), budget_bytes=2**50,
-                        accumulate_on="device", check_finite=False, calibrate=False)  # fmt: skip
-
-    def loop(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # A plain callable: the engine then leaves the module's device/dtype alone (the fake
-        # weights are already of ``dtype``).
-        return upscale_tensor(lambda t: m(t), x, config=cfg, scale=scale)
-
-    return _predict_loop(net, loop, input_shape, dt, backend, fmode)
+    cfg = UpscaleConfig(tile=tile, batch=batch, overlap=overlap, device="cpu", budget_bytes=2**50,
+                        precision=precision.replace("torch.bfloat16", "bf16"), accumulate_on="device",
+                        check_finite=False, calibrate=False)  # fmt: skip
+    # a plain callable: the engine then leaves the module's device/dtype alone
+    return lambda m, x: upscale_tensor(lambda t: m(t), x, config=cfg, scale=scale)

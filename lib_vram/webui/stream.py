@@ -85,13 +85,8 @@ class StreamPass:
             logger.info(
                 "VRAM Guard: UNet streamed for %d forward(s): %.0f MiB copied to the card (%.0f MiB per "
                 "forward), %.0f MiB written back; %d units prefetched, %d on demand",
-                st.forwards,
-                st.bytes_in / MiB,
-                per / MiB,
-                st.bytes_back / MiB,
-                st.prefetched,
-                st.on_demand,
-            )
+                st.forwards, st.bytes_in / MiB, per / MiB, st.bytes_back / MiB, st.prefetched, st.on_demand,
+            )  # fmt: skip
             try:
                 s.__exit__(exc_type, exc, tb)
             except RuntimeError as err:

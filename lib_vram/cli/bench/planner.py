@@ -108,21 +108,17 @@ def _build(case: Case):
 
 
 def _runner(case: Case, model):
+    """What the case runs: the engine as its prediction runs it (:mod:`lib_vram.cli.stageplan`), or
+    the untiled model."""
+    from lib_vram.cli.stageplan import upscale_loop, vae_loop
+
     if case.engine == "vae-engine":
-        from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
-
-        cfg = TiledVAEConfig(mode=case.mode, tile=case.tile, budget_bytes=2**50, dtype=torch.float32,
-                             guard=False, state_offload="device")  # fmt: skip
-        run = tiled_decode if case.kind == "decode" else tiled_encode
-        return lambda x: run(model, x, config=cfg)
-    if case.engine == "upscale-engine":
-        from lib_vram.upscale import UpscaleConfig, upscale_tensor
-
-        ucfg = UpscaleConfig(tile=case.tile, batch=case.batch, precision="fp32", device="cpu",
-                             budget_bytes=2**50, accumulate_on="device", check_finite=False,
-                             calibrate=False)  # fmt: skip
-        return lambda x: upscale_tensor(lambda t: model(t), x, config=ucfg, scale=SCALE)
-    return model
+        loop = vae_loop(case.kind, case.tile, case.mode, torch.float32)
+    elif case.engine == "upscale-engine":
+        loop = upscale_loop(case.tile, case.batch, SCALE)
+    else:
+        return model
+    return lambda x: loop(model, x)
 
 
 def predict(case: Case) -> dict:
