@@ -41,8 +41,12 @@ def collect(device: str | None = None) -> dict:
     if caps.backend == "mps":
         notes.append("Apple MPS shares system memory; totals are the recommended working-set size.")
     return {
-        "schema": SCHEMA_VERSION, "vram_guard_version": __version__, "device": caps.device,
-        "backend": caps.backend, "name": caps.name, "cpu_only": cpu_only,
+        "schema": SCHEMA_VERSION,
+        "vram_guard_version": __version__,
+        "device": caps.device,
+        "backend": caps.backend,
+        "name": caps.name,
+        "cpu_only": cpu_only,
         "memory": {
             "basis": "system RAM" if cpu_only else "device memory", "total_bytes": mem.total,
             "free_bytes": mem.free, "allocated_bytes": mem.allocated, "reserved_bytes": mem.reserved,
@@ -57,8 +61,10 @@ def collect(device: str | None = None) -> dict:
             "sdpa": caps.sdpa,
             "xformers": caps.xformers,
         },
-        "precision": {"fp16": caps.fp16, "bf16": caps.bf16}, "tier": {"gb": tier, "label": tier_label(tier)},
-        "recommended_preset": tier_preset_name(mem.total), "notes": notes,
+        "precision": {"fp16": caps.fp16, "bf16": caps.bf16},
+        "tier": {"gb": tier, "label": tier_label(tier)},
+        "recommended_preset": tier_preset_name(mem.total),
+        "notes": notes,
     }  # fmt: skip
 
 

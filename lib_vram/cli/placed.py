@@ -105,13 +105,18 @@ class PlacedCheckpoint:
         cp = self.plan
         st = cp.stream
         return {
-            "needed": self.needed, "checkpoint_bytes": self.checkpoint_bytes,
-            "working_margin_bytes": self.working_margin_bytes, "card_bytes": cp.card_bytes,
-            "safety_margin_bytes": cp.safety_bytes, "leftover_bytes": cp.leftover_bytes,
-            "host_bytes": cp.host_bytes, "unet_bytes": st.unet_bytes,
+            "needed": self.needed,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "working_margin_bytes": self.working_margin_bytes,
+            "card_bytes": cp.card_bytes,
+            "safety_margin_bytes": cp.safety_bytes,
+            "leftover_bytes": cp.leftover_bytes,
+            "host_bytes": cp.host_bytes,
+            "unet_bytes": st.unet_bytes,
             "unet_resident_bytes": cp.unet_resident_bytes,
             "unet_streamed_bytes": st.unet_bytes - cp.unet_resident_bytes,
-            "stream_buffer_bytes": st.buffer_bytes if st.streamed else 0, "units_resident": len(st.resident),
+            "stream_buffer_bytes": st.buffer_bytes if st.streamed else 0,
+            "units_resident": len(st.resident),
             "units_streamed": len(st.streamed),
             "bytes_moved_per_step": st.bytes_moved_per_step if st.streamed else 0,
             "lowvram_bytes_per_step": st.lowvram_bytes_per_step,
@@ -124,8 +129,10 @@ class PlacedCheckpoint:
                 "attention": self.attention,
                 "dtype": UNET_DTYPE,
             },
-            "fits": self.fits, "smallest_card_bytes": self.smallest_card_bytes, "line": self.line,
-        }  # fmt: skip
+            "fits": self.fits,
+            "smallest_card_bytes": self.smallest_card_bytes,
+            "line": self.line,
+        }
 
 
 def _parked_fits(cp: object) -> bool:

@@ -165,7 +165,10 @@ def status_payload(
     elif cpu_only and CPU_ONLY_NOTE not in note_list:
         note_list.insert(0, CPU_ONLY_NOTE)
     payload: dict[str, Any] = {
-        "schema": SCHEMA, "device": memory.device, "device_name": device_name, "backend": memory.backend,
+        "schema": SCHEMA,
+        "device": memory.device,
+        "device_name": device_name,
+        "backend": memory.backend,
         "cpu_only": cpu_only,
         "memory": {
             "basis": "emulated device memory" if emulated else "system RAM" if cpu_only else "device memory",
@@ -178,9 +181,12 @@ def status_payload(
             "system_total_bytes": memory.system_total,
             "system_available_bytes": memory.system_available,
         },
-        "emulated": emulated, "job_running": bool(job_running), "stages": _stages(records),
-        "notes": note_list, "timeline": None if timeline is None else dict(timeline),
-    }  # fmt: skip
+        "emulated": emulated,
+        "job_running": bool(job_running),
+        "stages": _stages(records),
+        "notes": note_list,
+        "timeline": None if timeline is None else dict(timeline),
+    }
     payload["html"] = render_readout_body(payload)
     return payload
 

@@ -233,17 +233,23 @@ class Timeline:
                 pt, pb = self._peak
                 peak = {"t": round(pt, 4), "bytes": pb, "stage": _stage_at(self._bands, pt)}
             return {
-                "measure": self.measure, "total_bytes": self.total_bytes, "seconds": round(end, 4),
-                "running": self._t_end is None, "stride": self._stride, "max_points": self.max_points,
+                "measure": self.measure,
+                "total_bytes": self.total_bytes,
+                "seconds": round(end, 4),
+                "running": self._t_end is None,
+                "stride": self._stride,
+                "max_points": self.max_points,
                 "samples": {k: v for k, v in self.counts.items() if v},
                 "points": {
                     "t": [round(x, 4) for x in t],
                     "used": u,
                     "reserved": [0 if v is None else v for v in r] if has_res else None,
                 },
-                "peak": peak, "bands": [b.to_dict() for b in self._bands],
-                "events": [e.to_dict() for e in self._events], "dropped": dict(self._dropped),
-            }  # fmt: skip
+                "peak": peak,
+                "bands": [b.to_dict() for b in self._bands],
+                "events": [e.to_dict() for e in self._events],
+                "dropped": dict(self._dropped),
+            }
 
 
 def _stage_at(bands: list[_Band], t: float) -> str | None:

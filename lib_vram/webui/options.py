@@ -180,7 +180,12 @@ FIELDS: tuple[OptionField, ...] = (
         "without VRAM Guard.",
     ),
     OptionField(
-        "preset", "Memory preset", "Auto", CHOICE, choices=PRESET_CHOICES, infotext="preset",
+        "preset",
+        "Memory preset",
+        "Auto",
+        CHOICE,
+        choices=PRESET_CHOICES,
+        infotext="preset",
         tooltip="The card to plan for. Auto reads this card's memory at each job; a size (e.g. 6GB) "
         "plans for a card of that size: pick a smaller one if a job still runs out of memory; Custom "
         "uses only the controls. Controls left on Auto (under Advanced) follow the preset.",
@@ -188,14 +193,24 @@ FIELDS: tuple[OptionField, ...] = (
         "runs out of memory.",
     ),
     OptionField(
-        "vae_tiling", "Tiled VAE", "Auto", CHOICE, choices=VAE_TILING_CHOICES, infotext="VAE",
+        "vae_tiling",
+        "Tiled VAE",
+        "Auto",
+        CHOICE,
+        choices=VAE_TILING_CHOICES,
+        infotext="VAE",
         tooltip="Auto tiles the VAE decode/encode only when the whole image would not fit in free "
         "memory; Always tiles every time (if Auto still runs out of memory); Off never tiles.",
         info="Auto tiles the VAE only when the image would not fit; Always if Auto still runs out; "
         "Off never tiles.",
     ),
     OptionField(
-        "vae_mode", "Tiled VAE mode", "exact", CHOICE, choices=VAE_MODE_CHOICES, infotext="VAE",
+        "vae_mode",
+        "Tiled VAE mode",
+        "exact",
+        CHOICE,
+        choices=VAE_MODE_CHOICES,
+        infotext="VAE",
         tooltip="exact: same picture as the untiled VAE (shared normalisation statistics, a few % "
         "slower); fast: one pass with estimated statistics: no seams, but not the untiled picture "
         "(25-47 dB against it, depending on the VAE and the image; a little faster).",
@@ -203,7 +218,13 @@ FIELDS: tuple[OptionField, ...] = (
         "picture (25-47 dB).",
     ),
     OptionField(
-        "vae_tile", "VAE tile size", 0, INT, range=(0, 512, 16), auto_zero=True, infotext="VAE",
+        "vae_tile",
+        "VAE tile size",
+        0,
+        INT,
+        range=(0, 512, 16),
+        auto_zero=True,
+        infotext="VAE",
         tooltip="VAE tile edge in latent pixels (x8 in image pixels). 0 = Auto: the largest tile that "
         "fits in free memory. Smaller tiles need less memory and take a little longer.",
         info="Smaller tiles need less memory and take a little longer; 0 = the largest that fits "
@@ -222,19 +243,36 @@ FIELDS: tuple[OptionField, ...] = (
         "off uses the WebUI's own.",
     ),
     OptionField(
-        "upscale_tile", "Upscale tile size", 0, INT, range=(0, 2048, 32), auto_zero=True, infotext="upscale",
+        "upscale_tile",
+        "Upscale tile size",
+        0,
+        INT,
+        range=(0, 2048, 32),
+        auto_zero=True,
+        infotext="upscale",
         tooltip="Upscaler tile edge in input pixels. 0 = Auto: chosen from free memory. Smaller tiles "
         "need less memory.",
         info="Smaller tiles need less memory; 0 = chosen from free memory (input px).",
     ),
     OptionField(
-        "upscale_batch", "Upscale batch size", 0, INT, range=(0, 64, 1), auto_zero=True, infotext="upscale",
+        "upscale_batch",
+        "Upscale batch size",
+        0,
+        INT,
+        range=(0, 64, 1),
+        auto_zero=True,
+        infotext="upscale",
         tooltip="How many tiles go through the upscaler at once: fewer need less memory, more run "
         "faster. 0 = Auto: chosen from free memory.",
         info="Tiles per upscaler pass: fewer need less memory, more run faster; 0 = chosen from free memory.",
     ),
     OptionField(
-        "precision_vae", "VAE precision", "Auto", CHOICE, choices=PRECISION_CHOICES, infotext="VAE",
+        "precision_vae",
+        "VAE precision",
+        "Auto",
+        CHOICE,
+        choices=PRECISION_CHOICES,
+        infotext="VAE",
         tooltip="Auto keeps the WebUI's choice (BF16 where the card supports it on small cards). "
         "FP16/BF16 halve the VAE's memory; tiles that overflow are recomputed in a wider type. Choose "
         "BF16 or FP16 if you get black or NaN images.",
@@ -288,7 +326,7 @@ FIELDS: tuple[OptionField, ...] = (
         "when nothing fits, stop before sampling with what would fit instead of running out of memory. "
         "Keep it on.",
     ),
-)  # fmt: skip
+)
 
 FIELDS_BY_NAME: dict[str, OptionField] = {f.name: f for f in FIELDS}
 
