@@ -204,9 +204,15 @@ def bounded_float(option: str, lo: float, hi: float, *, why: str = "", unit: str
 
 
 def int_list(
-    option: str, lo: int, hi: int, *, why: str = "", unit: str = "", max_items: int = MAX_COUNT,
+    option: str,
+    lo: int,
+    hi: int,
+    *,
+    why: str = "",
+    unit: str = "",
+    max_items: int = MAX_COUNT,
     multiple_of: int = 1,
-):  # fmt: skip
+):
     """An argparse ``type=`` for a comma-separated list of integers, each in ``[lo, hi]``; the value
     stays the text (normalised: ``"512,1024"``) for the code that splits it."""
     import argparse

@@ -147,9 +147,15 @@ def _vae_weights(arch: str, dtype: str) -> tuple[int, int]:
 
 
 def place_checkpoint(
-    arch: str, total_bytes: int, margin_of: object, *, vae_dtype: str, attention: str, backend: str = "cuda",
+    arch: str,
+    total_bytes: int,
+    margin_of: object,
+    *,
+    vae_dtype: str,
+    attention: str,
+    backend: str = "cuda",
     force: bool = True,
-) -> PlacedCheckpoint | None:  # fmt: skip
+) -> PlacedCheckpoint | None:
     """The placed plan of the reference checkpoint of ``arch`` (SD1.5, SDXL) on a card of
     ``total_bytes``: :func:`lib_vram.residency.plan_checkpoint` (the WebUI's placement's own
     function) on the reference UNet's units (:func:`lib_vram.cli.refunet.reference_units`), the
@@ -228,10 +234,20 @@ PLACED_STAGES = {
 
 
 def plan_placed_job(
-    placed: PlacedCheckpoint, width: int, height: int, preset: Preset, free_bytes: int,
-    safety_margin_bytes: int, *, caps: object | None = None, batch: int = 1, hires: float | None = None,
-    upscaler: str | None = None, upscale_scale: int = 4, memory: planner.PlanMemory | None = None,
-) -> list[StagePlan]:  # fmt: skip
+    placed: PlacedCheckpoint,
+    width: int,
+    height: int,
+    preset: Preset,
+    free_bytes: int,
+    safety_margin_bytes: int,
+    *,
+    caps: object | None = None,
+    batch: int = 1,
+    hires: float | None = None,
+    upscaler: str | None = None,
+    upscale_scale: int = 4,
+    memory: planner.PlanMemory | None = None,
+) -> list[StagePlan]:
     """Plans for every stage of a job with the checkpoint placed (``placed``), as the WebUI runs
     it with ``--vram-guard-place-checkpoint``:
 

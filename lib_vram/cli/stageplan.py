@@ -147,9 +147,21 @@ def reference_upscaler(kind: str, scale: int) -> torch.nn.Module:
 
 
 def _stage(
-    stage: str, label: str, tile: int | None, batch: int, peak: int, raw_candidates: list[planner.Candidate],
-    *, free_bytes: int, margin: int, weights: int, resident: int, input_bytes: int, dtype: str, key: tuple,
-) -> StagePlan:  # fmt: skip
+    stage: str,
+    label: str,
+    tile: int | None,
+    batch: int,
+    peak: int,
+    raw_candidates: list[planner.Candidate],
+    *,
+    free_bytes: int,
+    margin: int,
+    weights: int,
+    resident: int,
+    input_bytes: int,
+    dtype: str,
+    key: tuple,
+) -> StagePlan:
     total, budget = weights + resident + peak, free_bytes - margin
     warning = None
     if total > budget:
@@ -165,10 +177,20 @@ def _stage(
 
 
 def plan_vae_stage(
-    stage: str, kind: str, arch: str, width: int, height: int, preset: Preset, free_bytes: int,
-    safety_margin_bytes: int, *, dtype: str, resident_bytes: int = 0, backend: str = "cuda",
+    stage: str,
+    kind: str,
+    arch: str,
+    width: int,
+    height: int,
+    preset: Preset,
+    free_bytes: int,
+    safety_margin_bytes: int,
+    *,
+    dtype: str,
+    resident_bytes: int = 0,
+    backend: str = "cuda",
     memory: planner.PlanMemory | None = None,
-) -> StagePlan:  # fmt: skip
+) -> StagePlan:
     """``stage`` as the VAE engine plans it (:func:`lib_vram.vae.plan_vae`) for the reference VAE
     of ``arch``, within what the preset leaves of ``free_bytes``."""
     from lib_vram.vae import estimate_peak_bytes, plan_vae
@@ -207,9 +229,19 @@ def plan_vae_stage(
 
 
 def plan_upscale_stage(
-    stage: str, kind: str, width: int, height: int, free_bytes: int, safety_margin_bytes: int, *, dtype: str,
-    scale: int = 4, resident_bytes: int = 0, backend: str = "cuda", memory: planner.PlanMemory | None = None,
-) -> StagePlan:  # fmt: skip
+    stage: str,
+    kind: str,
+    width: int,
+    height: int,
+    free_bytes: int,
+    safety_margin_bytes: int,
+    *,
+    dtype: str,
+    scale: int = 4,
+    resident_bytes: int = 0,
+    backend: str = "cuda",
+    memory: planner.PlanMemory | None = None,
+) -> StagePlan:
     """``stage`` as the upscale engine plans it (:func:`lib_vram.upscale.plan_upscale`) for the
     reference upscaler ``kind`` (``"rrdb"``/``"compact"``), within what is left of ``free_bytes``."""
     from lib_vram.upscale import plan_upscale
@@ -239,10 +271,21 @@ MAX_IMAGES = 32
 
 
 def plan_sampling_stage(
-    stage: str, arch: str, width: int, height: int, free_bytes: int, safety_margin_bytes: int, *,
-    images: int = 1, attention: str = "doggettx", dtype: str = "fp16", resident_bytes: int = 0,
-    context_tokens: int = 77, backend: str = "cuda", memory: planner.PlanMemory | None = None,
-) -> StagePlan:  # fmt: skip
+    stage: str,
+    arch: str,
+    width: int,
+    height: int,
+    free_bytes: int,
+    safety_margin_bytes: int,
+    *,
+    images: int = 1,
+    attention: str = "doggettx",
+    dtype: str = "fp16",
+    resident_bytes: int = 0,
+    context_tokens: int = 77,
+    backend: str = "cuda",
+    memory: planner.PlanMemory | None = None,
+) -> StagePlan:
     """``stage`` (a sampling pass) as :func:`lib_vram.sampling.plan_sampling` plans it: the
     reference UNet of ``arch``, one forward of ``2 x images`` samples (the WebUI batches cond and
     uncond), the latent of ``width`` x ``height``."""
@@ -268,11 +311,23 @@ def plan_sampling_stage(
 
 
 def plan_job(
-    arch: str, width: int, height: int, preset: Preset, free_bytes: int, total_bytes: int, *,
-    caps: object | None = None, batch: int = 1, hires: float | None = None, upscaler: str | None = None,
-    upscale_scale: int = 4, safety_margin_bytes: int | None = None, memory: planner.PlanMemory | None = None,
-    host_swaps: bool = False, attention: str | None = None,
-) -> list[StagePlan]:  # fmt: skip
+    arch: str,
+    width: int,
+    height: int,
+    preset: Preset,
+    free_bytes: int,
+    total_bytes: int,
+    *,
+    caps: object | None = None,
+    batch: int = 1,
+    hires: float | None = None,
+    upscaler: str | None = None,
+    upscale_scale: int = 4,
+    safety_margin_bytes: int | None = None,
+    memory: planner.PlanMemory | None = None,
+    host_swaps: bool = False,
+    attention: str | None = None,
+) -> list[StagePlan]:
     """Plans for every memory-heavy stage of a job (see the module docstring).
 
     ``free_bytes`` is what the job may use with the model loaded *off* the device (the resident
@@ -360,10 +415,16 @@ def plan_job(
 
 
 def job_stages(
-    width: int, height: int, hires: float | None, upscaler: str | None, downscale: int, *,
-    sample: Callable[[str, int, int], StagePlan] | None, vae: Callable[[str, str, int, int], StagePlan],
+    width: int,
+    height: int,
+    hires: float | None,
+    upscaler: str | None,
+    downscale: int,
+    *,
+    sample: Callable[[str, int, int], StagePlan] | None,
+    vae: Callable[[str, str, int, int], StagePlan],
     upscale: Callable[[str, int, int], StagePlan],
-) -> list[StagePlan]:  # fmt: skip
+) -> list[StagePlan]:
     """A job's stages in the WebUI's order, each planned by its function (``sample``: the sampling
     passes, None for none; ``vae(stage, kind, w, h)``; ``upscale(stage, w, h)``)."""
     plans = [sample("sample", width, height)] if sample else []
@@ -398,10 +459,15 @@ class Loop(torch.nn.Module):
 
 
 def predict_engine_vae(
-    module: torch.nn.Module, kind: str, input_shape: tuple[int, ...],
-    dtype: torch.dtype | str = torch.float32, tile: int | None = None, mode: str = "exact",
-    backend: str = "cpu", state_offload: str = "device",
-) -> PeakPrediction:  # fmt: skip
+    module: torch.nn.Module,
+    kind: str,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype | str = torch.float32,
+    tile: int | None = None,
+    mode: str = "exact",
+    backend: str = "cpu",
+    state_offload: str = "device",
+) -> PeakPrediction:
     """Peak of :func:`lib_vram.vae.tiled_decode`/``tiled_encode`` on ``module`` (any layout the
     engine supports: the WebUI's own VAE, ldm, diffusers, :mod:`lib_vram.planning.reference`), predicted by
     running the engine itself on fake tensors (its finite-check guard off, its state kept on the
@@ -433,9 +499,15 @@ def _predict_loop(net, loop, input_shape, dt, backend, fmode) -> PeakPrediction:
 
 
 def predict_engine_upscale(
-    model: object, input_shape: tuple[int, ...], dtype: str = "fp32", tile: int | None = None,
-    batch: int = 1, scale: int = 4, backend: str = "cpu", overlap: int | None = None,
-) -> PeakPrediction:  # fmt: skip
+    model: object,
+    input_shape: tuple[int, ...],
+    dtype: str = "fp32",
+    tile: int | None = None,
+    batch: int = 1,
+    scale: int = 4,
+    backend: str = "cpu",
+    overlap: int | None = None,
+) -> PeakPrediction:
     """Peak of :func:`lib_vram.upscale.upscale_tensor` with ``model`` (a ``torch.nn.Module``),
     predicted by running the engine on fake tensors (finite check off, accumulator on the device;
     ``overlap`` None: the engine's default for an uncalibrated model)."""

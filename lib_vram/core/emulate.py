@@ -122,10 +122,15 @@ class EmulatedCard:
     """
 
     def __init__(
-        self, capacity: int | str, *, device: torch.device | str = "cpu",
-        resident: int | Iterable[torch.nn.Module] = 0, workspace: bool = True, label: str | None = None,
+        self,
+        capacity: int | str,
+        *,
+        device: torch.device | str = "cpu",
+        resident: int | Iterable[torch.nn.Module] = 0,
+        workspace: bool = True,
+        label: str | None = None,
         inject_oom_at: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.capacity = parse_size(capacity)
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):

@@ -66,9 +66,12 @@ def _nbytes(shape: tuple[int, ...] | torch.Size, elem: int) -> int:
 
 
 def cpu_conv_workspace_bytes(
-    input_shape: tuple[int, ...], weight_shape: tuple[int, ...], output_shape: tuple[int, ...], elem: int,
+    input_shape: tuple[int, ...],
+    weight_shape: tuple[int, ...],
+    output_shape: tuple[int, ...],
+    elem: int,
     input_contiguous: bool = True,
-) -> int:  # fmt: skip
+) -> int:
     """Scratch bytes the CPU convolution allocates besides its output.
 
     On torch's CPU backend (oneDNN available and enabled, the default: ``torch._C._select_conv_backend``
@@ -228,9 +231,12 @@ def _quiet_fake() -> Iterator[None]:
 
 
 def count_peak(
-    fn: Callable[..., object], *args: object, fake_mode: FakeTensorMode | None = None,
-    workspace: WorkspaceTerm | None = None, **kwargs: object,
-) -> tuple[int, int]:  # fmt: skip
+    fn: Callable[..., object],
+    *args: object,
+    fake_mode: FakeTensorMode | None = None,
+    workspace: WorkspaceTerm | None = None,
+    **kwargs: object,
+) -> tuple[int, int]:
     """Run ``fn(*args, **kwargs)`` under a fake mode; return ``(peak_bytes, ops)`` allocated by it.
 
     ``args`` may be fake tensors of ``fake_mode``, real tensors (converted on use) or anything else.
@@ -247,10 +253,14 @@ def count_peak(
 
 
 def predict_callable(
-    fn: Callable[..., object], input_shapes: tuple[tuple[int, ...], ...], *,
-    dtype: torch.dtype | str = torch.float32, weights: int = 0, backend: str = "cpu",
+    fn: Callable[..., object],
+    input_shapes: tuple[tuple[int, ...], ...],
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    weights: int = 0,
+    backend: str = "cpu",
     fake_mode: FakeTensorMode | None = None,
-) -> PeakPrediction:  # fmt: skip
+) -> PeakPrediction:
     """Predict ``fn(*inputs)`` where ``inputs`` are fresh fake tensors of ``input_shapes``."""
     dt = dtype_of(dtype)
     mode = fake_mode or new_fake_mode()
@@ -270,9 +280,13 @@ def predict_callable(
 
 
 def predict_module_peak(
-    module: torch.nn.Module, input_shape: tuple[int, ...], dtype: torch.dtype | str = torch.float32, *,
-    backend: str = "cpu", fake_mode: FakeTensorMode | None = None,
-) -> PeakPrediction:  # fmt: skip
+    module: torch.nn.Module,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype | str = torch.float32,
+    *,
+    backend: str = "cpu",
+    fake_mode: FakeTensorMode | None = None,
+) -> PeakPrediction:
     """Predict the peak of ``module(x)`` for an input of ``input_shape`` at ``dtype`` (untiled).
 
     ``module`` may hold real weights (they are copied as fake tensors, nothing is allocated) or be

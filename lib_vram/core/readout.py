@@ -146,9 +146,14 @@ def _stages(records: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def status_payload(
-    memory: MemoryInfo, records: Iterable[Any], *, job_running: bool, notes: Iterable[str] = (),
-    device_name: str | None = None, timeline: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    memory: MemoryInfo,
+    records: Iterable[Any],
+    *,
+    job_running: bool,
+    notes: Iterable[str] = (),
+    device_name: str | None = None,
+    timeline: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The readout's JSON (keys in the module docstring), including its rendered ``html``.
 
     ``records``: the last job's stage records (:class:`~lib_vram.core.tracker.StageRecord` or their
@@ -332,9 +337,15 @@ def _tries_words(retries: Iterable[int]) -> str:
 
 
 def vae_pass_note(
-    stage: str, *, mode: str, tiles: int, tile: int | None, budget_bytes: int, retries: Iterable[int] = (),
+    stage: str,
+    *,
+    mode: str,
+    tiles: int,
+    tile: int | None,
+    budget_bytes: int,
+    retries: Iterable[int] = (),
     whole: Iterable[str] = (),
-) -> str | None:  # fmt: skip
+) -> str | None:
     """What one VAE pass did, in words (``None`` when it simply ran untiled).
 
     ``tile`` is in latent pixels (x8 on the image); ``budget_bytes`` is the memory it planned
@@ -364,9 +375,16 @@ def vae_pass_note(
 
 
 def upscale_pass_note(
-    stage: str, *, tiled: bool, tiles: int, tile: int, batch: int, budget_bytes: int, ooms: int = 0,
+    stage: str,
+    *,
+    tiled: bool,
+    tiles: int,
+    tile: int,
+    batch: int,
+    budget_bytes: int,
+    ooms: int = 0,
     exact: bool = True,
-) -> str | None:  # fmt: skip
+) -> str | None:
     """What one tiled upscale did, in words (``None`` when the whole image went through at once
     without an out-of-memory error)."""
     what = stage_words(stage)

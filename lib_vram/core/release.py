@@ -57,9 +57,11 @@ class ReleasePolicy:
     """
 
     def __init__(
-        self, points: Iterable[str], device: object | None = None,
+        self,
+        points: Iterable[str],
+        device: object | None = None,
         releaser: Callable[..., ReleaseResult] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         pts = frozenset(points)
         unknown = pts - set(RELEASE_POINTS)
         if unknown:

@@ -89,10 +89,15 @@ class Timeline:
     """
 
     def __init__(
-        self, *, total_bytes: int | None = None, measure: str = "allocated",
-        max_points: int = DEFAULT_MAX_POINTS, max_bands: int = DEFAULT_MAX_BANDS,
-        max_events: int = DEFAULT_MAX_EVENTS, clock: Callable[[], float] = time.perf_counter,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        total_bytes: int | None = None,
+        measure: str = "allocated",
+        max_points: int = DEFAULT_MAX_POINTS,
+        max_bands: int = DEFAULT_MAX_BANDS,
+        max_events: int = DEFAULT_MAX_EVENTS,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         if max_points < 8:
             raise ValueError(f"`max_points` must be >= 8, got {max_points}")
         if max_bands < 1 or max_events < 1:
@@ -184,9 +189,16 @@ class Timeline:
             self._open[id(band)] = band
 
     def end(
-        self, stage: str, *, plan: str | None = None, ok: bool = True, error: str | None = None,
-        peak_bytes: int | None = None, exact: bool = True, thread: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        stage: str,
+        *,
+        plan: str | None = None,
+        ok: bool = True,
+        error: str | None = None,
+        peak_bytes: int | None = None,
+        exact: bool = True,
+        thread: int = 0,
+    ) -> None:
         """The innermost open band of ``stage`` (in ``thread``) ends."""
         with self._lock:
             for band in reversed(self._bands):

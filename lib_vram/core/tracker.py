@@ -215,9 +215,14 @@ class StageTracker:
     """
 
     def __init__(
-        self, device: torch.device | str | None = None, *, owns_peak_counters: bool = False,
-        sample_interval: float | None = None, keep: int = 256, timeline: Timeline | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        device: torch.device | str | None = None,
+        *,
+        owns_peak_counters: bool = False,
+        sample_interval: float | None = None,
+        keep: int = 256,
+        timeline: Timeline | None = None,
+    ) -> None:
         if sample_interval is not None and sample_interval <= 0:
             raise ValueError(f"`sample_interval` must be > 0 or None, got {sample_interval}")
         if keep < 1:

@@ -296,9 +296,12 @@ MEMORY = PlanMemory()
 
 
 def choose_learned(
-    key: Hashable, candidates: Sequence[Candidate], free_bytes: int, safety_margin_bytes: int,
+    key: Hashable,
+    candidates: Sequence[Candidate],
+    free_bytes: int,
+    safety_margin_bytes: int,
     memory: PlanMemory | None = None,
-) -> Choice:  # fmt: skip
+) -> Choice:
     """:func:`choose` after applying what ``memory`` (default :data:`MEMORY`) learned for ``key``."""
     mem = MEMORY if memory is None else memory
     return choose(mem.adjust(key, candidates), free_bytes, safety_margin_bytes)

@@ -107,9 +107,19 @@ def flash_kernel(attention: str, dtype_bytes: int, backend: str) -> bool:
 
 
 def attend(
-    w: Walk, attention: str, *, batch: int, tokens: int, ctx_tokens: int, query_dim: int, ctx_dim: int,
-    heads: int, s: int, backend: str, self_attn: bool,
-) -> int:  # fmt: skip
+    w: Walk,
+    attention: str,
+    *,
+    batch: int,
+    tokens: int,
+    ctx_tokens: int,
+    query_dim: int,
+    ctx_dim: int,
+    heads: int,
+    s: int,
+    backend: str,
+    self_attn: bool,
+) -> int:
     """One ``CrossAttention.forward`` as ``attention`` runs it, on ``w``: its input (and the
     context) are held by the caller. Returns the bytes of its output (held on ``w``)."""
     b, n, m, h = batch, tokens, ctx_tokens, heads

@@ -99,9 +99,12 @@ class CopyEngine:
     :class:`~._stream.StreamedUNet`, which decides when; its docstring has the arguments)."""
 
     def __init__(
-        self, unet: torch.nn.Module, device: torch.device | str, card: emulate.EmulatedCard | None,
+        self,
+        unet: torch.nn.Module,
+        device: torch.device | str,
+        card: emulate.EmulatedCard | None,
         adopt_host: bool,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.unet = unet
         self.adopt_host = bool(adopt_host)
         """(The checkpoint placement, issue 22 item 2) a streamed weight already in host memory while

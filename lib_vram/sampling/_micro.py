@@ -51,9 +51,13 @@ class MicroBatched:
     """``forward`` with its batch split into micro-batches (see :func:`micro_batched`)."""
 
     def __init__(
-        self, forward: Callable[..., Any], micro_batch: int, *, key: Hashable | None = None,
+        self,
+        forward: Callable[..., Any],
+        micro_batch: int,
+        *,
+        key: Hashable | None = None,
         memory: planner.PlanMemory | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not callable(forward):
             raise ValueError("`forward` must be callable")
         if not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch < 1:
@@ -140,9 +144,12 @@ class MicroBatched:
 
 
 def micro_batched(
-    forward: Callable[..., Any], micro_batch: int, *, key: Hashable | None = None,
+    forward: Callable[..., Any],
+    micro_batch: int,
+    *,
+    key: Hashable | None = None,
     memory: planner.PlanMemory | None = None,
-) -> MicroBatched:  # fmt: skip
+) -> MicroBatched:
     """``forward`` (a UNet's or the WebUI's inner model's) with its batch split into micro-batches.
 
     Every tensor argument (positional or keyword, also inside lists, tuples and dicts: ControlNet's

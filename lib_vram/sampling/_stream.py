@@ -47,10 +47,16 @@ class StreamedUNet(CopyEngine):
     """
 
     def __init__(
-        self, unet: torch.nn.Module, plan: StreamPlan | Sequence[str], device: torch.device | str, *,
-        card: emulate.EmulatedCard | None = None, prefetch: bool = True,
-        memory: planner.PlanMemory | None = None, adopt_host: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        unet: torch.nn.Module,
+        plan: StreamPlan | Sequence[str],
+        device: torch.device | str,
+        *,
+        card: emulate.EmulatedCard | None = None,
+        prefetch: bool = True,
+        memory: planner.PlanMemory | None = None,
+        adopt_host: bool = False,
+    ) -> None:
         super().__init__(unet, device, card, adopt_host)
         self.plan = plan if isinstance(plan, StreamPlan) else None
         names = plan.streamed if isinstance(plan, StreamPlan) else tuple(plan)
@@ -239,8 +245,11 @@ class StreamedUNet(CopyEngine):
 
 @contextlib.contextmanager
 def streamed(
-    unet: torch.nn.Module, plan: StreamPlan | Sequence[str], device: torch.device | str, **kwargs: Any,
-) -> Iterator[StreamedUNet]:  # fmt: skip
+    unet: torch.nn.Module,
+    plan: StreamPlan | Sequence[str],
+    device: torch.device | str,
+    **kwargs: Any,
+) -> Iterator[StreamedUNet]:
     """``with streamed(unet, plan, device) as s:`` (see :class:`StreamedUNet`)."""
     s = StreamedUNet(unet, plan, device, **kwargs)
     with s:

@@ -332,9 +332,15 @@ def measure_reach(spec: ModelSpec, device: torch.device, dtype: torch.dtype, hal
 
 
 def _cached(
-    name: str, probe: Callable[..., Any], spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-    fallback: Any, measure: bool, *extra: Any,
-) -> Any:  # fmt: skip
+    name: str,
+    probe: Callable[..., Any],
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    fallback: Any,
+    measure: bool,
+    *extra: Any,
+) -> Any:
     """``probe(spec, device, dtype, *extra)`` once per (model, ``name``, ``extra``, dtype, device
     type); ``fallback`` when not measuring, and (uncached) when the probe runs out of memory."""
     if not measure:

@@ -113,10 +113,17 @@ def _axis_weights(
 
 class _Run:
     def __init__(
-        self, spec: ModelSpec, cfg: UpscaleConfig, device: torch.device, dtype: torch.dtype,
-        rep: UpscaleReport, tracker: object | None, should_interrupt: Callable[[], bool] | None,
-        progress: Callable[[int, int], None] | None, memory: planner.PlanMemory,
-    ) -> None:  # fmt: skip
+        self,
+        spec: ModelSpec,
+        cfg: UpscaleConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        rep: UpscaleReport,
+        tracker: object | None,
+        should_interrupt: Callable[[], bool] | None,
+        progress: Callable[[int, int], None] | None,
+        memory: planner.PlanMemory,
+    ) -> None:
         self.spec, self.cfg, self.device, self.dtype = spec, cfg, device, dtype
         self.rep, self.tracker = rep, tracker
         self.should_interrupt, self.progress = should_interrupt, progress
@@ -404,8 +411,13 @@ class _Run:
         return pieces
 
     def loop(
-        self, xp: Tensor, tiles: list[_Tile], tile: int, batch: int, acc_dev: torch.device,
-    ) -> Tensor:  # fmt: skip
+        self,
+        xp: Tensor,
+        tiles: list[_Tile],
+        tile: int,
+        batch: int,
+        acc_dev: torch.device,
+    ) -> Tensor:
         spec, rep, device = self.spec, self.rep, self.device
         bsz, _, hp, wp = xp.shape
         h_out, w_out = hp * spec.scale, wp * spec.scale
@@ -497,11 +509,17 @@ class _Run:
 
 
 def upscale_tensor(
-    model: object, x: Tensor, *, config: UpscaleConfig | None = None, scale: int | None = None,
-    should_interrupt: Callable[[], bool] | None = None, progress: Callable[[int, int], None] | None = None,
-    tracker: object | None = None, report: UpscaleReport | None = None,
+    model: object,
+    x: Tensor,
+    *,
+    config: UpscaleConfig | None = None,
+    scale: int | None = None,
+    should_interrupt: Callable[[], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    tracker: object | None = None,
+    report: UpscaleReport | None = None,
     memory: planner.PlanMemory | None = None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """Upscale ``x`` (``[B, C, H, W]``, float in [0, 1]) with ``model``, tiled as memory requires.
 
     Args:
@@ -564,9 +582,12 @@ def upscale_tensor(
 
 
 def _once_more(
-    fn: Callable[[], Tensor], rep: UpscaleReport, device: torch.device, what: str,
+    fn: Callable[[], Tensor],
+    rep: UpscaleReport,
+    device: torch.device,
+    what: str,
     on_oom: Callable[[str], None] | None = None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """``fn()``; after an out-of-memory error, release and try once more (the error may have been a
     moment of pressure); a second one propagates. ``on_oom(text)`` records the event (default:
     ``rep.events``)."""

@@ -62,11 +62,17 @@ def _quantize(t: Tensor, maximum: int, dtype: torch.dtype) -> np.ndarray:
 
 
 def upscale_image(
-    model: object, img: Image.Image, *, config: UpscaleConfig | None = None, scale: int | None = None,
-    alpha: str = "model", should_interrupt: Callable[[], bool] | None = None,
-    progress: Callable[[int, int], None] | None = None, tracker: object | None = None,
+    model: object,
+    img: Image.Image,
+    *,
+    config: UpscaleConfig | None = None,
+    scale: int | None = None,
+    alpha: str = "model",
+    should_interrupt: Callable[[], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    tracker: object | None = None,
     report: UpscaleReport | None = None,
-) -> Image.Image:  # fmt: skip
+) -> Image.Image:
     """Upscale a PIL image of any mode (see the module table); the result has the same mode family.
 
     ``alpha="model"`` upscales the alpha channel with the model (batched with the colour);

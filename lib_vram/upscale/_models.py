@@ -197,9 +197,12 @@ def default_cache() -> ModelCache:
 
 
 def load_model(
-    path: str | os.PathLike, *, device: torch.device | str | None = None, cache: ModelCache | None = None,
+    path: str | os.PathLike,
+    *,
+    device: torch.device | str | None = None,
+    cache: ModelCache | None = None,
     dtype: torch.dtype | None = None,
-) -> object:  # fmt: skip
+) -> object:
     """Load an upscaler (``.pth``, ``.pt``, ``.ckpt``, ``.safetensors``) as a spandrel
     ``ImageModelDescriptor`` on ``device``, through ``cache`` (default: :func:`default_cache`).
 

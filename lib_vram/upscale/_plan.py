@@ -192,10 +192,19 @@ class UpscalePlan:
 
 
 def decide(
-    spec: ModelSpec, input_shape: tuple[int, ...], dtype: torch.dtype, budget: int, fwd_px: float,
-    halo_fn: Callable[[], tuple[int, object]], *, tile: int | None = None, batch: int | None = None,
-    accumulate_on: str = "auto", host_apart: bool = False, memory: planner.PlanMemory | None = None,
-) -> UpscalePlan:  # fmt: skip
+    spec: ModelSpec,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    budget: int,
+    fwd_px: float,
+    halo_fn: Callable[[], tuple[int, object]],
+    *,
+    tile: int | None = None,
+    batch: int | None = None,
+    accumulate_on: str = "auto",
+    host_apart: bool = False,
+    memory: planner.PlanMemory | None = None,
+) -> UpscalePlan:
     """The engine's plan for an ``input_shape`` upscale within ``budget`` bytes.
 
     ``fwd_px``: peak live bytes of the model's forward per input px (calibrated or predicted);
@@ -348,11 +357,21 @@ def fake_bytes_per_px(module: torch.nn.Module, dtype: torch.dtype, channels: int
 
 
 def plan_upscale(
-    model: object, input_shape: tuple[int, ...], dtype: torch.dtype, budget_bytes: int, *,
-    scale: int | None = None, tile: int | None = None, batch: int | None = None, overlap: int | None = None,
-    accumulate_on: str = "auto", device: torch.device | str = "cpu", host_apart: bool | None = None,
-    calibrate: bool = True, memory: planner.PlanMemory | None = None,
-) -> UpscalePlan:  # fmt: skip
+    model: object,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    budget_bytes: int,
+    *,
+    scale: int | None = None,
+    tile: int | None = None,
+    batch: int | None = None,
+    overlap: int | None = None,
+    accumulate_on: str = "auto",
+    device: torch.device | str = "cpu",
+    host_apart: bool | None = None,
+    calibrate: bool = True,
+    memory: planner.PlanMemory | None = None,
+) -> UpscalePlan:
     """The plan :func:`lib_vram.upscale.upscale_tensor` runs for an ``input_shape`` upscale with
     the same sizes, ``budget_bytes`` and ``dtype``, and its predicted peak, without running it.
 

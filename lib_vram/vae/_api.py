@@ -104,10 +104,16 @@ class _Pass:
     """One decode or encode call: planning, stages, OOM retries."""
 
     def __init__(
-        self, spec: VAESpec, x: torch.Tensor, config: TiledVAEConfig, report: VAEReport,
-        should_interrupt: Callable[[], bool] | None, progress: Callable[[int, int], None] | None,
-        tracker: StageTracker | None, memory: planner.PlanMemory | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        spec: VAESpec,
+        x: torch.Tensor,
+        config: TiledVAEConfig,
+        report: VAEReport,
+        should_interrupt: Callable[[], bool] | None,
+        progress: Callable[[int, int], None] | None,
+        tracker: StageTracker | None,
+        memory: planner.PlanMemory | None = None,
+    ) -> None:
         self.spec = spec
         self.memory = planner.MEMORY if memory is None else memory
         self.x = x
@@ -444,11 +450,17 @@ def _check_input(x: torch.Tensor, spec: VAESpec, name: str) -> None:
 
 
 def _run_pass(
-    spec: VAESpec, x: torch.Tensor, config: TiledVAEConfig,
+    spec: VAESpec,
+    x: torch.Tensor,
+    config: TiledVAEConfig,
     original_forward: Callable[[torch.Tensor], torch.Tensor] | None,
-    should_interrupt: Callable[[], bool] | None, progress: Callable[[int, int], None] | None,
-    tracker: StageTracker | None, report: VAEReport | None, stage: str, memory: planner.PlanMemory | None,
-) -> torch.Tensor:  # fmt: skip
+    should_interrupt: Callable[[], bool] | None,
+    progress: Callable[[int, int], None] | None,
+    tracker: StageTracker | None,
+    report: VAEReport | None,
+    stage: str,
+    memory: planner.PlanMemory | None,
+) -> torch.Tensor:
     if not isinstance(config, TiledVAEConfig):
         raise ValueError(f"`config` must be a TiledVAEConfig, got {type(config).__name__}")
     rep = report if report is not None else VAEReport()
@@ -492,11 +504,17 @@ def _run_pass(
 
 
 def _attempt(
-    p: _Pass, spec: VAESpec, x: torch.Tensor, config: TiledVAEConfig,
-    original_forward: Callable[[torch.Tensor], torch.Tensor] | None, rep: VAEReport,
-    should_interrupt: Callable[[], bool] | None, progress: Callable[[int, int], None] | None,
-    tracker: StageTracker | None, memory: planner.PlanMemory | None,
-) -> torch.Tensor:  # fmt: skip
+    p: _Pass,
+    spec: VAESpec,
+    x: torch.Tensor,
+    config: TiledVAEConfig,
+    original_forward: Callable[[torch.Tensor], torch.Tensor] | None,
+    rep: VAEReport,
+    should_interrupt: Callable[[], bool] | None,
+    progress: Callable[[int, int], None] | None,
+    tracker: StageTracker | None,
+    memory: planner.PlanMemory | None,
+) -> torch.Tensor:
     """One try of a pass: auto's choice (untiled through the host's forward, or tiled) or the
     configured mode."""
     out = None
@@ -525,9 +543,13 @@ def _attempt(
 
 
 def plan_pass(
-    module: nn.Module, x: torch.Tensor, *, config: TiledVAEConfig, kind: str | None = None,
+    module: nn.Module,
+    x: torch.Tensor,
+    *,
+    config: TiledVAEConfig,
+    kind: str | None = None,
     memory: planner.PlanMemory | None = None,
-) -> VAEPlan:  # fmt: skip
+) -> VAEPlan:
     """The plan :func:`tiled_decode`/:func:`tiled_encode` would run for ``x`` with ``config`` if
     called now (the free memory read now, as the call reads it), made without running anything.
 
@@ -555,12 +577,17 @@ def _fields(config: TiledVAEConfig) -> dict:
 
 
 def tiled_decode(
-    decoder: nn.Module, z: torch.Tensor, *, config: TiledVAEConfig,
+    decoder: nn.Module,
+    z: torch.Tensor,
+    *,
+    config: TiledVAEConfig,
     original_forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    should_interrupt: Callable[[], bool] | None = None, progress: Callable[[int, int], None] | None = None,
-    tracker: StageTracker | None = None, report: VAEReport | None = None,
+    should_interrupt: Callable[[], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    tracker: StageTracker | None = None,
+    report: VAEReport | None = None,
     memory: planner.PlanMemory | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Decode latents ``z`` with ``decoder`` in bounded memory; same result as ``decoder(z)``.
 
     Never calls ``decoder(...)`` or ``decoder.forward`` (the WebUI glue installs this function as
@@ -602,12 +629,17 @@ def tiled_decode(
 
 
 def tiled_encode(
-    encoder: nn.Module, x: torch.Tensor, *, config: TiledVAEConfig,
+    encoder: nn.Module,
+    x: torch.Tensor,
+    *,
+    config: TiledVAEConfig,
     original_forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    should_interrupt: Callable[[], bool] | None = None, progress: Callable[[int, int], None] | None = None,
-    tracker: StageTracker | None = None, report: VAEReport | None = None,
+    should_interrupt: Callable[[], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    tracker: StageTracker | None = None,
+    report: VAEReport | None = None,
     memory: planner.PlanMemory | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Encode images ``x`` with ``encoder`` in bounded memory; same result as ``encoder(x)``.
 
     Returns the encoder's raw output (the moments, before ``quant_conv``), like ``encoder(x)``.

@@ -63,9 +63,14 @@ def cpu_flash_available(q: torch.Tensor) -> bool:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-    max_bytes: int = DEFAULT_SCORE_BYTES, fused: bool | None = None,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    max_bytes: int = DEFAULT_SCORE_BYTES,
+    fused: bool | None = None,
+) -> torch.Tensor:
     """Softmax attention of ``q`` over ``k``/``v``, all ``(B, heads, tokens, dim)``.
 
     Returns ``(B, heads, tokens_q, dim)``. Never allocates the full score matrix: one call where

@@ -168,9 +168,16 @@ class Run:
     """Per-call context: dtypes, guard, offload, report, module calls with cast weights."""
 
     def __init__(
-        self, *, device: torch.device, dtype: torch.dtype, guard: bool, wide: torch.dtype,
-        offload: torch.device | None, report: VAEReport, score_bytes: int = DEFAULT_SCORE_BYTES,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        guard: bool,
+        wide: torch.dtype,
+        offload: torch.device | None,
+        report: VAEReport,
+        score_bytes: int = DEFAULT_SCORE_BYTES,
+    ) -> None:
         self.device = device
         self.dtype = dtype
         self.guard = guard
@@ -349,9 +356,15 @@ def _seg_norm_conv(run: Run, t: TT, aff: Affine, act: nn.Module | None, conv: nn
 
 
 def _seg_norm_conv_add(
-    run: Run, t: TT, aff: Affine, act: nn.Module | None, conv: nn.Conv2d, res: TT,
-    shortcut: nn.Conv2d | None, scale: float,
-) -> TT:  # fmt: skip
+    run: Run,
+    t: TT,
+    aff: Affine,
+    act: nn.Module | None,
+    conv: nn.Conv2d,
+    res: TT,
+    shortcut: nn.Conv2d | None,
+    scale: float,
+) -> TT:
     out = _seg_norm_conv(run, t, aff, act, conv)
     box = Box(out.y0, out.y1, out.x0, out.x1)
     if shortcut is None:
@@ -526,9 +539,12 @@ class Ticker:
     """Between-tile duties: interrupt check, progress callback, tracker sample."""
 
     def __init__(
-        self, total: int, should_interrupt: Callable[[], bool] | None,
-        progress: Callable[[int, int], None] | None, sample: Callable[[], None] | None,
-    ) -> None:  # fmt: skip
+        self,
+        total: int,
+        should_interrupt: Callable[[], bool] | None,
+        progress: Callable[[int, int], None] | None,
+        sample: Callable[[], None] | None,
+    ) -> None:
         self.total = max(1, total)
         self.done = 0
         self.should_interrupt = should_interrupt

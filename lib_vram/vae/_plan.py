@@ -150,10 +150,17 @@ class Components:
 
 
 def estimate_components(
-    spec: VAESpec, input_shape: tuple[int, ...], dtype: torch.dtype, *, tile: int | None,
-    mode: str = "exact", state_on_device: bool = True, out_dtype: torch.dtype | None = None,
-    backend: str = "cpu", fast_sample: int | None = None,
-) -> Components:  # fmt: skip
+    spec: VAESpec,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    *,
+    tile: int | None,
+    mode: str = "exact",
+    state_on_device: bool = True,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "cpu",
+    fast_sample: int | None = None,
+) -> Components:
     """The terms of the analytic estimate of one pass (see :class:`Components`)."""
     if len(input_shape) != 4:
         raise ValueError(f"`input_shape` must be (B, C, H, W), got {input_shape}")
@@ -207,8 +214,11 @@ def estimate_components(
     tspec = split_first_level(spec)[1] if mode == "fast" and core is not None else spec
 
     def walk(
-        th: int, tw: int, parks: bool, boxes: list[tuple[int, int, int, int]] | None = None,
-    ) -> tuple[Step, ...]:  # fmt: skip
+        th: int,
+        tw: int,
+        parks: bool,
+        boxes: list[tuple[int, int, int, int]] | None = None,
+    ) -> tuple[Step, ...]:
         """The steps of the tiled path on a ``th`` x ``tw`` input (``parks``: lock-step tiles;
         ``boxes``: the tiles' cores on the input, instead of the engine's grid of ``core``)."""
         sizes = _levels(tspec, th, tw)
@@ -358,9 +368,14 @@ def estimate_spec_bytes(spec: VAESpec, input_shape: tuple[int, ...], dtype: torc
 
 
 def estimate_peak_bytes(
-    module: nn.Module, input_shape: tuple[int, ...], dtype: torch.dtype, *, tile: int | None, mode: str,
+    module: nn.Module,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    *,
+    tile: int | None,
+    mode: str,
     backend: str = "cpu",
-) -> int:  # fmt: skip
+) -> int:
     """Analytic peak bytes on the compute device of one decode/encode pass (milliseconds).
 
     Tensor bytes counted along the engine's own structure (what a tile keeps at each moment of its
@@ -446,11 +461,19 @@ class PassPlanner:
     """
 
     def __init__(
-        self, spec: VAESpec, input_shape: tuple[int, ...], dtype: torch.dtype, budget_bytes: int, *,
-        out_dtype: torch.dtype | None = None, backend: str = "cpu", host_apart: bool = False,
-        state_offload: str = "auto", fast_sample: int | None = None,
+        self,
+        spec: VAESpec,
+        input_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        budget_bytes: int,
+        *,
+        out_dtype: torch.dtype | None = None,
+        backend: str = "cpu",
+        host_apart: bool = False,
+        state_offload: str = "auto",
+        fast_sample: int | None = None,
         memory: planner.PlanMemory | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if len(input_shape) != 4:
             raise ValueError(f"`input_shape` must be (B, C, H, W), got {input_shape}")
         self.spec = spec
@@ -577,11 +600,20 @@ class VAEPlan:
 
 
 def plan_vae(
-    module: nn.Module | VAESpec, input_shape: tuple[int, ...], dtype: torch.dtype, budget_bytes: int, *,
-    mode: str = "auto", tile: int | None = None, state_offload: str = "auto",
-    out_dtype: torch.dtype | None = None, backend: str = "cpu", host_apart: bool | None = None,
-    fast_sample: int | None = None, memory: planner.PlanMemory | None = None,
-) -> VAEPlan:  # fmt: skip
+    module: nn.Module | VAESpec,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    budget_bytes: int,
+    *,
+    mode: str = "auto",
+    tile: int | None = None,
+    state_offload: str = "auto",
+    out_dtype: torch.dtype | None = None,
+    backend: str = "cpu",
+    host_apart: bool | None = None,
+    fast_sample: int | None = None,
+    memory: planner.PlanMemory | None = None,
+) -> VAEPlan:
     """The plan the VAE engine runs for one pass, and its predicted peak, in milliseconds.
 
     Exactly the engine's own decision (:func:`lib_vram.vae.tiled_decode` with a

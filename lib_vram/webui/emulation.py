@@ -72,8 +72,12 @@ class WebUICard:
     """The emulated card of this WebUI process (see the module docstring)."""
 
     def __init__(
-        self, capacity: int | str | emulate.EmulatedCard, *, host: Any, device: torch.device | str = "cpu",
-    ) -> None:  # fmt: skip
+        self,
+        capacity: int | str | emulate.EmulatedCard,
+        *,
+        host: Any,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if isinstance(capacity, emulate.EmulatedCard):
             self.card = capacity
         else:

@@ -57,10 +57,19 @@ class Job:
     """A running VRAM Guard job (see the module docstring)."""
 
     def __init__(
-        self, settings: JobSettings, *, kind: str, token: Any, p: Any = None, options: Any = None,
-        tracker: StageTracker | None = None, device: torch.device | str | None = None, session: Any = None,
-        host: Any = None, total_bytes: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        settings: JobSettings,
+        *,
+        kind: str,
+        token: Any,
+        p: Any = None,
+        options: Any = None,
+        tracker: StageTracker | None = None,
+        device: torch.device | str | None = None,
+        session: Any = None,
+        host: Any = None,
+        total_bytes: int | None = None,
+    ) -> None:
         if kind not in ("txt2img", "img2img", "extras"):
             raise ValueError(f"`kind` must be txt2img, img2img or extras, got {kind!r}")
         self.settings = settings

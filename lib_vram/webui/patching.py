@@ -65,9 +65,13 @@ def patch_attr(obj: Any, name: str, fn: Callable[..., Any], stack: ExitStack) ->
 
 
 def patch_slot(
-    mapping: MutableMapping[str, Any], key: str, fn: Callable[..., Any], stack: ExitStack, *,
+    mapping: MutableMapping[str, Any],
+    key: str,
+    fn: Callable[..., Any],
+    stack: ExitStack,
+    *,
     default: Callable[..., Any] | None = None,
-) -> Patch:  # fmt: skip
+) -> Patch:
     """Like :func:`patch_attr` for a dict slot (e.g. Forge's ``patcher.model_options``).
 
     ``previous`` is the value that was in the slot, or ``default`` when the slot was empty (then the

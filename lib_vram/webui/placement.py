@@ -520,9 +520,15 @@ class Placement:
         return PlacementOutOfMemory(text)
 
     def _move_to_card(
-        self, sd_model: Any, dm: torch.nn.Module, parts: list[tuple[str, torch.nn.Module]],
-        resident_units: list[torch.nn.Module], device: torch.device, ckpt: int, total: int,
-    ) -> list[Any]:  # fmt: skip
+        self,
+        sd_model: Any,
+        dm: torch.nn.Module,
+        parts: list[tuple[str, torch.nn.Module]],
+        resident_units: list[torch.nn.Module],
+        device: torch.device,
+        ckpt: int,
+        total: int,
+    ) -> list[Any]:
         """A GPU: the checkpoint is in host memory; its buffers and the UNet's resident units go to
         the card (an out-of-memory error puts them back in host memory and raises one line)."""
         moved: list[Any] = []

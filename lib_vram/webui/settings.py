@@ -73,8 +73,12 @@ def normalise_preset_name(name: str | None) -> str | None:
 
 
 def resolve(
-    options: object, *, total_bytes: int, caps: object | None, preset_override: str | None = None,
-) -> JobSettings:  # fmt: skip
+    options: object,
+    *,
+    total_bytes: int,
+    caps: object | None,
+    preset_override: str | None = None,
+) -> JobSettings:
     """Resolve ``options`` (a :class:`lib_vram.webui.options.VRAMGuardOptions`) against the preset.
 
     ``preset_override`` (the ``--vram-guard-preset`` flag) wins over the accordion's preset.

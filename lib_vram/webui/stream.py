@@ -123,9 +123,14 @@ def restore_pending() -> int:
 
 
 def plan_pass(
-    sd_model: Any, unet: torch.nn.Module, spec: UNetSpec, sampling: SamplingPlan, *, settings: Any = None,
+    sd_model: Any,
+    unet: torch.nn.Module,
+    spec: UNetSpec,
+    sampling: SamplingPlan,
+    *,
+    settings: Any = None,
     **step: Any,
-) -> StreamPass | None:  # fmt: skip
+) -> StreamPass | None:
     """The streamed plan for a pass whose ``sampling`` plan does not fit (None when streaming may
     not be used, see :func:`skip_reason`, or does not fit either). ``step``: the sampling guard's
     arguments of :func:`lib_vram.sampling.plan_stream` for the same pass (``latent_hw``,

@@ -171,9 +171,11 @@ def _rows(
 
 
 def tooltips_for(
-    controls: Mapping[str, Any], extra: Mapping[str, tuple[str, str]] = (), *,
+    controls: Mapping[str, Any],
+    extra: Mapping[str, tuple[str, str]] = (),
+    *,
     labels: Mapping[str, tuple[str, str]] = (),
-) -> dict:  # fmt: skip
+) -> dict:
     """elem_id → (label, tooltip) for the JS (``titles[label] = tooltip``, ``title`` attributes).
 
     ``labels`` replaces a field's (label, tooltip) where the section shows it differently (the
@@ -214,11 +216,16 @@ def _enable_switch(
 
 
 def build_ui(
-    *, tab: str, defaults: VRAMGuardOptions, input_accordion: Callable[..., Any] | None = None,
-    elem_prefix: str = "vram_guard", on_free: Callable[[], str] | None = None,
+    *,
+    tab: str,
+    defaults: VRAMGuardOptions,
+    input_accordion: Callable[..., Any] | None = None,
+    elem_prefix: str = "vram_guard",
+    on_free: Callable[[], str] | None = None,
     preset_values: Callable[[str], Mapping[str, Any] | None] | None = None,
-    initial_readout: str | None = None, on_profile: Callable[[], str] | None = None,
-) -> UIWidgets:  # fmt: skip
+    initial_readout: str | None = None,
+    on_profile: Callable[[], str] | None = None,
+) -> UIWidgets:
     """Build the "VRAM Guard" accordion inside the current gradio Blocks context.
 
     Args:
@@ -333,10 +340,13 @@ def preset_changed(
 
 
 def build_extras_widgets(
-    defaults: VRAMGuardOptions, *, input_accordion: Callable[..., Any] | None = None,
-    elem_prefix: str = "vram_guard", on_free: Callable[[], str] | None = None,
+    defaults: VRAMGuardOptions,
+    *,
+    input_accordion: Callable[..., Any] | None = None,
+    elem_prefix: str = "vram_guard",
+    on_free: Callable[[], str] | None = None,
     initial_readout: str | None = None,
-) -> ExtrasWidgets:  # fmt: skip
+) -> ExtrasWidgets:
     """The Extras tab section: tiled-upscale settings, the readout and "Free memory now"."""
     if not isinstance(defaults, VRAMGuardOptions):
         raise ValueError(f"`defaults` must be a VRAMGuardOptions, got {type(defaults).__name__}")

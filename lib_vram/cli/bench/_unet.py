@@ -80,9 +80,14 @@ def _config(shape: str, mc: int, context_dim: int) -> dict:
 
 
 def build_unet(
-    shape: str = "sd15", model_channels: int = 32, *, context_dim: int = 96, seed: int = 0,
-    init: bool = False, meta: bool = False,
-):  # fmt: skip
+    shape: str = "sd15",
+    model_channels: int = 32,
+    *,
+    context_dim: int = 96,
+    seed: int = 0,
+    init: bool = False,
+    meta: bool = False,
+):
     """A real ldm ``UNetModel`` of ``shape`` (:data:`SHAPES`; ``"sdxl-d1"``: SDXL's levels at
     transformer depth 1, 64-wide heads) at ``model_channels`` (a multiple of 32: GroupNorm's 32
     groups), random weights, eval mode; ``init``: every weight N(0, 0.05) from ``seed`` (ldm
