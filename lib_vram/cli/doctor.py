@@ -48,10 +48,15 @@ def collect(device: str | None = None) -> dict:
         "name": caps.name,
         "cpu_only": cpu_only,
         "memory": {
-            "basis": "system RAM" if cpu_only else "device memory", "total_bytes": mem.total,
-            "free_bytes": mem.free, "allocated_bytes": mem.allocated, "reserved_bytes": mem.reserved,
-            "peak_allocated_bytes": mem.peak_allocated, "peak_reserved_bytes": mem.peak_reserved,
-            "process_rss_bytes": mem.process_rss, "system_total_bytes": mem.system_total,
+            "basis": "system RAM" if cpu_only else "device memory",
+            "total_bytes": mem.total,
+            "free_bytes": mem.free,
+            "allocated_bytes": mem.allocated,
+            "reserved_bytes": mem.reserved,
+            "peak_allocated_bytes": mem.peak_allocated,
+            "peak_reserved_bytes": mem.peak_reserved,
+            "process_rss_bytes": mem.process_rss,
+            "system_total_bytes": mem.system_total,
             "system_available_bytes": mem.system_available,
         },
         "torch": {
@@ -65,7 +70,7 @@ def collect(device: str | None = None) -> dict:
         "tier": {"gb": tier, "label": tier_label(tier)},
         "recommended_preset": tier_preset_name(mem.total),
         "notes": notes,
-    }  # fmt: skip
+    }
 
 
 def _gib(n: int | None) -> str:

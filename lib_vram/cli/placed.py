@@ -227,9 +227,15 @@ def place_checkpoint(
 
 
 PLACED_STAGES = {
-    "conditioning": "text encoders", "sample": "UNet", "sample_hires": "UNet", "vae_decode": "VAE",
-    "vae_encode": "VAE", "vae_decode_hires": "VAE", "hires_upscale": "", "upscale": "",
-}  # fmt: skip
+    "conditioning": "text encoders",
+    "sample": "UNet",
+    "sample_hires": "UNet",
+    "vae_decode": "VAE",
+    "vae_encode": "VAE",
+    "vae_decode_hires": "VAE",
+    "hires_upscale": "",
+    "upscale": "",
+}
 """Each stage of a placed job and the checkpoint's part it runs (the others stay home)."""
 
 

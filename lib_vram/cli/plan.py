@@ -180,16 +180,33 @@ def collect(args: argparse.Namespace) -> dict:
     if placed is not None:
         swaps = ""
         plans = plan_placed_job(
-            placed, args.width, args.height, preset, free,
-            preset.safety_margin(total) if margin is None else margin, caps=caps_used, batch=args.batch,
-            hires=args.hires, upscaler=args.upscaler,
-        )  # fmt: skip
+            placed,
+            args.width,
+            args.height,
+            preset,
+            free,
+            preset.safety_margin(total) if margin is None else margin,
+            caps=caps_used,
+            batch=args.batch,
+            hires=args.hires,
+            upscaler=args.upscaler,
+        )
     else:
         plans = plan_job(
-            args.arch, args.width, args.height, preset, free, total, caps=caps_used, batch=args.batch,
-            hires=args.hires, upscaler=args.upscaler, safety_margin_bytes=margin, host_swaps=bool(swaps),
+            args.arch,
+            args.width,
+            args.height,
+            preset,
+            free,
+            total,
+            caps=caps_used,
+            batch=args.batch,
+            hires=args.hires,
+            upscaler=args.upscaler,
+            safety_margin_bytes=margin,
+            host_swaps=bool(swaps),
             attention=args.attention,
-        )  # fmt: skip
+        )
     extra: dict = {}
     if placed is not None:
         extra = {
@@ -201,13 +218,24 @@ def collect(args: argparse.Namespace) -> dict:
     elif note:
         extra = {"placed": False, "place_note": note}
     return extra | {
-        "schema": SCHEMA_VERSION, "arch": args.arch, "width": args.width, "height": args.height,
-        "batch": args.batch, "hires": args.hires, "upscaler": args.upscaler, "preset": preset.name,
-        "resolved_from": preset.resolved_from, "total_bytes": total, "free_bytes": free,
-        "emulated": args.vram is not None, "memory_fraction_set": emulated,
-        "host_swaps_models": swaps or None, "models_bytes": models, "stages": [p.to_dict() for p in plans],
+        "schema": SCHEMA_VERSION,
+        "arch": args.arch,
+        "width": args.width,
+        "height": args.height,
+        "batch": args.batch,
+        "hires": args.hires,
+        "upscaler": args.upscaler,
+        "preset": preset.name,
+        "resolved_from": preset.resolved_from,
+        "total_bytes": total,
+        "free_bytes": free,
+        "emulated": args.vram is not None,
+        "memory_fraction_set": emulated,
+        "host_swaps_models": swaps or None,
+        "models_bytes": models,
+        "stages": [p.to_dict() for p in plans],
         "planning_seconds": round(time.perf_counter() - t0, 3),
-    }  # fmt: skip
+    }
 
 
 def _gib(n: int) -> str:

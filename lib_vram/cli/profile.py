@@ -189,10 +189,15 @@ def _random_vae(kind: str, layout: str, family: str):
             raise UsageError(f"`--family diffusers` needs the diffusers package ({exc})") from None
         ch = cfg["ch"]
         vae = AutoencoderKL(
-            in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-            up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[ch * m for m in cfg["ch_mult"]],
-            layers_per_block=cfg["num_res_blocks"], latent_channels=cfg["z_channels"], norm_num_groups=32,
-        ).eval()  # fmt: skip
+            in_channels=3,
+            out_channels=3,
+            down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4,
+            block_out_channels=[ch * m for m in cfg["ch_mult"]],
+            layers_per_block=cfg["num_res_blocks"],
+            latent_channels=cfg["z_channels"],
+            norm_num_groups=32,
+        ).eval()
         return vae.decoder if kind == "decode" else vae.encoder
     with _quiet():
         return _ldm_class(kind)(**cfg).eval()

@@ -442,7 +442,7 @@ def job_stages(
     return plans
 
 
-class Loop(torch.nn.Module):
+class _Loop(torch.nn.Module):
     """Wraps a tiled loop so that ``functional_call`` can swap the inner model's weights."""
 
     def __init__(self, inner: torch.nn.Module, loop, **kwargs: object) -> None:
@@ -493,7 +493,7 @@ def vae_loop(kind: str, tile: int | None, mode: str, dt: torch.dtype, state_offl
 def _predict_loop(net, loop, input_shape, dt, backend, fmode) -> PeakPrediction:  # noqa: ANN001
     """``loop(net, x)`` on fake tensors (``net``'s weights fake, of ``dt``): its predicted peak."""
     state = {f"inner.{k}": v for k, v in fake_state(net, fmode, dt).items()}
-    fn, weights = fake_call(Loop(net, loop), state), weights_bytes(net, dt)
+    fn, weights = fake_call(_Loop(net, loop), state), weights_bytes(net, dt)
     shapes = (tuple(input_shape),)
     return predict_callable(fn, shapes, dtype=dt, weights=weights, backend=backend, fake_mode=fmode)
 

@@ -53,9 +53,14 @@ RUNS_MODELS = True
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 OUTPUT_FORMATS = {
-    ".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP", ".bmp": "BMP", ".tif": "TIFF",
+    ".png": "PNG",
+    ".jpg": "JPEG",
+    ".jpeg": "JPEG",
+    ".webp": "WEBP",
+    ".bmp": "BMP",
+    ".tif": "TIFF",
     ".tiff": "TIFF",
-}  # fmt: skip
+}
 """Output name ending -> format. A folder run always writes PNG."""
 MAX_PASSES = 3
 

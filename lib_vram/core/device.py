@@ -326,8 +326,14 @@ def capabilities(device: torch.device | str | None = None) -> Capabilities:
         fp16 = True
         bf16 = True
     return Capabilities(
-        device=str(dev), backend=backend.value, name=name, fp16=fp16, bf16=bf16,
-        sdpa=hasattr(torch.nn.functional, "scaled_dot_product_attention"), xformers=_xformers_available(),
-        torch_version=torch.__version__, cuda_version=torch.version.cuda,
+        device=str(dev),
+        backend=backend.value,
+        name=name,
+        fp16=fp16,
+        bf16=bf16,
+        sdpa=hasattr(torch.nn.functional, "scaled_dot_product_attention"),
+        xformers=_xformers_available(),
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
         hip_version=getattr(torch.version, "hip", None),
-    )  # fmt: skip
+    )

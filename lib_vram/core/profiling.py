@@ -102,10 +102,15 @@ class ProfileSummary:
         for op in self.top(n):
             rows.append(
                 (
-                    op.name, str(op.calls), mib(op.alloc_bytes), mib(op.net_bytes), f"{op.cpu_ms:.1f}",
-                    f"{op.device_ms:.1f}" if op.device_ms else "-", _shapes_text(op.largest_call_shapes),
+                    op.name,
+                    str(op.calls),
+                    mib(op.alloc_bytes),
+                    mib(op.net_bytes),
+                    f"{op.cpu_ms:.1f}",
+                    f"{op.device_ms:.1f}" if op.device_ms else "-",
+                    _shapes_text(op.largest_call_shapes),
                 )
-            )  # fmt: skip
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = []
         for r in rows:

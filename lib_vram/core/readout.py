@@ -71,12 +71,19 @@ STAGES: tuple[tuple[str, str], ...] = (
 """The pipeline stages the readout always lists, in order: (id, label)."""
 
 KNOWN_STAGES: tuple[tuple[str, str], ...] = (
-    ("encode", "Encode (img2img)"), ("img2img_upscale", "Img2img upscale"), ("sampling", "Sampling"),
-    ("hires_decode", "Hires first decode"), ("hires_upscale", "Hires upscale"),
-    ("hires_encode", "Hires encode"), ("hires_sampling", "Hires sampling"), ("decode", "Decode"),
-    ("postprocess", "Postprocess"), ("upscale", "Upscale (Extras)"),
-    ("preview_decode", "Live preview decode"), ("other_encode", "Other encode"),
-)  # fmt: skip
+    ("encode", "Encode (img2img)"),
+    ("img2img_upscale", "Img2img upscale"),
+    ("sampling", "Sampling"),
+    ("hires_decode", "Hires first decode"),
+    ("hires_upscale", "Hires upscale"),
+    ("hires_encode", "Hires encode"),
+    ("hires_sampling", "Hires sampling"),
+    ("decode", "Decode"),
+    ("postprocess", "Postprocess"),
+    ("upscale", "Upscale (Extras)"),
+    ("preview_decode", "Live preview decode"),
+    ("other_encode", "Other encode"),
+)
 """Every stage name the host adapter records, in pipeline order, with its label; stages not
 listed here follow them in the order seen."""
 
@@ -124,11 +131,16 @@ def _stages(records: Iterable[Any]) -> list[dict[str, Any]]:
         entry = merged.get(sid)
         if entry is None:
             merged[sid] = {
-                "stage": sid, "label": _LABELS.get(sid, sid.replace("_", " ").capitalize()),
-                "peak_bytes": peak, "plan": None if plan is None else str(plan),
-                "seconds": float(rec.get("seconds") or 0.0), "count": 1, "ok": bool(rec.get("ok", True)),
-                "exact": bool(rec.get("exact", True)), "error": rec.get("error"),
-            }  # fmt: skip
+                "stage": sid,
+                "label": _LABELS.get(sid, sid.replace("_", " ").capitalize()),
+                "peak_bytes": peak,
+                "plan": None if plan is None else str(plan),
+                "seconds": float(rec.get("seconds") or 0.0),
+                "count": 1,
+                "ok": bool(rec.get("ok", True)),
+                "exact": bool(rec.get("exact", True)),
+                "error": rec.get("error"),
+            }
             continue
         # The stage ran again (batch count > 1): report its highest peak and that run's plan.
         entry["count"] += 1
@@ -436,9 +448,18 @@ def placeholder_payload(memory: MemoryInfo | None = None, *, note: str | None = 
     """A payload for a readout shown before anything was measured (no stages)."""
     if memory is None:
         memory = MemoryInfo(
-            device="?", backend="unknown", total=0, free=0, allocated=None, reserved=None,
-            peak_allocated=None, peak_reserved=None, process_rss=0, system_total=0, system_available=0,
-        )  # fmt: skip
+            device="?",
+            backend="unknown",
+            total=0,
+            free=0,
+            allocated=None,
+            reserved=None,
+            peak_allocated=None,
+            peak_reserved=None,
+            process_rss=0,
+            system_total=0,
+            system_available=0,
+        )
     notes = [note] if note else ["No job measured yet."]
     return status_payload(memory, [], job_running=False, notes=notes)
 

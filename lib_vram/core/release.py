@@ -32,8 +32,13 @@ DEFAULT_DRIFT_TOLERANCE = 64 * 2**20
 above allocator and RSS noise, below a leaked SD VAE tile or image tensor)."""
 
 RELEASE_POINTS: tuple[str, ...] = (
-    "process", "before_hr", "post_sample", "postprocess_batch", "job_end", "failure",
-)  # fmt: skip
+    "process",
+    "before_hr",
+    "post_sample",
+    "postprocess_batch",
+    "job_end",
+    "failure",
+)
 """Stage boundaries where :func:`release_at` may run ``gc.collect()`` + cache release:
 
 * ``process`` - job start, before the text encoder and UNet run (drops leftovers of the last job);

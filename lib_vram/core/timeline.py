@@ -60,10 +60,16 @@ class _Band:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "stage": self.stage, "t0": round(self.t0, 4),
-            "t1": None if self.t1 is None else round(self.t1, 4), "plan": self.plan, "ok": self.ok,
-            "error": self.error, "peak_bytes": self.peak_bytes, "exact": self.exact, "samples": self.samples,
-        }  # fmt: skip
+            "stage": self.stage,
+            "t0": round(self.t0, 4),
+            "t1": None if self.t1 is None else round(self.t1, 4),
+            "plan": self.plan,
+            "ok": self.ok,
+            "error": self.error,
+            "peak_bytes": self.peak_bytes,
+            "exact": self.exact,
+            "samples": self.samples,
+        }
 
 
 @dataclass

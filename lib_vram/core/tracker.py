@@ -387,9 +387,14 @@ class StageTracker:
             if not self._open:
                 self._stop.set()
         logger.debug(
-            "stage %s: peak %.1f MiB (%s%s), %.3f s, %s", rec.name, rec.peak_bytes / 2**20, rec.measure,
-            "" if rec.exact else ", sampled", rec.seconds, "ok" if rec.ok else f"failed ({rec.error})",
-        )  # fmt: skip
+            "stage %s: peak %.1f MiB (%s%s), %.3f s, %s",
+            rec.name,
+            rec.peak_bytes / 2**20,
+            rec.measure,
+            "" if rec.exact else ", sampled",
+            rec.seconds,
+            "ok" if rec.ok else f"failed ({rec.error})",
+        )
 
     def _ensure_sampler(self) -> None:
         if self._sample_interval is None or (self._sampler is not None and self._sampler.is_alive()):

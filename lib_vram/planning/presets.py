@@ -140,14 +140,21 @@ _TIERS = (
 PRESETS: Mapping[str, Preset] = types.MappingProxyType(
     {
         name: Preset(
-            name=name, tier_gb=gb, vae_mode="auto", precision_vae=precision_vae, precision_upscale="auto",
-            release_at=release_at, offload_unet_during_vae=True, offload_text_encoder_during_vae=True,
-            safety_margin_bytes=margin, safety_margin_fraction=fraction,
+            name=name,
+            tier_gb=gb,
+            vae_mode="auto",
+            precision_vae=precision_vae,
+            precision_upscale="auto",
+            release_at=release_at,
+            offload_unet_during_vae=True,
+            offload_text_encoder_during_vae=True,
+            safety_margin_bytes=margin,
+            safety_margin_fraction=fraction,
             allocator=_frozen_map(garbage_collection_threshold=gc, expandable_segments=True),
         )
         for name, gb, release_at, margin, fraction, gc, precision_vae in _TIERS
     }
-)  # fmt: skip
+)
 """The tier presets by name (Auto is resolved by :func:`resolve_preset`, not stored)."""
 
 

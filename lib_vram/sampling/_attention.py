@@ -23,12 +23,19 @@ ATTENTIONS = ("sdp", "sdp-no-mem", "xformers", "sub-quadratic", "doggettx", "inv
 ``none``: ldm's own ``CrossAttention.forward``)."""
 
 _HOST_NAMES = {
-    "xformers": "xformers", "sdp-no-mem": "sdp-no-mem",
-    "scaled dot product without memory efficient attention": "sdp-no-mem", "sdp": "sdp",
-    "scaled dot product": "sdp", "sub-quadratic": "sub-quadratic", "v1": "split-v1",
-    "original v1": "split-v1", "split-v1": "split-v1", "invokeai": "invokeai", "doggettx": "doggettx",
+    "xformers": "xformers",
+    "sdp-no-mem": "sdp-no-mem",
+    "scaled dot product without memory efficient attention": "sdp-no-mem",
+    "sdp": "sdp",
+    "scaled dot product": "sdp",
+    "sub-quadratic": "sub-quadratic",
+    "v1": "split-v1",
+    "original v1": "split-v1",
+    "split-v1": "split-v1",
+    "invokeai": "invokeai",
+    "doggettx": "doggettx",
     "none": "none",
-}  # fmt: skip
+}
 
 SUB_QUAD_Q_CHUNK = 1024
 """The WebUI's ``--sub-quad-q-chunk-size`` default."""

@@ -283,9 +283,18 @@ class _Run:
         # host memory is distinct from the device's on an accelerator and on an emulated card
         host_apart = emulate.separate_host(device)
         plan = decide(
-            spec, tuple(x.shape), dtype, budget, fwd_px, lambda: (self.halo(), self.inexact), tile=tile_arg,
-            batch=batch_arg, accumulate_on=cfg.accumulate_on, host_apart=host_apart, memory=self.memory,
-        )  # fmt: skip
+            spec,
+            tuple(x.shape),
+            dtype,
+            budget,
+            fwd_px,
+            lambda: (self.halo(), self.inexact),
+            tile=tile_arg,
+            batch=batch_arg,
+            accumulate_on=cfg.accumulate_on,
+            host_apart=host_apart,
+            memory=self.memory,
+        )
         self.plan = plan
         rep.bytes_per_px = plan.bytes_per_px
         rep.budget_bytes = budget

@@ -332,11 +332,24 @@ def decide(
             b0 -= 1
     raw_peak = candidate(t0, b0, halo).peak_bytes
     return UpscalePlan(
-        tile=t0, batch=b0, halo=halo, whole=t0 >= max_dim, acc_host=acc_host, in_host=in_host,
-        padded=(hp, wp), max_dim=max_dim, tiles=n_tiles, bytes_per_px=per_px, budget_bytes=int(budget),
-        peak_bytes=int(raw_peak * mem.ratio(key)), raw_peak_bytes=raw_peak, key=key, learned=learned_label,
-        inexact=inexact[0], candidate=candidate,
-    )  # fmt: skip
+        tile=t0,
+        batch=b0,
+        halo=halo,
+        whole=t0 >= max_dim,
+        acc_host=acc_host,
+        in_host=in_host,
+        padded=(hp, wp),
+        max_dim=max_dim,
+        tiles=n_tiles,
+        bytes_per_px=per_px,
+        budget_bytes=int(budget),
+        peak_bytes=int(raw_peak * mem.ratio(key)),
+        raw_peak_bytes=raw_peak,
+        key=key,
+        learned=learned_label,
+        inexact=inexact[0],
+        candidate=candidate,
+    )
 
 
 @functools.lru_cache(maxsize=16)

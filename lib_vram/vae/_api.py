@@ -139,10 +139,17 @@ class _Pass:
             else (b, spec.out_channels, math.ceil(h / f), math.ceil(w / f))
         )
         self.plan = PassPlanner(
-            spec, tuple(x.shape), self.dtype, self.budget, out_dtype=self.out_dtype, backend=self.backend,
-            host_apart=emulate.separate_host(self.device), state_offload=config.state_offload,
-            fast_sample=config.fast_sample, memory=self.memory,
-        )  # fmt: skip
+            spec,
+            tuple(x.shape),
+            self.dtype,
+            self.budget,
+            out_dtype=self.out_dtype,
+            backend=self.backend,
+            host_apart=emulate.separate_host(self.device),
+            state_offload=config.state_offload,
+            fast_sample=config.fast_sample,
+            memory=self.memory,
+        )
         self.plan.notes = report.notes  # the planner's notes go straight into the report
         report.kind = spec.kind
         report.layout = spec.layout
@@ -526,9 +533,15 @@ def _attempt(
             b, _, h, w = x.shape
             full = math.ceil(max(h, w) / (spec.factor if spec.kind == "encoder" else 1))
             p2 = _Pass(
-                spec, x, TiledVAEConfig(**{**_fields(config), "tile": full, "mode": "exact"}), rep,
-                should_interrupt, progress, tracker, memory,
-            )  # fmt: skip
+                spec,
+                x,
+                TiledVAEConfig(**{**_fields(config), "tile": full, "mode": "exact"}),
+                rep,
+                should_interrupt,
+                progress,
+                tracker,
+                memory,
+            )
             out = p2.tiled("exact")
             if rep.oom_retries:
                 p.record("exact", None, oom=True)  # the untiled attempt (tile = everything)
@@ -563,11 +576,19 @@ def plan_pass(
     spec = decoder_spec(module) if decode else encoder_spec(module)
     device = x.device
     return plan_vae(
-        spec, tuple(x.shape), config.dtype or _module_dtype(spec), _budget(config, device), mode=config.mode,
-        tile=config.tile, state_offload=config.state_offload, out_dtype=x.dtype,
-        backend=backend_of(device).value, host_apart=emulate.separate_host(device),
-        fast_sample=config.fast_sample, memory=memory,
-    )  # fmt: skip
+        spec,
+        tuple(x.shape),
+        config.dtype or _module_dtype(spec),
+        _budget(config, device),
+        mode=config.mode,
+        tile=config.tile,
+        state_offload=config.state_offload,
+        out_dtype=x.dtype,
+        backend=backend_of(device).value,
+        host_apart=emulate.separate_host(device),
+        fast_sample=config.fast_sample,
+        memory=memory,
+    )
 
 
 def _fields(config: TiledVAEConfig) -> dict:

@@ -280,9 +280,14 @@ class Run:
             )
         )
         logger.info(
-            "precision guard: %s tile %d step %d overflowed in %s, recomputed in %s%s", self.stage, st.index,
-            st.step, narrow, wide, " (continues in the wider dtype)" if kept else "",
-        )  # fmt: skip
+            "precision guard: %s tile %d step %d overflowed in %s, recomputed in %s%s",
+            self.stage,
+            st.index,
+            st.step,
+            narrow,
+            wide,
+            " (continues in the wider dtype)" if kept else "",
+        )
         if kept and not finite(out.data):
             self.report.notes.append(
                 f"non-finite even in {wide}: {self.stage} tile {st.index} step {st.step}"

@@ -180,11 +180,16 @@ def _attention(mod: nn.Module | None, what: str) -> Attention | None:
         norm = _gn(mod.norm, what + ".norm")
         q = _conv(mod.q, what + ".q", kernel=(1,))
         return Attention(
-            norm=norm, q=q, k=_conv(mod.k, what + ".k", kernel=(1,)),
+            norm=norm,
+            q=q,
+            k=_conv(mod.k, what + ".k", kernel=(1,)),
             v=_conv(mod.v, what + ".v", kernel=(1,)),
-            out=_conv(mod.proj_out, what + ".proj_out", kernel=(1,)), linear=False, heads=1, scale=None,
+            out=_conv(mod.proj_out, what + ".proj_out", kernel=(1,)),
+            linear=False,
+            heads=1,
+            scale=None,
             channels=q.in_channels,
-        )  # fmt: skip
+        )
     if all(hasattr(mod, n) for n in ("to_q", "to_k", "to_v", "to_out", "group_norm")):
         if getattr(mod, "spatial_norm", None) is not None:
             raise UnsupportedLayout(f"{what}: spatial norm")
@@ -196,12 +201,18 @@ def _attention(mod: nn.Module | None, what: str) -> Attention | None:
             if not isinstance(m, nn.Linear):
                 raise UnsupportedLayout(f"{what}.{name}: expected Linear, got {type(m).__name__}")
         return Attention(
-            norm=norm, q=mod.to_q, k=mod.to_k, v=mod.to_v, out=out, linear=True,
+            norm=norm,
+            q=mod.to_q,
+            k=mod.to_k,
+            v=mod.to_v,
+            out=out,
+            linear=True,
             heads=int(getattr(mod, "heads", 1)),
             scale=float(mod.scale) if getattr(mod, "scale", None) is not None else None,
             residual=bool(getattr(mod, "residual_connection", True)),
-            rescale=float(getattr(mod, "rescale_output_factor", 1.0)), channels=mod.to_q.in_features,
-        )  # fmt: skip
+            rescale=float(getattr(mod, "rescale_output_factor", 1.0)),
+            channels=mod.to_q.in_features,
+        )
     raise UnsupportedLayout(f"{what}: unknown attention block {type(mod).__name__}")
 
 

@@ -69,19 +69,29 @@ def presets_table_html() -> str:
             + "".join(
                 f"<td>{html.escape(str(v))}</td>"
                 for v in (
-                    name, p.vae_mode, p.precision_vae, p.precision_upscale, offload(p),
-                    f"max({p.safety_margin_bytes // 2**20} MiB, {p.safety_margin_fraction:.0%})", release,
+                    name,
+                    p.vae_mode,
+                    p.precision_vae,
+                    p.precision_upscale,
+                    offload(p),
+                    f"max({p.safety_margin_bytes // 2**20} MiB, {p.safety_margin_fraction:.0%})",
+                    release,
                 )
             )
             + "</tr>"
-        )  # fmt: skip
+        )
     head = "".join(
         f"<th>{h}</th>"
         for h in (
-            "preset", "VAE", "VAE prec.", "upscale prec.",
-            "may leave the card for a VAE pass that needs the room", "safety margin", "release at",
+            "preset",
+            "VAE",
+            "VAE prec.",
+            "upscale prec.",
+            "may leave the card for a VAE pass that needs the room",
+            "safety margin",
+            "release at",
         )
-    )  # fmt: skip
+    )
     return (
         "<p>Memory presets. <b>Auto</b> picks the row for this card's total memory when a job starts; "
         "accordion controls left on Auto/0 follow the preset. <code>--vram-guard-preset NAME</code> "

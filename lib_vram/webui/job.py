@@ -235,9 +235,14 @@ class Job:
         whole = [n for n in report.notes if "out of memory" in n]
         oom = bool(report.oom_retries or whole)
         text = vae_pass_note(
-            stage, mode=report.mode, tiles=report.tiles, tile=report.tile, budget_bytes=report.budget_bytes,
-            retries=report.oom_retries, whole=whole,
-        )  # fmt: skip
+            stage,
+            mode=report.mode,
+            tiles=report.tiles,
+            tile=report.tile,
+            budget_bytes=report.budget_bytes,
+            retries=report.oom_retries,
+            whole=whole,
+        )
         if text:
             self.note(f"VRAM Guard: {text}", logging.WARNING if oom else logging.INFO)
         return oom
@@ -488,10 +493,16 @@ class Job:
         if self.failed and all(r.get("ok", True) for r in records):
             notes.append(FAILED_OUTSIDE_NOTE)
         return {
-            "kind": self.kind, "settings": self.settings.describe(), "records": records,
-            "releases": list(self.releases), "plans": dict(self.plans), "notes": notes,
-            "failed": self.failed, "closed": self.closed, "timeline": self.timeline.to_dict(),
-        }  # fmt: skip
+            "kind": self.kind,
+            "settings": self.settings.describe(),
+            "records": records,
+            "releases": list(self.releases),
+            "plans": dict(self.plans),
+            "notes": notes,
+            "failed": self.failed,
+            "closed": self.closed,
+            "timeline": self.timeline.to_dict(),
+        }
 
     def plan_text(self, **_: Any) -> str | None:
         """Infotext value for ``VRAM Guard plan``. Put into ``extra_generation_params`` as a

@@ -486,10 +486,15 @@ INFOTEXT_KEY_RE = re.compile(r"^\w[\w \-/]+$")
 """What the WebUI's infotext parser accepts as a key."""
 
 _STAGE_LABELS = {
-    "sampling": "sampling", "hires_sampling": "hires sampling", "hires_upscale": "hires upscale",
-    "hires_encode": "hires encode", "vae_encode": "encode", "vae_decode": "decode", "decode": "decode",
+    "sampling": "sampling",
+    "hires_sampling": "hires sampling",
+    "hires_upscale": "hires upscale",
+    "hires_encode": "hires encode",
+    "vae_encode": "encode",
+    "vae_decode": "decode",
+    "decode": "decode",
     "postprocess": "postprocess",
-}  # fmt: skip
+}
 
 
 def _clean(text: str) -> str:

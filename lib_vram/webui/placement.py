@@ -464,9 +464,15 @@ class Placement:
                 cp.host_bytes, "the placed checkpoint keeps its parked parts and streamed blocks there"
             )
             placed = Placed(
-                sd_model, dm, plan, tuple(parts), device, card, leftover_bytes=leftover_bytes,
+                sd_model,
+                dm,
+                plan,
+                tuple(parts),
+                device,
+                card,
+                leftover_bytes=leftover_bytes,
                 owner=self.cards.owner,
-            )  # fmt: skip
+            )
             resident_units = [dm.get_submodule(n) for n in plan.resident]
             to_card = leftover + _tensors_of(resident_units)
             if card is not None:

@@ -376,9 +376,16 @@ class ScriptJobs:
             options, total_bytes=info.total, caps=caps, preset_override=self.host.cmd_opt("vram_guard_preset")
         )
         job = Job(
-            settings, kind=self.kind, token=token, p=p, options=options, device=dev, session=self.session,
-            host=self.host, total_bytes=info.total,
-        )  # fmt: skip
+            settings,
+            kind=self.kind,
+            token=token,
+            p=p,
+            options=options,
+            device=dev,
+            session=self.session,
+            host=self.host,
+            total_bytes=info.total,
+        )
         self.job = job
         self.session.job_opened(job)
         self.session.profile_switch.attach(job, self.host)

@@ -301,9 +301,14 @@ def build_ui(
         profile_button.click(fn=on_profile, inputs=[], outputs=[readout], show_progress="hidden")
     infotext = [(controls[name], infotext_getter(name)) for name in API_ARG_ORDER]
     return UIWidgets(
-        inputs=inputs, controls=controls, readout=readout, free_button=free_button, infotext_fields=infotext,
-        preset=controls["preset"], profile_button=profile_button,
-    )  # fmt: skip
+        inputs=inputs,
+        controls=controls,
+        readout=readout,
+        free_button=free_button,
+        infotext_fields=infotext,
+        preset=controls["preset"],
+        profile_button=profile_button,
+    )
 
 
 def profile_tooltip(eid: str) -> dict[str, tuple[str, str]]:
@@ -389,7 +394,15 @@ def build_extras_ui(defaults: VRAMGuardOptions, **kwargs: Any) -> dict[str, Any]
 
 
 __all__ = [
-    "EXTRAS_FIELDS", "PRESET_TARGETS", "ExtrasWidgets", "UIWidgets", "build_extras_ui",
-    "build_extras_widgets", "build_ui", "extras_options", "find_input_accordion", "preset_changed",
+    "EXTRAS_FIELDS",
+    "PRESET_TARGETS",
+    "ExtrasWidgets",
+    "UIWidgets",
+    "build_extras_ui",
+    "build_extras_widgets",
+    "build_ui",
+    "extras_options",
+    "find_input_accordion",
+    "preset_changed",
     "readout_elem_id",
-]  # fmt: skip
+]

@@ -224,9 +224,15 @@ def upscale(
         plan = getattr(report, "plan", None)
         plan = plan if isinstance(plan, str) else None
         text = upscale_pass_note(
-            job.upscale_stage_name(), tiled=bool(report.tiled), tiles=report.tiles_total, tile=report.tile,
-            batch=report.batch, budget_bytes=report.budget_bytes, ooms=report.ooms, exact=report.exact,
-        )  # fmt: skip
+            job.upscale_stage_name(),
+            tiled=bool(report.tiled),
+            tiles=report.tiles_total,
+            tile=report.tile,
+            batch=report.batch,
+            budget_bytes=report.budget_bytes,
+            ooms=report.ooms,
+            exact=report.exact,
+        )
         if text:
             job.note(f"VRAM Guard: {text}", logging.WARNING if report.ooms else logging.INFO)
         if report.ooms:
@@ -270,9 +276,15 @@ def smallest_plan_fits(engine: Any, model: Any, img: Any, config: Any) -> bool:
         budget = max(1, int((free - extra) * engine_budget_fraction()))
         w, h = img.size
         plan = engine.plan_upscale(
-            model, (1, 3, int(h), int(w)), dtype, budget, tile=MIN_TILE, batch=1, device=dev,
+            model,
+            (1, 3, int(h), int(w)),
+            dtype,
+            budget,
+            tile=MIN_TILE,
+            batch=1,
+            device=dev,
             host_apart=emulate.separate_host(dev),
-        )  # fmt: skip
+        )
     except Exception as exc:
         if is_oom_error(exc):
             return False  # planning itself (the calibration's probes) ran out of memory

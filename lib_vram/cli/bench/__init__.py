@@ -20,12 +20,17 @@ NAME = "bench"
 HELP = "Run a benchmark (each case in a fresh process) and print a side-by-side table."
 
 TARGETS: dict[str, str] = {
-    "vae": "lib_vram.cli.bench.vae", "upscale": "lib_vram.cli.bench.upscale",
-    "planner": "lib_vram.cli.bench.planner", "vae-estimate": "lib_vram.cli.bench.vae_estimate",
-    "emulate": "lib_vram.cli.bench.emulate", "gpu": "lib_vram.cli.bench.gpu",
-    "timeline": "lib_vram.cli.bench.timeline", "sampling": "lib_vram.cli.bench.sampling",
-    "sampling-stream": "lib_vram.cli.bench.sampling_stream", "soak": "lib_vram.cli.bench.soak",
-}  # fmt: skip
+    "vae": "lib_vram.cli.bench.vae",
+    "upscale": "lib_vram.cli.bench.upscale",
+    "planner": "lib_vram.cli.bench.planner",
+    "vae-estimate": "lib_vram.cli.bench.vae_estimate",
+    "emulate": "lib_vram.cli.bench.emulate",
+    "gpu": "lib_vram.cli.bench.gpu",
+    "timeline": "lib_vram.cli.bench.timeline",
+    "sampling": "lib_vram.cli.bench.sampling",
+    "sampling-stream": "lib_vram.cli.bench.sampling_stream",
+    "soak": "lib_vram.cli.bench.soak",
+}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

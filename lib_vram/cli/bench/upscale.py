@@ -26,7 +26,7 @@ from lib_vram.core.device import resolve_device
 from lib_vram.core.livebytes import LiveBytesCounter
 from lib_vram.core.tracker import _read_vm_hwm, _reset_vm_hwm
 
-from ._harness import Bench, cell, known, psnr, runner, table, timed
+from ._harness import Bench, cell, known, psnr, runner, table
 
 HELP = "Tiled upscaling: untiled vs this engine (tiles x batches) vs a one-tile-at-a-time PIL loop."
 
@@ -201,19 +201,23 @@ def run_case(case: dict) -> dict:
     from ._synthetic import image_like
 
     workdir, device, method = Path(case["workdir"]), resolve_device(case.get("device")), case["method"]
-    cuda, px = device.type == "cuda", case["image_px"]
     precision = case.get("precision", "auto")
-    precision = ("fp16" if cuda else "fp32") if precision == "auto" else precision
+    if precision == "auto":
+        precision = "fp16" if device.type == "cuda" else "fp32"
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
     model = load_model(_model_path(workdir, case["arch"]), device=device)
     model.to(dtype)
+    px = case["image_px"]
     arr = (image_like(px, px, seed=1)[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     img = Image.fromarray(arr, "RGB")
+    cuda = device.type == "cuda"
     # Working-set meter: allocator peak on CUDA, live bytes inside forward passes elsewhere.
-    meter, counters = {"peak": 0}, []
+    meter = {"peak": 0}
+    counters: list[LiveBytesCounter] = []
 
     def pre(module, args):  # noqa: ANN001
-        counters.append(LiveBytesCounter().__enter__())
+        counters.append(LiveBytesCounter())
+        counters[-1].__enter__()
         meter["in"] = args[0].numel() * args[0].element_size()
 
     def post(module, args, out):  # noqa: ANN001
@@ -238,12 +242,11 @@ def run_case(case: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     _reset_vm_hwm()
     rss0 = _read_vm_hwm() or 0
-    rep = UpscaleReport()
-
-    def run() -> tuple[np.ndarray, float]:
-        """uint8 image in, uint8 image out: the output and the FLOP ratio."""
-        if method == "pil_loop":
-            return pil_loop(model, img, case["tile"], PIL_OVERLAP, device, dtype)
+    rep, flop = UpscaleReport(), 1.0
+    t0, c0 = time.perf_counter(), time.process_time()
+    if method == "pil_loop":
+        out8, flop = pil_loop(model, img, case["tile"], PIL_OVERLAP, device, dtype)
+    else:
         x = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None].float().div_(255)
         if method == "untiled":
             with torch.inference_mode():
@@ -253,12 +256,11 @@ def run_case(case: dict) -> dict:
             cfg = UpscaleConfig(tile=case["tile"], batch=case["batch"], overlap=overlap, precision=precision,
                                 device=device, accumulate_on=acc)  # fmt: skip
             y = upscale_tensor(model, x, config=cfg, report=rep)
-        out = (y[0] * 255).round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-        if cuda:
-            torch.cuda.synchronize(device)
-        return out, rep.flop_ratio if method == "engine" else 1.0
-
-    (out8, flop), seconds, cpu_seconds = timed(run)
+            flop = rep.flop_ratio
+        out8 = (y[0] * 255).round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     peak = (torch.cuda.max_memory_allocated(device) - base) if cuda else meter["peak"]
     rss = max(0, (_read_vm_hwm() or 0) - rss0)
     ref_path = workdir / f"ref-{case['arch']}-{px}-{precision}.npy"

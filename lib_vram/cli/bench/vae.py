@@ -321,24 +321,31 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
     nothing is allocated or computed. The precision guard is off (it reads values)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lib_vram.cli.stageplan import Loop
     from lib_vram.vae import TiledVAEConfig, tiled_decode
 
     with torch.device("meta"):
         dec = build_ldm("decoder")
     dec.mid.attn_1.forward = _sdp_attn_forward(dec.mid.attn_1)
 
+    class Call(torch.nn.Module):
+        def __init__(self, inner, fn):
+            super().__init__()
+            self.inner, self.fn = inner, fn
+
+        def forward(self, x):
+            return self.fn(self.inner, x)
+
     out = []
     for mode in ("untiled", "exact", "fast"):
         fmode = new_fake_mode()
         state = {f"inner.{k}": v for k, v in fake_state(dec, fmode, torch.float32).items()}
         if mode == "untiled":
-            call = Loop(dec, lambda m, x: m(x))
+            call = Call(dec, lambda m, x: m(x))
         else:
             extra = {"fast_sample": fast_sample} if fast_sample else {}
             cfg = TiledVAEConfig(mode=mode, tile=tile, guard=False, state_offload="cpu", budget_bytes=2**50,
                                  **extra)  # fmt: skip
-            call = Loop(dec, tiled_decode, config=cfg)
+            call = Call(dec, lambda m, x, cfg=cfg: tiled_decode(m, x, config=cfg))
         counter, flops = _device_counter(torch.device("cpu")), FlopCounterMode(display=False)
         t0 = time.perf_counter()
         with torch.no_grad(), fmode:
