@@ -32,12 +32,12 @@ def _never(*args, **kwargs):
 @pytest.fixture(autouse=True)
 def no_work(monkeypatch):
     """Every command's work fails the test; the bench targets' run functions as well."""
-    from lib_vram.cli import bench, profile, stageplan
+    from lib_vram.cli import bench, placed, profile, stageplan
     from lib_vram.cli import upscale as cli_upscale
 
     monkeypatch.setattr(stageplan, "plan_job", _never)
-    monkeypatch.setattr(stageplan, "place_checkpoint", _never)
-    monkeypatch.setattr(stageplan, "plan_placed_job", _never)
+    monkeypatch.setattr(placed, "place_checkpoint", _never)
+    monkeypatch.setattr(placed, "plan_placed_job", _never)
     monkeypatch.setattr(profile, "_profile", _never)
     monkeypatch.setattr(cli_upscale, "_upscale_one", _never)
     for module_name in bench.TARGETS.values():

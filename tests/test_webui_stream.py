@@ -11,7 +11,7 @@ import pytest
 import torch
 from webui_fakes import fake_sd_model
 
-from lib_vram.cli.bench.sampling_stream import build_unet
+from lib_vram.cli.bench._unet import build_unet
 from lib_vram.core.emulate import EmulatedCard
 from lib_vram.planning import planner
 from lib_vram.sampling import micro_batched, plan_sampling, unet_spec, unit_bytes
@@ -30,7 +30,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def unet():
-    return build_unet("sd15", 32)
+    return build_unet("sd15", 32, context_dim=64, init=True)
 
 
 def _step(unet):

@@ -113,7 +113,8 @@ def _placement(
     """(the placed plan, or None; a one-line note why a checkpoint is not placed, or None)."""
     from lib_vram.sampling import attention_of
 
-    from .stageplan import SAMPLING_ARCHS, place_checkpoint
+    from .placed import place_checkpoint
+    from .stageplan import SAMPLING_ARCHS
 
     place = getattr(args, "place", None)
     if place is False or args.medvram:
@@ -147,7 +148,8 @@ def _placement(
 
 
 def collect(args: argparse.Namespace) -> dict:
-    from .stageplan import plan_job, plan_placed_job
+    from .placed import plan_placed_job
+    from .stageplan import plan_job
 
     dev = resolve_device(args.device)
     caps = capabilities(dev)

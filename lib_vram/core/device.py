@@ -182,19 +182,10 @@ def memory_info(device: torch.device | str | None = None) -> MemoryInfo:
             allocated = reserved = card.used_bytes
             peak_alloc = peak_res = card.peak_bytes
     return MemoryInfo(
-        device=str(dev),
-        backend=backend.value,
-        emulated=None if card is None else card.label,
-        total=total,
-        free=free,
-        allocated=allocated,
-        reserved=reserved,
-        peak_allocated=peak_alloc,
-        peak_reserved=peak_res,
-        process_rss=rss,
-        system_total=int(vm.total),
-        system_available=int(vm.available),
-    )
+        device=str(dev), backend=backend.value, emulated=None if card is None else card.label, total=total,
+        free=free, allocated=allocated, reserved=reserved, peak_allocated=peak_alloc, peak_reserved=peak_res,
+        process_rss=rss, system_total=int(vm.total), system_available=int(vm.available),
+    )  # fmt: skip
 
 
 def free_bytes(device: torch.device | str | None = None) -> int:

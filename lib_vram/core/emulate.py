@@ -393,20 +393,18 @@ def separate_host(device: torch.device | str) -> bool:
 
 def to_host(tensor: torch.Tensor | None) -> None:
     """Tell the card this thread runs on (if any) that ``tensor`` now lives in host memory."""
-    if tensor is None:
-        return
-    card = running_here(tensor.device)
-    if card is not None:
-        card.to_host(tensor)
+    _tell(tensor, "to_host")
 
 
 def to_device(tensor: torch.Tensor | None) -> None:
     """Tell the card this thread runs on (if any) that ``tensor`` is device memory again."""
-    if tensor is None:
-        return
-    card = running_here(tensor.device)
+    _tell(tensor, "to_device")
+
+
+def _tell(tensor: torch.Tensor | None, what: str) -> None:
+    card = None if tensor is None else running_here(tensor.device)
     if card is not None:
-        card.to_device(tensor)
+        getattr(card, what)(tensor)
 
 
 @contextlib.contextmanager

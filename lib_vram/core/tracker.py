@@ -135,27 +135,29 @@ class _Counter:
             return self.hwm_ok
         return self.accel and self.owns
 
-    def current(self) -> int:
+    def _allocated(self, peak: bool) -> int | None:
+        """The emulated card's or the CUDA/ROCm/XPU allocator's bytes (now, or the peak), else None."""
         card = self._card()
         if card is not None:
-            return card.used_bytes
-        if self.backend in (Backend.CUDA, Backend.ROCM):
-            return int(torch.cuda.memory_allocated(self.device))
-        if self.backend is Backend.XPU:
-            return int(torch.xpu.memory_allocated(self.device))
+            return card.peak_bytes if peak else card.used_bytes
+        if self.backend in (Backend.CUDA, Backend.ROCM, Backend.XPU):
+            api = torch.xpu if self.backend is Backend.XPU else torch.cuda
+            return int((api.max_memory_allocated if peak else api.memory_allocated)(self.device))
+        return None
+
+    def current(self) -> int:
+        now = self._allocated(peak=False)
+        if now is not None:
+            return now
         if self.backend is Backend.MPS:
             return int(torch.mps.current_allocated_memory())
         return process_rss()
 
     def peak(self) -> int | None:
         """The backend's high-water mark, or ``None`` where there is none."""
-        card = self._card()
-        if card is not None:
-            return card.peak_bytes
-        if self.backend in (Backend.CUDA, Backend.ROCM):
-            return int(torch.cuda.max_memory_allocated(self.device))
-        if self.backend is Backend.XPU:
-            return int(torch.xpu.max_memory_allocated(self.device))
+        top = self._allocated(peak=True)
+        if top is not None:
+            return top
         if self._measure == "rss" and self.hwm_ok:
             return _read_vm_hwm()
         return None
@@ -380,15 +382,8 @@ class StageTracker:
             if timeline is not None:
                 timeline.add(cur, self._counter.reserved(), "stage")
                 if rec.depth == 0:
-                    timeline.end(
-                        rec.name,
-                        plan=rec.plan,
-                        ok=rec.ok,
-                        error=rec.error,
-                        peak_bytes=rec.peak_bytes,
-                        exact=rec.exact,
-                        thread=op.thread,
-                    )
+                    timeline.end(rec.name, plan=rec.plan, ok=rec.ok, error=rec.error,
+                                 peak_bytes=rec.peak_bytes, exact=rec.exact, thread=op.thread)  # fmt: skip
             if not self._open:
                 self._stop.set()
         logger.debug(

@@ -116,15 +116,9 @@ def upscale_image(
         x = torch.stack(batch)
         del batch, colour
     y = upscale_tensor(
-        model,
-        x,
-        config=config,
-        scale=scale,
-        should_interrupt=should_interrupt,
-        progress=progress,
-        tracker=tracker,
-        report=report,
-    )
+        model, x, config=config, scale=scale, should_interrupt=should_interrupt, progress=progress,
+        tracker=tracker, report=report,
+    )  # fmt: skip
     with emulate.host_work():
         return _to_image(y, mode, a_img, use_model_alpha)
 

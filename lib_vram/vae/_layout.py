@@ -334,20 +334,12 @@ def _describe(module: nn.Module, kind: str) -> VAESpec:
     conv_out = _conv(_need(module, "conv_out", what), "conv_out", kernel=(1, 3))
     ldm_dec = dec and layout == "ldm"
     return VAESpec(
-        kind=kind,
-        layout=layout,
-        conv_in=conv_in,
-        mid=mid,
-        levels=levels,
-        norm_out=norm_out,
-        act_out=act_out,
-        conv_out=conv_out,
-        tanh_out=ldm_dec and bool(getattr(module, "tanh_out", False)),
+        kind=kind, layout=layout, conv_in=conv_in, mid=mid, levels=levels, norm_out=norm_out, act_out=act_out,
+        conv_out=conv_out, tanh_out=ldm_dec and bool(getattr(module, "tanh_out", False)),
         give_pre_end=ldm_dec and bool(getattr(module, "give_pre_end", False)),
-        in_channels=conv_in.in_channels,
-        out_channels=conv_out.out_channels,
+        in_channels=conv_in.in_channels, out_channels=conv_out.out_channels,
         mid_channels=conv_in.out_channels if dec else norm_out.num_channels,
-    )
+    )  # fmt: skip
 
 
 def decoder_spec(module: nn.Module) -> VAESpec:

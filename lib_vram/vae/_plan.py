@@ -498,16 +498,9 @@ class PassPlanner:
 
     def _estimate(self, tile: int | None, mode: str, on_device: bool) -> int:
         return estimate_spec_bytes(
-            self.spec,
-            self.shape,
-            self.dtype,
-            tile=tile,
-            mode=mode,
-            state_on_device=on_device,
-            out_dtype=self.out_dtype,
-            backend=self.backend,
-            fast_sample=self.fast_sample,
-        )
+            self.spec, self.shape, self.dtype, tile=tile, mode=mode, state_on_device=on_device,
+            out_dtype=self.out_dtype, backend=self.backend, fast_sample=self.fast_sample,
+        )  # fmt: skip
 
     def key(self, mode: str) -> tuple:
         """The planner-memory key in a tiled ``mode`` (auto's untiled try shares the ``"exact"``
@@ -642,17 +635,9 @@ def plan_vae(
         raise ValueError(f"`budget_bytes` must be >= 0, got {budget_bytes}")
     apart = backend != "cpu" if host_apart is None else host_apart
     p = PassPlanner(
-        spec,
-        tuple(input_shape),
-        dtype,
-        budget_bytes,
-        out_dtype=out_dtype,
-        backend=backend,
-        host_apart=apart,
-        state_offload=state_offload,
-        fast_sample=fast_sample,
-        memory=memory,
-    )
+        spec, tuple(input_shape), dtype, budget_bytes, out_dtype=out_dtype, backend=backend, host_apart=apart,
+        state_offload=state_offload, fast_sample=fast_sample, memory=memory,
+    )  # fmt: skip
     ran, t = p.auto(mode, tile)
     offload = "" if t is None or ran != "exact" else p.offload(t, ran)
     raw = p.estimate(None, "untiled") if t is None else p.estimate(t, ran, offload != "cpu")
@@ -661,15 +646,7 @@ def plan_vae(
     kind_mode = "exact" if ran == "untiled" else ran
     cands = [p.candidate(None, "exact"), *p.tile_candidates(kind_mode)]
     return VAEPlan(
-        kind=spec.kind,
-        mode=ran,
-        tile=t,
-        state_offload=offload,
-        peak_bytes=peak,
-        raw_peak_bytes=raw,
-        fits=peak <= budget_bytes,
-        budget_bytes=int(budget_bytes),
-        key=key,
-        candidates=tuple(planner.order(cands)),
-        notes=tuple(p.notes),
-    )
+        kind=spec.kind, mode=ran, tile=t, state_offload=offload, peak_bytes=peak, raw_peak_bytes=raw,
+        fits=peak <= budget_bytes, budget_bytes=int(budget_bytes), key=key,
+        candidates=tuple(planner.order(cands)), notes=tuple(p.notes),
+    )  # fmt: skip

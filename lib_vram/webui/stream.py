@@ -85,13 +85,8 @@ class StreamPass:
             logger.info(
                 "VRAM Guard: UNet streamed for %d forward(s): %.0f MiB copied to the card (%.0f MiB per "
                 "forward), %.0f MiB written back; %d units prefetched, %d on demand",
-                st.forwards,
-                st.bytes_in / MiB,
-                per / MiB,
-                st.bytes_back / MiB,
-                st.prefetched,
-                st.on_demand,
-            )
+                st.forwards, st.bytes_in / MiB, per / MiB, st.bytes_back / MiB, st.prefetched, st.on_demand,
+            )  # fmt: skip
             try:
                 s.__exit__(exc_type, exc, tb)
             except RuntimeError as err:
@@ -133,38 +128,20 @@ def plan_pass(
     spec: UNetSpec,
     sampling: SamplingPlan,
     *,
-    latent_hw: tuple[int, int],
-    context_tokens: int,
-    attention: str,
-    dtype: torch.dtype,
-    budget_bytes: int,
-    resident_bytes: int = 0,
-    backend: str = "cuda",
     settings: Any = None,
-    controls: tuple = (),
+    **step: Any,
 ) -> StreamPass | None:
     """The streamed plan for a pass whose ``sampling`` plan does not fit (None when streaming may
-    not be used, see :func:`skip_reason`, or does not fit either). The arguments are the sampling
-    guard's for the same pass (``resident_bytes``: what stays on the card beside the UNet after
-    the idle parts moved)."""
+    not be used, see :func:`skip_reason`, or does not fit either). ``step``: the sampling guard's
+    arguments of :func:`lib_vram.sampling.plan_stream` for the same pass (``latent_hw``,
+    ``context_tokens``, ``attention``, ``dtype``, ``budget_bytes``, ``resident_bytes``: what stays
+    on the card beside the UNet after the idle parts moved, ``backend``, ``controls``: the pass's
+    ControlNets)."""
     why = skip_reason(sd_model, settings)
     if why is not None:
         logger.debug("VRAM Guard: the UNet does not stream: %s", why)
         return None
-    plan = plan_stream(
-        unet,
-        spec,
-        batch=sampling.batch,
-        latent_hw=latent_hw,
-        context_tokens=context_tokens,
-        attention=attention,
-        dtype=dtype,
-        budget_bytes=budget_bytes,
-        resident_bytes=resident_bytes,
-        backend=backend,
-        sampling=sampling,
-        controls=controls,
-    )
+    plan = plan_stream(unet, spec, batch=sampling.batch, sampling=sampling, **step)
     if not plan.fits or not plan.streamed:
         return None
     device = next(unet.parameters()).device

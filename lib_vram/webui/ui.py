@@ -16,9 +16,10 @@ Forge's ``InputAccordion`` is a factory function; both are only ever *called*, s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,16 +198,21 @@ def _initial_readout(tab: str, tooltips: Mapping[str, tuple[str, str]], initial:
     return render_readout_html(placeholder_payload(), tab=tab, tooltips=tooltips)
 
 
+@contextlib.contextmanager
 def _enable_switch(
-    value: bool, *, label: str, eid: str, input_accordion: Callable[..., Any] | None
-) -> tuple[Any, Any, Any]:
-    """(enable component, context manager for the body, component that carries the elem_id)."""
+    value: bool, *, label: str, eid: str, input_accordion: Callable[..., Any] | None, checkbox: str, hint: str
+) -> Iterator[Any]:
+    """The section's accordion, its body entered: the WebUI's ``InputAccordion`` (its header
+    switches it on), else a plain accordion whose first control is an enable checkbox labelled
+    ``checkbox``. Yields the enable component."""
     factory = input_accordion if input_accordion is not None else find_input_accordion()
     if factory is not None:
         acc = factory(value, label=label, elem_id=eid)
-        return acc, acc, acc
-    acc = gr.Accordion(label=label, open=value, elem_id=eid, elem_classes=["vram-guard-accordion"])
-    return None, acc, acc
+        with acc:
+            yield acc
+        return
+    with gr.Accordion(label=label, open=value, elem_id=eid, elem_classes=["vram-guard-accordion"]):
+        yield with_hint(gr.Checkbox(value=value, label=checkbox, elem_id=f"{eid}_enabled"), hint)
 
 
 def build_ui(
@@ -242,19 +248,10 @@ def build_ui(
     controls: dict[str, Any] = {}
     acc_id = f"{elem_prefix}_{tab}"
     enable_field = FIELDS_BY_NAME["enabled"]
-    enable, body, _ = _enable_switch(
-        defaults.enabled, label=enable_field.label, eid=acc_id, input_accordion=input_accordion
-    )
-    with body:
-        if enable is None:
-            enable = with_hint(
-                gr.Checkbox(
-                    value=defaults.enabled,
-                    label="Enable VRAM Guard",
-                    elem_id=elem_id(elem_prefix, tab, "enabled"),
-                ),
-                enable_field.tooltip,
-            )
+    with _enable_switch(
+        defaults.enabled, label=enable_field.label, eid=acc_id, input_accordion=input_accordion,
+        checkbox="Enable VRAM Guard", hint=enable_field.tooltip,
+    ) as enable:  # fmt: skip
         controls["enabled"] = enable
         with gr.Column(elem_classes=["vram-guard", "vram-guard-controls"]):
             controls.update(_rows(COMMON, defaults, elem_prefix, tab))
@@ -360,22 +357,10 @@ def build_extras_widgets(
         raise ValueError(f"`defaults` must be a VRAMGuardOptions, got {type(defaults).__name__}")
     tab = "extras"
     inputs: dict[str, Any] = {}
-    enable, body, _ = _enable_switch(
-        defaults.enabled,
-        label="VRAM Guard upscaling",
-        eid=f"{elem_prefix}_{tab}",
-        input_accordion=input_accordion,
-    )
-    with body:
-        if enable is None:
-            enable = with_hint(
-                gr.Checkbox(
-                    value=defaults.enabled,
-                    label="Enable VRAM Guard upscaling",
-                    elem_id=elem_id(elem_prefix, tab, "enabled"),
-                ),
-                EXTRAS_ENABLE_INFO,
-            )
+    with _enable_switch(
+        defaults.enabled, label="VRAM Guard upscaling", eid=f"{elem_prefix}_{tab}",
+        input_accordion=input_accordion, checkbox="Enable VRAM Guard upscaling", hint=EXTRAS_ENABLE_INFO,
+    ) as enable:  # fmt: skip
         inputs["enabled"] = enable
         with gr.Column(elem_classes=["vram-guard", "vram-guard-controls"]):
             inputs.update(_rows((EXTRAS_FIELDS[1:],), defaults, elem_prefix, tab))

@@ -13,19 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-
-def _rrdb(scale: int, blocks: int = 1, filters: int = 8) -> torch.nn.Module:
-    from ._synthetic import make_imagelike_rrdb, rrdb_class
-
-    net = rrdb_class()(in_nc=3, out_nc=3, num_filters=filters, num_blocks=blocks, scale=scale)
-    return make_imagelike_rrdb(net) if scale == 4 else net
-
-
-def _compact(scale: int) -> torch.nn.Module:
-    from ._synthetic import compact_class, make_imagelike_compact
-
-    net = compact_class()(num_in_ch=3, num_out_ch=3, num_feat=8, num_conv=4, upscale=scale)
-    return make_imagelike_compact(net)
+from ._synthetic import compact_net, rrdb_net
 
 
 def _spandrel(name: str, **kwargs: object) -> Callable[[], torch.nn.Module]:
@@ -37,17 +25,18 @@ def _spandrel(name: str, **kwargs: object) -> Callable[[], torch.nn.Module]:
         module, _, cls = name.rpartition(".")
         return getattr(importlib.import_module(f"spandrel.architectures.{module}"), cls)(**kwargs)
 
+    build.arch = name.split(".")[0]  # type: ignore[attr-defined]  # the id spandrel loads it as
     return build
 
 
 # fmt: off
 BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
-    "compact-x1": lambda: _compact(1),
-    "compact-x2": lambda: _compact(2),
+    "compact-x1": lambda: compact_net(scale=1),
+    "compact-x2": lambda: compact_net(scale=2),
     "span": _spandrel("SPAN.SPAN", num_in_ch=3, num_out_ch=3, feature_channels=8, upscale=2),
-    "rrdb-x4": lambda: _rrdb(4),
-    "rrdb-x2": lambda: _rrdb(2),
-    "rrdb-x1": lambda: _rrdb(1),
+    "rrdb-x4": lambda: rrdb_net(scale=4),
+    "rrdb-x2": lambda: rrdb_net(scale=2),
+    "rrdb-x1": lambda: rrdb_net(scale=1),
     "plksr": _spandrel("PLKSR.PLKSR", dim=16, n_blocks=2, upscaling_factor=2, kernel_size=9),
     "safmn": _spandrel("SAFMN.SAFMN", dim=8, n_blocks=1, upscaling_factor=2),
     "swinir": _spandrel("SwinIR.SwinIR", embed_dim=12, depths=[2], num_heads=[2], window_size=8, upscale=2,
@@ -103,16 +92,8 @@ tiling matrix started with)."""
 
 
 SPANDREL_ID = {
-    "compact-x1": "Compact", "compact-x2": "Compact", "span": "SPAN", "rrdb-x4": "ESRGAN",
-    "rrdb-x2": "ESRGAN", "rrdb-x1": "ESRGAN", "plksr": "PLKSR", "realplksr": "PLKSR", "safmn": "SAFMN",
-    "swinir": "SwinIR", "swin2sr": "Swin2SR", "hat": "HAT", "dat": "DAT", "drct": "DRCT", "ditn": "DITN",
-    "scunet": "SCUNet", "omnisr": "OmniSR", "realcugan": "RealCUGAN", "realcugan-x4": "RealCUGAN",
-    "atd": "ATD", "craft": "CRAFT", "dctlsa": "DCTLSA", "drunet": "DRUNet", "dncnn": "DnCNN",
-    "fdncnn": "DnCNN", "fbcnn": "FBCNN", "fftformer": "FFTformer", "grl": "GRL", "ipt": "IPT",
-    "kbnet-s": "KBNet", "kbnet-l": "KBNet", "mmrealsr": "MMRealSR", "mixdehazenet": "MixDehazeNet",
-    "nafnet": "NAFNet", "rgt": "RGT", "safmn-bcie": "SAFMNBCIE", "swiftsrgan": "SwiftSRGAN",
-    "uformer": "Uformer",
-}  # fmt: skip
+    n: getattr(b, "arch", "Compact" if n.startswith("compact") else "ESRGAN") for n, b in BUILDERS.items()
+}
 """The spandrel architecture id each builder's file loads as."""
 
 
@@ -165,10 +146,14 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
 def save_and_load(net: torch.nn.Module, path, *, new_keys: bool = False):  # noqa: ANN001
     """Save ``net``'s weights as safetensors and load them back through spandrel's ModelLoader."""
     import spandrel
+
+    save(net, path, new_keys=new_keys)
+    return spandrel.ModelLoader().load_from_file(str(path))
+
+
+def save(net: torch.nn.Module, path, *, new_keys: bool = False) -> None:  # noqa: ANN001
+    """``net``'s weights as a safetensors file (``new_keys``: an ESRGAN's in the BasicSR key format)."""
     from safetensors.torch import save_file
 
     state = {k: v.contiguous() for k, v in net.state_dict().items()}
-    if new_keys:
-        state = dict(new_esrgan_keys(state))
-    save_file(state, str(path))
-    return spandrel.ModelLoader().load_from_file(str(path))
+    save_file(dict(new_esrgan_keys(state)) if new_keys else state, str(path))

@@ -61,6 +61,11 @@ class Bench:
     """Set in the child processes' environment."""
     timeout: float | None = None
     """Seconds per case in a child process."""
+    hold: contextlib.AbstractContextManager | None = None
+    """Entered before the cases and left after them (what the cases share, e.g. a loaded model)."""
+    summary: Callable[[list[dict]], dict] | None = None
+    """A summary of all records, printed last (``--json``: ``{"summary": ...}``; else as JSON under
+    the table); ``passed`` False in it makes the exit code 1."""
 
 
 class CaseFailed(Exception):
@@ -94,25 +99,27 @@ def _run(bench: Bench, args: argparse.Namespace) -> int:
         bench.prepare()
     as_json, records = getattr(args, "json", False), []
     failed: dict[int, str] = {}  # id(record) -> the case's label
-    for i, case in enumerate(bench.cases, 1):
-        label = bench.label(case)
-        print(f"[{i}/{len(bench.cases)}] {label}", file=sys.stderr, flush=True)
-        try:
-            if bench.run_case is not None:
-                got = bench.run_case(case)
-            else:
-                got = _child(args.target, case, bench)
-                got = bench.merge(case, got) if bench.merge is not None else got
-        except CaseFailed as exc:
-            print(f"{label} failed:\n{exc}", file=sys.stderr, flush=True)
-            got = exc.record
-            failed[id(got)] = label
-        for rec in got if isinstance(got, list) else [got]:
-            records.append(rec)
-            if bench.done is not None and id(rec) not in failed:
-                print("    " + bench.done(rec), file=sys.stderr, flush=True)
-            if as_json and bench.lines:
-                print(strict_json(rec), flush=True)
+    with bench.hold or contextlib.nullcontext():
+        for i, case in enumerate(bench.cases, 1):
+            label = bench.label(case)
+            print(f"[{i}/{len(bench.cases)}] {label}", file=sys.stderr, flush=True)
+            try:
+                if bench.run_case is not None:
+                    got = bench.run_case(case)
+                else:
+                    got = _child(args.target, case, bench)
+                    got = bench.merge(case, got) if bench.merge is not None else got
+            except CaseFailed as exc:
+                print(f"{label} failed:\n{exc}", file=sys.stderr, flush=True)
+                got = exc.record
+                failed[id(got)] = label
+            for rec in got if isinstance(got, list) else [got]:
+                records.append(rec)
+                if bench.done is not None and id(rec) not in failed:
+                    print("    " + bench.done(rec), file=sys.stderr, flush=True)
+                if as_json and bench.lines:
+                    print(strict_json(rec), flush=True)
+    summary = bench.summary(records) if bench.summary is not None else {}
     if as_json and not bench.lines:
         print(strict_json(records, indent=2))
     elif not as_json:
@@ -120,7 +127,9 @@ def _run(bench: Bench, args: argparse.Namespace) -> int:
         print(bench.table(ok) if callable(bench.table) else table(bench.table, ok))
         if failed:
             print(f"\nfailed: {', '.join(failed.values())}")
-    return 1 if failed else 0
+    if summary:
+        print(strict_json({"summary": summary} if as_json else summary))
+    return 1 if failed or summary.get("passed") is False else 0
 
 
 def _child(target: str, case: Any, bench: Bench) -> dict | list[dict]:
@@ -163,6 +172,36 @@ def table(columns: Sequence[Column], records: Sequence[dict]) -> str:
 
 def mib(n: float | None, digits: int = 1) -> str:
     return "-" if n is None else f"{n / 2**20:.{digits}f}"
+
+
+def mib_of(key: str, digits: int = 1) -> Callable[[dict], str]:
+    """A table cell: the record's ``key`` (bytes) in MiB."""
+    return lambda r: mib(r.get(key), digits)
+
+
+def fmt(key: str, spec: str = "", unit: str = "") -> Callable[[dict], str]:
+    """A table cell: the record's ``key`` formatted by ``spec``, then ``unit`` (``-`` when it is missing)."""
+    return lambda r: "-" if r.get(key) is None else format(r[key], spec) + unit
+
+
+def known(option: str, text: str | None, choices: Sequence[str], every: str | None = None) -> list[str]:
+    """The comma-separated names of ``option`` (all of ``choices`` for ``every``); unknown ones:
+    ValueError naming the option."""
+    names = list(choices) if text == every else str(text).split(",")
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        raise ValueError(f"`{option}`: unknown {unknown}; known: {', '.join(choices)}")
+    return names
+
+
+def psnr(mse: float, peak: float) -> float:
+    """PSNR in dB of a mean squared error against a value range of ``peak`` (inf when equal)."""
+    return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
+
+
+def ok(flag: object, yes: str = "OK") -> str:
+    """A table cell: ``yes`` or ``OOM``."""
+    return yes if flag else "OOM"
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:

@@ -21,6 +21,18 @@ def rrdb_class():
     return RRDBNet
 
 
+def rrdb_net(filters: int = 8, blocks: int = 1, scale: int = 4) -> torch.nn.Module:
+    """A random ESRGAN ``RRDBNet`` (made image-like at x4, :func:`make_imagelike_rrdb`)."""
+    net = rrdb_class()(in_nc=3, out_nc=3, num_filters=filters, num_blocks=blocks, scale=scale)
+    return make_imagelike_rrdb(net) if scale == 4 else net
+
+
+def compact_net(feat: int = 8, conv: int = 4, scale: int = 4) -> torch.nn.Module:
+    """A random ``SRVGGNetCompact``, made image-like (:func:`make_imagelike_compact`)."""
+    net = compact_class()(num_in_ch=3, num_out_ch=3, num_feat=feat, num_conv=conv, upscale=scale)
+    return make_imagelike_compact(net)
+
+
 def image_like(h: int, w: int, channels: int = 3, seed: int = 0) -> torch.Tensor:
     """A seeded image-like tensor ``[1, C, H, W]`` in [0, 1]: smooth colour fields plus texture."""
     g = torch.Generator().manual_seed(seed)

@@ -14,6 +14,7 @@ Importing this module imports nothing of ldm; the builders import it when called
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import sys
 import types
@@ -60,52 +61,49 @@ def _omegaconf_for_ldm() -> Iterator[None]:
         sys.modules.pop("omegaconf.listconfig", None)
 
 
-def build_unet(shape: str = "sd15", model_channels: int = 32, *, context_dim: int = 96, seed: int = 0):
-    """A real ldm ``UNetModel`` of ``shape`` (:data:`SHAPES`) at ``model_channels`` (a multiple of
-    32: GroupNorm's 32 groups), random weights, eval mode."""
-    from ldm.modules.diffusionmodules.openaimodel import UNetModel
-
-    if shape not in SHAPES:
+def _config(shape: str, mc: int, context_dim: int) -> dict:
+    if shape not in (*SHAPES, "sdxl-d1"):
         raise ValueError(f"`shape` must be one of {SHAPES}, got {shape!r}")
+    xl = shape.startswith("sdxl")
+    cfg = dict(image_size=32, in_channels=4, out_channels=4, model_channels=mc, num_res_blocks=2,
+               use_spatial_transformer=True, legacy=False, context_dim=context_dim,
+               attention_resolutions=[4, 2] if xl else [4, 2, 1],
+               channel_mult=(1, 2, 4) if xl else (1, 2, 4, 4),
+               use_linear_in_transformer=shape != "sd15")  # fmt: skip
+    if shape == "sd15":
+        cfg["num_heads"] = 8
+    else:
+        cfg["num_head_channels"] = min(64, mc) if shape == "sdxl-d1" else 16
+    if shape == "sdxl":
+        cfg.update(transformer_depth=2, context_dim=[context_dim, context_dim])
+    return cfg
+
+
+def build_unet(
+    shape: str = "sd15",
+    model_channels: int = 32,
+    *,
+    context_dim: int = 96,
+    seed: int = 0,
+    init: bool = False,
+    meta: bool = False,
+):
+    """A real ldm ``UNetModel`` of ``shape`` (:data:`SHAPES`; ``"sdxl-d1"``: SDXL's levels at
+    transformer depth 1, 64-wide heads) at ``model_channels`` (a multiple of 32: GroupNorm's 32
+    groups), random weights, eval mode; ``init``: every weight N(0, 0.05) from ``seed`` (ldm
+    zero-initialises its output layers: a UNet that predicts 0); ``meta``: on the meta device."""
     torch.manual_seed(seed)
-    common = dict(
-        image_size=32,
-        in_channels=4,
-        out_channels=4,
-        model_channels=model_channels,
-        num_res_blocks=2,
-        use_spatial_transformer=True,
-        legacy=False,
-    )
-    with _omegaconf_for_ldm():
-        if shape == "sd15":
-            net = UNetModel(
-                attention_resolutions=[4, 2, 1],
-                channel_mult=(1, 2, 4, 4),
-                num_heads=8,
-                context_dim=context_dim,
-                **common,
-            )
-        elif shape == "sd2":
-            net = UNetModel(
-                attention_resolutions=[4, 2, 1],
-                channel_mult=(1, 2, 4, 4),
-                num_head_channels=16,
-                context_dim=context_dim,
-                use_linear_in_transformer=True,
-                **common,
-            )
-        else:
-            net = UNetModel(
-                attention_resolutions=[4, 2],
-                channel_mult=(1, 2, 4),
-                num_head_channels=16,
-                transformer_depth=2,
-                context_dim=[context_dim, context_dim],
-                use_linear_in_transformer=True,
-                **common,
-            )
-    return net.eval()
+    meta_ctx = torch.device("meta") if meta else contextlib.nullcontext()
+    with _omegaconf_for_ldm(), meta_ctx, contextlib.redirect_stdout(io.StringIO()):  # ldm's prints
+        from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+        net = UNetModel(**_config(shape, model_channels, context_dim)).eval()
+    if init and not meta:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return net
 
 
 def context_arg(shape: str, context: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
@@ -133,81 +131,57 @@ def _heads_last(t: torch.Tensor, h: int) -> torch.Tensor:
     return t.reshape(bh // h, h, n, d).permute(0, 2, 1, 3).reshape(bh // h, n, h * d)
 
 
-def _sdp(self, x, context=None, mask=None):  # noqa: ANN001, ANN202
-    b = x.shape[0]
-    h = self.heads
-    q, k, v = _proj(self, x, context)
-    dh = q.shape[-1] // h
-    qh, kh, vh = (t.view(b, -1, h, dh).transpose(1, 2) for t in (q, k, v))
-    o = F.scaled_dot_product_attention(qh, kh, vh)
-    o = o.transpose(1, 2).reshape(b, -1, h * dh)
-    return self.to_out(o)
+def _make_sdp(math_kernel: bool = False):  # noqa: ANN202
+    """SDP attention on ``b h n d`` views (``math_kernel``: torch's math kernel, what ``sdp-no-mem``
+    runs in float32 on CUDA). xformers holds the same tensors (the output, a log-sum-exp per query)."""
+
+    def fwd(self, x, context=None, mask=None):  # noqa: ANN001, ANN202
+        b, h = x.shape[0], self.heads
+        q, k, v = _proj(self, x, context)
+        qh, kh, vh = (t.view(b, -1, h, q.shape[-1] // h).transpose(1, 2) for t in (q, k, v))
+        if math_kernel:
+            o = torch.ops.aten._scaled_dot_product_attention_math(qh, kh, vh)[0]
+        else:
+            o = F.scaled_dot_product_attention(qh, kh, vh)
+        return self.to_out(o.transpose(1, 2).reshape(b, -1, q.shape[-1]))
+
+    return fwd
 
 
-def _sdp_math(self, x, context=None, mask=None):  # noqa: ANN001, ANN202
-    """SDP on torch's math kernel (what ``sdp-no-mem`` runs in float32 on CUDA)."""
-    b = x.shape[0]
-    h = self.heads
-    q, k, v = _proj(self, x, context)
-    dh = q.shape[-1] // h
-    qh, kh, vh = (t.view(b, -1, h, dh).transpose(1, 2) for t in (q, k, v))
-    o = torch.ops.aten._scaled_dot_product_attention_math(qh, kh, vh)[0]
-    o = o.transpose(1, 2).reshape(b, -1, h * dh)
-    return self.to_out(o)
+def _compvis(q, k, v, scale: float | None = None):  # noqa: ANN001, ANN202
+    s = torch.einsum("b i d, b j d -> b i j", q, k)
+    if scale is not None:
+        s *= scale
+    s = s.softmax(dim=-1, dtype=s.dtype)
+    return torch.einsum("b i j, b j d -> b i d", s, v)
 
 
-def _xformers_like(self, x, context=None, mask=None):  # noqa: ANN001, ANN202
-    b = x.shape[0]
-    h = self.heads
-    q, k, v = _proj(self, x, context)
-    dh = q.shape[-1] // h
-    q, k, v = (t.view(b, -1, h, dh) for t in (q, k, v))  # b n h d: views
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    o = o.transpose(1, 2).reshape(b, -1, h * dh)
-    return self.to_out(o)
+def _sliced(q, k, v, dim: int, step, scale: float | None = None):  # noqa: ANN001, ANN202
+    """Attention of ``(b h) n d`` tensors ``step`` at a time along ``dim`` (0: batch x heads, each
+    with its keys; 1: queries, against all keys) into one preallocated output (``step`` callable:
+    asked once that is allocated, as Doggettx probes the free memory)."""
+    r = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    step = step() if callable(step) else step
+    for i in range(0, q.shape[dim], step):
+        at = slice(i, i + step) if dim == 0 else (slice(None), slice(i, i + step))
+        r[at] = _compvis(q[at], k[at] if dim == 0 else k, v[at] if dim == 0 else v, scale)
+    return r
 
 
-def _split_v1(self, x, context=None, mask=None):  # noqa: ANN001, ANN202
-    h = self.heads
-    q_in, k_in, v_in = _proj(self, x, context)
-    q, k, v = (_heads_first(t, h) for t in (q_in, k_in, v_in))
-    del q_in, k_in, v_in
-    r1 = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
-    for i in range(0, q.shape[0], 2):
-        s1 = torch.einsum("b i d, b j d -> b i j", q[i : i + 2], k[i : i + 2])
-        s1 *= self.scale
-        s2 = s1.softmax(dim=-1)
-        del s1
-        r1[i : i + 2] = torch.einsum("b i j, b j d -> b i d", s2, v[i : i + 2])
-        del s2
-    del q, k, v
-    r2 = _heads_last(r1, h)
-    del r1
-    return self.to_out(r2)
+def _heads(attend, *, prescale: bool, keep: bool = False):  # noqa: ANN001, ANN202
+    """A forward that runs ``attend(self, q, k, v)`` on the host's ``(b h) n d`` copies (``k``
+    scaled first with ``prescale``; ``keep``: q, k, v still held while the output is rearranged)."""
 
-
-def _make_doggettx(free: Callable[[], float]):  # noqa: ANN202
     def fwd(self, x, context=None, mask=None):  # noqa: ANN001, ANN202
         h = self.heads
         q_in, k_in, v_in = _proj(self, x, context)
-        k_in = k_in * self.scale
+        if prescale:
+            k_in = k_in * self.scale
         q, k, v = (_heads_first(t, h) for t in (q_in, k_in, v_in))
         del q_in, k_in, v_in
-        r1 = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
-        size = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size()
-        need = size * (3 if q.element_size() == 2 else 2.5)
-        avail = free()
-        steps = 1 if need <= avail else 2 ** math.ceil(math.log2(need / max(avail, 1)))
-        if steps > 64:
-            raise RuntimeError("Not enough memory, use lower resolution")
-        rows = q.shape[1] // steps if q.shape[1] % steps == 0 else q.shape[1]
-        for i in range(0, q.shape[1], rows):
-            s1 = torch.einsum("b i d, b j d -> b i j", q[:, i : i + rows], k)
-            s2 = s1.softmax(dim=-1, dtype=q.dtype)
-            del s1
-            r1[:, i : i + rows] = torch.einsum("b i j, b j d -> b i d", s2, v)
-            del s2
-        del q, k, v
+        r1 = attend(self, q, k, v)
+        if not keep:
+            del q, k, v
         r2 = _heads_last(r1, h)
         del r1
         return self.to_out(r2)
@@ -215,39 +189,37 @@ def _make_doggettx(free: Callable[[], float]):  # noqa: ANN202
     return fwd
 
 
-def _compvis(q, k, v):  # noqa: ANN001, ANN202
-    s = torch.einsum("b i d, b j d -> b i j", q, k)
-    s = s.softmax(dim=-1, dtype=s.dtype)
-    return torch.einsum("b i j, b j d -> b i d", s, v)
+_split_v1 = _heads(lambda self, q, k, v: _sliced(q, k, v, 0, 2, self.scale), prescale=False)
+
+
+def _make_doggettx(free: Callable[[], float]):  # noqa: ANN202
+    def attend(self, q, k, v):  # noqa: ANN001, ANN202
+        def rows() -> int:
+            size = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size()
+            need = size * (3 if q.element_size() == 2 else 2.5)
+            avail = free()
+            steps = 1 if need <= avail else 2 ** math.ceil(math.log2(need / max(avail, 1)))
+            if steps > 64:
+                raise RuntimeError("Not enough memory, use lower resolution")
+            return q.shape[1] // steps if q.shape[1] % steps == 0 else q.shape[1]
+
+        return _sliced(q, k, v, 1, rows)
+
+    return _heads(attend, prescale=True)
 
 
 def _make_invokeai(free: Callable[[], float], backend: str):  # noqa: ANN202
-    def einsum_op(q, k, v):  # noqa: ANN001, ANN202
+    def attend(self, q, k, v):  # noqa: ANN001, ANN202
         max_mb = free() / 3.3 / MiB if backend in ("cuda", "rocm") else 32
         size_mb = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size() // MiB
         if size_mb <= max_mb:
             return _compvis(q, k, v)
         div = 1 << int((size_mb - 1) / max_mb).bit_length()
-        r = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
         if div <= q.shape[0]:
-            step = q.shape[0] // div
-            for i in range(0, q.shape[0], step):
-                r[i : i + step] = _compvis(q[i : i + step], k[i : i + step], v[i : i + step])
-        else:
-            step = max(q.shape[1] // div, 1)
-            for i in range(0, q.shape[1], step):
-                r[:, i : i + step] = _compvis(q[:, i : i + step], k, v)
-        return r
+            return _sliced(q, k, v, 0, q.shape[0] // div)
+        return _sliced(q, k, v, 1, max(q.shape[1] // div, 1))
 
-    def fwd(self, x, context=None, mask=None):  # noqa: ANN001, ANN202
-        h = self.heads
-        q, k, v = _proj(self, x, context)
-        k = k * self.scale
-        q, k, v = (_heads_first(t, h) for t in (q, k, v))
-        r = einsum_op(q, k, v)
-        return self.to_out(_heads_last(r, h))
-
-    return fwd
+    return _heads(attend, prescale=True, keep=True)
 
 
 def _make_sub_quad(free: Callable[[], float], q_chunk: int = 1024):  # noqa: ANN202
@@ -316,10 +288,9 @@ def host_forward(attention: str, free: Callable[[], float], backend: str = "cuda
     """The ``CrossAttention.forward`` that ``attention`` installs (None: ldm's own). ``free`` is
     the free-memory probe Doggettx, InvokeAI (CUDA) and sub-quadratic size their slices from;
     ``math_sdp``: ``sdp-no-mem`` on the math kernel (float32 on CUDA)."""
-    if attention in ("sdp", "sdp-no-mem"):
-        return _sdp_math if (math_sdp and attention == "sdp-no-mem") else _sdp
+    if attention in ("sdp", "sdp-no-mem", "xformers"):
+        return _make_sdp(math_sdp and attention == "sdp-no-mem")
     table = {
-        "xformers": lambda: _xformers_like,
         "split-v1": lambda: _split_v1,
         "doggettx": lambda: _make_doggettx(free),
         "invokeai": lambda: _make_invokeai(free, backend),

@@ -23,7 +23,7 @@ from lib_vram.core.device import release
 from lib_vram.core.emulate import EmulatedCard
 from lib_vram.planning import planner
 
-from ._harness import Bench, attempt, runner, table, timed
+from ._harness import Bench, attempt, known, runner, table, timed
 from .vae import SD_VAE, build_ldm
 
 MAX_CARD_GB = MAX_CARD_BYTES // 2**30
@@ -46,12 +46,7 @@ QUICK = {"vae_decode": (512, 1024), "vae_encode": (1024,), "upscale": (768,)}
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller images (a few minutes)")
     parser.add_argument("--json", action="store_true", help="print one JSON record per case")
-    parser.add_argument(
-        "--cards",
-        type=int_list("--cards", 1, MAX_CARD_GB, why="1 TiB", unit="GB"),
-        default="4,6,8",
-        help=f"card sizes in GB (default 4,6,8; each 1 to {MAX_CARD_GB})",
-    )
+    add_cards(parser)
     parser.add_argument("--stages", default=None, help="comma-separated: vae_decode,vae_encode,upscale")
     parser.add_argument("--overhead", action="store_true",
                         help="also measure the emulation's own CPU cost (full-size models)")  # fmt: skip
@@ -60,15 +55,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def bench(args: argparse.Namespace) -> Bench:
     sizes = QUICK if args.quick else FULL
     stages = args.stages.split(",") if args.stages else list(sizes)
-    unknown = set(stages) - set(FULL)
-    if unknown:
-        raise ValueError(f"`--stages`: unknown {sorted(unknown)}; choose from {sorted(FULL)}")
+    known("--stages", ",".join(stages), list(FULL))
     cards = [int(c) for c in args.cards.split(",")]
     cases = [(stage, px) for stage in stages for px in sizes[stage]] + (
         [("overhead", 0)] if args.overhead else []
     )
     return Bench(cases, lambda c: overhead() if c[0] == "overhead" else run_stage(*c, cards), _table,
                  label=lambda c: c[0] if c[0] == "overhead" else f"{c[0]} {c[1]}²")  # fmt: skip
+
+
+def add_cards(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cards", type=int_list("--cards", 1, MAX_CARD_GB, why="1 TiB", unit="GB"),
+                        default="4,6,8",
+                        help=f"card sizes in GB (default 4,6,8; each 1 to {MAX_CARD_GB})")  # fmt: skip
 
 
 def image(px: int, channels: int = 3, seed: int = 0):
@@ -87,12 +86,10 @@ def rrdb(filters: int = 16, blocks: int = 6):
     blocks), saved to a file and loaded from it as a user's model would be."""
 
     from ._archs import save_and_load
-    from ._synthetic import make_imagelike_rrdb, rrdb_class
+    from ._synthetic import rrdb_net
 
     torch.manual_seed(0)
-    net = make_imagelike_rrdb(
-        rrdb_class()(in_nc=3, out_nc=3, num_filters=filters, num_blocks=blocks, scale=4)
-    )
+    net = rrdb_net(filters, blocks)
     with tempfile.TemporaryDirectory() as tmp:
         return save_and_load(net, Path(tmp) / "rrdb.safetensors")
 

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from lib_vram.cli.common import MAX_SECONDS, bounded_float, int_list
+from lib_vram.cli.common import MAX_SECONDS, bounded_float
 from lib_vram.core.device import capabilities, memory_info, resolve_device
 from lib_vram.core.emulate import EmulatedCard
 
 from ._harness import Bench, attempt, runner, timed
-from .emulate import GB, MAX_CARD_GB, RESIDENT_REAL, VAE_FULL, fidelity, image, latent, rrdb, stage_fns
+from .emulate import GB, RESIDENT_REAL, VAE_FULL, add_cards, fidelity, image, latent, rrdb, stage_fns
 from .vae import build_ldm
 
 HELP = "One prepared GPU run (< 8 min): capped 4/6/8 GB matrix, fp16 2048² decode, upscale batching, cuDNN."
@@ -45,14 +45,10 @@ HELP = "One prepared GPU run (< 8 min): capped 4/6/8 GB matrix, fp16 2048² deco
 def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--out", type=Path, default=Path("vram_guard_gpu.json"), help="the JSON file to write")
-    add(
-        "--budget-s",
-        type=bounded_float("--budget-s", 0.0, MAX_SECONDS, why="one day", unit="s"),
+    add("--budget-s", type=bounded_float("--budget-s", 0.0, MAX_SECONDS, why="one day", unit="s"),
         default=420.0,
-        help="stop starting new parts after this many seconds (default 420, at most 86400)",
-    )
-    add("--cards", type=int_list("--cards", 1, MAX_CARD_GB, why="1 TiB", unit="GB"), default="4,6,8",
-        help=f"card sizes in GB (default 4,6,8; each 1 to {MAX_CARD_GB})")  # fmt: skip
+        help="stop starting new parts after this many seconds (default 420, at most 86400)")  # fmt: skip
+    add_cards(parser)
 
 
 class _Clock:
@@ -63,16 +59,19 @@ class _Clock:
     def left(self) -> float:
         return self.budget - (time.perf_counter() - self.t0)
 
+    def late(self, skipped: list[str], what: str, need: float) -> bool:
+        """Fewer than ``need`` seconds left for ``what``: noted in ``skipped``."""
+        if self.left() < need:
+            skipped.append(f"{what}: out of time")
+        return self.left() < need
+
 
 def bench(args: argparse.Namespace) -> Bench:
     cuda = torch.cuda.is_available()
     device = resolve_device("cuda" if cuda else "cpu")
     clock, cards = _Clock(args.budget_s), [int(c) for c in args.cards.split(",")]
-    skipped = (
-        []
-        if cuda
-        else ["no CUDA device: the matrix ran on the emulated CPU card at small sizes (x0.5 scale)"]
-    )
+    skipped = [] if cuda else ["no CUDA device: the matrix ran on the emulated CPU card at small sizes (x0.5 "
+                               "scale)"]  # fmt: skip
     env = {"capabilities": capabilities(device).__dict__, "memory": memory_info(device).to_dict(),
            "torch": torch.__version__, "cudnn": torch.backends.cudnn.version() if cuda else None}  # fmt: skip
     result: dict = {"schema": 1, "device": str(device), "env": env}
@@ -109,6 +108,15 @@ def _peak(device, card=None) -> int | None:  # noqa: ANN001
     return None if card is None else card.peak_bytes
 
 
+def _synced(device, fn):  # noqa: ANN001, ANN202
+    """``fn()`` and its seconds (rounded to ms), after a CUDA synchronize."""
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, round(time.perf_counter() - t0, 3)
+
+
 def matrix(device, cards: list[int], clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
     cuda = device.type == "cuda"
     dtype = torch.float16 if cuda else torch.float32
@@ -118,11 +126,9 @@ def matrix(device, cards: list[int], clock: _Clock, skipped: list[str]) -> list[
     out = []
     for stage, pxs in sizes.items():
         for px in pxs:
-            if clock.left() < 60:
-                skipped.append(f"matrix {stage} {px}²: out of time")
-                continue
-            _reset(device)
-            out += _matrix_rows(stage, px, device, dtype, scale, cards)
+            if not clock.late(skipped, f"matrix {stage} {px}²", 60):
+                _reset(device)
+                out += _matrix_rows(stage, px, device, dtype, scale, cards)
     return out
 
 
@@ -145,11 +151,8 @@ def _matrix_rows(stage: str, px: int, device, dtype, scale: float, cards: list[i
             def step(which=which, reports=reports, rec=rec) -> None:  # noqa: ANN001
                 # the checkpoint's weights on the card, for real (CUDA)
                 held = torch.empty(RESIDENT_REAL, dtype=torch.uint8, device=device) if cuda else None
-                t0 = time.perf_counter()
-                res = plain() if which == "plain" else guarded(reports)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                rec[f"{which}_seconds"] = round(time.perf_counter() - t0, 3)
+                run = plain if which == "plain" else lambda: guarded(reports)
+                res, rec[f"{which}_seconds"] = _synced(device, run)
                 rec[f"{which}_ok"] = True
                 if which == "guarded":
                     rec.update(fidelity(res.float().cpu(), ref, rng))
@@ -183,19 +186,15 @@ def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noq
     cases = (("untiled", None), ("exact t64", TiledVAEConfig(mode="exact", tile=64, dtype=half)),
              ("fast t64", TiledVAEConfig(mode="fast", tile=64, dtype=half)))  # fmt: skip
     for name, cfg in cases:
-        if clock.left() < 30:
-            skipped.append(f"decode_2048 {name}: out of time")
+        if clock.late(skipped, f"decode_2048 {name}", 30):
             continue
         _reset(device)
         rep = VAEReport()
-        t0 = time.perf_counter()
         with torch.no_grad():
-            y = dec(z.half()) if cfg is None else tiled_decode(dec, z.half(), config=cfg, report=rep)
-        torch.cuda.synchronize(device)
-        rec = {"case": name, "seconds": round(time.perf_counter() - t0, 3),
-               "max_memory_allocated": _peak(device), "recomputed": len(rep.recomputed)}  # fmt: skip
-        rec.update(fidelity(y.float().cpu(), ref, 2.0))
-        out.append(rec)
+            y, secs = _synced(device, lambda cfg=cfg, rep=rep: dec(z.half()) if cfg is None else
+                              tiled_decode(dec, z.half(), config=cfg, report=rep))  # fmt: skip
+        out.append({"case": name, "seconds": secs, "max_memory_allocated": _peak(device),
+                    "recomputed": len(rep.recomputed), **fidelity(y.float().cpu(), ref, 2.0)})  # fmt: skip
         del y
     return out
 
@@ -209,18 +208,13 @@ def upscale_batch(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # n
     x = image(512 if cuda else 96).to(device)
     out = []
     for name, batch in (("batched (auto)", None), ("one tile at a time", 1)):
-        if clock.left() < 20:
-            skipped.append(f"upscale_batch {name}: out of time")
+        if clock.late(skipped, f"upscale_batch {name}", 20):
             continue
         _reset(device)
         rep = UpscaleReport()
         cfg = UpscaleConfig(tile=128 if cuda else 32, batch=batch, precision="fp16" if cuda else "fp32")
-        t0 = time.perf_counter()
-        upscale_tensor(desc, x, config=cfg, report=rep)
-        if cuda:
-            torch.cuda.synchronize(device)
-        out.append({"case": name, "plan": rep.plan, "seconds": round(time.perf_counter() - t0, 3),
-                    "max_memory_allocated": _peak(device)})  # fmt: skip
+        _, secs = _synced(device, lambda cfg=cfg, rep=rep: upscale_tensor(desc, x, config=cfg, report=rep))
+        out.append({"case": name, "plan": rep.plan, "seconds": secs, "max_memory_allocated": _peak(device)})
     return out
 
 
@@ -233,8 +227,7 @@ def cudnn_workspace(device, clock: _Clock, skipped: list[str]) -> dict:  # noqa:
     rows = []
     for dt in (torch.float16, torch.float32):
         for cin, cout, px in shapes:
-            if clock.left() < 10:
-                skipped.append("cudnn_workspace: out of time")
+            if clock.late(skipped, "cudnn_workspace", 10):
                 break
             conv = torch.nn.Conv2d(cin, cout, 3, padding=1).to(device, dt)
             x = torch.randn(1, cin, px, px, device=device, dtype=dt)

@@ -21,7 +21,8 @@ from lib_vram.core import predict as P  # noqa: N812
 from lib_vram.core.tracker import StageTracker
 from lib_vram.planning import reference
 
-from ._harness import Bench, mib, runner
+from ._harness import Bench, known, mib, mib_of, runner
+from ._harness import table as grid
 
 HELP = "Predicted vs measured peak memory (CPU RSS) for VAE and upscaler stages, untiled and tiled."
 
@@ -107,21 +108,17 @@ def _build(case: Case):
 
 
 def _runner(case: Case, model):
+    """What the case runs: the engine as its prediction runs it (:mod:`lib_vram.cli.stageplan`), or
+    the untiled model."""
+    from lib_vram.cli.stageplan import upscale_loop, vae_loop
+
     if case.engine == "vae-engine":
-        from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
-
-        cfg = TiledVAEConfig(mode=case.mode, tile=case.tile, budget_bytes=2**50, dtype=torch.float32,
-                             guard=False, state_offload="device")  # fmt: skip
-        run = tiled_decode if case.kind == "decode" else tiled_encode
-        return lambda x: run(model, x, config=cfg)
-    if case.engine == "upscale-engine":
-        from lib_vram.upscale import UpscaleConfig, upscale_tensor
-
-        ucfg = UpscaleConfig(tile=case.tile, batch=case.batch, precision="fp32", device="cpu",
-                             budget_bytes=2**50, accumulate_on="device", check_finite=False,
-                             calibrate=False)  # fmt: skip
-        return lambda x: upscale_tensor(lambda t: model(t), x, config=ucfg, scale=SCALE)
-    return model
+        loop = vae_loop(case.kind, case.tile, case.mode, torch.float32)
+    elif case.engine == "upscale-engine":
+        loop = upscale_loop(case.tile, case.batch, SCALE)
+    else:
+        return model
+    return lambda x: loop(model, x)
 
 
 def predict(case: Case) -> dict:
@@ -173,21 +170,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--quick", action="store_true", help="only the 4 light cases (~1-2 min)")
     add("--case", action="append", default=None, help="run only these cases (repeatable)")
     add("--json", action="store_true", help="print JSON records instead of the table")
-    add(
-        "--glibc-default",
-        action="store_true",
-        help="run the cases with glibc's default malloc thresholds (RSS then also holds freed heap chunks)",
-    )
+    add("--glibc-default", action="store_true", help="run the cases with glibc's default malloc thresholds "
+        "(RSS then also holds freed heap chunks)")  # fmt: skip
     add("--timeout", type=bounded_float("--timeout", 0.0, MAX_SECONDS, why="one day", unit="s"),
         default=900.0, help="seconds per case (default 900, at most 86400)")  # fmt: skip
 
 
 def bench(args: argparse.Namespace) -> Bench:
     if args.case:
-        unknown = [n for n in args.case if n not in BY_NAME]
-        if unknown:
-            raise ValueError(f"`--case` {unknown} unknown; known: {sorted(BY_NAME)}")
-        cases = [BY_NAME[n] for n in args.case]
+        cases = [BY_NAME[n] for n in known("--case", ",".join(args.case), list(BY_NAME))]
     else:
         cases = [c for c in CASES if c.quick or not args.quick]
 
@@ -216,13 +207,9 @@ def _record(case: Case, pred: dict, meas: dict) -> dict:
 
 
 def _table(records: list[dict]) -> str:
-    lines = [
-        "| case | engine | plan | predicted MiB | measured MiB | error |",
-        "|---|---|---|---:|---:|---:|",
-    ]
-    for r in records:
-        lines.append(f"| {r['case']} | {r['engine']} | {r['plan']} | {mib(r['predicted_bytes'])} | "
-                     f"{mib(r['measured_bytes'])} | {100 * (r['error'] or 0):+.1f} % |")  # fmt: skip
+    lines = [grid(["case", "engine", "plan", ("predicted MiB", mib_of("predicted_bytes")),
+                   ("measured MiB", mib_of("measured_bytes")),
+                   ("error", lambda r: f"{100 * (r['error'] or 0):+.1f} %")], records)]  # fmt: skip
     errs = [abs(r["error"]) for r in records if r["error"] is not None]
     if errs:
         lines.append(f"\n{len(records)} cases; max |error| {100 * max(errs):.1f} %, "

@@ -15,7 +15,6 @@ what ``bench sampling`` runs for its streamed rows; :func:`gpu_stream` is ``benc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 import torch
@@ -36,39 +35,14 @@ from lib_vram.sampling import (
 )
 
 from ..common import UsageError
-from ._harness import Bench, attempt, mib, runner
-from ._unet import _omegaconf_for_ldm
+from ._harness import Bench, attempt, mib_of, ok, runner
+from ._harness import table as grid
+from ._unet import build_unet
 
 HELP = "Streamed UNet (budgeted residency): bytes per step vs --lowvram, plain vs guarded (emulated card)."
 MiB = 1 << 20
 GB = 1e9
 DEFAULT_BANDWIDTH_GB_S = 12.0
-
-
-def _config(shape: str, mc: int, context_dim: int) -> dict:
-    common = dict(image_size=32, in_channels=4, out_channels=4, model_channels=mc, num_res_blocks=2,
-                  use_spatial_transformer=True, context_dim=context_dim, legacy=False)  # fmt: skip
-    if shape == "sd15":
-        return dict(common, attention_resolutions=[1, 2, 4], channel_mult=(1, 2, 4, 4), num_heads=8)
-    if shape == "sdxl":
-        return dict(common, attention_resolutions=[2, 4], channel_mult=(1, 2, 4),
-                    num_head_channels=min(64, mc), use_linear_in_transformer=True)  # fmt: skip
-    raise ValueError(f"`shape` must be sd15 or sdxl, got {shape!r}")
-
-
-def build_unet(shape: str, mc: int, *, context_dim: int = 64, seed: int = 0, meta: bool = False):
-    """A real ldm ``UNetModel`` of ``shape`` at ``mc`` model channels (random weights, eval)."""
-    from ldm.modules.diffusionmodules.openaimodel import UNetModel
-
-    torch.manual_seed(seed)
-    with _omegaconf_for_ldm(), torch.device("meta") if meta else contextlib.nullcontext():
-        unet = UNetModel(**_config(shape, mc, context_dim)).eval()
-    if not meta:
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in unet.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return unet
 
 
 def full_size_units(arch: str, itemsize: int = 2) -> list[tuple[str, int]]:
@@ -80,11 +54,7 @@ def full_size_units(arch: str, itemsize: int = 2) -> list[tuple[str, int]]:
         raise ValueError(f"`arch` must be sd15 or sdxl, got {arch!r}")
     # ldm's transformer_depth is one number: build at depth 1 (levels 2-3, the middle block), then
     # add SDXL's deeper stacks (2 at level 2, 10 at level 3 and in the middle) from one real block
-    from ldm.modules.diffusionmodules.openaimodel import UNetModel
-
-    cfg = dict(_config("sdxl", 320, 2048), transformer_depth=1)
-    with _omegaconf_for_ldm(), torch.device("meta"):
-        unet = UNetModel(**cfg)
+    unet = build_unet("sdxl-d1", 320, context_dim=2048, meta=True)
     depths = {}
     for name, m in unet.named_modules():
         blocks = getattr(m, "transformer_blocks", None)
@@ -97,18 +67,11 @@ def full_size_units(arch: str, itemsize: int = 2) -> list[tuple[str, int]]:
     out: list[tuple[str, int]] = []
     for name, b in unit_bytes(unet, UNIT_PARTS):
         st = next((t for t in depths if name == t or name.startswith(t + ".")), None)
-        if st is None:
-            out.append((name, b))
-            continue
-        d, per = depths[st]
+        d, per = depths.get(st, (1, 0))
         head = f"{st}.transformer_blocks.0"
-        if name == st:  # the whole transformer is one unit
-            out.append((name, b + (d - 1) * per))
-        elif name == head or name.startswith(head + "."):
-            out.append((name, b))
+        out.append((name, b + (d - 1) * per if name == st else b))  # a whole transformer: one unit
+        if st is not None and (name == head or name.startswith(head + ".")):
             out.extend((name.replace(head, f"{st}.transformer_blocks.{k}", 1) + "*", b) for k in range(1, d))
-        else:
-            out.append((name, b))
     out = [(n, b // 4 * itemsize) for n, b in out]
     label = (2816 * 1280 + 1280 + 1280 * 1280 + 1280) * itemsize
     out.insert(1, ("label_emb", label))
@@ -123,54 +86,45 @@ def _forward(unet, kw) -> torch.Tensor:
         return unet(**kw)
 
 
-def _activations(unet, kw) -> int:
-    card = EmulatedCard(1 << 40, resident=[unet])
-    with card:
-        _forward(unet, kw)
-    return card.peak_bytes - card.resident_bytes
-
-
 def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2, attempts: int = 4) -> dict:
     """One emulated-card case: a card that holds about ``fraction`` of the UNet beside one
     micro-batch's activations, and at least the whole UNet beside the step's output (it was
     resident before the pass: the move back needs that room). Each step is the WebUI's batched
     cond/uncond forward (batch 2), micro-batched as the sampling plan says."""
-    unet = build_unet(shape, mc)
+    unet = build_unet("sdxl-d1" if shape == "sdxl" else shape, mc, context_dim=64, init=True)
     g = torch.Generator().manual_seed(1)
     kw = {"x": torch.randn(2, 4, side, side, generator=g), "timesteps": torch.tensor([10, 700]),
           "context": torch.randn(2, 77, 64, generator=g)}  # fmt: skip
     units = unit_bytes(unet)
     total = sum(b for _, b in units)
-    act1 = _activations(unet, {k: v[:1] for k, v in kw.items()})
+    with EmulatedCard(1 << 40, resident=[unet]) as probe:  # one micro-batch's activations
+        _forward(unet, {k: v[:1] for k, v in kw.items()})
+    act1 = probe.peak_bytes - probe.resident_bytes
     out_bytes = kw["x"].numel() * kw["x"].element_size()
     capacity = max(int(act1 + fraction * total + 2 * max(b for _, b in units)), total + 4 * out_bytes)
     spec = unet_spec(unet)
     step = dict(batch=2, latent_hw=(side, side), context_tokens=77, attention="none", dtype=torch.float32)
     mem = planner.PlanMemory()
     sp = plan_sampling(spec, budget_bytes=capacity, backend="cpu", memory=mem, **step)
+    refs: dict[int, tuple[torch.Tensor, float]] = {}
 
-    def forward(**k):
-        return unet(**k)
+    def micro(m: int):  # noqa: ANN202
+        return micro_batched(lambda **k: unet(**k), m, memory=planner.PlanMemory())
 
-    fwd = micro_batched(forward, sp.micro_batch, memory=planner.PlanMemory())
-    t0 = time.process_time()
-    ref = _forward(fwd, kw)
-    plain_cpu = time.process_time() - t0
-    plain = micro_batched(forward, sp.micro_batch, memory=planner.PlanMemory())
-    plain_ok = attempt(lambda: _forward(plain, kw), EmulatedCard(capacity, resident=[unet])).ok
-    guarded_ok, identical, tries, plan, s, cpu, peak = False, False, 0, None, None, 0.0, 0
-    refs = {sp.micro_batch: (ref, plain_cpu)}
-    while tries < attempts:
-        tries += 1
-        plan = plan_stream(unet, spec, budget_bytes=capacity, backend="cpu", memory=mem, **step)
-        m = plan.micro_batch  # the micro-batch that moves the fewest bytes per step
+    def unstreamed(m: int) -> tuple[torch.Tensor, float]:
+        """The output and CPU seconds of the unstreamed forward at micro-batch ``m``."""
         if m not in refs:
             t0 = time.process_time()
-            out = _forward(micro_batched(forward, m, memory=planner.PlanMemory()), kw)
-            refs[m] = (out, time.process_time() - t0)
-        ref, plain_cpu = refs[m]
-        fwd = micro_batched(forward, m, memory=planner.PlanMemory())
-        card = EmulatedCard(capacity, resident=[unet])
+            refs[m] = (_forward(micro(m), kw), time.process_time() - t0)
+        return refs[m]
+
+    unstreamed(sp.micro_batch)
+    plain = attempt(lambda: _forward(micro(sp.micro_batch), kw), EmulatedCard(capacity, resident=[unet]))
+    guarded_ok, identical, plan, s, cpu, peak = False, False, None, None, 0.0, 0
+    for tries in range(1, attempts + 1):  # noqa: B007 (re-planned after an out-of-memory error)
+        plan = plan_stream(unet, spec, budget_bytes=capacity, backend="cpu", memory=mem, **step)
+        ref, plain_cpu = unstreamed(plan.micro_batch)  # the micro-batch that moves the fewest bytes
+        fwd, card = micro(plan.micro_batch), EmulatedCard(capacity, resident=[unet])
         try:
             t0 = time.process_time()
             with card, StreamedUNet(unet, plan, "cpu", memory=mem) as s:
@@ -178,17 +132,16 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
             cpu = (time.process_time() - t0) / steps
         except torch.OutOfMemoryError:
             continue
-        guarded_ok = True
+        guarded_ok, peak = True, card.peak_bytes
         # against the unstreamed forward at the same micro-batch: only placement differs
         identical = all(torch.equal(o.view(torch.int32), ref.view(torch.int32)) for o in outs)
-        peak = card.peak_bytes
         break
     assert plan is not None
     first = next((b for n, b in units if plan.streamed and n == plan.streamed[0]), 0)
     moved = (s.stats.bytes_in - first) // steps if guarded_ok and s is not None else None
     return {
         "stage": "sampling_stream", "shape": f"{shape} mc{mc}", "latent": side, "card_bytes": capacity,
-        "card_holds": round(plan.resident_bytes / total, 3), "plain_ok": plain_ok, "guarded_ok": guarded_ok,
+        "card_holds": round(plan.resident_bytes / total, 3), "plain_ok": plain.ok, "guarded_ok": guarded_ok,
         "identical": identical, "attempts": tries, "plan": plan.label, "micro_batch": plan.micro_batch,
         "unet_bytes": total, "resident_bytes": plan.resident_bytes, "buffer_bytes": plan.buffer_bytes,
         "bytes_moved_per_step": moved, "planned_bytes_per_step": plan.bytes_moved_per_step,
@@ -225,14 +178,11 @@ def plan_case(arch: str, card_gib: float, px: int, bandwidth_gb_s: float, dtype=
 
 def cases(quick: bool = False) -> list[tuple]:
     """The streamed cases (what ``bench sampling`` adds): runs on the emulated card, then plans."""
-    runs = [("sd15", 32, 32)] if quick else [("sd15", 32, 32), ("sd15", 64, 32), ("sdxl", 64, 32)]
+    runs = [("sd15", 32, 32)] + ([] if quick else [("sd15", 64, 32), ("sdxl", 64, 32)])
     plans = [("sd15", 3.0, 512, "float32"), ("sdxl", 4.0, 1024, "float16")]
     if not quick:
-        plans += [
-            ("sd15", 4.0, 1536, "float32"),
-            ("sdxl", 6.0, 1024, "float16"),
-            ("sdxl", 4.0, 768, "float16"),
-        ]
+        plans += [("sd15", 4.0, 1536, "float32"), ("sdxl", 6.0, 1024, "float16"),
+                  ("sdxl", 4.0, 768, "float16")]  # fmt: skip
     runs = [("run", s, mc, side, f) for s, mc, side in runs for f in (1 / 3, 1 / 2, 2 / 3)]
     return runs + [("plan", *p) for p in plans]
 
@@ -251,41 +201,33 @@ def run_one(case: tuple, bandwidth_gb_s: float = DEFAULT_BANDWIDTH_GB_S) -> dict
         torch.set_num_threads(n)
 
 
-def stream_cases(quick: bool = False, bandwidth_gb_s: float = DEFAULT_BANDWIDTH_GB_S) -> list[dict]:
-    """Every streamed record, in this process."""
-    return [run_one(case, bandwidth_gb_s) for case in cases(quick)]
-
-
 def label(case: tuple) -> str:
     if case[0] == "run":
         return f"{case[1]} mc{case[2]} {case[3]} lat, card holds {case[4]:.2f} of the UNet"
     return f"{case[1]} {case[4]} {case[3]} px on {case[2]:g} GiB (plan)"
 
 
+def _note(r: dict) -> str:
+    if "card_holds" in r:
+        return f"{r['attempts']} attempt(s); CPU x{r['cpu_ratio']}"
+    return (f"copies {r['modelled_copy_s_per_step']} s vs {r['lowvram_modelled_copy_s_per_step']} s per step "
+            f"at {r['bandwidth_gb_s']:g} GB/s (model)")  # fmt: skip
+
+
 def table(rows: list[dict]) -> str:
-    head = (
-        "| case | card MiB | plain | guarded | bit-identical | micro-batch | UNet MiB | resident MiB | "
-        "MiB/step | --lowvram MiB/step | ratio | note |"
-    )
-    lines = [head, "|" + "---|" * 12]
-    for r in rows:
+    def ratio(r: dict) -> str:
         moved, low = r["bytes_moved_per_step"], r["lowvram_bytes_per_step"]
-        ratio = "-" if moved is None or not low else f"{moved / low:.2f}"
-        case = f"{r['shape']} {r.get('latent', r.get('px'))}" + ("" if "latent" not in r else " lat")
-        if "card_holds" in r:
-            note = f"{r['attempts']} attempt(s); CPU x{r['cpu_ratio']}"
-        else:
-            note = (
-                f"copies {r['modelled_copy_s_per_step']} s vs {r['lowvram_modelled_copy_s_per_step']} s "
-                f"per step at {r['bandwidth_gb_s']:g} GB/s (model)"
-            )
-        lines.append(
-            f"| {case} | {r['card_bytes'] / MiB:.0f} | {'ok' if r['plain_ok'] else 'OOM'} | "
-            f"{'ok' if r['guarded_ok'] else 'OOM'} | {r.get('identical', '-')} | "
-            f"{r.get('micro_batch', '-')} of 2 | {mib(r['unet_bytes'])} | "
-            f"{mib(r['resident_bytes'])} | {mib(moved)} | {mib(low)} | {ratio} | {note} |"
-        )
-    return "\n".join(lines)
+        return "-" if moved is None or not low else f"{moved / low:.2f}"
+
+    return grid([
+        ("case", lambda r: f"{r['shape']} {r['latent']} lat" if "latent" in r else f"{r['shape']} {r['px']}"),
+        ("card MiB", lambda r: f"{r['card_bytes'] / MiB:.0f}"), ("plain", lambda r: ok(r["plain_ok"], "ok")),
+        ("guarded", lambda r: ok(r["guarded_ok"], "ok")),
+        ("bit-identical", lambda r: r.get("identical", "-")),
+        ("micro-batch", lambda r: f"{r.get('micro_batch', '-')} of 2"), ("UNet MiB", mib_of("unet_bytes")),
+        ("resident MiB", mib_of("resident_bytes")), ("MiB/step", mib_of("bytes_moved_per_step")),
+        ("--lowvram MiB/step", mib_of("lowvram_bytes_per_step")), ("ratio", ratio), ("note", _note),
+    ], rows)  # fmt: skip
 
 
 # -- on a real GPU (``bench gpu``'s ``stream_unet`` part) ----------------------------------------
@@ -328,16 +270,15 @@ def gpu_stream(  # noqa: ANN001
     if not 1 <= steps <= 100 or not 8 <= side <= 256:
         raise ValueError(f"`steps` must be in 1..100 and `side` in 8..256, got {steps}, {side}")
     dtype = torch.float16
-    unet = build_unet("sd15", 320, context_dim=768).to(dtype)
+    unet = build_unet("sd15", 320, context_dim=768, init=True).to(dtype)
     g = torch.Generator().manual_seed(1)
     kw = {"x": torch.randn(2, 4, side, side, generator=g).to(device, dtype),
           "timesteps": torch.tensor([10, 700], device=device),
           "context": torch.randn(2, 77, 768, generator=g).to(device, dtype)}  # fmt: skip
     units = unit_bytes(unet)
     total = sum(b for _, b in units)
-    plan = choose_resident(
-        units, weights_budget_bytes=int(total * 2 / 3), activation_bytes=0, micro_batch=2, forwards_per_step=1
-    )
+    plan = choose_resident(units, weights_budget_bytes=int(total * 2 / 3), activation_bytes=0, micro_batch=2,
+                           forwards_per_step=1)  # fmt: skip
     unet.to(device)
 
     def timed():  # noqa: ANN202
@@ -358,8 +299,7 @@ def gpu_stream(  # noqa: ANN001
                  "bytes_moved_per_step": 0, "max_memory_allocated": peak, "identical": True})  # fmt: skip
     secs = {}
     for prefetch in (True, False):
-        if clock is not None and clock.left() < 30:
-            skipped.append(f"stream_unet prefetch {prefetch}: out of time")
+        if clock is not None and clock.late(skipped, f"stream_unet prefetch {prefetch}", 30):
             continue
         with StreamedUNet(unet, plan, device, prefetch=prefetch) as s:
             t, out, peak = timed()
@@ -388,7 +328,7 @@ def gpu_stream(  # noqa: ANN001
         # the share of the copy time prefetch hid behind compute (1: all of it)
         rec["overlap"] = round(max(0.0, min(1.0, (secs[False] - secs[True]) / copy_s)), 3)
     rows.append(rec)
-    if clock is None or clock.left() >= 30:
+    if clock is None or not clock.late(skipped, "stream_unet --lowvram", 30):
         hooks = _lowvram_hooks(unet, device)
         try:
             t, out, peak = timed()
@@ -399,8 +339,6 @@ def gpu_stream(  # noqa: ANN001
         rows.append({**base, "case": "--lowvram's way", "seconds_per_step": round(t, 4),
                      "bytes_moved_per_step": lowvram_bytes_per_forward(unit_bytes(unet, 1)),
                      "max_memory_allocated": peak, "identical": bool(torch.equal(out, ref))})  # fmt: skip
-    else:
-        skipped.append("stream_unet --lowvram: out of time")
     unet.to("cpu")  # the next parts get the card back
     torch.cuda.empty_cache()
     return rows
@@ -409,12 +347,8 @@ def gpu_stream(  # noqa: ANN001
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="one reduced UNet, two plans (a few minutes)")
     parser.add_argument("--json", action="store_true", help="print one JSON record per case")
-    parser.add_argument(
-        "--bandwidth",
-        type=float,
-        default=DEFAULT_BANDWIDTH_GB_S,
-        help="host<->device GB/s for the modelled copy time (default 12: PCIe 3.0 x16, pinned)",
-    )
+    parser.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_GB_S, help="host<->device "
+                        "GB/s for the modelled copy time (default 12: PCIe 3.0 x16, pinned)")  # fmt: skip
 
 
 def bench(args: argparse.Namespace) -> Bench:

@@ -17,12 +17,13 @@ import time
 
 import torch
 
-from lib_vram.cli.common import MAX_COUNT, MAX_THREADS, UsageError, bounded_int
+from lib_vram.cli.common import MAX_COUNT, MAX_THREADS, bounded_int
 from lib_vram.core.timeline import Timeline
 from lib_vram.core.tracker import StageTracker
 from lib_vram.planning import planner
 
-from ._harness import Bench, runner
+from ._harness import Bench, fmt, runner
+from ._harness import table as grid
 
 HELP = "Memory timeline overhead: a job with and without sampling, side by side (VAE decode, upscale)."
 VARIANTS = ("none", "tracker", "timeline")
@@ -30,12 +31,8 @@ VARIANTS = ("none", "tracker", "timeline")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add(
-        "--reps",
-        type=bounded_int("--reps", 1, MAX_COUNT),
-        default=5,
-        help=f"runs per variant (default 5, at most {MAX_COUNT})",
-    )
+    add("--reps", type=bounded_int("--reps", 1, MAX_COUNT), default=5,
+        help=f"runs per variant (default 5, at most {MAX_COUNT})")  # fmt: skip
     add("--quick", action="store_true", help="smaller jobs (under a minute)")
     add("--json", action="store_true", help="print one JSON record per job")
     add("--device", default="cpu", help="device (default cpu)")
@@ -44,11 +41,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def bench(args: argparse.Namespace) -> Bench:
-    if args.reps < 1:
-        raise UsageError(f"`--reps` must be >= 1, got {args.reps}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"`--threads` must be >= 1, got {args.threads}")
+    if args.threads is not None:  # (both bounded by their parsers)
         torch.set_num_threads(args.threads)
     costs: dict[bool, float] = {}
 
@@ -162,17 +155,16 @@ def _table(rows: list[dict], device: str) -> str:
     r0 = rows[0]
     what = "process CPU time" if r0["clock"] == "cpu" else "wall time"
     lines = [f"device {device} ({torch.get_num_threads()} threads); {what}, medians of {r0['reps']} "
-             "interleaved runs per variant", "",
-             "| job | none s | tracker s | timeline s | timeline vs tracker | timeline vs none | samples "
-             "| points | µs/sample (tracker / +timeline) | implied by µs/sample |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for r in rows:
-        lines.append(
-            f"| {r['job']} | {r['none_s']:.3f} | {r['tracker_s']:.3f} | {r['timeline_s']:.3f} | "
-            f"{r['timeline_vs_tracker_pct']:+.2f} % | {r['timeline_vs_none_pct']:+.2f} % | {r['samples']} | "
-            f"{r['points']} | {r['sample_us_tracker']:.1f} / {r['sample_us_timeline']:.1f} | "
-            f"{r['implied_timeline_pct']:.3f} % (all sampling {r['implied_all_sampling_pct']:.3f} %) |"
-        )
+             "interleaved runs per variant", "", grid([
+        "job", ("none s", fmt("none_s", ".3f")), ("tracker s", fmt("tracker_s", ".3f")),
+        ("timeline s", fmt("timeline_s", ".3f")),
+        ("timeline vs tracker", fmt("timeline_vs_tracker_pct", "+.2f", " %")),
+        ("timeline vs none", fmt("timeline_vs_none_pct", "+.2f", " %")), "samples", "points",
+        ("µs/sample (tracker / +timeline)",
+         lambda r: f"{r['sample_us_tracker']:.1f} / {r['sample_us_timeline']:.1f}"),
+        ("implied by µs/sample", lambda r: f"{r['implied_timeline_pct']:.3f} % (all sampling "
+         f"{r['implied_all_sampling_pct']:.3f} %)"),
+    ], rows)]  # fmt: skip
     lines.append("\nfastest run per variant (s): " + "; ".join(
         f"{r['job']}: none {r['min_s']['none']:.3f}, tracker {r['min_s']['tracker']:.3f}, timeline "
         f"{r['min_s']['timeline']:.3f} ({r['min_timeline_vs_tracker_pct']:+.2f} %)" for r in rows

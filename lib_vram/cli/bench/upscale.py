@@ -26,18 +26,15 @@ from lib_vram.core.device import resolve_device
 from lib_vram.core.livebytes import LiveBytesCounter
 from lib_vram.core.tracker import _read_vm_hwm, _reset_vm_hwm
 
-from ._harness import Bench, cell, runner, table
+from ._harness import Bench, cell, known, psnr, runner, table
 
 HELP = "Tiled upscaling: untiled vs this engine (tiles x batches) vs a one-tile-at-a-time PIL loop."
 
 FIELDS = ("method", "arch", "image_px", "tile", "batch", "seconds", "cpu_seconds", "peak_bytes", "psnr_db",
           "max_err_lsb", "flop_ratio", "overlap", "rss_peak_bytes", "dtype")  # fmt: skip
 
-ARCHS = {
-    "compact": {"kind": "compact", "num_feat": 64, "num_conv": 16, "scale": 4},
-    "rrdb": {"kind": "rrdb", "num_filters": 64, "num_blocks": 23, "scale": 4},
-    "compact-s": {"kind": "compact", "num_feat": 16, "num_conv": 4, "scale": 4},
-}
+ARCHS = {"compact": ("compact", 64, 16), "rrdb": ("rrdb", 64, 23), "compact-s": ("compact", 16, 4)}
+"""(kind, features or filters, convolutions or blocks), x4."""
 PIL_OVERLAP = 8
 """The WebUI's default ``ESRGAN_tile_overlap``."""
 ARCH_IMAGE = (110, 150)
@@ -101,14 +98,10 @@ def plan(quick: bool, large: bool = False) -> list[dict]:
     return cases
 
 
-def _names(option: str, value: str, every: str) -> list[str]:
+def _known(option: str, text: str, every: str) -> list[str]:
     from ._archs import BUILDERS
 
-    names = list(BUILDERS) if value == every else value.split(",")
-    unknown = [n for n in names if n not in BUILDERS]
-    if unknown:
-        raise ValueError(f"`{option}`: unknown {unknown}; known: {', '.join(BUILDERS)}")
-    return names
+    return known(option, text, list(BUILDERS), every)
 
 
 def bench(args: argparse.Namespace) -> Bench:
@@ -121,12 +114,12 @@ def bench(args: argparse.Namespace) -> Bench:
         lo, hi = FALLBACK_PX_RANGE
         if not lo <= args.fallback_px <= hi:
             raise ValueError(f"`--fallback-px` must be {lo}-{hi}, got {args.fallback_px}")
-        names, work = _names("--fallback", args.fallback, "auto"), workdir("fallback")
+        names, work = _known("--fallback", args.fallback, "auto"), workdir("fallback")
         return Bench(names, lambda n: fallback_rows([n], work, args.fallback_px, args.device), fallback_table,
                      lines=False, done=lambda r: f"{r['arch']} t{r['tile']}: {r['max_err_lsb']} LSB, "
                      f"{r['pct_over_1lsb']}% > 1 LSB, {r['psnr_db']} dB, exact {r['exact']}")  # fmt: skip
     if args.archs:
-        names, work = _names("--archs", args.archs, "all"), workdir("archs")
+        names, work = _known("--archs", args.archs, "all"), workdir("archs")
         return Bench(names, lambda n: arch_rows([n], work, args.device), arch_table, lines=False,
                      done=lambda r: f"{r['arch']} {r['tile']}: {r['max_err_lsb']} LSB")  # fmt: skip
     cases = plan(args.quick, args.large)
@@ -153,24 +146,14 @@ def _model_path(workdir: Path, arch: str) -> Path:
 
 def build_models(workdir: Path, archs: set[str]) -> None:
     """Save each architecture's random-weight model (seed 0) once."""
-    from safetensors.torch import save_file
-
-    from ._synthetic import compact_class, make_imagelike_compact, make_imagelike_rrdb, rrdb_class
+    from ._archs import save
+    from ._synthetic import compact_net, rrdb_net
 
     for arch in sorted(archs):
-        path, cfg = _model_path(workdir, arch), ARCHS[arch]
-        if path.exists():
-            continue
-        torch.manual_seed(0)
-        if cfg["kind"] == "compact":
-            net = compact_class()(num_in_ch=3, num_out_ch=3, num_feat=cfg["num_feat"],
-                                  num_conv=cfg["num_conv"], upscale=cfg["scale"])  # fmt: skip
-            make_imagelike_compact(net)
-        else:
-            net = rrdb_class()(in_nc=3, out_nc=3, num_filters=cfg["num_filters"],
-                               num_blocks=cfg["num_blocks"], scale=cfg["scale"])  # fmt: skip
-            make_imagelike_rrdb(net)
-        save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
+        if not (path := _model_path(workdir, arch)).exists():
+            kind, width, depth = ARCHS[arch]
+            torch.manual_seed(0)
+            save((rrdb_net if kind == "rrdb" else compact_net)(width, depth), path)
 
 
 def pil_loop(model, img, tile: int, overlap: int, device, dtype):  # noqa: ANN001
@@ -281,19 +264,17 @@ def run_case(case: dict) -> dict:
     peak = (torch.cuda.max_memory_allocated(device) - base) if cuda else meter["peak"]
     rss = max(0, (_read_vm_hwm() or 0) - rss0)
     ref_path = workdir / f"ref-{case['arch']}-{px}-{precision}.npy"
-    psnr = max_err = None
+    db = max_err = None
     if method == "untiled":
         np.save(ref_path, out8)
-        psnr, max_err = math.inf, 0
+        db, max_err = math.inf, 0
     elif ref_path.exists():
         diff = out8.astype(np.float64) - np.load(ref_path).astype(np.float64)
-        mse = float((diff**2).mean())
-        psnr = math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
-        max_err = int(np.abs(diff).max())
+        db, max_err = psnr(float((diff**2).mean()), 255.0), int(np.abs(diff).max())
     return {
         "method": method, "arch": case["arch"], "image_px": px, "tile": case["tile"], "batch": case["batch"],
         "seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3), "peak_bytes": int(peak),
-        "psnr_db": None if psnr is None else (psnr if math.isinf(psnr) else round(psnr, 2)),
+        "psnr_db": None if db is None else (db if math.isinf(db) else round(db, 2)),
         "max_err_lsb": max_err, "flop_ratio": round(flop, 3),
         "overlap": overlap if overlap is not None else (PIL_OVERLAP if method == "pil_loop" else 0),
         "rss_peak_bytes": int(rss), "dtype": precision, "device": str(device),
@@ -326,9 +307,9 @@ def _lsb_stats(y, ref) -> tuple[int, float, float]:  # noqa: ANN001
     """(max error in 8-bit steps, % of values more than 1 step off, PSNR in dB) after rounding."""
     a8, b8 = (y.float().cpu() * 255).round(), (ref.float().cpu() * 255).round()
     diff = (a8 - b8).abs()
-    mse = float((diff**2).mean())
-    psnr = math.inf if mse == 0 else round(10 * math.log10(255.0**2 / mse), 1)
-    return int(diff.max()), round(100.0 * float((diff > 1).float().mean()), 3), psnr
+    db = psnr(float((diff**2).mean()), 255.0)
+    over = round(100.0 * float((diff > 1).float().mean()), 3)
+    return int(diff.max()), over, db if math.isinf(db) else round(db, 1)
 
 
 def _tiled_rows(names, workdir: Path, prefix: str, device, image, tiles, row) -> list[dict]:  # noqa: ANN001

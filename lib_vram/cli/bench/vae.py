@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import io
 import math
@@ -24,7 +25,8 @@ from lib_vram.cli.common import MAX_SIDE, MAX_THREADS, bounded_int, int_list
 from lib_vram.core.predict import LiveBytesCounter, fake_state, new_fake_mode
 from lib_vram.core.tracker import StageTracker
 
-from ._harness import Bench, runner
+from ._harness import Bench, Column, fmt, known, mib_of, psnr, runner, timed
+from ._harness import table as grid
 
 SIDE_WHY = "the largest image side VRAM Guard makes; see docs/cli.md"
 MAX_FAST_SAMPLE = 256
@@ -93,10 +95,7 @@ def select_cases(args: argparse.Namespace) -> list[tuple]:
     else:
         cases = [c for c in cases if c[2] < 2048]  # 2048² only when asked for by --sizes
     if args.modes:
-        modes = set(args.modes.split(","))
-        unknown = modes - {c[1] for c in FULL_CASES + QUICK_CASES}
-        if unknown:
-            raise ValueError(f"`--modes` has unknown modes {sorted(unknown)}")
+        modes = known("--modes", args.modes, ("untiled", "exact", "fast", "diffusers"))
         cases = [c for c in cases if c[1] in modes]
     return cases
 
@@ -128,31 +127,34 @@ def _row(r: dict) -> str:
             f"maxerr {r['max_abs_err']}")  # fmt: skip
 
 
+def _vs(records: list[dict], key: str, form) -> Column:  # noqa: ANN001
+    """A cell: the record's ``key`` over that of the untiled case of its method and size, by ``form``."""
+    base = {(r["method"], r["image_px"]): r for r in records if r.get("mode") == "untiled"}
+
+    def cell(r: dict) -> str:
+        b = base.get((r["method"], r["image_px"]), {})
+        return form(r[key] / b[key]) if r.get(key) and b.get(key) else "-"
+
+    return cell
+
+
 def table(records: list[dict]) -> str:
     """Markdown table with ratios against the untiled case of the same method and size."""
-    base = {(r["method"], r["image_px"]): r for r in records if r.get("mode") == "untiled"}
-    lines = [
-        "| method | mode | image | tile | seconds | CPU s | time vs untiled | RSS peak MiB | RSS vs untiled "
-        "| device peak MiB | device vs untiled | PSNR dB | max abs err | seam ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in records:
-        b = base.get((r["method"], r["image_px"]))
-        tr = f"{r['cpu_seconds'] / b['cpu_seconds']:.2f}x" if b else "-"
-        pr = f"{100 * r['peak_bytes'] / b['peak_bytes']:.0f} %" if b and b["peak_bytes"] else "-"
-        dev, bdev = r.get("device_peak_bytes"), b.get("device_peak_bytes") if b else None
-        dr = f"{100 * dev / bdev:.1f} %" if dev and bdev else "-"
-        psnr = r["psnr_db"]
-        psnr = "inf" if psnr is None and r["mode"] == "untiled" else "-" if psnr is None else f"{psnr:.1f}"
-        err, seam = r["max_abs_err"], r.get("seam_ratio")
-        lines.append(
-            f"| {r['method']} | {r['mode']} | {r['image_px']}² | {r['tile'] or '-'} | {r['seconds']:.1f} "
-            f"| {r['cpu_seconds']:.1f} | {tr} | {r['peak_bytes'] / 2**20:.0f} | {pr} "
-            f"| {f'{dev / 2**20:.0f}' if dev else '-'} | {dr} | {psnr} "
-            f"| {f'{err:.2e}' if isinstance(err, float) else '-'} "
-            f"| {f'{seam:.2f}' if isinstance(seam, float) else '-'} |"
-        )
-    return "\n".join(lines)
+    vs = functools.partial(_vs, records)
+
+    def psnr_cell(r: dict) -> str:
+        return "inf" if r["psnr_db"] is None and r["mode"] == "untiled" else fmt("psnr_db", ".1f")(r)
+
+    return grid([
+        "method", "mode", ("image", lambda r: f"{r['image_px']}²"), ("tile", lambda r: r["tile"] or "-"),
+        ("seconds", fmt("seconds", ".1f")), ("CPU s", fmt("cpu_seconds", ".1f")),
+        ("time vs untiled", vs("cpu_seconds", lambda x: f"{x:.2f}x")),
+        ("RSS peak MiB", mib_of("peak_bytes", 0)),
+        ("RSS vs untiled", vs("peak_bytes", lambda x: f"{100 * x:.0f} %")),
+        ("device peak MiB", mib_of("device_peak_bytes", 0)),
+        ("device vs untiled", vs("device_peak_bytes", lambda x: f"{100 * x:.1f} %")), ("PSNR dB", psnr_cell),
+        ("max abs err", fmt("max_abs_err", ".2e")), ("seam ratio", fmt("seam_ratio", ".2f")),
+    ], records)  # fmt: skip
 
 
 # -- worker (fresh process per case) ---------------------------------------------------------------
@@ -247,19 +249,14 @@ def _worker(spec: dict) -> dict:
             module.mid.attn_1.forward = _sdp_attn_forward(module.mid.attn_1)
     del dec, enc
     x = (image_latent(px) if kind == "decode" else picture(px)).to(device=device, dtype=dtype)
-    tracker = StageTracker(device, owns_peak_counters=True)
-    report = VAEReport()
+    tracker, report = StageTracker(device, owns_peak_counters=True), VAEReport()
     extra = {"fast_sample": spec["fast_sample"]} if spec.get("fast_sample") else {}
-    offload = spec.get("state_offload", "cpu")
-    cfg = (
-        TiledVAEConfig(mode=mode, tile=tile, state_offload=offload, **extra)
-        if mode in ("exact", "fast")
-        else None
-    )
+    if mode in ("exact", "fast"):
+        cfg = TiledVAEConfig(mode=mode, tile=tile, state_offload=spec.get("state_offload", "cpu"), **extra)
     gc.collect()
     counter = _device_counter(device)
-    c0, t0 = time.process_time(), time.perf_counter()
-    with torch.no_grad(), tracker.stage("case") as rec, counter or contextlib.nullcontext():
+
+    def run() -> torch.Tensor:
         if mode == "untiled":
             out = module(x)
         elif mode == "diffusers":
@@ -268,23 +265,25 @@ def _worker(spec: dict) -> dict:
             out = (tiled_decode if kind == "decode" else tiled_encode)(module, x, config=cfg, report=report)
         if device.type == "cuda":
             torch.cuda.synchronize()
-    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        return out
+
+    with torch.no_grad(), tracker.stage("case") as rec, counter or contextlib.nullcontext():
+        out, seconds, cpu_seconds = timed(run)
     peak = rec.delta_peak_bytes
     device_peak, live_peak = (counter.device_peak_bytes, counter.peak_bytes) if counter else (peak, peak)
     out = out.float().cpu()
     ref_path = Path(spec["workdir"]) / f"ref_{kind}_{px}_{spec['dtype']}_{spec['device'].split(':')[0]}.pt"
-    psnr = err = seam = None
+    db = err = seam = None
     if mode == "untiled":
         torch.save(out, ref_path)
     elif ref_path.exists():
         ref = torch.load(ref_path)
         diff = (out - ref).abs()
-        err, mse = float(diff.max()), float((diff**2).mean())
-        psnr = math.inf if mse == 0 else 10 * math.log10(float(ref.max() - ref.min()) ** 2 / mse)
+        err, db = float(diff.max()), psnr(float((diff**2).mean()), float(ref.max() - ref.min()))
         if kind == "decode" and report.tiles > 1 and mode in ("exact", "fast"):
             seam = _seam_ratio(diff, px, report.tile * 8)
         if spec.get("diff_image"):
-            _save_diff(diff, Path(spec["diff_image"]), report.tile * 8 if report.tile else None)
+            _save_diff(diff, Path(spec["diff_image"]))
     return {
         "method": kind, "mode": mode, "image_px": px, "tile": tile, "device": spec["device"],
         "dtype": spec["dtype"], "seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3),
@@ -292,7 +291,7 @@ def _worker(spec: dict) -> dict:
         "live_peak_bytes": int(live_peak), "parked_peak_bytes": report.parked_peak_bytes or None,
         "state_offload": report.state_offload or None, "fast_sample": report.fast_sample,
         "peak_estimate_bytes": report.peak_estimate_bytes or None, "tiles": report.tiles or None,
-        "psnr_db": None if psnr is None else (round(psnr, 2) if math.isfinite(psnr) else None),
+        "psnr_db": None if db is None or math.isinf(db) else round(db, 2),
         "max_abs_err": err, "seam_ratio": seam, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "numpy": np.__version__,
     }  # fmt: skip
@@ -366,17 +365,14 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
 
 
 def _predict_table(records: list[dict]) -> str:
-    base = {r["image_px"]: r for r in records if r["mode"] == "untiled"}
-    lines = ["| mode | image | tile | device peak MiB | vs untiled | conv FLOPs vs untiled "
-             "| all FLOPs vs untiled |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in records:
-        u, peak = base[r["image_px"]], r["predicted_device_peak_bytes"]
-        lines.append(
-            f"| {r['mode']} | {r['image_px']}² | {r['tile'] or '-'} | {peak / 2**20:.0f} "
-            f"| {100 * peak / u['predicted_device_peak_bytes']:.1f} % "
-            f"| {r['conv_flops'] / u['conv_flops']:.3f}x | {r['flops'] / u['flops']:.3f}x |"
-        )
-    return "\n".join(lines)
+    vs = functools.partial(_vs, records)
+    return grid([
+        "mode", ("image", lambda r: f"{r['image_px']}²"), ("tile", lambda r: r["tile"] or "-"),
+        ("device peak MiB", mib_of("predicted_device_peak_bytes", 0)),
+        ("vs untiled", vs("predicted_device_peak_bytes", lambda x: f"{100 * x:.1f} %")),
+        ("conv FLOPs vs untiled", vs("conv_flops", lambda x: f"{x:.3f}x")),
+        ("all FLOPs vs untiled", vs("flops", lambda x: f"{x:.3f}x")),
+    ], records)  # fmt: skip
 
 
 def _seam_ratio(diff, px: int, tile_px: int) -> float | None:
@@ -392,7 +388,7 @@ def _seam_ratio(diff, px: int, tile_px: int) -> float | None:
     return float(d[mask].mean()) / rest if rest > 0 else None
 
 
-def _save_diff(diff, path: Path, tile_px: int | None) -> None:
+def _save_diff(diff, path: Path) -> None:
     from PIL import Image
 
     d = diff.mean(dim=1)[0].numpy()

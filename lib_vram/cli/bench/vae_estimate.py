@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from ._harness import Bench, runner
+from ._harness import Bench, Column, fmt, mib_of, runner
+from ._harness import table as grid
 
 HELP = "Tiled VAE: analytic estimate vs the engine's fake-tensor prediction."
 
@@ -71,18 +72,18 @@ def _record(kind: str, px: int, tile: int | None, mode: str, ch: int, models: di
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| case | estimate, tensors | prediction, tensors | error | estimate, CPU | prediction, CPU "
-             "| error | estimate ms | prediction s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for r in rows:
+    def case(r: dict) -> str:
         tile = "untiled" if r["tile"] is None else f"{r['mode']} t{r['tile']}"
-        cells = [f"{r['kind']} {r['px']}² {tile}" + ("" if r["ch"] == 128 else f" ch{r['ch']}")]
-        for be in ("cuda", "cpu"):
-            est, pred = r[f"estimate_{be}"], r[f"predicted_{be}"]
-            cells += [f"{est / 2**20:.1f}", f"{pred / 2**20:.1f}", f"{100 * (est / pred - 1):+.1f} %"]
-        cells += [f"{r['estimate_ms']:.1f}", f"{r['predict_seconds']:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        return f"{r['kind']} {r['px']}² {tile}" + ("" if r["ch"] == 128 else f" ch{r['ch']}")
+
+    def error(be: str) -> Column:
+        return lambda r: f"{100 * (r[f'estimate_{be}'] / r[f'predicted_{be}'] - 1):+.1f} %"
+
+    return grid([("case", case), ("estimate, tensors", mib_of("estimate_cuda")),
+                 ("prediction, tensors", mib_of("predicted_cuda")), ("error", error("cuda")),
+                 ("estimate, CPU", mib_of("estimate_cpu")), ("prediction, CPU", mib_of("predicted_cpu")),
+                 ("error", error("cpu")), ("estimate ms", fmt("estimate_ms", ".1f")),
+                 ("prediction s", fmt("predict_seconds", ".1f"))], rows)  # fmt: skip
 
 
 run = runner(bench)

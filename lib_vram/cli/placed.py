@@ -1,0 +1,366 @@
+"""The ``plan`` command's model of a job with the checkpoint placed (``--place``; the WebUI's
+``--vram-guard-place-checkpoint``): the reference checkpoint placed on the card
+(:func:`place_checkpoint`: the UNet partly streamed, the text encoders and VAE parked in host
+memory) and every stage of a job planned around that placement (:func:`plan_placed_job`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lib_vram.core.predict import dtype_of, weights_bytes
+from lib_vram.planning import planner, reference
+from lib_vram.planning.presets import Preset, resolve_precision
+
+from .stageplan import (
+    SAMPLING_ARCHS,
+    MiB,
+    StagePlan,
+    job_stages,
+    plan_upscale_stage,
+    plan_vae_stage,
+    reference_vae,
+)
+
+NATIVE_SIDE = {"sd15": 512, "sdxl": 1024}
+"""The model's native size: the default pass the WebUI's placement plans for
+(:func:`lib_vram.webui.placement.native_latent_hw`)."""
+DEFAULT_BATCH = 2
+"""The default pass: one image, cond and uncond in one forward (the WebUI's placement's)."""
+CONTEXT_TOKENS = 77
+LEFTOVER_BYTES = 13 * 1000 * 4
+"""The checkpoint's own buffers (not of the UNet, the text encoders or the VAE): ldm's 13 noise
+schedules of 1000 steps in float32, 0.05 MiB (sgm's SDXL holds fewer)."""
+UNET_DTYPE = "fp16"
+"""The UNet's precision the sampling stages are planned at (the WebUI's default)."""
+
+
+@dataclass(frozen=True)
+class PlacedCheckpoint:
+    """The placed plan of a reference checkpoint on one card (:func:`place_checkpoint`)."""
+
+    arch: str
+    plan: object
+    """The :class:`lib_vram.residency.CheckpointPlan`."""
+    checkpoint_bytes: int
+    working_margin_bytes: int
+    """The safety margin plus the default pass's activations and inputs."""
+    side: int
+    """The default pass's image side (px)."""
+    attention: str
+    input_bytes: int = 0
+    """The default pass's inputs (latent, timesteps, context)."""
+    smallest_card_bytes: int | None = None
+    """When the placed plan does not fit: the smallest card (in 256 MiB steps) it fits."""
+
+    @property
+    def needed(self) -> bool:
+        """The checkpoint does not fit the card with the working margin: the WebUI places it."""
+        return self.checkpoint_bytes + self.working_margin_bytes > self.plan.card_bytes
+
+    @property
+    def fits(self) -> bool:
+        """The default pass fits with the UNet streamed, and the largest parked part beside the
+        UNet's resident part (a part that wakes)."""
+        return self.plan.fits and _parked_fits(self.plan)
+
+    @property
+    def line(self) -> str | None:
+        """When even the placed plan does not fit: one line naming what would."""
+        if self.fits:
+            return None
+        cp = self.plan
+        st = cp.stream
+        card = (
+            f"a card of {self.smallest_card_bytes / 2**30:.2f} GB or more would"
+            if self.smallest_card_bytes
+            else "a larger card would"
+        )
+        has = f"the card has {cp.card_bytes / MiB:.0f} MiB"
+        name, b = max(cp.parked, key=lambda p: p[1])
+        lowvram = " (or the WebUI's --lowvram)"
+        if cp.safety_bytes + cp.leftover_bytes + b > cp.card_bytes or st.fits:
+            lowvram = ""  # (--lowvram brings them to the card as well)
+            # (a parked part larger than the budget: plan_checkpoint's rounds keep less and less of
+            # the UNet resident until the stream no longer fits either; the part is the reason)
+            need = cp.safety_bytes + cp.leftover_bytes + (cp.unet_resident_bytes if st.fits else 0) + b
+            why = (
+                f"the {name} ({b / MiB:.0f} MiB) run on the card: they need {need / MiB:.0f} MiB with the "
+                f"safety margin, {has}"
+            )
+        elif st.activation_bytes:
+            need = cp.safety_bytes + cp.leftover_bytes + st.predicted_peak_bytes + self.input_bytes
+            why = (
+                f"a {self.side}x{self.side} px pass needs {need / MiB:.0f} MiB with the safety margin, {has}"
+            )
+        else:  # (the attention refuses at this budget)
+            why = f"a {self.side}x{self.side} px pass does not fit: {'; '.join(st.notes)}; {has}"
+        return (
+            f"the checkpoint cannot be placed on this card: even with the text encoders and VAE on the "
+            f"CPU until used and the UNet streamed, {why}: {card}{lowvram}"
+        )
+
+    def to_dict(self) -> dict:
+        cp = self.plan
+        st = cp.stream
+        return {
+            "needed": self.needed,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "working_margin_bytes": self.working_margin_bytes,
+            "card_bytes": cp.card_bytes,
+            "safety_margin_bytes": cp.safety_bytes,
+            "leftover_bytes": cp.leftover_bytes,
+            "host_bytes": cp.host_bytes,
+            "unet_bytes": st.unet_bytes,
+            "unet_resident_bytes": cp.unet_resident_bytes,
+            "unet_streamed_bytes": st.unet_bytes - cp.unet_resident_bytes,
+            "stream_buffer_bytes": st.buffer_bytes if st.streamed else 0,
+            "units_resident": len(st.resident),
+            "units_streamed": len(st.streamed),
+            "bytes_moved_per_step": st.bytes_moved_per_step if st.streamed else 0,
+            "lowvram_bytes_per_step": st.lowvram_bytes_per_step,
+            "parked": [{"name": n, "mib": round(b / MiB, 1)} for n, b in cp.parked],
+            "default_pass": {
+                "width": self.side,
+                "height": self.side,
+                "batch": DEFAULT_BATCH,
+                "context_tokens": CONTEXT_TOKENS,
+                "attention": self.attention,
+                "dtype": UNET_DTYPE,
+            },
+            "fits": self.fits,
+            "smallest_card_bytes": self.smallest_card_bytes,
+            "line": self.line,
+        }
+
+
+def _parked_fits(cp: object) -> bool:
+    budget = cp.card_bytes - cp.safety_bytes - cp.leftover_bytes
+    return cp.unet_resident_bytes + cp.largest_parked_bytes <= budget
+
+
+def _vae_weights(arch: str, dtype: str) -> tuple[int, int]:
+    """(decoder, encoder) weights of the reference VAE of ``arch`` at ``dtype``."""
+    dt = dtype_of(dtype)
+    return weights_bytes(reference_vae(arch, "decode"), dt), weights_bytes(reference_vae(arch, "encode"), dt)
+
+
+def place_checkpoint(
+    arch: str,
+    total_bytes: int,
+    margin_of: object,
+    *,
+    vae_dtype: str,
+    attention: str,
+    backend: str = "cuda",
+    force: bool = True,
+) -> PlacedCheckpoint | None:
+    """The placed plan of the reference checkpoint of ``arch`` (SD1.5, SDXL) on a card of
+    ``total_bytes``: :func:`lib_vram.residency.plan_checkpoint` (the WebUI's placement's own
+    function) on the reference UNet's units (:func:`lib_vram.cli.refunet.reference_units`), the
+    text encoders (:data:`lib_vram.planning.reference.ARCHS`) and the VAE (the reference VAE) parked,
+    the checkpoint's buffers, and the default pass (the native size at batch 2, 77 tokens,
+    ``attention``, FP16). ``margin_of(total)``: the safety margin of a card of ``total`` bytes
+    (the preset's, or ``--safety-margin``). When it does not fit, the smallest card it fits is
+    searched (256 MiB steps). ``force=False``: None when the checkpoint and the working margin fit
+    the card (the WebUI does not place it)."""
+    from lib_vram.residency import plan_checkpoint
+    from lib_vram.sampling import estimate_sampling, reference_spec
+    from lib_vram.sampling._estimate import input_bytes
+
+    from .refunet import reference_units
+
+    if arch not in SAMPLING_ARCHS:
+        raise ValueError(f"`arch` must be one of {sorted(SAMPLING_ARCHS)} to be placed, got {arch!r}")
+    spec = reference_spec(SAMPLING_ARCHS[arch])
+    a = reference.vae_arch(arch)
+    dt = dtype_of(UNET_DTYPE)
+    dec, enc = _vae_weights(arch, vae_dtype)
+    parked = (("text encoders", a.text_encoder_bytes), ("VAE", dec + enc))
+    side = NATIVE_SIDE[arch]
+    hw = (side // a.downscale, side // a.downscale)
+    step = dict(
+        batch=DEFAULT_BATCH, latent_hw=hw, context_tokens=CONTEXT_TOKENS, attention=attention, dtype=dt,
+        backend=backend,
+    )  # fmt: skip
+    # the UNet's bytes in closed form (its units are built only to place it: the same sum, tested)
+    ckpt = LEFTOVER_BYTES + spec.params * dt.itemsize + sum(b for _, b in parked)
+
+    ib = input_bytes(spec, DEFAULT_BATCH, hw, CONTEXT_TOKENS, dt)
+
+    def working_margin(total: int) -> int:
+        # as the WebUI's placement decides with (placement.Placement.need)
+        est = estimate_sampling(spec, free_bytes=total, **step)
+        return int(margin_of(total)) + est.activation_bytes + ib
+
+    def at(total: int) -> object:
+        return plan_checkpoint(
+            units, spec, card_bytes=total, safety_bytes=int(margin_of(total)), leftover_bytes=LEFTOVER_BYTES,
+            parked=parked, **step,
+        )  # fmt: skip
+
+    def fits(total: int) -> bool:
+        cp = at(total)
+        return cp.fits and _parked_fits(cp)
+
+    margin = working_margin(total_bytes)
+    if not force and ckpt + margin <= total_bytes:
+        return None
+    units = reference_units(arch, dt.itemsize)
+    cp = at(total_bytes)
+    smallest = None
+    if not (cp.fits and _parked_fits(cp)):
+        step_bytes = 256 * MiB
+        lo = -(-total_bytes // step_bytes)  # (in steps) does not fit, or is the card itself
+        hi = max(lo + 1, -(-(ckpt + margin) // step_bytes) + 1)
+        while not fits(hi * step_bytes) and hi < 4 * lo + 64:
+            hi *= 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid * step_bytes):
+                hi = mid
+            else:
+                lo = mid
+        smallest = hi * step_bytes
+    return PlacedCheckpoint(arch, cp, ckpt, margin, side, attention, ib, smallest)
+
+
+PLACED_STAGES = {
+    "conditioning": "text encoders",
+    "sample": "UNet",
+    "sample_hires": "UNet",
+    "vae_decode": "VAE",
+    "vae_encode": "VAE",
+    "vae_decode_hires": "VAE",
+    "hires_upscale": "",
+    "upscale": "",
+}
+"""Each stage of a placed job and the checkpoint's part it runs (the others stay home)."""
+
+
+def plan_placed_job(
+    placed: PlacedCheckpoint,
+    width: int,
+    height: int,
+    preset: Preset,
+    free_bytes: int,
+    safety_margin_bytes: int,
+    *,
+    caps: object | None = None,
+    batch: int = 1,
+    hires: float | None = None,
+    upscaler: str | None = None,
+    upscale_scale: int = 4,
+    memory: planner.PlanMemory | None = None,
+) -> list[StagePlan]:
+    """Plans for every stage of a job with the checkpoint placed (``placed``), as the WebUI runs
+    it with ``--vram-guard-place-checkpoint``:
+
+    * ``conditioning``: the text encoders woken on the card beside the UNet's resident part (their
+      activations, 77 tokens, are not modelled);
+    * ``sample``/``sample_hires``: the UNet's resident part, the stream buffer, the step's
+      activations at the micro-batch :func:`lib_vram.sampling.plan_sampling` chooses with the
+      placement's budget (as :mod:`lib_vram.webui.sampling` plans a placed checkpoint's pass) and
+      the inputs; bytes moved per step = streamed bytes x forwards, against ``--lowvram``'s;
+    * VAE stages: the VAE woken (both halves) beside the UNet's resident part, the VAE's own tiled
+      plan (:func:`plan_vae_stage`); upscales: the upscaler beside the UNet's resident part.
+
+    Budgets are ``free_bytes - safety_margin_bytes`` as in :func:`plan_job`."""
+    from lib_vram.sampling import plan_sampling, reference_spec
+
+    cp = placed.plan
+    arch = placed.arch
+    st = cp.stream
+    a = reference.vae_arch(arch)
+    margin = safety_margin_bytes
+    backend = getattr(caps, "backend", "cuda")
+    vae_dtype = resolve_precision(preset.precision_vae, caps)
+    up_dtype = resolve_precision(preset.precision_upscale, caps)
+    dec_w, enc_w = _vae_weights(arch, vae_dtype)
+    spec = reference_spec(SAMPLING_ARCHS[arch])
+    unet_res = cp.unet_resident_bytes
+    buffer = st.buffer_bytes if st.streamed else 0
+    streamed = st.unet_bytes - unet_res
+    base = cp.leftover_bytes + unet_res
+    budget = free_bytes - margin
+    itemsize = dtype_of(vae_dtype).itemsize
+    rows = {r["stage"]: r["models"] for r in cp.stage_rows(tuple(PLACED_STAGES.items()))}
+
+    def with_models(sp: StagePlan, **kw: object) -> StagePlan:
+        models = tuple(rows[sp.stage])
+        on_card = base + sum(b for n, b in cp.parked if n == PLACED_STAGES[sp.stage])
+        return dataclasses.replace(sp, models=models, card_bytes=on_card, streamed_bytes=streamed, **kw)
+
+    def conditioning() -> StagePlan:
+        te = a.text_encoder_bytes
+        peak = base + te
+        fits = peak <= budget and placed.fits
+        warning = None
+        if not placed.fits:
+            warning = placed.line
+        elif not fits:
+            warning = (
+                f"the text encoders ({te / MiB:.0f} MiB) beside the UNet's resident part need "
+                f"{peak / MiB:.0f} MiB, the card offers {budget / MiB:.0f} MiB: a larger card would fit"
+            )
+        sp = StagePlan(
+            stage="conditioning", plan="text encoders on the card", predicted_peak_bytes=peak, fits=fits,
+            budget_bytes=budget, safety_margin_bytes=margin, resident_bytes=base, weights_bytes=te,
+            input_bytes=0, activation_bytes=0, tile=None, batch=1, dtype=UNET_DTYPE, warning=warning,
+        )  # fmt: skip
+        return with_models(sp)
+
+    def sample(stage: str, w: int, h: int) -> StagePlan:
+        # the WebUI's plan of a placed checkpoint's pass (lib_vram.webui.sampling): the budget less
+        # the checkpoint's buffers, raised by what the UNet does not keep on the card (the plans
+        # count the whole UNet), the peak lowered by as much
+        inflate = max(0, st.unet_bytes - unet_res - buffer)
+        p = plan_sampling(
+            spec, batch=2 * batch, latent_hw=(h // a.downscale, w // a.downscale),
+            context_tokens=CONTEXT_TOKENS, attention=placed.attention, dtype=dtype_of(UNET_DTYPE),
+            budget_bytes=max(0, budget - cp.leftover_bytes) + inflate, backend=backend, memory=memory,
+        )  # fmt: skip
+        peak = p.predicted_peak_bytes - inflate + cp.leftover_bytes
+        fits = p.fits and placed.fits
+        forwards = -(-(2 * batch) // p.micro_batch)
+        suggestion = None
+        if not placed.fits:
+            suggestion = placed.line
+        elif not fits:
+            rest = p.suggestion.split(": ", 1)[1] if p.suggestion and ": " in p.suggestion else ""
+            suggestion = (
+                f"sampling {w}x{h} px with the checkpoint placed needs {peak / MiB:.0f} MiB, the card "
+                f"offers {budget / MiB:.0f} MiB: {rest or 'a smaller image or batch may fit'}"
+            )
+        sp = StagePlan(
+            stage=stage, plan=p.label, predicted_peak_bytes=peak, fits=fits, budget_bytes=budget,
+            safety_margin_bytes=margin, resident_bytes=cp.leftover_bytes, weights_bytes=unet_res + buffer,
+            input_bytes=p.input_bytes, activation_bytes=p.activation_bytes, tile=None, batch=p.micro_batch,
+            dtype=UNET_DTYPE, key=p.key, warning=suggestion,
+            candidates=[dataclasses.replace(c, peak_bytes=c.peak_bytes - inflate + cp.leftover_bytes)
+                        for c in p.candidates],
+            suggestion=suggestion, attention=placed.attention,
+        )  # fmt: skip
+        return with_models(
+            sp, bytes_moved_per_step=streamed * forwards, lowvram_bytes_per_step=st.lowvram_bytes_per_step
+        )
+
+    def vae(stage: str, kind: str, w: int, h: int) -> StagePlan:
+        other = enc_w if kind == "decode" else dec_w  # the VAE wakes whole: its other half is there
+        waiting = (batch - 1) * 3 * w * h * itemsize
+        sp = plan_vae_stage(
+            stage, kind, arch, w, h, preset, free_bytes, margin, dtype=vae_dtype,
+            resident_bytes=base + other + waiting, backend=backend, memory=memory,
+        )  # fmt: skip
+        return with_models(sp)
+
+    def upscale(stage: str, w: int, h: int) -> StagePlan:
+        sp = plan_upscale_stage(
+            stage, upscaler, w, h, free_bytes, margin, dtype=up_dtype, scale=upscale_scale,
+            resident_bytes=base, backend=backend, memory=memory,
+        )  # fmt: skip
+        return with_models(sp)
+
+    return [conditioning(), *job_stages(width, height, hires, upscaler, a.downscale, sample=sample, vae=vae,
+                                        upscale=upscale)]  # fmt: skip
