@@ -593,3 +593,31 @@ def test_invokeai_on_a_card_its_weights_fill_plans_without_a_division_by_zero(ca
                "--attention", "invokeai", "--json"])  # fmt: skip
     out = capsys.readouterr()
     assert "ZeroDivisionError" not in out.out + out.err and rc in (0, 3), out
+
+
+def test_controlnet_units_are_in_the_sampling_stages(capsys):
+    """``--controlnet`` (issue 30): each unit's weights are in the sampling passes' peaks and JSON;
+    ``--controlnet-hires lowres`` leaves the hires pass without them; a unit of another family is
+    refused in one line."""
+    from lib_vram.sampling import reference_control
+
+    base = ("--arch", "sd15", "--width", "512", "--height", "512", "--vram", "24GB", "--no-place")
+    base += ("--hires", "2")
+    cn = ("--controlnet", "sd15")
+    _, bare = _plan(capsys, *base)
+    _, one = _plan(capsys, *base, *cn)
+    _, two = _plan(capsys, *base, *cn, *cn)
+    _, low = _plan(capsys, *base, *cn, "--controlnet-hires", "lowres")
+    cb = reference_control("sd15").params * 2  # fp16
+    for stage in ("sample", "sample_hires"):
+        s1 = _stage(one, stage)
+        assert _stage(bare, stage)["controlnet_bytes"] == 0
+        assert s1["controlnet_bytes"] == cb and "ControlNet 689 MiB" in s1["plan"], s1
+        assert _stage(two, stage)["controlnet_bytes"] == 2 * cb
+        grow = s1["predicted_peak_bytes"] - _stage(bare, stage)["predicted_peak_bytes"]
+        assert grow > cb  # the weights and the control model's forward
+    assert _stage(low, "sample")["controlnet_bytes"] == cb
+    assert _stage(low, "sample_hires")["controlnet_bytes"] == 0
+    assert one["controlnets"] == ["sd15"] and low["controlnet_hires"] == "lowres"
+    assert main(["plan", *base, "--controlnet", "sdxl"]) == 2
+    assert "is not a ControlNet for `--arch sd15`" in capsys.readouterr().err

@@ -17,6 +17,8 @@ from .stageplan import (
     SAMPLING_ARCHS,
     MiB,
     StagePlan,
+    _with_controls,
+    controls_of,
     job_stages,
     plan_upscale_stage,
     plan_vae_stage,
@@ -253,6 +255,8 @@ def plan_placed_job(
     upscaler: str | None = None,
     upscale_scale: int = 4,
     memory: planner.PlanMemory | None = None,
+    controlnets: tuple[str, ...] = (),
+    controlnet_hires: str = "both",
 ) -> list[StagePlan]:
     """Plans for every stage of a job with the checkpoint placed (``placed``), as the WebUI runs
     it with ``--vram-guard-place-checkpoint``:
@@ -320,6 +324,7 @@ def plan_placed_job(
             spec, batch=2 * batch, latent_hw=(h // a.downscale, w // a.downscale),
             context_tokens=CONTEXT_TOKENS, attention=placed.attention, dtype=dtype_of(UNET_DTYPE),
             budget_bytes=max(0, budget - cp.leftover_bytes) + inflate, backend=backend, memory=memory,
+            controls=controls_of(controlnets, stage, controlnet_hires),
         )  # fmt: skip
         peak = p.predicted_peak_bytes - inflate + cp.leftover_bytes
         fits = p.fits and placed.fits
@@ -334,13 +339,14 @@ def plan_placed_job(
                 f"offers {budget / MiB:.0f} MiB: {rest or 'a smaller image or batch may fit'}"
             )
         sp = StagePlan(
-            stage=stage, plan=p.label, predicted_peak_bytes=peak, fits=fits, budget_bytes=budget,
+            stage=stage, plan=p.label + _with_controls(p), predicted_peak_bytes=peak, fits=fits,
+            budget_bytes=budget,
             safety_margin_bytes=margin, resident_bytes=cp.leftover_bytes, weights_bytes=unet_res + buffer,
             input_bytes=p.input_bytes, activation_bytes=p.activation_bytes, tile=None, batch=p.micro_batch,
             dtype=UNET_DTYPE, key=p.key, warning=suggestion,
             candidates=[dataclasses.replace(c, peak_bytes=c.peak_bytes - inflate + cp.leftover_bytes)
                         for c in p.candidates],
-            suggestion=suggestion, attention=placed.attention,
+            suggestion=suggestion, attention=placed.attention, controlnet_bytes=p.control_bytes,
         )  # fmt: skip
         return with_models(
             sp, bytes_moved_per_step=streamed * forwards, lowvram_bytes_per_step=st.lowvram_bytes_per_step

@@ -10,6 +10,7 @@ from lib_vram.core.device import capabilities, free_bytes, memory_info, resolve_
 from lib_vram.core.emulate import parse_size as emulate_parse_size
 from lib_vram.planning.presets import PRESET_NAMES, resolve_precision, resolve_preset
 from lib_vram.planning.reference import ARCHS, UPSCALERS, vae_arch
+from lib_vram.sampling import CONTROLS
 
 from .common import MAX_IMAGES, MAX_SIDE, bounded_float, bounded_int
 
@@ -20,6 +21,8 @@ NAME = "plan"
 HELP = "Predict each stage's peak memory for a generation and choose tiles/batches that fit."
 
 SCHEMA_VERSION = 1
+MAX_CONTROLNETS = 8
+"""The most ControlNet units a plan takes (sd-webui-controlnet's unit count setting goes to 8)."""
 
 
 def parse_size(text: str, option: str = "--vram", *, allow_zero: bool = False) -> int:
@@ -29,6 +32,8 @@ def parse_size(text: str, option: str = "--vram", *, allow_zero: bool = False) -
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from .stageplan import CONTROLNET_HIRES
+
     parser.add_argument("--arch", required=True, choices=sorted(ARCHS), help="model family")
     for name in ("width", "height"):
         parser.add_argument(
@@ -59,6 +64,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"hires fix scale in (1, 8], e.g. 2; the hires image's sides at most {MAX_SIDE} px",
     )
     parser.add_argument("--upscaler", choices=UPSCALERS, default=None, help="4x upscaler (hires or final)")
+    parser.add_argument(
+        "--controlnet",
+        action="append",
+        default=[],
+        choices=CONTROLS,
+        help="a ControlNet unit of the sampling passes (its model's family: sd15 or sdxl); once per unit",
+    )
+    parser.add_argument(
+        "--controlnet-hires",
+        choices=CONTROLNET_HIRES,
+        default="both",
+        help="with --hires: which passes the units run in (both, lowres: the first pass only, highres: "
+        "the hires pass only), ControlNet's Hires-fix option",
+    )
     parser.add_argument(
         "--vram",
         default=None,
@@ -176,6 +195,10 @@ def collect(args: argparse.Namespace) -> dict:
     room = free - (preset.safety_margin(total) if margin is None else margin)
     swaps = "flag" if args.medvram else ("inferred" if models >= room else "")
     t0 = time.perf_counter()
+    controlnet = {
+        "controlnets": tuple(getattr(args, "controlnet", None) or ()),
+        "controlnet_hires": getattr(args, "controlnet_hires", "both"),
+    }
     placed, note = _placement(args, total, caps_used, margin, preset)
     if placed is not None:
         swaps = ""
@@ -190,6 +213,7 @@ def collect(args: argparse.Namespace) -> dict:
             batch=args.batch,
             hires=args.hires,
             upscaler=args.upscaler,
+            **controlnet,
         )
     else:
         plans = plan_job(
@@ -206,6 +230,7 @@ def collect(args: argparse.Namespace) -> dict:
             safety_margin_bytes=margin,
             host_swaps=bool(swaps),
             attention=args.attention,
+            **controlnet,
         )
     extra: dict = {}
     if placed is not None:
@@ -225,6 +250,8 @@ def collect(args: argparse.Namespace) -> dict:
         "batch": args.batch,
         "hires": args.hires,
         "upscaler": args.upscaler,
+        "controlnets": list(controlnet["controlnets"]),
+        "controlnet_hires": controlnet["controlnet_hires"],
         "preset": preset.name,
         "resolved_from": preset.resolved_from,
         "total_bytes": total,
@@ -248,6 +275,7 @@ def format_table(report: dict) -> str:
         + (f" batch {report['batch']}" if report["batch"] > 1 else "")
         + (f", hires x{report['hires']:g}" if report["hires"] else "")
         + (f", upscaler {report['upscaler']}" if report["upscaler"] else "")
+        + (f", ControlNet {' + '.join(report['controlnets'])}" if report.get("controlnets") else "")
         + f"; preset {report['preset']}"
         + (f" ({report['resolved_from']})" if report["resolved_from"] else "")
         + f"; {_gib(report['free_bytes'])} free of {_gib(report['total_bytes'])}"
@@ -408,6 +436,21 @@ def check_options(args: argparse.Namespace) -> None:
         card_size(args.vram, "--vram")
     if args.safety_margin is not None:
         card_size(args.safety_margin, "--safety-margin", allow_zero=True)
+    from .stageplan import SAMPLING_ARCHS
+
+    units = getattr(args, "controlnet", None) or ()
+    if len(units) > MAX_CONTROLNETS:
+        raise UsageError(
+            f"`--controlnet` at most {MAX_CONTROLNETS} times (ControlNet's units), got {len(units)}"
+        )
+    family = SAMPLING_ARCHS.get(args.arch)
+    for unit in units:
+        if family is None:
+            raise UsageError(
+                f"`--controlnet {unit}`: the sampling plan knows the sd15 and sdxl UNets, not {args.arch}'s"
+            )
+        if unit != family:
+            raise UsageError(f"`--controlnet {unit}` is not a ControlNet for `--arch {args.arch}` ({family})")
     if getattr(args, "place", None) and args.medvram:
         raise UsageError(
             "`--place` and `--medvram` exclude each other: the WebUI does not place a checkpoint with "

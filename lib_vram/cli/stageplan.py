@@ -91,6 +91,8 @@ class StagePlan:
     """The placed plan's sampling stages: host->card bytes per step (streamed bytes x forwards)."""
     lowvram_bytes_per_step: int | None = None
     """What ``--lowvram`` moves per step for the same UNet."""
+    controlnet_bytes: int = 0
+    """Sampling stages: the ControlNets' weights on the card for the pass (in the peak)."""
 
     def to_dict(self) -> dict:
         placed = {}
@@ -125,6 +127,7 @@ class StagePlan:
             "warning": self.warning,
             "moved_off_card": self.moved_off.split(", ") if self.moved_off else [],
             **({"attention": self.attention, "suggestion": self.suggestion} if self.attention else {}),
+            **({"controlnet_bytes": self.controlnet_bytes} if self.attention else {}),
             "candidates": [
                 {"plan": c.plan, "tile": c.tile, "batch": c.batch, "predicted_peak_bytes": c.peak_bytes}
                 for c in self.candidates
@@ -285,10 +288,12 @@ def plan_sampling_stage(
     context_tokens: int = 77,
     backend: str = "cuda",
     memory: planner.PlanMemory | None = None,
+    controls: tuple = (),
 ) -> StagePlan:
     """``stage`` (a sampling pass) as :func:`lib_vram.sampling.plan_sampling` plans it: the
     reference UNet of ``arch``, one forward of ``2 x images`` samples (the WebUI batches cond and
-    uncond), the latent of ``width`` x ``height``."""
+    uncond), the latent of ``width`` x ``height``; ``controls``: the pass's ControlNets
+    (:func:`controls_of`)."""
     from lib_vram.sampling import plan_sampling, reference_spec
 
     spec = reference_spec(SAMPLING_ARCHS[arch])
@@ -299,15 +304,38 @@ def plan_sampling_stage(
     p = plan_sampling(
         spec, batch=batch, latent_hw=(height // a.downscale, width // a.downscale),
         context_tokens=context_tokens, attention=attention, dtype=dt, budget_bytes=budget,
-        resident_bytes=resident_bytes, backend=backend, memory=memory,
+        resident_bytes=resident_bytes, backend=backend, memory=memory, controls=controls,
     )  # fmt: skip
     return StagePlan(
-        stage=stage, plan=p.label, predicted_peak_bytes=p.predicted_peak_bytes, fits=p.fits,
+        stage=stage, plan=p.label + _with_controls(p), predicted_peak_bytes=p.predicted_peak_bytes,
+        fits=p.fits,
         budget_bytes=budget, safety_margin_bytes=safety_margin_bytes, resident_bytes=resident_bytes,
         weights_bytes=p.weights_bytes, input_bytes=p.input_bytes, activation_bytes=p.activation_bytes,
         tile=None, batch=p.micro_batch, dtype=dtype, key=p.key, warning=None if p.fits else p.suggestion,
         candidates=list(p.candidates), suggestion=p.suggestion, attention=attention,
+        controlnet_bytes=p.control_bytes,
     )  # fmt: skip
+
+
+CONTROLNET_HIRES = ("both", "lowres", "highres")
+"""Which passes of a hires job the ControlNet units run in (ControlNet's "Hires-fix option")."""
+
+
+def controls_of(controlnets: tuple[str, ...], stage: str, hires_option: str = "both") -> tuple:
+    """The ControlNets of a sampling stage: one reference spec per unit (``controlnets``: their
+    archs), none in the hires pass with ``lowres`` or in the first pass with ``highres``."""
+    from lib_vram.sampling import reference_control
+
+    skipped = {"lowres": "sample_hires", "highres": "sample"}.get(hires_option)
+    if stage == skipped:
+        return ()
+    return tuple(reference_control(c) for c in controlnets)
+
+
+def _with_controls(p: object) -> str:
+    """The plan's label's ControlNet part (the sampling plan's ``control_bytes``)."""
+    n = getattr(p, "control_bytes", 0)
+    return f", ControlNet {n / MiB:.0f} MiB" if n else ""
 
 
 def plan_job(
@@ -327,6 +355,8 @@ def plan_job(
     memory: planner.PlanMemory | None = None,
     host_swaps: bool = False,
     attention: str | None = None,
+    controlnets: tuple[str, ...] = (),
+    controlnet_hires: str = "both",
 ) -> list[StagePlan]:
     """Plans for every memory-heavy stage of a job (see the module docstring).
 
@@ -397,6 +427,7 @@ def plan_job(
             return plan_sampling_stage(
                 stage, arch, w, h, free_bytes, margin, images=batch, attention=att,
                 resident_bytes=on_card, backend=backend, memory=memory,
+                controls=controls_of(controlnets, stage, controlnet_hires),
             )  # fmt: skip
 
         on_card = sum(n for _, n in idle)
