@@ -136,6 +136,8 @@ class Controls:
         self.job = job
         self.models: dict[int, Model] = {}
         """:func:`_key` of a unit's module -> its model in the owner."""
+        self.units: list[Unit] = []
+        """The job's units found at the last pass."""
 
     def join(self, found: Iterable[Unit]) -> list[Model]:
         """Each unit's model in the owner (once per job), in host memory until a pass wakes it."""
@@ -187,6 +189,31 @@ class Controls:
             )
         return model
 
+    def plan_pass(self, p: Any, unet: Any, hires: bool) -> tuple[list[Unit], tuple, int, int]:
+        """A pass's ControlNet: the units it runs, their specs for the plan (one per model), the
+        bytes of units VRAM Guard cannot size (placed by their bytes) and the bytes of the job's
+        control models on the card now (free for the pass). Joins the job's units first."""
+        self.units = units(p, unet)
+        used = [u for u in self.units if u.used_in(hires)]
+        on_card = sum(m.card_bytes for m in self.join(self.units))
+        specs = tuple(u.spec for u in distinct(used) if u.spec is not None)
+        unsized = sum(nbytes_of(tensors_of([u.module])) for u in distinct(used) if u.spec is None)
+        return used, specs, unsized, on_card
+
+    def start_pass(self, used: Iterable[Unit], stage: str, stack: ExitStack) -> list[Model]:
+        """The pass starts: the job's other control models go home, ControlNet's own moves are
+        held (for every unit: its hook moves them all), the pass's models wake on the card (room
+        made first) and go home when ``stack`` closes. Returns the pass's models (busy while a
+        forward runs: :func:`while_running`)."""
+        owner, what = self.cards.owner, stage.replace("_", " ")
+        mine = self.of(used)
+        owner.send_home([m for m in self.models.values() if m not in mine], f"{what} does not use it")
+        self.hold(self.units, stack)
+        for m in mine:
+            owner.use(m, stage, why=f"{what} runs it")
+        stack.callback(owner.send_home, list(mine), f"{what} is done")  # (also one found there)
+        return mine
+
     def hold(self, found: Iterable[Unit], stack: ExitStack) -> None:
         """ControlNet's own moves of these models stop until ``stack`` closes (the pass's end)."""
         for unit in found:
@@ -208,6 +235,17 @@ class Controls:
             for model in models:
                 model.mover.unhook()
                 owner.leave(model)
+
+
+def while_running(owner: Any, models: list[Model], forward: Any) -> Any:
+    """``forward`` with ``models`` busy in ``owner`` while it runs (between the pass's forwards a
+    wake, such as the hires conditioning's, may send them home; they wake again when used)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with owner.computing(models):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def _held(module: torch.nn.Module) -> Any:

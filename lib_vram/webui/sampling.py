@@ -154,7 +154,6 @@ class SamplingGuard:
         self._patch: Any = None
         self._dm: Any = None
         self._stage: str | None = None
-        self._all_units: list = []
         self._computing: list = []
         """The pass's control models (busy while a UNet forward runs)."""
         self._controls: Any = None
@@ -195,11 +194,7 @@ class SamplingGuard:
         cards = _cards(job)
         if cards is not None:
             owner = cards.owner
-            controls = self._control_models(planned)
-            # (the control models are busy only while a forward runs: between the pass's forwards
-            # a wake, such as the hires conditioning's, may send them home; they wake again)
-            owner.begin(stage, busy=cards.models(model, ["UNet"]))
-            self._computing = controls
+            owner.begin(stage, busy=cards.models(model, ["UNet"]))  # (ControlNet's: while_running)
             self.stack.callback(owner.end, stage)  # what moved for the pass goes home after it
             self._stage = stage
         placed = _placed(job, model)
@@ -212,11 +207,7 @@ class SamplingGuard:
                     stage, planned.moved.split(", "), "the sampling plan does not fit with them there"
                 )
             if cards is not None and self._controls is not None:
-                self._controls.hold(self._all_units, self.stack)  # (ControlNet moves every unit)
-                for m in controls:
-                    cards.owner.use(m, stage, why=f"{stage.replace('_', ' ')} runs it")
-                done = f"{stage.replace('_', ' ')} is done"
-                self.stack.callback(cards.owner.send_home, list(controls), done)  # (also one found there)
+                self._computing = self._controls.start_pass(planned.controls, stage, self.stack)
             if planned.stream is not None:
                 planned.stream.enter(self.stack)
                 if cards is not None:
@@ -299,16 +290,10 @@ class SamplingGuard:
         margin = int(getattr(job.settings, "sampling_margin_bytes", 0))
         # ControlNet's units of the pass: their weights and activations in the plan (on the card
         # for the pass, see lib_vram.residency.controlnet); the job's models on the card now count free
-        from lib_vram.residency import controlnet
-
-        self._all_units = controlnet.units(p, dm)
-        used = [u for u in self._all_units if u.used_in(stage == "hires_sampling")]
-        joined = self._join_controls(self._all_units)
-        on_card = sum(m.card_bytes for m in joined)
-        from lib_vram.residency.controlnet import distinct
-
-        controls = tuple(u.spec for u in distinct(used) if u.spec is not None)
-        unsized = sum(emulate.module_bytes([u.module]) for u in used if u.spec is None)
+        ctl = self._job_controls(cards)
+        used, controls, unsized, on_card = (
+            ctl.plan_pass(p, dm, stage == "hires_sampling") if ctl else ([], (), 0, 0)
+        )
         others += unsized
         free += on_card
         budget = max(0, free + unet_bytes + others - margin)
@@ -384,33 +369,15 @@ class SamplingGuard:
         args = (stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, streamed)
         return PassPlan(*args, controls=used)
 
-    def _join_controls(self, found: list) -> list:
-        """The job's ControlNet models in the owner (joined at the job's first pass; they leave it
-        at the job's end)."""
-        cards = _cards(self.job)
-        if cards is None or not found:
-            return []
-        if self._controls is None:
+    def _job_controls(self, cards: Any) -> Any:
+        """The job's ControlNet models in the owner (:class:`~lib_vram.residency.controlnet.Controls`,
+        made at the job's first pass; they go home and leave the owner at the job's end)."""
+        if self._controls is None and cards is not None:
             from lib_vram.residency.controlnet import Controls
 
-            self._controls = Controls(cards, self.job)
-            self.job.stack.callback(self._release_controls)
-        return self._controls.join(found)
-
-    def _release_controls(self) -> None:
-        controls, self._controls = self._controls, None
-        if controls is not None:
-            controls.release()
-
-    def _control_models(self, planned: PassPlan) -> list:
-        """The owner's models of the pass's units; the job's other units go home for the pass."""
-        if self._controls is None:
-            return []
-        mine = self._controls.of(planned.controls)
-        rest = [m for m in self._controls.models.values() if m not in mine]
-        if rest:
-            self._controls.cards.owner.send_home(rest, f"{planned.stage.replace('_', ' ')} does not use it")
-        return mine
+            self._controls = controls = Controls(cards, self.job)
+            self.job.stack.callback(controls.release)
+        return self._controls
 
     def _movable(self, p: Any, stage: str, model: Any) -> _Idle | None:
         """The VAE and text encoders on the card that may leave it for this pass (None: none may).
@@ -497,9 +464,10 @@ class SamplingGuard:
                 # (ControlNet's wrapper runs the control on the whole batch's image: no split)
                 mb_of = planned.plan.micro_batch
                 state["mb"] = inner if planned.controls else micro_batched(inner, mb_of, key=planned.plan.key)
-                cards = _cards(guard.job)
-                if guard._computing and cards is not None:
-                    state["mb"] = _computing(cards.owner, guard._computing, state["mb"])
+                if guard._computing:
+                    from lib_vram.residency.controlnet import while_running
+
+                    state["mb"] = while_running(guard._controls.cards.owner, guard._computing, state["mb"])
             mb = state["mb"]
             try:
                 return mb(*args, **kwargs)
@@ -578,16 +546,6 @@ class _Idle:
     @property
     def nbytes(self) -> int:
         return sum(m.card_bytes for m in self.models)
-
-
-def _computing(owner: Any, models: list, forward: Any) -> Any:
-    """``forward`` with ``models`` busy in ``owner`` while it runs."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with owner.computing(models):
-            return forward(*args, **kwargs)
-
-    return run
 
 
 def _cards(job: Any) -> Any:
