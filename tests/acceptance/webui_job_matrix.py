@@ -190,6 +190,11 @@ def main() -> int:
     ap.add_argument("--plain", action="store_true", help="run: VRAM Guard's accordion off (the plain WebUI)")
     ap.add_argument("--upscaler", default="ESRGAN_x4-tiny-random")
     ap.add_argument(
+        "--parity",
+        help="run: the prompt of each job (0/1, comma separated) instead of alternating: a sub-sequence "
+        "of another run's order, each job with that run's prompt",
+    )
+    ap.add_argument(
         "--xyz-size-index",
         type=int,
         default=41,
@@ -209,10 +214,14 @@ def main() -> int:
                 )
         return 0
     ref = Path(a.ref)
+    parity = a.parity.split(",") if a.parity else None
+    if parity is not None and len(parity) != len(a.order.split(",")):
+        raise SystemExit("--parity: one 0/1 per job of --order")
     rows = []
     with (out / "run.jsonl").open("a") as log:
         for n, kind in enumerate(a.order.split(",")):
-            k = n % 2  # the prompt alternates: no job reuses the previous job's conditioning
+            # the prompt alternates: no job reuses the previous job's conditioning (--parity: given)
+            k = int(parity[n]) if parity else n % 2
             rec = run_one(a, kind, PROMPTS[k], vg=not a.plain)
             imgs = rec.pop("images")
             rec["index"] = n
