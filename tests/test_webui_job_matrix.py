@@ -286,13 +286,15 @@ def test_without_the_placement_a_card_that_holds_the_checkpoint_but_not_all_at_o
         w.close()
 
 
-@pytest.mark.parametrize("late", ["before finish_task", "after finish_task"])
-def test_a_live_preview_decoded_after_the_jobs_last_stage_leaves_no_vae_on_the_card(late):
+@pytest.mark.parametrize("ends", ["end", "finish_task"])
+@pytest.mark.parametrize("late", [False, True])
+def test_a_live_preview_decoded_after_the_jobs_last_stage_leaves_no_vae_on_the_card(ends, late):
     """Found in the real WebUI (issue 29, Run 7: the VAE on the card after a previews job): v1.10.1
     decodes a live preview whenever a progress poll arrives while the task is current, also after
     the job's final decode, and a poll that began just before the task ended can decode after it.
     That VAE wake is outside any stage; it stayed on the card until the next job. The job's end
-    (``progress.finish_task``) and such a late preview now send it home."""
+    (``state.end``: the API routes' last call; ``progress.finish_task``: the UI wrapper's) and such a
+    late preview now send it home."""
     ref = references()
     w = world(card_for(1 / 2))
     try:
@@ -311,15 +313,17 @@ def test_a_live_preview_decoded_after_the_jobs_last_stage_leaves_no_vae_on_the_c
             t.start()
             t.join()
 
-        if late == "before finish_task":
+        end = state.end if ends == "end" else lambda: w.host.progress.finish_task("task(1)")
+        state.begin()  # the job's last moments: its stages are over, the task still current
+        if not late:
             preview()
             assert vae.where == "card"  # woken outside any stage: it may wait until the job ends
-            w.host.progress.finish_task("task(1)")
+            end()
         else:
-            w.host.progress.finish_task("task(1)")
+            end()
             preview()
         assert not state.preview_errors, state.preview_errors
-        assert vae.where == "host", late
+        assert vae.where == "host", (ends, late)
         assert w.card.resident_bytes == base
         moves = [m.text for m in w.session.card_models().owner.moves]
         assert moves[-1] == f"VAE ({vae.nbytes / MiB:.0f} MiB) to the CPU: the job is done", moves[-3:]

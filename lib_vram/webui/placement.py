@@ -252,18 +252,25 @@ class Placement:
         logger.info("VRAM Guard: checkpoint placement on: a checkpoint that does not fit the card is placed")
 
     def _patch_job_end(self) -> None:
-        """A job's end sends the parked parts it woke outside any stage home (``progress.finish_task``,
-        the job's own thread, the last call of every txt2img/img2img job, UI or API), and so does a
-        live preview (``state.do_set_current_image``, the progress request's thread) that decoded
-        after that end had come: the WebUI decodes one whenever a progress poll arrives while the
-        task is still current, also after the job's last decode, so its VAE wake was left on the card
-        until the next job (seen in the real WebUI, issue 29 Run 7)."""
+        """A job's end sends the parked parts it woke outside any stage home (``state.end`` and
+        ``progress.finish_task``, the job's own thread: the API routes call ``finish_task`` by their
+        own imported name and then ``state.end()`` in a ``finally``, the UI wrapper ``state.end()``
+        and then ``finish_task`` in a ``finally``), and so does a live preview
+        (``state.do_set_current_image``, the progress request's thread) that decoded after that end
+        had come: the WebUI decodes one whenever a progress poll arrives while the task is still
+        current, also after the job's last decode, so its VAE wake was left on the card until the
+        next job (seen in the real WebUI, issue 29 Run 7)."""
         get = getattr(self.host, "job_entry_points", None)
         try:
             points = get() if callable(get) else {}
         except (ImportError, AttributeError):
             points = {}
-        wrappers = {"begin": self._job_begins, "finish_task": self._job_done, "preview": self._preview}
+        wrappers = {
+            "begin": self._job_begins,
+            "end": self._job_done,
+            "finish_task": self._job_done,
+            "preview": self._preview,
+        }
         for role, fn in wrappers.items():
             if role in points and self.stack is not None:
                 obj, attr = points[role]
