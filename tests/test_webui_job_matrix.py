@@ -284,3 +284,48 @@ def test_without_the_placement_a_card_that_holds_the_checkpoint_but_not_all_at_o
         assert any(m.to == "host" for m in w.session.card_models().owner.moves)
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("ends", ["end", "finish_task"])
+@pytest.mark.parametrize("late", [False, True])
+def test_a_live_preview_decoded_after_the_jobs_last_stage_leaves_no_vae_on_the_card(ends, late):
+    """Found in the real WebUI (issue 29, Run 7: the VAE on the card after a previews job): v1.10.1
+    decodes a live preview whenever a progress poll arrives while the task is current, also after
+    the job's final decode, and a poll that began just before the task ended can decode after it.
+    That VAE wake is outside any stage; it stayed on the card until the next job. The job's end
+    (``state.end``: the API routes' last call; ``progress.finish_task``: the UI wrapper's) and such a
+    late preview now send it home."""
+    ref = references()
+    w = world(card_for(1 / 2))
+    try:
+        w.host.sd_models.load_model(MODEL, w.session)
+        vae = next(m for m in w.session.card_models().owner.models if m.name == "VAE")
+        base = w.card.resident_bytes
+        got, error = run(w, "preview", 0)
+        assert error is None, error
+        same(got, ref["preview"], "preview")
+        assert vae.where == "host"
+        state = w.host.state
+        state.current_latent, state.preview_decoder = got["first"][-1][:1], MODEL.first_stage_model.decoder
+
+        def preview() -> None:
+            t = threading.Thread(target=state.do_set_current_image)
+            t.start()
+            t.join()
+
+        end = state.end if ends == "end" else lambda: w.host.progress.finish_task("task(1)")
+        state.begin()  # the job's last moments: its stages are over, the task still current
+        if not late:
+            preview()
+            assert vae.where == "card"  # woken outside any stage: it may wait until the job ends
+            end()
+        else:
+            end()
+            preview()
+        assert not state.preview_errors, state.preview_errors
+        assert vae.where == "host", (ends, late)
+        assert w.card.resident_bytes == base
+        moves = [m.text for m in w.session.card_models().owner.moves]
+        assert moves[-1] == f"VAE ({vae.nbytes / MiB:.0f} MiB) to the CPU: the job is done", moves[-3:]
+    finally:
+        w.close()

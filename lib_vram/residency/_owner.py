@@ -318,7 +318,13 @@ class Owner:
 
         return undo
 
-    def settle(self, keep: Iterable[Model] = (), roles: Iterable[str] | None = None) -> int:
+    def settle(
+        self,
+        keep: Iterable[Model] = (),
+        roles: Iterable[str] | None = None,
+        *,
+        why: str = "used before this stage",
+    ) -> int:
         """Models woken outside any stage go home unless in ``keep`` or busy (``roles``: only
         those of these roles); returns the bytes moved."""
         keep_ids = {id(m) for m in keep} | self.busy
@@ -330,7 +336,7 @@ class Owner:
         with self._lock:
             todo = [(m, w) for m, w in self._loose if not stays(m)]
             self._loose = [(m, w) for m, w in self._loose if stays(m)]
-            return self._home(todo, "used before this stage")
+            return self._home(todo, why)
 
     def begin(self, stage: str, busy: Iterable[Model] = ()) -> None:
         """A stage starts: its models are busy until :meth:`end`; loose wakes go home."""

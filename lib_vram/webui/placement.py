@@ -190,6 +190,8 @@ class Placement:
         self.latent_hw: tuple[int, int] | None = None
         """The default pass's latent (None: the model's native size)."""
         self.last_error: str | None = None
+        self._job_over = False
+        """The WebUI's job has ended (``finish_task``) and no new one has begun."""
         self._lock = threading.RLock()
 
     # -- on / off ------------------------------------------------------------------------------
@@ -246,7 +248,62 @@ class Placement:
         for name, fn in wrappers.items():
             obj, attr = points[name]
             patch_attr(obj, attr, fn, self.stack)
+        self._patch_job_end()
         logger.info("VRAM Guard: checkpoint placement on: a checkpoint that does not fit the card is placed")
+
+    def _patch_job_end(self) -> None:
+        """A job's end sends the parked parts it woke outside any stage home (``state.end`` and
+        ``progress.finish_task``, the job's own thread: the API routes call ``finish_task`` by their
+        own imported name and then ``state.end()`` in a ``finally``, the UI wrapper ``state.end()``
+        and then ``finish_task`` in a ``finally``), and so does a live preview
+        (``state.do_set_current_image``, the progress request's thread) that decoded after that end
+        had come: the WebUI decodes one whenever a progress poll arrives while the task is still
+        current, also after the job's last decode, so its VAE wake was left on the card until the
+        next job (seen in the real WebUI, issue 29 Run 7)."""
+        get = getattr(self.host, "job_entry_points", None)
+        try:
+            points = get() if callable(get) else {}
+        except (ImportError, AttributeError):
+            points = {}
+        wrappers = {
+            "begin": self._job_begins,
+            "end": self._job_done,
+            "finish_task": self._job_done,
+            "preview": self._preview,
+        }
+        for role, fn in wrappers.items():
+            if role in points and self.stack is not None:
+                obj, attr = points[role]
+                patch_attr(obj, attr, fn, self.stack)
+
+    def _job_begins(self, previous: Any, *args: Any, **kwargs: Any) -> Any:
+        self._job_over = False
+        return previous(*args, **kwargs)
+
+    def _job_done(self, previous: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return previous(*args, **kwargs)
+        finally:
+            self._job_over = True
+            self._send_woken_home()
+
+    def _preview(self, previous: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return previous(*args, **kwargs)
+        finally:
+            if self._job_over:
+                self._send_woken_home()
+
+    def _send_woken_home(self) -> None:
+        """The parked parts woken outside any stage go home, unless a stage is open (then they
+        belong to it, and its end sends them home)."""
+        owner = self.cards.owner
+        if owner.open_stages():
+            return
+        try:
+            owner.settle(why="the job is done")
+        except Exception as exc:  # never fail the job (or its preview) for a move home
+            logger.warning("VRAM Guard: after the job: %s", exc)
 
     def close(self) -> None:
         """Undo every placement (weights back where the WebUI would have them) and every patch."""

@@ -15,7 +15,10 @@ Talks to a running AUTOMATIC1111 WebUI (``--api``) by HTTP only. Two modes:
 
 Extras requests run with the Settings page's VRAM Guard defaults (the API has no accordion there).
 Job types: txt2img, img2img, inpaint, hires_esrgan, hires_latent, sdupscale, extras, batch_count,
-batch_size, previews (live previews polled during the job), xyz (an X/Y/Z plot over two sizes).
+batch_size, previews (live previews decoded during the job: the request carries ``force_task_id``, the
+client polls ``/internal/progress`` with that task id and sets the Settings a preview needs —
+every step, "Full" — for the job, then puts the previous values back), xyz (an X/Y/Z plot over
+two sizes).
 """
 
 from __future__ import annotations
@@ -98,18 +101,28 @@ def xyz_args(a: argparse.Namespace) -> list:
             False, False, False, 0, False]  # fmt: skip
 
 
-def poll_previews(url: str, stop: threading.Event, seen: list) -> None:
-    n = 0
-    while not stop.is_set() and n < 600:
+PREVIEW_OPTS = {"live_previews_enable": True, "show_progress_every_n_steps": 1, "show_progress_type": "Full",
+                "live_preview_content": "Prompt", "live_previews_image_format": "png"}  # fmt: skip
+"""The Settings a live preview needs: every step, decoded by the checkpoint's own VAE ("Full")."""
+
+
+def poll_previews(url: str, task: str, stop: threading.Event, seen: list) -> None:
+    """Poll ``/internal/progress`` for ``task`` (the job's ``force_task_id``: v1.10.1 answers the
+    preview only for the task that is running) and keep each new preview's size (bytes, px)."""
+    n, last = 0, -1
+    while not stop.is_set() and n < 1200:
         n += 1
         try:
-            body, _ = call(url, "/internal/progress", {"id_task": None, "id_live_preview": -1, "live_preview": True},
-                           timeout=30)  # fmt: skip
+            body, _ = call(url, "/internal/progress", {"id_task": task, "id_live_preview": last, "live_preview": True},
+                           timeout=60)  # fmt: skip
             if body.get("live_preview"):
-                seen.append(len(body["live_preview"]))
-        except RuntimeError:
+                raw = base64.b64decode(body["live_preview"].split(",", 1)[1])
+                seen.append({"id": body.get("id_live_preview"), "bytes": len(raw),
+                             "size": list(Image.open(io.BytesIO(raw)).size)})  # fmt: skip
+                last = body.get("id_live_preview", last)
+        except (RuntimeError, OSError, ValueError):
             pass
-        time.sleep(0.5)
+        time.sleep(0.3)
 
 
 def images_of(body: dict) -> list[np.ndarray]:
@@ -119,9 +132,15 @@ def images_of(body: dict) -> list[np.ndarray]:
 
 def run_one(a: argparse.Namespace, kind: str, prompt: str, vg: bool) -> dict:
     path, payload = job(kind, a, prompt, vg)
-    stop, seen = threading.Event(), []
-    poller = threading.Thread(target=poll_previews, args=(a.url, stop, seen)) if kind == "previews" else None
-    if poller is not None:
+    stop, seen, saved = threading.Event(), [], None
+    poller = None
+    if kind == "previews":
+        task = f"task(vg-previews-{time.time_ns()})"
+        payload = dict(payload, force_task_id=task)
+        cur, _ = call(a.url, "/sdapi/v1/options", timeout=60)
+        saved = {k: cur.get(k) for k in PREVIEW_OPTS}
+        call(a.url, "/sdapi/v1/options", PREVIEW_OPTS, timeout=60)
+        poller = threading.Thread(target=poll_previews, args=(a.url, task, stop, seen))
         poller.start()
     t0 = time.time()
     try:
@@ -133,8 +152,12 @@ def run_one(a: argparse.Namespace, kind: str, prompt: str, vg: bool) -> dict:
         stop.set()
         if poller is not None:
             poller.join()
+        if saved is not None:
+            call(a.url, "/sdapi/v1/options", saved, timeout=60)
     rec = {"type": kind, "prompt": prompt, "vram_guard": vg, "seconds": round(time.time() - t0, 1), "ok": error is None,
            "error": error, "previews_seen": len(seen) if poller is not None else None}  # fmt: skip
+    if poller is not None:
+        rec["previews"] = seen
     rec["images"] = images_of(body) if error is None else []
     try:
         st, _ = call(a.url, "/vram-guard/v1/status", timeout=60)
@@ -167,7 +190,16 @@ def main() -> int:
     ap.add_argument("--plain", action="store_true", help="run: VRAM Guard's accordion off (the plain WebUI)")
     ap.add_argument("--upscaler", default="ESRGAN_x4-tiny-random")
     ap.add_argument(
-        "--xyz-size-index", type=int, default=0, help="the 'Size' axis type's index in this WebUI"
+        "--parity",
+        help="run: the prompt of each job (0/1, comma separated) instead of alternating: a sub-sequence "
+        "of another run's order, each job with that run's prompt",
+    )
+    ap.add_argument(
+        "--xyz-size-index",
+        type=int,
+        default=41,
+        help="the 'Size' axis type's index in this WebUI's txt2img "
+        "(v1.10.1: 41, checked against GET /sdapi/v1/script-info)",
     )
     a = ap.parse_args()
     out = Path(a.out)
@@ -182,10 +214,14 @@ def main() -> int:
                 )
         return 0
     ref = Path(a.ref)
+    parity = a.parity.split(",") if a.parity else None
+    if parity is not None and len(parity) != len(a.order.split(",")):
+        raise SystemExit("--parity: one 0/1 per job of --order")
     rows = []
     with (out / "run.jsonl").open("a") as log:
         for n, kind in enumerate(a.order.split(",")):
-            k = n % 2  # the prompt alternates: no job reuses the previous job's conditioning
+            # the prompt alternates: no job reuses the previous job's conditioning (--parity: given)
+            k = int(parity[n]) if parity else n % 2
             rec = run_one(a, kind, PROMPTS[k], vg=not a.plain)
             imgs = rec.pop("images")
             rec["index"] = n
@@ -207,8 +243,11 @@ def main() -> int:
             rows.append(rec)
             worst = max((d["max_levels"] for d in diffs if d and d["max_levels"] is not None), default=None)
             where = ", ".join(f"{m['name']} {m['where']}" for m in rec.get("models") or [])
+            peak = (rec.get("card") or {}).get("peak_bytes")
+            extra = f" previews={rec['previews_seen']}" if rec["previews_seen"] is not None else ""
             print(f"{n:3d} {kind:13s} after {rec['after']:13s} ok={rec['ok']} {rec['seconds']:6.1f}s "
-                  f"max_levels={worst} | {where} | {rec['error'] or ''}", flush=True)  # fmt: skip
+                  f"max_levels={worst} peak={None if peak is None else round(peak / 2**20)}MiB{extra} | {where} | "
+                  f"{rec['error'] or ''}", flush=True)  # fmt: skip
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows)} jobs, {len(bad)} failed")
     return 1 if bad else 0
