@@ -341,9 +341,9 @@ def test_an_unknown_attention_is_refused_in_one_line(capsys):
 PLAIN_KEYS = {
     "schema", "arch", "width", "height", "batch", "hires", "upscaler", "preset", "resolved_from",
     "total_bytes", "free_bytes", "emulated", "memory_fraction_set", "host_swaps_models", "models_bytes",
-    "stages", "planning_seconds",
+    "stages", "planning_seconds", "controlnets", "controlnet_hires",
 }  # fmt: skip
-"""The top-level keys of the plain plan (before the placement)."""
+"""The top-level keys of the plain plan (before the placement; the ControlNet units since issue 30)."""
 STAGE_KEYS = RECORD_KEYS | {
     "resident_bytes", "model_weights_bytes", "input_bytes", "activation_bytes", "tile", "batch", "dtype",
     "moved_off_card", "candidates",
