@@ -117,7 +117,7 @@ class CardModels:
 
     def report(self, sd_model: Any, *, placed: Any = None) -> list[Model]:
         """Report ``sd_model``'s parts (the models of the previous checkpoint leave the owner).
-        ``placed``: its :class:`~lib_vram.webui.placement.Placed` (the placed homes)."""
+        ``placed``: its :class:`~lib_vram.webui.placed.Placed` (the placed homes)."""
         owner = self.owner
         if self.group is not None and self.group is not sd_model:
             self.forget()

@@ -557,7 +557,7 @@ def _cards(job: Any) -> Any:
 
 
 def _placed(job: Any, model: Any) -> Any:
-    """The checkpoint placement's :class:`~lib_vram.webui.placement.Placed` of ``model``, or None."""
+    """The checkpoint placement's :class:`~lib_vram.webui.placed.Placed` of ``model``, or None."""
     placement = getattr(getattr(job, "session", None), "placement", None)
     return placement.placed_for(model) if placement is not None else None
 
