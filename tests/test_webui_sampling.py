@@ -311,7 +311,7 @@ def _sampling(
     )
 
 
-def _same_samples(got: Any, ref: Any) -> None:
+def same_samples(got: Any, ref: Any) -> None:
     """Each sample's UNet output, micro-batched against the whole batch. Same layers, same inputs:
     only the batch size of each kernel call differs, and oneDNN may block a convolution or a GEMM
     differently for another batch size (another order of the sums of a dot product). Float32 sums
@@ -343,7 +343,7 @@ def test_a_pass_whose_activations_do_not_fit_runs_in_micro_batches_with_the_plai
     assert off.error is not None and "out of memory" in str(off.error).lower(), off.error
     r = _sampling(cap)
     assert r.error is None, r.error
-    _same_samples(r.out[0], ref.out[0])
+    same_samples(r.out[0], ref.out[0])
     stages = [st for st in r.status["stages"] if st["stage"] == "sampling"]
     assert stages and stages[0]["plan"].startswith("micro-batch "), stages
     assert r.peak <= cap and r.status["card"]["ooms"] == 0
@@ -389,7 +389,7 @@ def test_a_pass_that_fits_only_without_the_vae_and_text_encoders_moves_them_off_
     assert off.error is not None and "out of memory" in str(off.error).lower(), off.error
     r = _sampling(cap)
     assert r.error is None, r.error
-    _same_samples(r.out[0], ref.out[0])
+    same_samples(r.out[0], ref.out[0])
     moved = [n for n in r.notes if "off the card for this pass" in n]
     # the owner of the card sends the fewest bytes that let the plan fit: the VAE is enough here
     assert len(moved) == 1 and "moved the VAE (" in moved[0], r.notes
@@ -558,7 +558,7 @@ def test_an_out_of_memory_error_the_plan_did_not_foresee_moves_them_off_in_the_f
     monkeypatch.setattr(sampling, "plan_sampling", optimistic)
     r = _sampling(cap)
     assert r.error is None, r.error
-    _same_samples(r.out[0], ref.out[0])
+    same_samples(r.out[0], ref.out[0])
     assert any("first step ran out of memory with them there" in n for n in r.notes), r.notes
     assert_clean(r)
 
@@ -583,7 +583,7 @@ def test_an_out_of_memory_error_anywhere_in_a_micro_batched_step_is_absorbed(whe
     r = _sampling(cap, step=Step(inject_at=n))
     assert r.error is None, r.error
     assert r.status["card"]["ooms"] == 1
-    _same_samples(r.out[0], ref.out[0])
+    same_samples(r.out[0], ref.out[0])
     assert_clean(r)
 
 
@@ -640,7 +640,7 @@ def test_the_hires_pass_is_planned_as_its_own_stage_and_named_in_the_infotext():
     assert names == ["sampling", "hires_sampling"], names
     plan = r.p.extra_generation_params["VRAM Guard plan"]()
     assert "sampling micro-batch" in plan and "hires sampling micro-batch" in plan, plan
-    _same_samples(r.out[1][0], ref.out[0])
+    same_samples(r.out[1][0], ref.out[0])
     assert_clean(r)
 
 

@@ -232,7 +232,7 @@ def test_in_a_job_a_pass_the_guard_would_stop_streams_and_gives_the_plain_sample
     """A card where the pass does not fit even with the VAE and text encoders off at micro-batch 1
     (the guard's named error with streaming off), but fits with half the UNet streamed: the pass
     runs within its predicted peak, the samples are the plain run's (the micro-batched forward's
-    float rounding only: see test_webui_sampling._same_samples; streaming itself changes no bit,
+    float rounding only: see test_webui_sampling.same_samples; streaming itself changes no bit,
     test_sampling_stream.py), prefetch runs from the second micro-batch on, the readout/infotext
     say how much stayed resident, and everything is back after the job.
 
@@ -273,7 +273,7 @@ def test_in_a_job_a_pass_the_guard_would_stop_streams_and_gives_the_plain_sample
         capacity, body, settings={**ws.NO_MARGIN, "stream_unet": True}, vae_tiling="Auto"
     )  # fmt: skip
     assert r.error is None, r.error
-    ws._same_samples(r.out[0], ref.out[0])
+    ws.same_samples(r.out[0], ref.out[0])
     planned = seen["plan"]
     assert planned.stream is not None and planned.plan.micro_batch == planned.stream.plan.micro_batch
     # the sampling stage's measured peak is within the pass's prediction, which is within the card

@@ -18,8 +18,9 @@ While VRAM Guard guards a sampling pass (:class:`Controls`, used by the WebUI ad
   for this pass by their hires option ("low res only" in the hires pass, "high res only" in the
   first);
 * their weights and activations are in the pass's plan (:class:`lib_vram.sampling.Step`'s
-  ``controls``; the pass then runs its whole batch: ControlNet's wrapper computes the control on
-  the whole batch's control image);
+  ``controls``); micro-batches run through ControlNet's wrapper (each computes the control on its
+  own rows: the unit's one control image is broadcast over the rows), except where a unit cannot
+  split (:func:`whole_batch`);
 * each control model joins the one owner (role ``control``, home: host memory); the pass's units
   wake on the card after the owner made room, the others stay in host memory; ControlNet's own
   moves are held for the pass (its ``disable_memory_management`` flag, which it honours for
@@ -114,6 +115,31 @@ def units(p: Any, unet: Any) -> list[Unit]:
             spec = None
         out.append(Unit(i, param, module, spec if spec is not None and spec.is_control else None))
     return out
+
+
+_LATENT_PREPROCESSORS = ("colorfix", "inpaint_only")
+"""ControlNet encodes the control image to a latent at the first forward's batch and keeps it."""
+
+
+def whole_batch(p: Any, unet: Any) -> str | None:
+    """Why ControlNet's hook on ``unet`` cannot run a micro-batch (None: it can; also without
+    ControlNet). ControlNet's hook adds each unit's control image to every row of the forward's
+    batch, so a micro-batch's rows get the residuals they get in the whole batch, unless a unit
+    has a control image per sample (a batch of control images, AnimateDiff: the hook does not
+    split it with the rows) or caches a latent of the control image at the first forward's batch
+    (reference, colorfix and inpaint_only preprocessors)."""
+    net = hook_of(p, unet)
+    for i, param in enumerate(getattr(net, "control_params", None) or ()):
+        for name in ("hint_cond", "hr_hint_cond"):
+            hint = getattr(param, name, None)
+            if isinstance(hint, torch.Tensor) and hint.dim() == 4 and hint.shape[0] > 1:
+                return f"ControlNet unit {i} has a control image per sample ({hint.shape[0]})"
+        kind = getattr(getattr(param, "control_model_type", None), "name", "")
+        pre = getattr(param, "preprocessor", None)
+        pre = str(pre.get("name", "")) if isinstance(pre, dict) else ""
+        if kind == "AttentionInjection" or any(k in pre for k in _LATENT_PREPROCESSORS):
+            return f"ControlNet unit {i} ({pre or kind}) keeps a latent of the whole batch"
+    return None
 
 
 def distinct(found: Iterable[Unit]) -> list[Unit]:

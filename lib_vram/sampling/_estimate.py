@@ -242,24 +242,26 @@ class _UNetWalk:
         del out
 
     def control(self, hw: tuple[int, int]) -> int:
-        """cldm ``ControlNet.forward``: the hint block on the control image (8x the latent), the
-        down path (a block's output leaves after the next block; each zero convolution's output
-        is held for the UNet), the middle block and its zero convolution. Returns the bytes of
-        the outputs (the residuals, held at the end)."""
+        """cldm ``ControlNet.forward``: the hint block on the control image (8x the latent; one
+        image, which the first block's output broadcasts over the rows, as sd-webui-controlnet
+        passes it), the down path (a block's output leaves after the next block; each zero
+        convolution's output is held for the UNet), the middle block and its zero convolution.
+        Returns the bytes of the outputs (the residuals, held at the end)."""
         spec, w, b, s = self.spec, self.w, self.b, self.s
         mc = spec.model_channels
         emb = w.hold(b * 4 * mc * s)
+        self.b = 1  # (the hint block's batch: one control image)
         cur, cin, prev = (hw[0] * 8, hw[1] * 8), spec.hint_channels, 0
         for cout, stride in HINT_BLOCK:
             nxt = cur if stride == 1 else ((cur[0] + 1) // 2, (cur[1] + 1) // 2)
             c = self.conv(cin, cout, 3, cur, nxt)
             w.drop(prev)
-            prev = w.hold(b * cout * nxt[0] * nxt[1] * s)  # SiLU
+            prev = w.hold(cout * nxt[0] * nxt[1] * s)  # SiLU (one image)
             w.drop(c)
             cin, cur = cout, nxt
         guided = self.conv(cin, mc, 3, cur, cur)
         w.drop(prev)
-        cur = hw
+        self.b, cur = b, hw
         h = self.conv(spec.in_channels, mc, 3, cur, cur)
         w.drop(guided)  # (added in place)
         outs = [self.conv(mc, mc, 1, cur, cur)]
@@ -359,7 +361,8 @@ class Step:
     host's batch (the sampler holds all of it), the latent, the context tokens, the attention, the
     dtype and the backend (see :func:`estimate_sampling`), and the ControlNets of the pass
     (``controls``: their specs, :func:`~._spec.reference_control` or :func:`~._spec.unet_spec` of a
-    live one)."""
+    live one). ``whole``: the forward cannot split its batch (a ControlNet unit with a control image
+    per sample, see :func:`lib_vram.residency.controlnet.whole_batch`)."""
 
     spec: UNetSpec
     batch: int
@@ -369,6 +372,7 @@ class Step:
     dtype: torch.dtype
     backend: str = "cuda"
     controls: tuple[UNetSpec, ...] = ()
+    whole: bool = False
 
     @property
     def weights_bytes(self) -> int:
@@ -381,15 +385,19 @@ class Step:
 
     @property
     def input_bytes(self) -> int:
-        """The inputs of the whole batch (and the control images)."""
-        hint = sum(input_bytes(c, self.batch, self.latent_hw, 1, self.dtype) for c in self.controls)
+        """The inputs of the whole batch and each unit's control image (one, broadcast over the
+        batch as sd-webui-controlnet's hook adds it; per sample when the step runs whole)."""
+        n = self.batch if self.whole else 1
+        hint = sum(input_bytes(c, n, self.latent_hw, 1, self.dtype) for c in self.controls)
         return input_bytes(self.spec, self.batch, self.latent_hw, self.context_tokens, self.dtype) + hint
 
     @property
     def micro_batches(self) -> range:
-        """The micro-batches a plan may choose: ControlNet's forward wrapper runs the control
-        models on the whole batch's control image, so a pass with ControlNets runs whole."""
-        return range(self.batch, self.batch - 1 if self.controls else 0, -1)
+        """The micro-batches a plan may choose (only the whole batch when ``whole``). Through
+        ControlNet's forward wrapper a micro-batch runs the control models on its own rows: the
+        control image is one image broadcast over the rows, so each row's residuals are the ones
+        of the whole batch."""
+        return range(self.batch, self.batch - 1 if self.whole else 0, -1)
 
     def outputs(self, m: int) -> int:
         """The micro-batches' outputs held while the last one runs, or during their concatenation

@@ -94,7 +94,7 @@ def step_key(step: Step, budget_bytes: int) -> tuple:
     key = sampling_key(
         step.spec, step.batch, step.latent_hw, step.context_tokens, step.attention, step.dtype, budget_bytes
     )
-    return key + tuple(c.signature() for c in step.controls)
+    return key + tuple(c.signature() for c in step.controls) + (("whole",) if step.whole else ())
 
 
 _PEAKS: OrderedDict[Hashable, dict[int, int]] = OrderedDict()
@@ -167,6 +167,7 @@ def plan_sampling(
     backend: str = "cuda",
     memory: planner.PlanMemory | None = None,
     controls: tuple[UNetSpec, ...] = (),
+    whole: bool = False,
 ) -> SamplingPlan:
     """The micro-batch one sampling step runs and its predicted peak (see the module docstring).
 
@@ -177,9 +178,10 @@ def plan_sampling(
             (other models left on the card) and the step's inputs and activations.
         backend: see :func:`estimate_sampling`.
         memory: the planner memory consulted (default :data:`lib_vram.planning.planner.MEMORY`).
-        controls: the ControlNets of the pass (their weights are in the peak; the pass runs whole).
+        controls: the ControlNets of the pass (their weights and activations are in the peak).
+        whole: the forward cannot split its batch (only ``batch`` is a candidate).
     """
-    step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend, tuple(controls))
+    step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend, tuple(controls), whole)
     return plan_step(step, budget_bytes, resident_bytes, memory)
 
 

@@ -240,6 +240,7 @@ def plan_stream(
     sampling: SamplingPlan | None = None,
     memory: planner.PlanMemory | None = None,
     controls: tuple[UNetSpec, ...] = (),
+    whole: bool = False,
 ) -> StreamPlan:
     """The streamed plan of a sampling step that does not fit with the whole UNet resident.
 
@@ -253,12 +254,13 @@ def plan_stream(
     runner-up would move. When none fits: the plan at micro-batch 1, ``fits`` False.
 
     ``unet``: the live module, or its :func:`unit_bytes`. ``sampling``: a plan already made for the
-    same step (the same ``batch``). ``controls``: the pass's ControlNets (resident, whole batch)."""
+    same step (the same ``batch``). ``controls``: the pass's ControlNets (resident); ``whole``: as
+    :func:`plan_sampling` takes it."""
     units = unit_bytes(unet) if isinstance(unet, torch.nn.Module) else list(unet)
     mem = planner.MEMORY if memory is None else memory
     if sampling is not None and sampling.batch != batch:
         raise ValueError(f"`sampling` plans a batch of {sampling.batch}, not the step's {batch}")
-    step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend, tuple(controls))
+    step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend, tuple(controls), whole)
     sp = plan_step(step, budget_bytes, resident_bytes, mem) if sampling is None else sampling
     notes = list(sp.notes)
     wb, ib, res = sp.weights_bytes, sp.input_bytes, sp.resident_bytes

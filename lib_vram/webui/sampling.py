@@ -90,6 +90,8 @@ class PassPlan:
     """The checkpoint placement's label when the checkpoint is placed (:mod:`.placement`)."""
     controls: list = dataclasses.field(default_factory=list)
     """The ControlNet units the pass runs (:class:`lib_vram.residency.controlnet.Unit`)."""
+    whole: str | None = None
+    """Why the pass cannot micro-batch (:func:`lib_vram.residency.controlnet.whole_batch`)."""
 
     @property
     def changed(self) -> bool:
@@ -268,6 +270,7 @@ class SamplingGuard:
 
     def _plan(self, p: Any, stage: str, model: Any, dm: Any, x: Any, c: Any, uc: Any) -> PassPlan:
         from lib_vram import sampling
+        from lib_vram.residency.controlnet import whole_batch
 
         job = self.job
         host = job.host
@@ -296,6 +299,7 @@ class SamplingGuard:
         )
         others += unsized
         free += on_card
+        whole = whole_batch(p, dm) if used else None  # (a unit that cannot split: the pass runs whole)
         budget = max(0, free + unet_bytes + others - margin)
         # -- the checkpoint placement (issue 22 item 2): its streamer is the UNet's; plan with what
         # it keeps on the card (resident part + stream buffer), never a second streamer
@@ -306,7 +310,7 @@ class SamplingGuard:
         # --
         kw = dict(
             batch=batch, latent_hw=hw, context_tokens=tokens, attention=attention, dtype=dtype,
-            budget_bytes=budget + inflate, backend=backend, controls=controls,
+            budget_bytes=budget + inflate, backend=backend, controls=controls, whole=whole is not None,
         )  # fmt: skip
         plan = sampling.plan_sampling(spec, resident_bytes=others, **kw)
         moved = ""
@@ -324,9 +328,9 @@ class SamplingGuard:
         if placed is not None:  # (checkpoint placement) the placement's numbers, no streaming rung
             plan = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes - inflate)
             if not plan.fits:
-                error = _placed_error(stage, plan, placed, budget, idle)
+                error = _placed_error(stage, plan, placed, budget, idle, whole)
             args = (stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, None)
-            return PassPlan(*args, placed.label, used)
+            return PassPlan(*args, placed.label, used, whole)
         base = plan
         if not plan.fits:
             # the last rung before the named error: stream the UNet (lib_vram.webui.stream)
@@ -339,7 +343,7 @@ class SamplingGuard:
             streamed = plan_pass(
                 model, dm, spec, base, latent_hw=hw, context_tokens=tokens, attention=attention,
                 dtype=dtype, budget_bytes=budget, resident_bytes=rest, backend=backend, settings=job.settings,
-                controls=controls,
+                controls=controls, whole=whole is not None,
             )  # fmt: skip
             if streamed is not None:
                 # the readout's prediction for the pass: the resident part of the UNet, the
@@ -364,10 +368,10 @@ class SamplingGuard:
             # what would fit is said for the card VRAM Guard would give the pass: the idle parts
             # off it where they may move (with them counted, the UNet's weights plus them can
             # exceed the budget and the line said "no size or batch does" where a smaller one fits)
-            error = _error_line(stage, base, idle)
+            error = _error_line(stage, base, idle, whole)
             plan = base  # the readout's "stopped: predicted N MiB" gives the line's numbers
         args = (stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, streamed)
-        return PassPlan(*args, controls=used)
+        return PassPlan(*args, controls=used, whole=whole)
 
     def _job_controls(self, cards: Any) -> Any:
         """The job's ControlNet models in the owner (:class:`~lib_vram.residency.controlnet.Controls`,
@@ -437,7 +441,7 @@ class SamplingGuard:
         from lib_vram.sampling import micro_batched
 
         assert self.stack is not None
-        if "forward" in dm.__dict__ and not planned.controls:  # (ControlNet's: the pass runs whole)
+        if "forward" in dm.__dict__ and not planned.controls:  # (not ControlNet's: the job knows it)
             other = dm.__dict__["forward"]
             self.job.warn_once(
                 "sampling-wrapped-before",
@@ -461,9 +465,9 @@ class SamplingGuard:
                     # forward, which fires none of the UNet module's hooks): the first learns the
                     # streamed units' order, prefetch runs from the second micro-batch on
                     inner = streamer.forward_of(previous)
-                # (ControlNet's wrapper runs the control on the whole batch's image: no split)
+                # (through ControlNet's wrapper: each micro-batch computes its rows' control)
                 mb_of = planned.plan.micro_batch
-                state["mb"] = inner if planned.controls else micro_batched(inner, mb_of, key=planned.plan.key)
+                state["mb"] = inner if planned.whole else micro_batched(inner, mb_of, key=planned.plan.key)
                 if guard._computing:
                     from lib_vram.residency.controlnet import while_running
 
@@ -562,11 +566,11 @@ def _placed(job: Any, model: Any) -> Any:
     return placement.placed_for(model) if placement is not None else None
 
 
-def _placed_error(stage: str, plan: Any, placed: Any, budget: int, idle: Any) -> str:
+def _placed_error(stage: str, plan: Any, placed: Any, budget: int, idle: Any, whole: str | None) -> str:
     """The named error's line for a placed checkpoint's pass that does not fit even so."""
     what = "the hires pass" if stage == "hires_sampling" else "sampling"
     off = f", the {idle.names} off the card" if idle is not None else ""
-    tried = f"{_tried(plan)}, {placed.label}{off}"
+    tried = f"{_tried(whole)}, {placed.label}{off}"
     # the suggestion's sizes and batches are right (the budget was raised by what the UNet does not
     # keep on the card); its head's MiB are not: ours replace them
     rest = plan.suggestion.split(": ", 1)[1] if plan.suggestion and ": " in plan.suggestion else ""
@@ -637,14 +641,14 @@ def _latent_of(p: Any, x: Any) -> tuple[int, tuple[int, int]]:
     return images, (max(1, h // 8), max(1, w // 8))
 
 
-def _tried(plan: Any) -> str:
-    """A pass with ControlNet runs whole (its wrapper computes the control on the whole batch)."""
-    return "with ControlNet's whole batch" if getattr(plan, "control_bytes", 0) else "with micro-batch 1"
+def _tried(whole: str | None) -> str:
+    """What the pass tried: micro-batch 1, or its whole batch where a ControlNet unit cannot split."""
+    return f"with the whole batch, as {whole}" if whole else "with micro-batch 1"
 
 
-def _error_line(stage: str, plan: Any, idle: Any) -> str:
+def _error_line(stage: str, plan: Any, idle: Any, whole: str | None = None) -> str:
     what = "the hires pass" if stage == "hires_sampling" else "sampling"
-    tried = _tried(plan) + (f" and the {idle.names} off the card" if idle is not None else "")
+    tried = _tried(whole) + (f" and the {idle.names} off the card" if idle is not None else "")
     text = plan.suggestion or (
         f"needs {plan.predicted_peak_bytes / MiB:.0f} MiB, the card offers {plan.budget_bytes / MiB:.0f} MiB"
     )

@@ -136,7 +136,7 @@ def plan_pass(
     arguments of :func:`lib_vram.sampling.plan_stream` for the same pass (``latent_hw``,
     ``context_tokens``, ``attention``, ``dtype``, ``budget_bytes``, ``resident_bytes``: what stays
     on the card beside the UNet after the idle parts moved, ``backend``, ``controls``: the pass's
-    ControlNets)."""
+    ControlNets, ``whole``: it cannot micro-batch)."""
     why = skip_reason(sd_model, settings)
     if why is not None:
         logger.debug("VRAM Guard: the UNet does not stream: %s", why)

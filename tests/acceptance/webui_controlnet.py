@@ -9,6 +9,9 @@ image is the hint as it is, so no annotator download and no preprocessor roundin
 * ``img2img`` — img2img with one unit; ``off`` — a job without ControlNet (run it after one with);
 * ``one_lowvram`` — one unit with ControlNet's own Low VRAM.
 
+``--batch N``: N images per job (the UNet's batch is 2N with cond and uncond; where its whole batch
+does not fit VRAM Guard micro-batches through ControlNet's hook); the first image is compared.
+
 Modes: ``ref`` (a WebUI with nothing capped: VRAM Guard's accordion off; the pictures go to
 ``--out``) and ``run`` (``--cases`` in order, with VRAM Guard on, or off with ``--plain``): each
 picture against the reference's (max level difference), the status route's card peak and the
@@ -46,7 +49,8 @@ def unit(a: argparse.Namespace, model: str, *, hr_option: str = "Both", low_vram
 def job(case: str, a: argparse.Namespace, vg: bool, models: list[str]) -> tuple[str, dict]:
     s = a.size
     base = {"prompt": "a red apple on a wooden table", "negative_prompt": "", "cfg_scale": 7,
-            "sampler_name": "Euler a", "seed": 1234, "steps": a.steps, "width": s, "height": s}  # fmt: skip
+            "sampler_name": "Euler a", "seed": 1234, "steps": a.steps, "width": s, "height": s,
+            "batch_size": a.batch}  # fmt: skip
     scripts: dict = {"VRAM Guard": {"args": [{"enabled": vg}]}}
     units: list[dict] = []
     path = "/sdapi/v1/txt2img"
@@ -129,6 +133,7 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1, help="images per job (the first one is compared)")
     ap.add_argument("--plain", action="store_true", help="run: VRAM Guard's accordion off (the plain WebUI)")
     a = ap.parse_args()
     out = Path(a.out)

@@ -146,7 +146,7 @@ def records(case: tuple, models: dict, idle_full: int) -> list[dict]:
     c_full = full_c.params * 2
     gen = torch.Generator().manual_seed(0)
     x0, c0 = torch.randn(batch, 4, h, w, generator=gen), torch.randn(batch, 77, 96, generator=gen)
-    hint0, t0 = torch.rand(batch, 3, 8 * h, 8 * w, generator=gen), torch.linspace(10, 900, batch)
+    hint0, t0 = torch.rand(1, 3, 8 * h, 8 * w, generator=gen), torch.linspace(10, 900, batch)
 
     def forward(card):  # noqa: ANN001, ANN202
         probe = (lambda: float(card.free_bytes)) if card is not None else (lambda: float(1 << 50))
