@@ -553,3 +553,21 @@ def test_bench_gpus_streamed_part_refuses_cleanly_without_cuda():
     assert gpu._stream_unet(torch.device("cpu"), gpu._Clock(60.0), skipped) == []
     assert skipped == ["stream_unet: needs CUDA (side-stream copy/compute overlap from pinned memory)"]
     assert gpu_stream("cpu") == []
+
+
+def test_more_streamed_frees_the_need_with_the_fewest_bytes():
+    from lib_vram.sampling import more_streamed
+
+    units = [("a", 100), ("b", 40), ("c", 40), ("d", 10), ("e", 10), ("f", 10), ("g", 300)]
+    resident = ["a", "b", "c", "d", "e", "f"]  # ("g" streams already)
+    assert more_streamed(units, resident, 0) == ((), 0, 0)
+    # 25 short: the three 10s free 30 - 20 (their buffer) = 10, not enough; b, c, d free 90 - 80 = 10;
+    # b, c, d, e free 100 - 80 = 20; b..f: 110 - 80 = 30 >= 25 (110 bytes); a + b + c: 180 - 140
+    names, nbytes, buffer = more_streamed(units, resident, 25)
+    assert names == ("b", "c", "d", "e", "f") and nbytes == 110 and buffer == 80
+    assert nbytes - buffer >= 25
+    # what no choice frees: every resident unit, 210 - 140 = 70
+    assert more_streamed(units, resident, 70)[1:] == (210, 140)
+    assert more_streamed(units, resident, 71) is None
+    # only resident units are ever chosen, in the units' order
+    assert set(more_streamed(units, resident, 60)[0]) <= set(resident)

@@ -452,6 +452,132 @@ def test_a_placed_pass_that_does_not_fit_even_so_stops_with_the_named_error_sayi
     untouched(w.host, MODEL)
 
 
+class _Control:
+    """One ControlNet unit over MODEL's UNet as sd-webui-controlnet hooks it (tests/controlnet_model.py)."""
+
+    def __init__(self) -> None:
+        from controlnet_model import ControlNet, PlugableControlModel, UnetHook
+
+        self.model = PlugableControlModel(ControlNet(unet_of(MODEL)))
+        self.nbytes = emulate.module_bytes([self.model])
+        self.hint = torch.rand(1, 3, HW[0] * 8, HW[1] * 8, generator=torch.Generator().manual_seed(9))
+        self.hook = UnetHook()
+        # a card where it does not fit beside what the placement keeps (it is 86 % of the UNet here)
+        self.cap = CAP + 2 * self.nbytes // 5
+
+    def hooked(self, body: Any) -> Any:
+        from controlnet_model import ControlNetScript, ControlParams, Runner
+
+        def run(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
+            p.scripts = Runner(ControlNetScript(self.hook))
+            self.hook.hook(unet_of(model), [ControlParams(self.model, self.hint)])
+            try:
+                return body(jobs, p, model)
+            finally:
+                self.hook.restore()
+
+        return run
+
+    def reference(self) -> torch.Tensor:
+        return self.hooked(lambda jobs, p, model: reference(model))(None, FakeP(), MODEL)
+
+    def home(self) -> bool:
+        return "to" not in self.model.__dict__ and "disable_memory_management" not in self.model.__dict__
+
+
+def test_a_controlnet_beside_the_placed_checkpoint_streams_more_of_the_unet_for_its_pass():
+    """Issue 30 with the checkpoint placement: a ControlNet (cldm layout over the same UNet's
+    encoder, sd-webui-controlnet's hook) does not fit beside what the placement keeps on the card.
+    For its pass more of the placed UNet streams (a second streamer over resident units), the
+    control model wakes on the card in the room they leave, the outputs are the uncapped ones,
+    and after the pass the UNet's units are resident again and the control model is home."""
+    from lib_vram.webui.stream import MoreStreamed
+
+    cn = _Control()
+    ref = cn.reference()
+    assert not torch.equal(ref, reference(MODEL))  # (the control matters)
+    before = bits(MODEL)
+    w = world(cn.cap)
+    try:
+        w.host.sd_models.load_model(MODEL, w.session)
+        placed = w.session.placement.placed_for(MODEL)
+        resident = w.card.resident_bytes
+        assert placed.streamer is not None  # (two streamers in the pass: the placement's and the pass's)
+        assert placed.unet_resident_bytes + cn.nbytes > cn.cap - placed.leftover_bytes - SAFETY
+        r = job(w, cn.hooked(sample))
+        assert r.error is None, r.error
+        more = r.passes[0].stream
+        assert (
+            isinstance(more, MoreStreamed) and more.nbytes > 0 and set(more.plan) <= set(placed.plan.resident)
+        )
+        assert r.passes[0].controls and "more UNet blocks" in r.passes[0].label(), r.passes[0].label()
+        same = float((r.out - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+        assert same if r.passes[0].plan.micro_batch < 2 else torch.equal(r.out, ref)
+        assert r.peak <= cn.cap and w.card.ooms == 0
+        moves = r.status["moves"]
+        assert any(m.startswith("ControlNet unit 0 (") and "to the card" in m for m in moves), moves
+        # after the job: the placed UNet as placed (no hook of the pass's streamer), the control home
+        assert w.card.resident_bytes == resident
+        assert all(u.state == "away" for u in placed.streamer._units)
+        assert all(not unet_of(MODEL).get_submodule(n)._forward_pre_hooks for n in more.plan)
+        assert cn.home()
+    finally:
+        w.close()
+    assert same_bits(MODEL, before)
+    untouched(w.host, MODEL)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_out_of_memory_in_a_placed_pass_with_controlnet_loses_nothing(where):
+    """The out-of-memory error at the first, a middle and the last allocation of the pass's first
+    step (the pass's own streamer fetching, the control model's forward, the UNet's): the guard
+    retries at a smaller micro-batch or the error comes out; either way every unit is back where
+    the placement keeps it, the control model home, the weights the same, and the next job with
+    ControlNet gives the uncapped output."""
+    cn = _Control()
+    ref = cn.reference()
+    before = bits(MODEL)
+    w = world(cn.cap)
+    try:
+        w.host.sd_models.load_model(MODEL, w.session)
+        placed = w.session.placement.placed_for(MODEL)
+        resident = w.card.resident_bytes
+        counts: list[int] = []
+
+        def step(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
+            jobs.before_sampling(p, x=X.clone(), c=[COND[0]], uc=[UNCOND[0]])
+            start = w.card.allocations
+            out = unet_of(model)(torch.cat([X, X]), SIGMAS[0], context=torch.cat([COND, UNCOND]))
+            counts.append(w.card.allocations - start)
+            return out
+
+        assert job(w, cn.hooked(step)).error is None
+        n = counts[0]
+        assert n > 10
+        w.card.inject_oom_at = None
+
+        def failing(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
+            jobs.before_sampling(p, x=X.clone(), c=[COND[0]], uc=[UNCOND[0]])
+            w.card.inject_oom_at = w.card.allocations + {"first": 1, "middle": n // 2, "last": n}[where]
+            return unet_of(model)(torch.cat([X, X]), SIGMAS[0], context=torch.cat([COND, UNCOND]))
+
+        r = job(w, cn.hooked(failing))
+        assert w.card.injected
+        if r.error is not None:
+            assert isinstance(r.error, torch.OutOfMemoryError), r.error
+        else:
+            assert float((r.out - ref[0]).abs().max()) <= 1e-4 * float(ref[0].abs().max())
+        assert all(u.state == "away" for u in placed.streamer._units)
+        assert same_bits(MODEL, before) and w.card.resident_bytes == resident and cn.home()
+        again = job(w, cn.hooked(sample))
+        assert again.error is None, again.error
+        assert float((again.out - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+    finally:
+        w.close()
+    assert same_bits(MODEL, before)
+    untouched(w.host, MODEL)
+
+
 # -- (2) option off, or the checkpoint fits: nothing changes ------------------------------------------
 
 

@@ -34,6 +34,7 @@ from ._stream_plan import (
     choose_resident,
     lowvram_bytes_per_forward,
     lowvram_step_seconds,
+    more_streamed,
     plan_stream,
 )
 from ._units import UNIT_PARTS, unet_units, unit_bytes
@@ -56,6 +57,7 @@ __all__ = [
     "choose_resident",
     "lowvram_bytes_per_forward",
     "lowvram_step_seconds",
+    "more_streamed",
     "plan_stream",
     "unet_units",
     "unit_bytes",

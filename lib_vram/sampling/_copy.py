@@ -315,12 +315,17 @@ class CopyEngine:
         self._units.clear()
 
     def _model_device(self) -> torch.device:
-        """Where the UNet's resident weights are now."""
+        """Where the UNet's resident weights are now: the device while any of them is there (a
+        placed checkpoint's own streamed units are in host memory beside them), else where the
+        first of them is."""
         streamed = {s.host.data_ptr() for u in self._units for s in u.slots}
+        first = None
         for t in self.unet.parameters():
             if t.device.type != "meta" and t.data_ptr() not in streamed:
-                return t.device
-        return self.device
+                if t.device.type == self.device.type:
+                    return self.device
+                first = first or t.device
+        return first or self.device
 
     def _to_host(self) -> None:
         """End streaming with every streamed unit's host copy in place; nothing moves to the device."""

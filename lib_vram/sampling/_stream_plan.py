@@ -153,6 +153,41 @@ def _chain(units: Sequence[tuple[str, int]], weights_budget: int) -> list[str]:
     return kept + rest
 
 
+def more_streamed(
+    units: Sequence[tuple[str, int]], resident: Sequence[str], need_bytes: int
+) -> tuple[tuple[str, ...], int, int] | None:
+    """Resident units to stream as well for one pass that is ``need_bytes`` short (a placed
+    checkpoint's pass with a ControlNet beside it, a larger hires pass): the set that frees at least
+    ``need_bytes`` with the fewest bytes streamed per forward. A second streamer carries them, so
+    its buffer (the two largest of them: the one computing and the one arriving) is on the card
+    too and does not count as freed. Returns (names in ``units``' order, their bytes, their
+    buffer), () when nothing is short, or None when streaming every resident unit frees too little.
+
+    For each size bound, the largest units under it are taken until they free enough; the bound
+    with the fewest bytes wins (the largest units free the most per unit, and a bound keeps the
+    buffer they add small)."""
+    if need_bytes <= 0:
+        return (), 0, 0
+    sizes = {n: b for n, b in units if n in set(resident)}
+    best: tuple[int, list[str], int] | None = None
+    for bound in sorted(set(sizes.values())):
+        taken: list[str] = []
+        total = 0
+        for name, b in sorted(((n, b) for n, b in sizes.items() if b <= bound), key=lambda u: (-u[1], u[0])):
+            taken.append(name)
+            total += b
+            buf = sum(sorted((sizes[n] for n in taken), reverse=True)[:2])
+            if total - buf >= need_bytes:
+                if best is None or total < best[0]:
+                    best = (total, list(taken), buf)
+                break
+    if best is None:
+        return None
+    total, taken, buf = best
+    chosen = set(taken)
+    return tuple(n for n, _ in units if n in chosen), total, buf
+
+
 def stream_key(sampling: SamplingPlan | tuple, forwards_per_step: int = 1) -> tuple:
     """The planner-memory key of a streamed sampling step (the sampling plan's key + ``stream``)."""
     key = sampling.key if isinstance(sampling, SamplingPlan) else tuple(sampling)

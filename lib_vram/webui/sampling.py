@@ -100,14 +100,14 @@ class PassPlan:
         return self.plan.micro_batch < self.batch or bool(self.moved) or streams
 
     def label(self) -> str:
-        if self.stream is not None:
+        if self.stream is not None and not self.placed:
             parts = [self.stream.label]  # (says the micro-batch the streamed pass runs at)
         else:
             parts = [self.plan.label if self.plan.micro_batch < self.batch else f"batch {self.batch}"]
         if self.moved:
             parts.append(f"{self.moved} off the card")
         if self.placed:
-            parts.append(self.placed)
+            parts += [self.stream.label, self.placed] if self.stream is not None else [self.placed]
         if self.controls:
             n = len(self.controls)
             parts.append(f"{n} ControlNet unit{'s' if n > 1 else ''} on the card")
@@ -208,17 +208,15 @@ class SamplingGuard:
                 self._move_off(
                     stage, planned.moved.split(", "), "the sampling plan does not fit with them there"
                 )
-            if cards is not None and self._controls is not None:
-                self._computing = self._controls.start_pass(planned.controls, stage, self.stack)
-            if planned.stream is not None:
+            if planned.stream is not None:  # (first: the room it frees is what the ControlNets need)
                 planned.stream.enter(self.stack)
                 if cards is not None:
                     for m in cards.models(model, ["UNet"]):
                         why = "the pass does not fit with the whole UNet on the card"
-                        self.stack.callback(
-                            cards.owner.streams(m, planned.stream.plan.resident_bytes, stage, why)
-                        )
+                        self.stack.callback(cards.owner.streams(m, planned.stream.resident_bytes, stage, why))
                 job.note(f"VRAM Guard: {stage.replace('_', ' ')}: {planned.stream.describe()}")
+            if cards is not None and self._controls is not None:
+                self._computing = self._controls.start_pass(planned.controls, stage, self.stack)
             self._install(dm, planned)
         except BaseException:
             self.end()
@@ -313,7 +311,7 @@ class SamplingGuard:
             budget_bytes=budget + inflate, backend=backend, controls=controls, whole=whole is not None,
         )  # fmt: skip
         plan = sampling.plan_sampling(spec, resident_bytes=others, **kw)
-        moved = ""
+        moved, rest = "", others
         if not plan.fits and idle is not None:
             # the owner chooses the fewest bytes of them whose leaving lets the plan fit
             def fits(freed: int) -> bool:
@@ -321,15 +319,18 @@ class SamplingGuard:
 
             chosen = cards.owner.choose(idle.models, fits)
             if chosen is not None:
-                freed = sum(m.card_bytes for m in chosen)
-                plan = sampling.plan_sampling(spec, resident_bytes=max(0, others - freed), **kw)
+                rest = max(0, others - sum(m.card_bytes for m in chosen))
+                plan = sampling.plan_sampling(spec, resident_bytes=rest, **kw)
                 moved = ", ".join(m.name for m in chosen)
         error = streamed = None
-        if placed is not None:  # (checkpoint placement) the placement's numbers, no streaming rung
+        if placed is not None:  # (checkpoint placement) its numbers; more of its UNet streams if short
+            more = None
+            if not plan.fits:
+                more, plan = _more_streamed(placed, dm, spec, plan, kw, rest)
             plan = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes - inflate)
             if not plan.fits:
                 error = _placed_error(stage, plan, placed, budget, idle, whole)
-            args = (stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, None)
+            args = (stage, batch, hw, tokens, attention, dtype, budget, plan, moved, error, more)
             return PassPlan(*args, placed.label, used, whole)
         base = plan
         if not plan.fits:
@@ -564,6 +565,29 @@ def _placed(job: Any, model: Any) -> Any:
     """The checkpoint placement's :class:`~lib_vram.webui.placed.Placed` of ``model``, or None."""
     placement = getattr(getattr(job, "session", None), "placement", None)
     return placement.placed_for(model) if placement is not None else None
+
+
+def _more_streamed(placed: Any, dm: Any, spec: Any, plan: Any, kw: dict, rest: int) -> tuple[Any, Any]:
+    """A placed checkpoint's pass that does not fit (``plan``, made with ``kw``'s budget raised by
+    what the placement does not keep on the card): resident units of its UNet that stream for this
+    pass as well (:class:`~.stream.MoreStreamed`) and the plan with the room they free; (None,
+    ``plan``) when even streaming every resident unit is not enough."""
+    from lib_vram import sampling
+
+    from .stream import MoreStreamed
+
+    short = min(c.peak_bytes for c in plan.candidates) - kw["budget_bytes"]
+    got = sampling.more_streamed(sampling.unit_bytes(dm), placed.plan.resident, short)
+    if not got or not got[0]:
+        return None, plan
+    names, nbytes, buffer = got
+    freed = nbytes - buffer
+    kw = {**kw, "budget_bytes": kw["budget_bytes"] + freed}
+    wider = sampling.plan_sampling(spec, resident_bytes=rest, **kw)
+    if not wider.fits:
+        return None, plan
+    wider = dataclasses.replace(wider, predicted_peak_bytes=wider.predicted_peak_bytes - freed)
+    return MoreStreamed(names, dm, placed.device, placed=placed, nbytes=nbytes, buffer_bytes=buffer), wider
 
 
 def _placed_error(stage: str, plan: Any, placed: Any, budget: int, idle: Any, whole: str | None) -> str:

@@ -64,6 +64,11 @@ class StreamPass:
         """``"UNet streamed: X of Y MiB resident"`` (readout, infotext)."""
         return self.plan.label
 
+    @property
+    def resident_bytes(self) -> int:
+        """The UNet's bytes on the card for the pass (between its streamed units' forwards)."""
+        return self.plan.resident_bytes
+
     def describe(self) -> str:
         p = self.plan
         return (
@@ -101,6 +106,33 @@ class StreamPass:
         stack.push(close)
         self.streamer = s
         return s
+
+
+@dataclass
+class MoreStreamed(StreamPass):
+    """A placed checkpoint's pass that does not fit beside what the placement keeps on the card
+    (a ControlNet, a larger hires pass): ``plan`` names resident units of the placed UNet that a
+    second streamer carries for this pass only (:func:`lib_vram.sampling.more_streamed`); at the
+    pass's end they are resident again."""
+
+    placed: Any = None
+    nbytes: int = 0
+    buffer_bytes: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{len(self.plan)} more UNet blocks ({self.nbytes / MiB:.0f} MiB) stream for the pass"
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.placed.unet_resident_bytes - self.nbytes
+
+    def describe(self) -> str:
+        return (
+            f"{self.label}: the UNet keeps {self.resident_bytes / MiB:.0f} of "
+            f"{self.placed.plan.unet_bytes / MiB:.0f} MiB on the card "
+            f"(their buffer {self.buffer_bytes / MiB:.0f} MiB)"
+        )
 
 
 def restore_pending() -> int:
