@@ -55,6 +55,12 @@ class Mover(Protocol):
         """All its weights in host memory."""
 
 
+WAKE_HEADROOM_BYTES = 256 << 20
+"""A model woken for a forward needs room for the forward too: a quarter of its weights' bytes,
+at most this (the hires conditioning's text encoders woke beside a pass's ControlNet with room for
+their weights only, and their forward ran out of memory)."""
+
+
 @dataclass(eq=False)
 class Model:
     """One model the owner knows."""
@@ -294,12 +300,11 @@ class Owner:
                 return
             what = why or f"{stage.replace('_', ' ') or 'a module of it runs'}"
             stage = stage or (self._order[-1] if self._order else "")  # "": undone by settle()
-            self.room(
-                stage,
-                [model],
-                lambda freed: model.nbytes <= self.free() + freed,
-                why=f"the {model.name} need{'' if model.name.endswith('s') else 's'} the room",
-            )
+            why_room = f"the {model.name} need{'' if model.name.endswith('s') else 's'} the room"
+            work = model.nbytes + min(model.nbytes // 4, WAKE_HEADROOM_BYTES)  # (and its forward's)
+            for need in (work, model.nbytes):  # (room for the weights alone where no more can be made)
+                if self.room(stage, [model], lambda freed, n=need: n <= self.free() + freed, why=why_room).fits:
+                    break
             self._move(model, CARD, stage, what)
 
     def streams(self, model: Model, resident_bytes: int, stage: str, why: str) -> Callable[[], None]:
