@@ -303,7 +303,9 @@ class Owner:
             why_room = f"the {model.name} need{'' if model.name.endswith('s') else 's'} the room"
             work = model.nbytes + min(model.nbytes // 4, WAKE_HEADROOM_BYTES)  # (and its forward's)
             for need in (work, model.nbytes):  # (room for the weights alone where no more can be made)
-                if self.room(stage, [model], lambda freed, n=need: n <= self.free() + freed, why=why_room).fits:
+                if self.room(
+                    stage, [model], lambda freed, n=need: n <= self.free() + freed, why=why_room
+                ).fits:
                     break
             self._move(model, CARD, stage, what)
 
