@@ -204,13 +204,6 @@ def dtype_vae() -> torch.dtype | None:
     return getattr(devices, "dtype_vae", None)
 
 
-def set_dtype_vae(dtype: torch.dtype) -> None:
-    """Set ``devices.dtype_vae`` (the WebUI re-casts the VAE to it on every encode, host-api §3.3)."""
-    from modules import devices
-
-    devices.dtype_vae = dtype
-
-
 def device() -> torch.device:
     from modules import devices
 
@@ -221,10 +214,6 @@ def esrgan_device() -> torch.device:
     from modules import devices
 
     return torch.device(getattr(devices, "device_esrgan", devices.device))
-
-
-def nan_check_disabled() -> bool:
-    return bool(cmd_opt("disable_nan_check", False))
 
 
 def add_comment(p: Any, text: str) -> None:

@@ -102,12 +102,11 @@ class Job:
         self._span: contextlib.AbstractContextManager | None = None
         self._hooked: list[weakref.ref] = []
         self._warned: set[str] = set()
-        self.dtype_vae_at_start = None
         self.forge_load_vae: Callable[[Any], None] | None = None
         self.unet: Any = None
+        """The job's :class:`~lib_vram.webui.unet.UNetFP16` when 'FP16 UNet' is on."""
         self.info: dict | None = None
         """Extras: the image's ``pp.info`` (the plan goes there: Extras has no ``p``)."""
-        """The job's :class:`~lib_vram.webui.unet.UNetFP16` when 'FP16 UNet' is on."""
         self.sampling: Any = None
         """The job's :class:`~lib_vram.webui.sampling.SamplingGuard` (created at the first pass)."""
         self.profiler: Any = None

@@ -115,6 +115,7 @@ def records(case: tuple, models: dict, idle_full: int) -> list[dict]:
     from lib_vram.core.predict import weights_bytes
     from lib_vram.sampling import (
         estimate_sampling,
+        micro_batched,
         plan_sampling,
         reference_control,
         reference_spec,
@@ -148,14 +149,17 @@ def records(case: tuple, models: dict, idle_full: int) -> list[dict]:
     x0, c0 = torch.randn(batch, 4, h, w, generator=gen), torch.randn(batch, 77, 96, generator=gen)
     hint0, t0 = torch.rand(1, 3, 8 * h, 8 * w, generator=gen), torch.linspace(10, 900, batch)
 
-    def forward(card):  # noqa: ANN001, ANN202
+    def forward(card, m=batch):  # noqa: ANN001, ANN202
         probe = (lambda: float(card.free_bytes)) if card is not None else (lambda: float(1 << 50))
 
         def step():  # noqa: ANN202
             with attention_applied(unet, host_forward(attention, probe, "cpu")), torch.no_grad():
                 x, t, c, hint = x0.clone(), t0.clone(), c0.clone(), hint0.clone()
                 with attention_applied(control, host_forward(attention, probe, "cpu")):
-                    return controlled(unet, [control], [hint], x, t, context_arg(shape, c))
+                    # (micro-batches through the hook: each computes its rows' control, the one
+                    # control image broadcast over them, as VRAM Guard runs ControlNet's wrapper)
+                    run = micro_batched(lambda x, t, c: controlled(unet, [control], [hint], x, t, c), m)
+                    return run(x, t, context_arg(shape, c))
 
         return attempt(step, card)
 
@@ -171,7 +175,7 @@ def records(case: tuple, models: dict, idle_full: int) -> list[dict]:
             plan = plan_sampling(spec, dtype=torch.float32, budget_bytes=cap, resident_bytes=0, backend="cpu",
                                  controls=(cspec,), **kw)  # fmt: skip
         card = EmulatedCard(cap, resident=w_bytes + c_bytes + (0 if moved else idle))
-        got = forward(card)
+        got = forward(card, plan.micro_batch)
         est = estimate_sampling(spec, dtype=torch.float32, backend="cpu", **kw)
         out.append({
             "stage": "controlnet", "shape": shape, "latent": [h, w], "batch": batch, "attention": attention,
