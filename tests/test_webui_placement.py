@@ -638,7 +638,12 @@ def test_every_way_out_puts_every_weight_back(how):
             assert r.error is None, r.error
         elif how == "switch":
             other = Checkpoint(seed=7)
+            was = w.card.resident_bytes
+            w.card.reset_peak()
             w.host.sd_models.load_model(other, w.session)  # trashes MODEL first
+            # placed as it loaded: the card never held all of it, not even for a moment (the real
+            # WebUI's hires checkpoint switch showed the whole checkpoint as the card's peak)
+            assert w.card.peak_bytes <= max(was, w.card.resident_bytes), (w.card.peak_bytes, was)
             assert pl.placed_for(MODEL) is None and same_bits(MODEL, before)
             assert all(not m._forward_pre_hooks for m in MODEL.modules()) and "to" not in MODEL.__dict__
             assert pl.placed_for(other) is not None

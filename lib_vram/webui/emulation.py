@@ -191,8 +191,9 @@ class WebUICard:
             return original(*args, **kwargs)
 
     # -- the model ------------------------------------------------------------------------------
-    def model_changed(self, sd_model: Any) -> None:
-        """``on_model_loaded``: the new checkpoint's weights are what is resident on the card."""
+    def model_changed(self, sd_model: Any, *, resident: bool = True) -> None:
+        """``on_model_loaded``: the new checkpoint's weights are what is resident on the card
+        (``resident`` False: a checkpoint VRAM Guard placed already counts what it put there)."""
         modules = _weight_modules(sd_model)
         if not modules:
             return
@@ -204,9 +205,10 @@ class WebUICard:
                     self.card.ledger.adopt(t.untyped_storage())
                 except (RuntimeError, NotImplementedError):
                     continue
-        self.card.set_resident(modules)
-        resident = _mib(self.card.resident_bytes)
-        logger.info("VRAM Guard: %s: %s resident (the loaded checkpoint)", self.card.label, resident)
+        if resident:
+            self.card.set_resident(modules)
+            now = _mib(self.card.resident_bytes)
+            logger.info("VRAM Guard: %s: %s resident (the loaded checkpoint)", self.card.label, now)
 
 
 def _as_host_work(original: Any, *args: Any, **kwargs: Any) -> Any:

@@ -451,7 +451,8 @@ class Placement:
                 except BaseException as exc:
                     card.set_resident(before)
                     raise self._oom(ckpt, total, exc) from exc
-                card.set_resident(leftover_bytes + plan.unet_bytes)
+                # (the count stays 0 until recount() below: the whole UNet counted for a moment, as
+                # the streamer's start would need, is a peak no GPU sees)
             else:
                 moved = self._move_to_card(sd_model, dm, parts, resident_units, device, ckpt, total)
             try:

@@ -112,7 +112,10 @@ class Session:
         it the FP16 UNet of the jobs that use it (the WebUI reset its precision state); on an
         emulated card, its weights are what is resident now."""
         if self.emulation is not None:
-            self.emulation.model_changed(sd_model)
+            # (a checkpoint placed as it loaded: counting all of it for a moment would be a peak no
+            # GPU sees; the placement's count stands)
+            placed = self.placement is not None and self.placement.placed_for(sd_model) is not None
+            self.emulation.model_changed(sd_model, resident=not placed)
         if self.placement is not None:
             self.placement.model_loaded(sd_model)  # after the card's count: the placement's wins
         if self.placement is None or self.placement.placed_for(sd_model) is None:
