@@ -300,7 +300,8 @@ class SamplingGuard:
         whole = whole_batch(p, dm) if used else None  # (a unit that cannot split: the pass runs whole)
         budget = max(0, free + unet_bytes + others - margin)
         # -- the checkpoint placement (issue 22 item 2): its streamer is the UNet's; plan with what
-        # it keeps on the card (resident part + stream buffer), never a second streamer
+        # it keeps on the card (resident part + stream buffer); a pass that is short streams more
+        # of it with a second streamer for the pass (_more_streamed)
         inflate = 0
         if placed is not None:
             budget = max(0, free + placed.unet_resident_bytes + others - margin)
