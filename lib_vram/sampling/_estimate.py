@@ -181,6 +181,15 @@ class _UNetWalk:
         del x0
         return x3
 
+    def res_attn(self, cin: int, cout: int, depth: int, heads: int, hw: tuple[int, int]) -> int:
+        """A ResBlock and (where the level has one) its SpatialTransformer: the output's bytes."""
+        r = self.resblock(cin, cout, hw)
+        t = self.transformer(cout, depth, heads, hw)
+        if t:
+            self.w.drop(r)
+            r = t
+        return r
+
     def forward(self, hw: tuple[int, int]) -> None:
         spec, w, b, s = self.spec, self.w, self.b, self.s
         mc = spec.model_channels
@@ -193,12 +202,8 @@ class _UNetWalk:
         ch = mc
         for lv in range(spec.levels):
             for _ in range(spec.num_res_blocks[lv]):
-                r = self.resblock(ch, spec.channels(lv), cur)
+                r = self.res_attn(ch, spec.channels(lv), spec.depth[lv], spec.heads[lv], cur)
                 ch = spec.channels(lv)
-                t = self.transformer(ch, spec.depth[lv], spec.heads[lv], cur)
-                if t:
-                    w.drop(r)
-                    r = t
                 skips.append((r, ch))
             if lv != spec.levels - 1:
                 nxt = ((cur[0] + 1) // 2, (cur[1] + 1) // 2)
@@ -206,11 +211,7 @@ class _UNetWalk:
                 cur = nxt
                 skips.append((d, ch))
         # middle block: its input is the last skip (held)
-        r1 = self.resblock(ch, ch, cur)
-        t = self.transformer(ch, spec.depth_middle, spec.heads_middle, cur)
-        if t:
-            w.drop(r1)
-            r1 = t
+        r1 = self.res_attn(ch, ch, spec.depth_middle, spec.heads_middle, cur)
         r2 = self.resblock(ch, ch, cur)
         w.drop(r1)
         h = r2
@@ -268,12 +269,8 @@ class _UNetWalk:
         ch = mc
         for lv in range(spec.levels):
             for _ in range(spec.num_res_blocks[lv]):
-                r = self.resblock(ch, spec.channels(lv), cur)
+                r = self.res_attn(ch, spec.channels(lv), spec.depth[lv], spec.heads[lv], cur)
                 ch = spec.channels(lv)
-                t = self.transformer(ch, spec.depth[lv], spec.heads[lv], cur)
-                if t:
-                    w.drop(r)
-                    r = t
                 w.drop(h)
                 h = r
                 outs.append(self.conv(ch, ch, 1, cur, cur))
@@ -283,11 +280,7 @@ class _UNetWalk:
                 w.drop(h)
                 h, cur = d, nxt
                 outs.append(self.conv(ch, ch, 1, cur, cur))
-        r1 = self.resblock(ch, ch, cur)
-        t = self.transformer(ch, spec.depth_middle, spec.heads_middle, cur)
-        if t:
-            w.drop(r1)
-            r1 = t
+        r1 = self.res_attn(ch, ch, spec.depth_middle, spec.heads_middle, cur)
         r2 = self.resblock(ch, ch, cur)
         w.drop(r1, h)
         outs.append(self.conv(ch, ch, 1, cur, cur))
