@@ -10,7 +10,10 @@ polls ``/sdapi/v1/progress`` until the job is in the stage the case names, then 
   sampling is done;
 * ``upscale`` — in a tiled Extras upscale of a large picture (VRAM Guard's upscaling on), after a
   delay;
-* ``skip`` — Skip instead of Interrupt in the sampling pass.
+* ``skip`` — Skip instead of Interrupt in the sampling pass;
+* ``microbatch`` — in a micro-batched sampling pass (``--mb-size`` px, ``--mb-batch`` images, on a
+  card where VRAM Guard splits the forward's batch: the log says ``micro-batch``), once the first
+  step is done.
 
 After each interrupted job: what the WebUI returned (HTTP status, how many images), where every
 model is (the status route's ``models``: at rest, as after a job that ran to the end) and the card
@@ -34,7 +37,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from webui_acceptance import call, decode, init_image  # noqa: E402
 
-CASES = ("sampling", "decode", "upscale", "skip")
+CASES = ("sampling", "decode", "upscale", "skip", "microbatch")
 
 
 def job(case: str, a: argparse.Namespace) -> tuple[str, dict]:
@@ -43,13 +46,14 @@ def job(case: str, a: argparse.Namespace) -> tuple[str, dict]:
             "image": init_image(a.upscale_px), "resize_mode": 0, "upscaling_resize": 4, "upscaler_1": a.upscaler,
             "upscaler_2": "None", "extras_upscaler_2_visibility": 0,
         }  # fmt: skip
-    size = a.decode_size if case == "decode" else a.size
+    size = {"decode": a.decode_size, "microbatch": a.mb_size}.get(case, a.size)
     args = {"enabled": True}
     if case == "decode":
         args.update(vae_tiling="Always", vae_tile=16)
     return "/sdapi/v1/txt2img", {
         "prompt": "a red apple on a wooden table", "negative_prompt": "", "sampler_name": "Euler a", "seed": 1234,
         "steps": a.steps, "width": size, "height": size, "cfg_scale": 7,
+        "batch_size": a.mb_batch if case == "microbatch" else 1,
         "alwayson_scripts": {"VRAM Guard": {"args": [args]}},
     }  # fmt: skip
 
@@ -68,7 +72,7 @@ def wait_for(case: str, a: argparse.Namespace, done: threading.Event) -> str:
     while not done.is_set() and time.time() - t0 < 900:
         st = progress(a.url).get("state") or {}
         step, steps = st.get("sampling_step", 0), st.get("sampling_steps", 0)
-        if case in ("sampling", "skip") and step >= 1:
+        if case in ("sampling", "skip", "microbatch") and step >= 1:
             return f"sampling step {step} of {steps}"
         if (
             case == "decode"
@@ -135,6 +139,8 @@ def main() -> int:
     ap.add_argument("--upscale-delay", type=float, default=3.0)
     ap.add_argument("--upscaler", default="ESRGAN_x4-wide-random")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--mb-size", type=int, default=448)
+    ap.add_argument("--mb-batch", type=int, default=1)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

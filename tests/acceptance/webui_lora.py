@@ -14,7 +14,8 @@ Jobs (``--sequence``, comma separated; each ``kind[+kind]``):
   VRAM Guard's FP16 UNet option; ``hr_ckpt`` — hires fix (Latent) with a hires checkpoint
   (``--hr-checkpoint``: the WebUI loads it for the hires pass; the next job loads the first one
   back, so the ``none`` after it shows whether the checkpoint was placed again as before; issue 31
-  item 2).
+  item 2); ``refiner`` — the WebUI's Refiner: the ``--hr-checkpoint`` checkpoint takes over at half
+  of the steps (``refiner_switch_at`` 0.5: the WebUI swaps checkpoints inside the sampling pass).
 
 Modes: ``ref`` (each kind once, VRAM Guard's accordion off, on an uncapped WebUI; pictures to
 ``--out``) and ``run`` (the sequence with VRAM Guard on): each picture against the reference's
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from webui_acceptance import call, decode  # noqa: E402
 
 PROMPT = "a red apple on a wooden table"
-KINDS = ("none", "attn", "mix", "two", "hires_only", "batch2", "fp16", "hr_ckpt")
+KINDS = ("none", "attn", "mix", "two", "hires_only", "batch2", "fp16", "hr_ckpt", "refiner")
 SEQUENCE = "none,attn,none,mix,none,two,none,attn,mix,none"
 
 
@@ -58,6 +59,8 @@ def job(kind: str, a: argparse.Namespace, vg: bool) -> dict:
     if kind == "hr_ckpt":
         body.update(enable_hr=True, hr_scale=2, hr_second_pass_steps=1, denoising_strength=0.5, hr_upscaler="Latent",
                     hr_checkpoint_name=a.hr_checkpoint)  # fmt: skip
+    if kind == "refiner":
+        body.update(refiner_checkpoint=a.hr_checkpoint, refiner_switch_at=0.5)
     if kind not in KINDS:
         raise SystemExit(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
     return body
@@ -100,7 +103,11 @@ def main() -> int:
     ap.add_argument("--sequence", default=SEQUENCE)
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--hr-checkpoint", default="sd15-random-b", help="hr_ckpt: the hires pass's checkpoint")
+    ap.add_argument(
+        "--hr-checkpoint",
+        default="sd15-random-b",
+        help="hr_ckpt: the hires pass's checkpoint; refiner: the Refiner",
+    )
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
