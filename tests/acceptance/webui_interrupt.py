@@ -15,6 +15,12 @@ polls ``/sdapi/v1/progress`` until the job is in the stage the case names, then 
   card where VRAM Guard splits the forward's batch: the log says ``micro-batch``), once the first
   step is done.
 
+The WebUI checks for an interrupt once per sampling step, before the step's forward, and reports
+a step as done after it: an interrupt seen at "step 1" lands in the pass only with more steps than
+three (``--steps``); ``landed`` says whether the interrupted picture differs from the uninterrupted
+one (``--ref``). The Extras upscale keeps its last pictures (``upscaling_max_images_in_cache``): a
+run with the ``upscale`` case sets it to 0 while it runs (and back after), so that each upscale runs.
+
 After each interrupted job: what the WebUI returned (HTTP status, how many images), where every
 model is (the status route's ``models``: at rest, as after a job that ran to the end) and the card
 at rest; then the same job once more without interruption, whose picture must equal a fresh run's
@@ -144,6 +150,20 @@ def main() -> int:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    cache = None
+    if "upscale" in a.cases.split(","):
+        opts, _ = call(a.url, "/sdapi/v1/options", timeout=60)
+        cache = opts.get("upscaling_max_images_in_cache", 5)
+        call(a.url, "/sdapi/v1/options", {"upscaling_max_images_in_cache": 0}, timeout=60)
+    try:
+        run_cases(a, out)
+    finally:
+        if cache is not None:
+            call(a.url, "/sdapi/v1/options", {"upscaling_max_images_in_cache": cache}, timeout=60)
+    return 0
+
+
+def run_cases(a: argparse.Namespace, out: Path) -> None:
     with (out / "run.jsonl").open("a") as log:
         for case in a.cases.split(","):
             recs = (
@@ -157,18 +177,18 @@ def main() -> int:
                 if imgs:
                     Image.fromarray(imgs[0]).save(out / (f"{case}.png" if a.mode == "ref" else f"{tag}.png"))
                 rec["n_images"] = len(imgs)
-                if a.mode == "run" and not rec["interrupted"] and imgs and a.ref:
+                if a.mode == "run" and imgs and a.ref:
                     same = "sampling" if case == "skip" else case  # (the same job)
                     r = np.asarray(Image.open(Path(a.ref) / f"{same}.png").convert("RGB")).astype(int)
-                    rec["after_vs_fresh"] = (
-                        int(np.abs(r - imgs[0].astype(int)).max()) if r.shape == imgs[0].shape else None
+                    d = int(np.abs(r - imgs[0].astype(int)).max()) if r.shape == imgs[0].shape else None
+                    rec["landed" if rec["interrupted"] else "after_vs_fresh"] = (
+                        (d is None or d > 0) if rec["interrupted"] else d
                     )
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
                 print(f"{tag:22s} ok={rec['ok']} {rec['seconds']}s when={rec['when']} images={rec['n_images']} "
-                      f"vs_fresh={rec.get('after_vs_fresh')} | {'; '.join(rec['models'])} | {(rec['error'] or '')[:120]}",
-                      flush=True)  # fmt: skip
-    return 0
+                      f"landed={rec.get('landed')} vs_fresh={rec.get('after_vs_fresh')} | {'; '.join(rec['models'])} | "
+                      f"{(rec['error'] or '')[:120]}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
