@@ -13,10 +13,11 @@ Two ways to run it:
   and a job without the LoRA equals the first run of its kind bit for bit: nothing of a merge left
   in a streamed or parked copy), ``rss_bytes``, ``card_bytes_at_rest`` (the card after the job:
   must be the placed checkpoint's resident bytes, nothing more) and ``seconds``.
-* ``--url URL`` (a running WebUI with ``--api``): the same mix through its API (``--lora NAME``
-  adds ``<lora:NAME:1>`` to every other prompt), ``--poll`` reads the status route every 200 ms
-  during the jobs, ``--clients 2`` sends from two clients at once (the WebUI queues them). Per job:
-  ``ok``, ``rss_bytes`` and ``card_bytes_at_rest`` from the status route, ``seconds``.
+* ``--url URL`` (a running WebUI with ``--api``): the same mix through its API, VRAM Guard on for
+  each job (``--lora NAME`` or ``NAME:WEIGHT`` adds ``<lora:NAME:WEIGHT>`` to every other round's
+  prompts), ``--poll`` reads the status route every 200 ms during the jobs, ``--clients 2`` sends
+  from two clients at once (the WebUI queues them). Per job: ``ok``, ``rss_bytes`` and
+  ``card_bytes_at_rest`` from the status route, ``seconds``.
 
 The summary: every job ok, RSS after the last job within 5 % of after job 10, the card at rest at
 its baseline after every job, the median seconds of the first and the last tenth. Exit 1 otherwise.
@@ -49,7 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--quick", action="store_true", help="library level, no WebUI (a few minutes)")
     add("--url", help="a running WebUI (started with --api) to drive instead")
     add("--jobs", type=bounded_int("--jobs", 10, MAX_COUNT * 10), default=100, help="jobs (default 100)")
-    add("--lora", help="--url: a LoRA's name for every other prompt")
+    add("--lora", help="--url: a LoRA for every other round, NAME or NAME:WEIGHT (default weight 1)")
     add("--poll", action="store_true", help="--url: read the status route every 200 ms")
     add("--clients", type=bounded_int("--clients", 1, 8), default=1, help="--url: clients at once")
     add("--json", action="store_true", help="print one JSON record per job, then the summary")
@@ -283,9 +284,11 @@ class _WebUI:
 
     def _request(self, n: int) -> tuple[str, dict, str]:
         kind, with_lora = _kind(n)
-        lora = f" <lora:{self.a.lora}:1>" if self.a.lora and with_lora else ""
+        name = self.a.lora or ""
+        lora = f" <lora:{name if ':' in name else name + ':1'}>" if name and with_lora else ""
         base = {"prompt": f"a red apple, job {n}{lora}", "steps": 2, "width": 128, "height": 128,
-                "seed": 1234, "sampler_name": "Euler a"}  # fmt: skip
+                "seed": 1234, "sampler_name": "Euler a",
+                "alwayson_scripts": {"VRAM Guard": {"args": [{"enabled": True}]}}}  # fmt: skip
         payload, path = {
             "txt2img": (base, "/sdapi/v1/txt2img"),
             "img2img": (dict(base, init_images=[self.init], denoising_strength=0.6), "/sdapi/v1/img2img"),
