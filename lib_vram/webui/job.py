@@ -431,10 +431,14 @@ class Job:
             f"{what[:1].upper() + what[1:]}: moved the idle {room.names} ({room.nbytes / 2**30:.2f} GiB) "
             f"off the card for this pass and back after it: {why}"
         )
-        self.note(f"VRAM Guard: {text}", log=False)  # (the owner logged each move)
-        self.tracker.event("offload", text, at=stage, moved_bytes=room.nbytes)
-        self.tracker.sample("offload")
+        self.note_moved(stage, text, room.nbytes)
         return room.names
+
+    def note_moved(self, stage: str, text: str, nbytes: int) -> None:
+        """A move the owner made for ``stage``: the readout's note and the timeline's event."""
+        self.note(f"VRAM Guard: {text}", log=False)  # (the owner logged each move)
+        self.tracker.event("offload", text, at=stage, moved_bytes=nbytes)
+        self.tracker.sample("offload")
 
     def current_model(self) -> Any:
         """The checkpoint the WebUI runs this job with now."""

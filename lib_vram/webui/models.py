@@ -60,6 +60,17 @@ def checkpoint_parts(
     return out
 
 
+def model_skip_reason(sd_model: Any) -> str | None:
+    """Why VRAM Guard leaves ``sd_model``'s memory to the WebUI (None: it may manage it)."""
+    if sd_model is None:
+        return "no model"
+    if getattr(sd_model, "forge_objects", None) is not None:
+        return "Forge"
+    if getattr(sd_model, "lowvram", False):
+        return "--medvram/--lowvram"
+    return None
+
+
 def _device_of(module: torch.nn.Module) -> torch.device | None:
     for t in (*module.parameters(), *module.buffers()):
         return t.device
@@ -105,15 +116,10 @@ class CardModels:
 
     # -- reporting -----------------------------------------------------------------------------
     def skip_reason(self, sd_model: Any) -> str | None:
-        if sd_model is None:
-            return "no model"
-        if getattr(sd_model, "forge_objects", None) is not None:
-            return "Forge"
-        if getattr(sd_model, "lowvram", False):
-            return "--medvram/--lowvram"
-        if not self.has_card():
+        why = model_skip_reason(sd_model)
+        if why is None and not self.has_card():
             return "the WebUI runs on the CPU"
-        return None
+        return why
 
     def report(self, sd_model: Any, *, placed: Any = None) -> list[Model]:
         """Report ``sd_model``'s parts (the models of the previous checkpoint leave the owner).

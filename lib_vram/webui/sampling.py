@@ -52,6 +52,7 @@ import torch
 from lib_vram.core import emulate
 from lib_vram.core.device import free_bytes, is_oom_error, release
 
+from .models import model_skip_reason
 from .patching import patch_attr
 
 logger = logging.getLogger(__name__)
@@ -248,12 +249,9 @@ class SamplingGuard:
         job = self.job
         if not getattr(job.settings, "guard_sampling", True):
             return "'Guard sampling' is off"
-        if model is None:
-            return "no model"
-        if getattr(model, "forge_objects", None) is not None:
-            return "Forge"
-        if getattr(model, "lowvram", False):
-            return "--medvram/--lowvram"
+        why = model_skip_reason(model)
+        if why is not None:
+            return why
         handle = job.host.unet_of(model)
         if handle is None or handle.kind != "ldm":
             return "not an ldm/sgm UNet"
@@ -434,9 +432,7 @@ class SamplingGuard:
             f"{stage.replace('_', ' ')}: moved the {room.names} ({room.nbytes / 2**30:.2f} GiB) off the card "
             f"for this pass: {why}"
         )
-        job.note(f"VRAM Guard: {text}", log=False)  # (the owner logged each move)
-        job.tracker.event("offload", text, at=stage, moved_bytes=room.nbytes)
-        job.tracker.sample("offload")
+        job.note_moved(stage, text, room.nbytes)
         return bool(room.moved)
 
     def _install(self, dm: Any, planned: PassPlan) -> None:

@@ -29,6 +29,8 @@ import torch
 
 from lib_vram.sampling import SamplingPlan, StreamedUNet, StreamPlan, UNetSpec, plan_stream
 
+from .models import model_skip_reason
+
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
@@ -41,13 +43,7 @@ def skip_reason(sd_model: Any, settings: Any = None) -> str | None:
     """Why the UNet may not stream for this model (None: it may)."""
     if settings is not None and not getattr(settings, "stream_unet", True):
         return "'Stream the UNet' is off"
-    if sd_model is None:
-        return "no model"
-    if getattr(sd_model, "forge_objects", None) is not None:
-        return "Forge"
-    if getattr(sd_model, "lowvram", False):
-        return "--medvram/--lowvram"
-    return None
+    return model_skip_reason(sd_model)
 
 
 @dataclass
