@@ -209,11 +209,6 @@ class PeakPrediction:
     calibration: str = "uncalibrated"
 
     @property
-    def stage_bytes(self) -> int:
-        """What the stage needs beyond what is already resident (weights and input)."""
-        return self.activation_bytes
-
-    @property
     def total_bytes(self) -> int:
         """Weights + input + activations: the device memory in use at the stage's peak."""
         return self.weights_bytes + self.input_bytes + self.activation_bytes

@@ -231,11 +231,6 @@ class Timeline:
                 self._t_end = self.now()
 
     # -- reading -------------------------------------------------------------------------------
-    @property
-    def n_points(self) -> int:
-        with self._lock:
-            return len(self._t) + (self._bucket is not None)
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready snapshot (keys in docs/api.md, "The `timeline` key"; bounded by the caps)."""
         with self._lock:

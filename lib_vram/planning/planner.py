@@ -81,11 +81,6 @@ class Choice:
     def predicted_peak_bytes(self) -> int:
         return self.candidate.peak_bytes
 
-    @property
-    def headroom_bytes(self) -> int:
-        """Budget left over at the predicted peak (negative when it does not fit)."""
-        return self.budget_bytes - self.candidate.peak_bytes
-
 
 def order(candidates: Iterable[Candidate]) -> list[Candidate]:
     """Candidates in preference order (see the module docstring)."""

@@ -268,10 +268,6 @@ class Encoder(nn.Module):
                 hs.append(stage.downsample(hs[-1]))
         return hs
 
-    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
-        """Everything before the mid block (the part a tiled encode runs per tile)."""
-        return self._down_path(x)[-1]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Like ldm/sgm, every level's output stays in a list until the forward returns, so the
         # whole down path's activations are alive at once: that is what the real encoder costs.

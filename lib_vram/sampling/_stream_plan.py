@@ -114,25 +114,6 @@ class StreamPlan:
             return f"{head}, batch {self.batch} in one forward"
         return head
 
-    def modelled_step_seconds(
-        self, bandwidth_bytes_per_s: float, compute_seconds: float
-    ) -> tuple[float, float]:
-        """A model, not a measurement: (best, worst) seconds of one step whose forwards compute for
-        ``compute_seconds`` in all, with the copies at ``bandwidth_bytes_per_s``. Best: prefetch hides
-        every copy behind compute (``max``); worst: none is hidden (sum)."""
-        if bandwidth_bytes_per_s <= 0:
-            raise ValueError(f"`bandwidth_bytes_per_s` must be > 0, got {bandwidth_bytes_per_s!r}")
-        copy = self.bytes_moved_per_step / bandwidth_bytes_per_s
-        return max(compute_seconds, copy), compute_seconds + copy
-
-
-def lowvram_step_seconds(
-    lowvram_bytes_per_step: int, bandwidth_bytes_per_s: float, compute_seconds: float
-) -> float:
-    """A model: ``--lowvram``'s copies are synchronous (``module.to`` in a forward pre-hook), so
-    they add to compute."""
-    return compute_seconds + lowvram_bytes_per_step / bandwidth_bytes_per_s
-
 
 def _chain(units: Sequence[tuple[str, int]], weights_budget: int) -> list[str]:
     """Units in the order they become resident: the largest-first greedy selection that fits the

@@ -75,10 +75,6 @@ class Context:
     exact tiling (untiled when it fits, else a visible note)."""
 
 
-LiveBytes = LiveBytesCounter
-"""The name this package exported before the counters were merged (:mod:`lib_vram.core.livebytes`)."""
-
-
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
