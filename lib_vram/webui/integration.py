@@ -26,20 +26,19 @@ def _default_host() -> Any:
 
 def settings_options() -> list[tuple[str, dict]]:
     """The Settings page: the preset table, then a default for every accordion control."""
-    from .options import BOOL, CHOICE, FIELDS
+    from .options import FIELDS
 
     out: list[tuple[str, dict]] = [
         ("vram_guard_presets_table", {"kind": "html", "default": None, "label": presets_table_html()})
     ]
     for f in FIELDS:
-        kind = {BOOL: "bool", CHOICE: "choice"}.get(f.kind, "int")
         out.append(
             (
                 f.settings_key,
                 {
                     "default": f.default,
                     "label": f.settings_label,
-                    "kind": kind,
+                    "kind": f.kind,
                     "component_args": f.component_args(),
                     "info": f.info,
                 },
