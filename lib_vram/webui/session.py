@@ -171,8 +171,11 @@ class Session:
         """A job starts: the option may have been turned on or off since (Settings)."""
         if self.placement is not None:
             self.placement.refresh()
-        elif self.host.cmd_opt("vram_guard_place_checkpoint", False) or _opt_on(self.host):
-            self.start_placement()
+        else:
+            from .placement import option_on
+
+            if option_on(self.host):
+                self.start_placement()
 
     def stop_placement(self) -> None:
         """Script unload: every weight back where the WebUI would have it, the patches gone."""
@@ -301,16 +304,6 @@ class Session:
             return self.host.device()
         except (ImportError, AttributeError):
             return torch.device("cpu")
-
-
-def _opt_on(host: Any) -> bool:
-    from .placement import SETTING
-
-    get = getattr(host, "opts_get", None)
-    try:
-        return bool(get(SETTING, False)) if get is not None else False
-    except (ImportError, AttributeError):
-        return False
 
 
 _WIDTH = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
