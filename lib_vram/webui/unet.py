@@ -82,10 +82,6 @@ SKIP_NOTES = {
 _MISSING = object()
 
 
-def _short_dtype(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 class _Overflow(Exception):
     """A weight does not fit into FP16."""
 
@@ -401,7 +397,7 @@ class UNetFP16:
         ):
             # FP16 (with --upcast-sampling the WebUI itself widens GroupNorm32/GEGLU to FP32)
             return "already fp16", ""
-        names = ", ".join(sorted(_short_dtype(d) for d in counts)) or "none"
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in counts)) or "none"
         return "not fp32", SKIP_NOTES["not fp32"].format(dtypes=names)
 
     def _skip(self, key: str, why: str) -> None:
