@@ -200,8 +200,3 @@ def remove_hook(module: torch.nn.Module, name: str) -> bool:
     """Remove hook ``name`` from ``module``; ``False`` when it was not there."""
     reg = HookRegistry.of(module)
     return reg.remove(name) if reg is not None else False
-
-
-def hook_names(module: torch.nn.Module) -> tuple[str, ...]:
-    reg = HookRegistry.of(module)
-    return reg.names if reg is not None else ()

@@ -15,9 +15,8 @@ tensors only for the fake run (the module itself is not touched, nothing is allo
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -173,10 +172,6 @@ CALIBRATIONS: dict[str, Calibration] = {
 }
 
 
-def calibration_for(backend: str) -> Calibration:
-    return CALIBRATIONS.get(backend, Calibration())
-
-
 @dataclass(frozen=True)
 class PeakPrediction:
     """Predicted memory of one stage, in bytes, split by what holds it."""
@@ -202,12 +197,6 @@ class PeakPrediction:
         return d
 
 
-@contextlib.contextmanager
-def _quiet_fake() -> Iterator[None]:
-    with torch.no_grad():
-        yield
-
-
 def count_peak(
     fn: Callable[..., object],
     *args: object,
@@ -224,7 +213,7 @@ def count_peak(
     """
     mode = fake_mode or new_fake_mode()
     counter = LiveBytesCounter(workspace)
-    with _quiet_fake(), mode, counter:
+    with torch.no_grad(), mode, counter:
         result = fn(*args, **kwargs)
         del result
     return counter.peak_bytes, counter.ops
@@ -246,7 +235,7 @@ def predict_callable(
         inputs = [torch.empty(s, dtype=dt) for s in input_shapes]
     input_bytes = sum(t.numel() * t.element_size() for t in inputs)
     raw, ops = count_peak(fn, *inputs, fake_mode=mode, workspace=WORKSPACE_TERMS.get(backend))
-    cal = calibration_for(backend)
+    cal = CALIBRATIONS.get(backend, Calibration())
     logger.debug("fake run of %s: %d ops, peak %.1f MiB", getattr(fn, "__name__", fn), ops, raw / 2**20)
     return PeakPrediction(
         weights_bytes=weights,
