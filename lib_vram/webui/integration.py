@@ -10,18 +10,14 @@ import html
 import logging
 from typing import Any
 
+from . import host as default_host
+
 logger = logging.getLogger(__name__)
 
 SECTION = ("vram_guard", "VRAM Guard", "system")
 """Settings section (id, label, category); every option needs a tuple section (host-api §7.1)."""
 STATUS_ROUTE = "/vram-guard/v1/status"
 FREE_ROUTE = "/vram-guard/v1/free"
-
-
-def _default_host() -> Any:
-    from . import host
-
-    return host
 
 
 def settings_options() -> list[tuple[str, dict]]:
@@ -101,7 +97,7 @@ def presets_table_html() -> str:
 
 
 def register_settings(host: Any = None) -> None:
-    host = host if host is not None else _default_host()
+    host = host if host is not None else default_host
     host.add_options(SECTION, settings_options())
 
 
@@ -109,7 +105,7 @@ def defaults(host: Any = None) -> Any:
     """The accordion's defaults from the Settings page (``VRAMGuardOptions``)."""
     from .options import defaults_from_settings
 
-    host = host if host is not None else _default_host()
+    host = host if host is not None else default_host
     return defaults_from_settings(host.opts_get)
 
 
@@ -127,7 +123,7 @@ def api_dependencies(app: Any, host: Any = None) -> list:
     for route in getattr(app, "routes", []):
         if getattr(route, "path", None) == API_PROBE_ROUTE:
             return list(getattr(route, "dependencies", None) or [])
-    host = host if host is not None else _default_host()
+    host = host if host is not None else default_host
     creds = host.cmd_opt("api_auth", None)
     return [basic_auth_dependency(creds)] if creds else []
 
@@ -216,7 +212,7 @@ def api_defaults_follow_settings(app: Any, session: Any, host: Any = None) -> in
             api = getattr(getattr(route, "endpoint", None), "__self__", None)
     if api is None:
         return 0  # no --api: only the UI sends arguments, always explicit
-    host = host if host is not None else getattr(session, "host", None) or _default_host()
+    host = host if host is not None else getattr(session, "host", None) or default_host
     changed = 0
     for tab, runner in host.script_runners().items():
         values = getattr(api, _API_DEFAULT_LISTS[tab], None)
@@ -242,7 +238,7 @@ def api_defaults_follow_settings(app: Any, session: Any, host: Any = None) -> in
 def configure_logging(host: Any = None) -> None:
     from lib_vram.core import log
 
-    host = host if host is not None else _default_host()
+    host = host if host is not None else default_host
     level = host.cmd_opt("vram_guard_log_level", None)
     log.configure(level or "INFO")
 
@@ -251,7 +247,7 @@ def check_conflicts(session: Any, host: Any = None) -> None:
     """Tell the user when the Tiled VAE extension is enabled next to us (log + readout note)."""
     from .session import TILED_VAE_NOTE
 
-    host = host if host is not None else _default_host()
+    host = host if host is not None else default_host
     where = host.tiled_vae_extension_installed()
     if where:
         session.note(TILED_VAE_NOTE.format(where=where))

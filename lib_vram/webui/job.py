@@ -39,18 +39,13 @@ from lib_vram.core.readout import stage_words, vae_pass_note
 from lib_vram.core.timeline import Timeline
 from lib_vram.core.tracker import StageTracker
 
+from . import host as default_host
 from .settings import JobSettings
 
 logger = logging.getLogger(__name__)
 
 HOOK_NAME = "vram_guard"
 """Name of our hook in a module's hook registry."""
-
-
-def _default_host() -> Any:
-    from . import host
-
-    return host
 
 
 class Job:
@@ -76,7 +71,7 @@ class Job:
         self.options = options
         self.kind = kind
         self.token = token
-        self.host = host if host is not None else _default_host()
+        self.host = host if host is not None else default_host
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.tracker = tracker if tracker is not None else StageTracker(self.device, owns_peak_counters=False)
         self.timeline = Timeline(total_bytes=total_bytes, measure=self.tracker.measure)

@@ -21,6 +21,7 @@ import torch
 
 from lib_vram.core.device import capabilities, memory_info, release
 
+from . import host as default_host
 from .job import Job
 from .profiling import ProfileSwitch
 from .settings import resolve
@@ -39,12 +40,6 @@ REVERT_NOTE = (
 )
 
 
-def _default_host() -> Any:
-    from . import host
-
-    return host
-
-
 OPTIONS_ERROR_KEY = "VRAM Guard error"
 """Infotext / ``extra_generation_params`` key naming bad VRAM Guard arguments of a job."""
 
@@ -53,7 +48,7 @@ class Session:
     """Process-wide state of the loaded extension (see the module docstring)."""
 
     def __init__(self, host: Any = None) -> None:
-        self.host = host if host is not None else _default_host()
+        self.host = host if host is not None else default_host
         self._jobs: weakref.WeakSet[Job] = weakref.WeakSet()
         self._lock = threading.RLock()
         self.last: dict | None = None
