@@ -6,20 +6,9 @@ UNet's weights are what is left to give. :func:`plan_stream` keeps the largest u
 activations the sampling plan predicts at the chosen micro-batch, the inputs and the streaming
 buffers); :class:`~._stream.StreamedUNet` streams the others.
 
-Why the largest units stay resident (numbers: ``docs/streaming.md``): for a given number of
-resident bytes the bytes streamed per forward are the same whichever units hold them, but
-
-* the streaming buffer is the largest *pair* of consecutive streamed units (the one computing and
-  the one arriving), so streaming only small units keeps the buffer small and leaves more of the
-  budget for residency (SDXL's middle block and its 10-deep transformer blocks are ~6-7 % of the
-  UNet each; a ResBlock of the first level is 0.1 %);
-* the big units are the low-resolution transformer blocks, which do the least compute per byte of
-  weight, so a copy of one of them would be the hardest to hide behind compute; the small
-  high-resolution units do the most compute per byte: their copies hide behind the previous unit.
-
-The plan is learned like the engines' (:data:`lib_vram.planning.planner.MEMORY`): candidates are
-nested resident sets, and a set that ran out of memory is not chosen again for the same model,
-size, dtype, attention and budget bucket; the next plan keeps fewer units resident.
+Why the largest units stay resident, and how the plan learns from an out-of-memory error
+(:data:`lib_vram.planning.planner.MEMORY`; candidates are nested resident sets): docs/streaming.md,
+"Which units stay resident, and why (numbers)".
 """
 
 from __future__ import annotations
