@@ -32,15 +32,6 @@ UI_STATUS_ROUTE = "/internal/vram-guard/status"
 login, like the WebUI's own ``/internal/*`` routes), where ``STATUS_ROUTE`` follows the API's
 (``--api-auth``)."""
 
-STAGES: tuple[tuple[str, str], ...] = (
-    ("sampling", "Sampling"),
-    ("hires_upscale", "Hires upscale"),
-    ("hires_encode", "Hires encode"),
-    ("decode", "Decode"),
-    ("postprocess", "Postprocess"),
-)
-"""The pipeline stages the readout always lists, in order: (id, label)."""
-
 KNOWN_STAGES: tuple[tuple[str, str], ...] = (
     ("encode", "Encode (img2img)"),
     ("img2img_upscale", "Img2img upscale"),
@@ -73,6 +64,10 @@ EMULATED_NOTE = (
 )
 
 _LABELS = dict(KNOWN_STAGES)
+STAGES: tuple[tuple[str, str], ...] = tuple(
+    (sid, _LABELS[sid]) for sid in ("sampling", "hires_upscale", "hires_encode", "decode", "postprocess")
+)
+"""The pipeline stages the readout always lists, in order: (id, label)."""
 _ORDER = {sid: i for i, (sid, _label) in enumerate(KNOWN_STAGES)}
 
 
