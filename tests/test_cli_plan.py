@@ -6,6 +6,7 @@ import pytest
 
 from lib_vram.cli import main
 from lib_vram.cli import plan as _cli_plan
+from lib_vram.core.emulate import parse_size
 from lib_vram.planning.presets import PRESET_NAMES
 
 RECORD_KEYS = {
@@ -83,12 +84,12 @@ def test_table_output(capsys):
     ("text", "value"), [("6GB", 6 * 2**30), ("5.5GiB", int(5.5 * 2**30)), ("4096MB", 2**32)]
 )
 def test_parse_size(text, value):
-    assert _cli_plan.parse_size(text) == value
+    assert parse_size(text, "--vram") == value
 
 
 def test_parse_size_rejects_garbage():
     with pytest.raises(ValueError, match="`--vram`"):
-        _cli_plan.parse_size("lots")
+        parse_size("lots", "--vram")
 
 
 def test_doctor_recommends_a_preset(capsys):

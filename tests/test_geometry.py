@@ -35,7 +35,7 @@ def test_cores_partition_and_respect_bounds(length, tile_units, align, halo):
 def test_grid_and_overhead():
     tiles = grid(100, 60, 50, halo=5)
     assert len(tiles) == 2 * 2
-    assert sum(t.core_pixels for t in tiles) == 100 * 60
+    assert sum(t.y.core_size * t.x.core_size for t in tiles) == 100 * 60
     assert overhead(tiles, 100, 60) > 1.0
     assert overhead(grid(64, 64, 64), 64, 64) == 1.0
 

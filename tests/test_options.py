@@ -17,6 +17,8 @@ from lib_vram.webui.options import FIELDS, VRAMGuardOptions
 # The WebUI's infotext parser (modules/infotext_utils.py, v1.10.1), restated from host-api.md §1.8:
 # a key is `\w[\w \-/]+`, a value is a JSON string or runs to the next comma.
 PARAM_RE = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
+INFOTEXT_KEY_RE = re.compile(r"^\w[\w \-/]+$")
+"""What that parser accepts as a key."""
 
 
 def webui_quote(value: str) -> str:
@@ -172,7 +174,7 @@ def test_infotext_round_trip_through_the_webui_parser(opts):
         assert entries == {}
         return
     for key, value in entries.items():
-        assert O.INFOTEXT_KEY_RE.match(key), key
+        assert INFOTEXT_KEY_RE.match(key), key
         assert "\n" not in value
     params = webui_parse(write_line(entries))
     assert params["Steps"] == "20" and params["Size"] == "512x512"

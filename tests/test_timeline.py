@@ -23,7 +23,8 @@ from lib_vram.core import readout as R
 from lib_vram.core.timeline import Timeline, render_svg
 from lib_vram.core.tracker import StageTracker
 from lib_vram.planning import planner
-from lib_vram.webui import STATUS_ROUTE, ScriptJobs, Session, mount_routes
+from lib_vram.webui import ScriptJobs, Session, mount_routes
+from lib_vram.webui.integration import STATUS_ROUTE
 from lib_vram.webui.options import VRAMGuardOptions
 
 GiB = 2**30

@@ -106,7 +106,7 @@ def test_inputs_in_documented_order_with_defaults_choices_ranges_and_ids():
         "Checkbox",
         "Checkbox",
     ]
-    assert sorted(n for row in ui.LAYOUT for n in row) == sorted(O.API_ARG_ORDER[1:])
+    assert sorted(n for row in ui.COMMON + ui.ADVANCED for n in row) == sorted(O.API_ARG_ORDER[1:])
     for f, comp in zip(FIELDS, w.inputs):
         assert w.controls[f.name] is comp
         assert comp.value == getattr(NON_DEFAULT, f.name), f.name

@@ -15,8 +15,9 @@ from tolerances import VAE_EXACT
 from webui_fakes import FakeHost, FakeP, tiny_decoder, tiny_encoder
 
 from lib_vram.core.hooks import HookRegistry
-from lib_vram.webui import HOOK_NAME, ScriptJobs, Session
+from lib_vram.webui import ScriptJobs, Session
 from lib_vram.webui.forge import DECODE_SLOT, ENCODE_SLOT
+from lib_vram.webui.job import HOOK_NAME
 from lib_vram.webui.options import VRAMGuardOptions
 
 

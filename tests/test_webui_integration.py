@@ -11,19 +11,18 @@ from fastapi.testclient import TestClient
 from webui_fakes import FakeHost, FakeP, fake_sd_model, tiny_decoder
 
 from lib_vram.core.hooks import register_hook, remove_hook
-from lib_vram.webui import (
+from lib_vram.webui import ScriptJobs, Session
+from lib_vram.webui.host import tiled_vae_extension_installed
+from lib_vram.webui.integration import (
     FREE_ROUTE,
     STATUS_ROUTE,
-    ScriptJobs,
-    Session,
-    foreign_vae_wrapper,
+    check_conflicts,
     mount_routes,
-    resolve,
     settings_options,
 )
-from lib_vram.webui.host import tiled_vae_extension_installed
-from lib_vram.webui.integration import check_conflicts
 from lib_vram.webui.options import FIELDS, VRAMGuardOptions
+from lib_vram.webui.patching import foreign_vae_wrapper
+from lib_vram.webui.settings import resolve
 
 
 def test_settings_cover_every_option_with_a_tuple_section_kind():

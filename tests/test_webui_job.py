@@ -11,7 +11,8 @@ import torch
 from webui_fakes import FakeHost, FakeP, fake_sd_model, tiny_decoder
 
 from lib_vram.core.hooks import ATTR, HookRegistry
-from lib_vram.webui import HOOK_NAME, ScriptJobs, Session
+from lib_vram.webui import ScriptJobs, Session
+from lib_vram.webui.job import HOOK_NAME
 from lib_vram.webui.options import VRAMGuardOptions
 
 Z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(5))

@@ -222,6 +222,11 @@ def job(w: World, body: Any = sample, *, enabled: bool = True, inject_at: int | 
     return Run(out, error, status, peak, passes)
 
 
+def _awake(placed: Any) -> str:
+    """The parked parts on the card now (woken, not yet home)."""
+    return ", ".join(m.name for m in placed._woken())
+
+
 def bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in model.state_dict().items()}
 
@@ -356,9 +361,9 @@ def test_with_the_accordion_off_the_unets_first_forward_puts_the_text_encoders_b
         def body(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
             model.cond_stage_model.embedding(torch.zeros(1, 77, dtype=torch.long))  # the conditioning
             model.first_stage_model.decoder.conv_in(torch.zeros(1, 4, 4, 4))  # a (preview) decode
-            woken = placed.awake_names
+            woken = _awake(placed)
             out = unet_of(model)(torch.cat([X, X]), SIGMAS[0], context=torch.cat([COND, UNCOND]))
-            return woken, placed.awake_names, w.card.resident_bytes, out
+            return woken, _awake(placed), w.card.resident_bytes, out
 
         r = job(w, body, enabled=False)
         assert r.error is None, r.error
@@ -405,7 +410,7 @@ def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_s
         seen, _ = r.out
         assert seen == [base, base + te, base + te + vae], seen  # each woken by its own use
         assert r.passes[0].moved == "", r.passes  # they went home when the pass began
-        assert w.card.resident_bytes == base and not placed.awake_names  # asleep again after it
+        assert w.card.resident_bytes == base and not _awake(placed)  # asleep again after it
         # and the log says each move once, with its reason (it said "the text encoders, VAE are back
         # on the card" while they stayed on the CPU)
         moves = [r.getMessage() for r in caplog.records if " MiB) to the " in r.getMessage()]
@@ -892,7 +897,7 @@ def test_an_interrupt_during_a_placed_pass_leaves_every_model_where_the_plan_say
         r = job(w, stopped)
         assert isinstance(r.error, RuntimeError)
         assert all(u.state == "away" for u in placed.streamer._units)
-        assert w.card.resident_bytes == base and not placed.awake_names
+        assert w.card.resident_bytes == base and not _awake(placed)
         models = {m["name"]: m["where"] for m in w.session.status()["models"]}
         assert models == {"UNet": "streamed", "text encoders": "host", "VAE": "host"}, models
         r = job(w)

@@ -68,23 +68,6 @@ def check_device(text: str | None, option: str = "--device") -> str | None:
     raise UsageError(f"`{option} {text}`: VRAM Guard does not run on {dev.type!r} devices ({DEVICE_HINT})")
 
 
-def positive_finite(option: str):
-    """An argparse ``type=`` for a float option that must be finite and > 0 (``inf``/``nan`` refused)."""
-    import argparse
-
-    def parse(value: str) -> float:
-        try:
-            x = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-        if not math.isfinite(x) or x <= 0:
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value!r}")
-        return x
-
-    parse.__name__ = option.lstrip("-")
-    return parse
-
-
 # -- bounds on every size/count option (docs/cli.md) ------------------------------------------------
 
 GiB = 2**30

@@ -7,7 +7,7 @@ import json
 import time
 
 from lib_vram.core.device import capabilities, free_bytes, memory_info, resolve_device
-from lib_vram.core.emulate import parse_size as emulate_parse_size
+from lib_vram.core.emulate import parse_size
 from lib_vram.planning.presets import PRESET_NAMES, resolve_precision, resolve_preset
 from lib_vram.planning.reference import ARCHS, UPSCALERS, vae_arch
 from lib_vram.sampling import CONTROLS
@@ -23,12 +23,6 @@ HELP = "Predict each stage's peak memory for a generation and choose tiles/batch
 SCHEMA_VERSION = 1
 MAX_CONTROLNETS = 8
 """The most ControlNet units a plan takes (sd-webui-controlnet's unit count setting goes to 8)."""
-
-
-def parse_size(text: str, option: str = "--vram", *, allow_zero: bool = False) -> int:
-    """``"6GB"``/``"6G"``/``"6GiB"`` -> 6 GiB, ``"4096MB"`` -> 4 GiB. Card sizes are binary: a "6 GB"
-    card has 6 GiB, so GB and GiB mean the same here. Errors name ``option``."""
-    return emulate_parse_size(text, option, allow_zero=allow_zero)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -173,7 +167,7 @@ def collect(args: argparse.Namespace) -> dict:
     dev = resolve_device(args.device)
     caps = capabilities(dev)
     if args.vram is not None:
-        total = free = parse_size(args.vram)
+        total = free = parse_size(args.vram, "--vram")
         emulated = emulate_vram(total, dev)
         # A generic card of that size: half precision, bf16 unknown -> assume fp16 only.
         from types import SimpleNamespace

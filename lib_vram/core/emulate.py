@@ -1,22 +1,16 @@
 """A small GPU in software: an emulated device memory of N bytes on any machine.
 
-``with EmulatedCard(4 * GiB):`` puts the code inside on a 4 GiB card:
-
-* **on the CPU** every tensor storage that an operator creates in that thread counts against the
-  card's capacity (live bytes, :class:`lib_vram.core.livebytes.LiveBytesCounter` with a capped ledger),
-  and the allocation that would cross it raises ``torch.OutOfMemoryError`` with a CUDA-like message
-  - the exception CUDA raises, so :func:`lib_vram.core.device.is_oom_error`, the engines' retries and the
-  WebUI's own error handling see the real thing. Convolutions also count the backend's transient
-  scratch (``predict.WORKSPACE_TERMS``), as the planner predicts them.
-* **on CUDA** the same switch caps the process with ``torch.cuda.set_per_process_memory_fraction``
-  (the caching allocator then raises the real error) and puts the previous fraction back on exit.
-
-Bytes that are already "on the card" when it starts (model weights) are passed as ``resident``
-(bytes or modules) and count as used. The memory probes (:func:`lib_vram.core.device.memory_info`,
-``free_bytes``, the readout, the status route, the Auto preset) report the emulated card's total and
-free memory while a card is active in the calling thread or installed process-wide
-(:func:`install`, what the ``--emulate-vram`` CLI flag and the WebUI's
-``--vram-guard-emulate-vram`` flag do), so Auto plans for the emulated card.
+``with EmulatedCard(4 * GiB):`` puts the code inside on a 4 GiB card (docs/how-it-works.md, "The
+emulated card"). On the CPU every tensor storage an operator creates in that thread counts against
+the capacity (:class:`lib_vram.core.livebytes.LiveBytesCounter` with a capped ledger; convolutions
+also count ``predict.WORKSPACE_TERMS``' scratch), and the allocation that would cross it raises
+``torch.OutOfMemoryError``: the exception CUDA raises, so :func:`lib_vram.core.device.is_oom_error`,
+the engines' retries and the WebUI's own error handling see the real thing. On CUDA the switch caps
+the process with ``torch.cuda.set_per_process_memory_fraction`` and puts the previous fraction back.
+Weights already "on the card" are passed as ``resident`` (bytes or modules). The memory probes
+(:func:`lib_vram.core.device.memory_info`, ``free_bytes``) report the card while it is active in the
+calling thread or installed process-wide (:func:`install`: the ``--emulate-vram`` and
+``--vram-guard-emulate-vram`` flags).
 
 Tensors that an engine keeps in *host* memory (parked tile state, a CPU-side accumulator) are
 device memory too when the device is the CPU; engines call :func:`to_host` / :func:`to_device` on

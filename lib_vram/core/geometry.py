@@ -28,16 +28,6 @@ class Span:
     def core_size(self) -> int:
         return self.core_end - self.core_start
 
-    @property
-    def lead(self) -> int:
-        """Halo actually present before the core (less than asked at the image border)."""
-        return self.core_start - self.start
-
-    @property
-    def trail(self) -> int:
-        """Halo actually present after the core."""
-        return self.end - self.core_end
-
 
 @dataclass(frozen=True)
 class Tile:
@@ -45,10 +35,6 @@ class Tile:
 
     y: Span
     x: Span
-
-    @property
-    def core_pixels(self) -> int:
-        return self.y.core_size * self.x.core_size
 
     @property
     def pixels(self) -> int:

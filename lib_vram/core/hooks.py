@@ -94,16 +94,6 @@ class HookRegistry:
         """Whether our trampoline is in the module's ``forward`` chain."""
         return self._trampoline is not None
 
-    @property
-    def on_top(self) -> bool:
-        """Whether the module's ``forward`` is our trampoline itself (nobody wrapped it after us)."""
-        module = self._module_ref()
-        return (
-            module is not None
-            and self._trampoline is not None
-            and module.__dict__.get("forward") is self._trampoline
-        )
-
     # -- changing ----------------------------------------------------------------------------
     def register(self, name: str, fn: Hook, *, replace: bool = False) -> None:
         """Add hook ``name`` as the outermost hook; ``replace=True`` swaps an existing one in place."""
@@ -210,8 +200,3 @@ def remove_hook(module: torch.nn.Module, name: str) -> bool:
     """Remove hook ``name`` from ``module``; ``False`` when it was not there."""
     reg = HookRegistry.of(module)
     return reg.remove(name) if reg is not None else False
-
-
-def hook_names(module: torch.nn.Module) -> tuple[str, ...]:
-    reg = HookRegistry.of(module)
-    return reg.names if reg is not None else ()

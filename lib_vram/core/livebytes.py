@@ -187,11 +187,6 @@ class LiveBytesCounter(TorchDispatchMode):
         if storage is not None:
             self.ledger.add(storage)
 
-    def untrack(self, tensor: torch.Tensor) -> int:
-        """Stop counting ``tensor``'s storage; returns its bytes."""
-        storage = _storage_of(tensor)
-        return 0 if storage is None else self.ledger.remove(storage)
-
     def reset_peak(self) -> None:
         self.ledger.reset_peak()
 

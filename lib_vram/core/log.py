@@ -24,17 +24,13 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def get_logger() -> logging.Logger:
-    return logging.getLogger(LOGGER_NAME)
-
-
 def configure(level: str | int | None = None) -> logging.Logger:
     """Give the ``lib_vram`` logger a stderr handler (once) and set its level.
 
     Hosts that configure logging themselves keep their handlers: we add ours only when the
     logger has none, and we do not propagate twice to the root logger in that case.
     """
-    logger = get_logger()
+    logger = logging.getLogger(LOGGER_NAME)
     if level is not None:
         if isinstance(level, str):
             value = logging.getLevelName(level.upper())

@@ -1,29 +1,12 @@
 """Predict a stage's peak memory before it runs, by running its code on fake tensors.
 
-How it works
-------------
-PyTorch's fake-tensor mode (``torch._subclasses.fake_tensor.FakeTensorMode``) runs the real model
-code - the same Python, the same aten operators, the same shapes and dtypes - without allocating or
-computing anything. :class:`LiveBytesCounter` (:mod:`lib_vram.core.livebytes`) is a ``TorchDispatchMode``
-pushed inside it: every operator's outputs are registered by their storage, and a
-``weakref.finalize`` on each storage subtracts its bytes when Python frees it. The high-water mark
-of that running total is the peak of the bytes the stage's operators allocate, in the order the
-real code allocates and frees them (in-place ops and views share a storage and are not counted
-twice). A 1024² SD VAE decode is counted in ~0.2 s.
-
-What the count covers and what it does not:
-
-* **weights** are counted separately (:attr:`PeakPrediction.weights_bytes`): they are resident
-  before and after a stage, so a planner subtracts them from the free memory once;
-* **input** bytes (the latent, the image) also exist before the stage starts;
-* **activations** are what the fake run counts;
-* **workspace** - scratch memory of the backend's kernels - is invisible to the dispatcher. It is
-  modelled per operator by a backend term (:data:`WORKSPACE_TERMS`): for each convolution the
-  counter asks the term how many bytes the kernel allocates next to its output while it runs, and
-  raises the peak by that much (transiently: the scratch is freed when the operator returns).
-  The CPU term is measured (see :func:`cpu_conv_workspace_bytes`); CUDA's cuDNN workspace is a
-  documented, uncalibrated term (0). What is left (allocator rounding, library handles) is the
-  per-backend :class:`Calibration`, checked against measurements (``python -m lib_vram bench planner``).
+How it works: docs/how-it-works.md, "How the predictor works". :class:`LiveBytesCounter`
+(:mod:`lib_vram.core.livebytes`) counts the stage's activations inside a ``FakeTensorMode``;
+weights (:attr:`PeakPrediction.weights_bytes`) and the input are counted apart (resident before
+the stage: a planner subtracts them from the free memory once); kernel scratch is a per-backend
+term per convolution (:data:`WORKSPACE_TERMS`; the CPU's measured, :func:`cpu_conv_workspace_bytes`;
+CUDA's cuDNN workspace uncalibrated, 0); what is left (allocator rounding, library handles) is the
+per-backend :class:`Calibration`, checked by ``python -m lib_vram bench planner``.
 
 Models never need real weights for a prediction: build them inside the fake mode (see
 :mod:`lib_vram.planning.reference`), or pass a real module, whose weights :func:`fake_state` replaces by fake
@@ -32,9 +15,8 @@ tensors only for the fake run (the module itself is not touched, nothing is allo
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -190,10 +172,6 @@ CALIBRATIONS: dict[str, Calibration] = {
 }
 
 
-def calibration_for(backend: str) -> Calibration:
-    return CALIBRATIONS.get(backend, Calibration())
-
-
 @dataclass(frozen=True)
 class PeakPrediction:
     """Predicted memory of one stage, in bytes, split by what holds it."""
@@ -209,11 +187,6 @@ class PeakPrediction:
     calibration: str = "uncalibrated"
 
     @property
-    def stage_bytes(self) -> int:
-        """What the stage needs beyond what is already resident (weights and input)."""
-        return self.activation_bytes
-
-    @property
     def total_bytes(self) -> int:
         """Weights + input + activations: the device memory in use at the stage's peak."""
         return self.weights_bytes + self.input_bytes + self.activation_bytes
@@ -222,12 +195,6 @@ class PeakPrediction:
         d = asdict(self)
         d["total_bytes"] = self.total_bytes
         return d
-
-
-@contextlib.contextmanager
-def _quiet_fake() -> Iterator[None]:
-    with torch.no_grad():
-        yield
 
 
 def count_peak(
@@ -246,7 +213,7 @@ def count_peak(
     """
     mode = fake_mode or new_fake_mode()
     counter = LiveBytesCounter(workspace)
-    with _quiet_fake(), mode, counter:
+    with torch.no_grad(), mode, counter:
         result = fn(*args, **kwargs)
         del result
     return counter.peak_bytes, counter.ops
@@ -268,7 +235,7 @@ def predict_callable(
         inputs = [torch.empty(s, dtype=dt) for s in input_shapes]
     input_bytes = sum(t.numel() * t.element_size() for t in inputs)
     raw, ops = count_peak(fn, *inputs, fake_mode=mode, workspace=WORKSPACE_TERMS.get(backend))
-    cal = calibration_for(backend)
+    cal = CALIBRATIONS.get(backend, Calibration())
     logger.debug("fake run of %s: %d ops, peak %.1f MiB", getattr(fn, "__name__", fn), ops, raw / 2**20)
     return PeakPrediction(
         weights_bytes=weights,

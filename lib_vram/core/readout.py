@@ -4,39 +4,10 @@ The host adapter serves :func:`status_payload` at ``GET /vram-guard/v1/status``;
 :func:`render_readout_html` of the same payload; ``javascript/vram_guard.js`` polls the route while
 a job runs and swaps in the payload's ``html``.
 
-Payload keys (``schema`` 1; a change of meaning bumps ``schema``):
-
-=================== ==========================================================================
-key                 meaning
-=================== ==========================================================================
-``schema``          1
-``device``          e.g. ``"cuda:0"``, ``"cpu"``
-``device_name``     e.g. ``"NVIDIA GeForce RTX 3060"``, or ``null``
-``backend``         ``cuda``, ``rocm``, ``mps``, ``xpu`` or ``cpu``
-``cpu_only``        ``true`` when no accelerator is used (memory is then system RAM)
-``memory``          object: ``basis`` (``"device memory"`` or ``"system RAM"``), ``total_bytes``,
-                    ``used_bytes``, ``free_bytes``, ``allocated_bytes``, ``reserved_bytes``
-                    (``null`` without an allocator), ``process_rss_bytes``,
-                    ``system_total_bytes``, ``system_available_bytes``
-``job_running``     whether a generation is running now
-``stages``          list, in pipeline order (:data:`KNOWN_STAGES`, then any other stage in the
-                    order seen), one object per stage of
-                    the last job: ``stage`` (id), ``label``, ``peak_bytes``, ``plan`` (or
-                    ``null``), ``seconds`` (summed), ``count`` (times it ran), ``ok``, ``exact``
-                    (``false``: the peak is a sampled lower bound), ``error`` (or ``null``)
-``emulated``        the emulated card's label (``--emulate-vram``, :mod:`lib_vram.core.emulate`) when
-                    ``memory`` describes one, else ``null``
-``notes``           list of strings in plain words (warnings, what a pass did to fit: see
-                    :func:`vae_pass_note`, the CPU-only notice, what a release freed)
-``timeline``        the last (or running) job's memory timeline (:mod:`lib_vram.core.timeline`,
-                    :meth:`~lib_vram.core.timeline.Timeline.to_dict`; bounded), or ``null``
-``profile``         'Profile the next job' (WebUI only; absent elsewhere): ``armed``, and ``last``
-                    (``null`` or the last profiled job: ``kind``, ``folder``, ``notes`` and
-                    ``stages``, each ``stage``, ``ok``, ``error``, ``seconds``, ``peak_bytes``,
-                    ``alloc_bytes``, ``top`` operators (``name``, ``calls``, ``alloc_bytes``,
-                    ``net_bytes``) and ``files`` (``trace``, ``summary``, ``snapshot`` -> path))
-``html``            the readout's inner HTML (what the JS puts into the page)
-=================== ==========================================================================
+Payload keys (``schema`` 1; a change of meaning bumps ``schema``): docs/api.md, "Status route".
+Beyond it: ``emulated`` is the emulated card's label (:mod:`lib_vram.core.emulate`) when ``memory``
+describes one, else ``null``; ``stages`` come in pipeline order (:data:`KNOWN_STAGES`, then any
+other stage in the order seen).
 """
 
 from __future__ import annotations
@@ -60,15 +31,6 @@ UI_STATUS_ROUTE = "/internal/vram-guard/status"
 """The same payload for the page's readout: it follows the WebUI's UI access control (its Gradio
 login, like the WebUI's own ``/internal/*`` routes), where ``STATUS_ROUTE`` follows the API's
 (``--api-auth``)."""
-
-STAGES: tuple[tuple[str, str], ...] = (
-    ("sampling", "Sampling"),
-    ("hires_upscale", "Hires upscale"),
-    ("hires_encode", "Hires encode"),
-    ("decode", "Decode"),
-    ("postprocess", "Postprocess"),
-)
-"""The pipeline stages the readout always lists, in order: (id, label)."""
 
 KNOWN_STAGES: tuple[tuple[str, str], ...] = (
     ("encode", "Encode (img2img)"),
@@ -102,6 +64,10 @@ EMULATED_NOTE = (
 )
 
 _LABELS = dict(KNOWN_STAGES)
+STAGES: tuple[tuple[str, str], ...] = tuple(
+    (sid, _LABELS[sid]) for sid in ("sampling", "hires_upscale", "hires_encode", "decode", "postprocess")
+)
+"""The pipeline stages the readout always lists, in order: (id, label)."""
 _ORDER = {sid: i for i, (sid, _label) in enumerate(KNOWN_STAGES)}
 
 

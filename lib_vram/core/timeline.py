@@ -31,7 +31,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DEFAULT_MAX_POINTS = 400
@@ -59,17 +59,10 @@ class _Band:
     thread: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "t0": round(self.t0, 4),
-            "t1": None if self.t1 is None else round(self.t1, 4),
-            "plan": self.plan,
-            "ok": self.ok,
-            "error": self.error,
-            "peak_bytes": self.peak_bytes,
-            "exact": self.exact,
-            "samples": self.samples,
-        }
+        d = asdict(self)
+        del d["thread"]  # (which thread's stage it is: internal)
+        d["t0"], d["t1"] = round(self.t0, 4), None if self.t1 is None else round(self.t1, 4)
+        return d
 
 
 @dataclass
@@ -231,11 +224,6 @@ class Timeline:
                 self._t_end = self.now()
 
     # -- reading -------------------------------------------------------------------------------
-    @property
-    def n_points(self) -> int:
-        with self._lock:
-            return len(self._t) + (self._bucket is not None)
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready snapshot (keys in docs/api.md, "The `timeline` key"; bounded by the caps)."""
         with self._lock:

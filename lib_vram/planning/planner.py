@@ -17,13 +17,9 @@ plan (and never a smaller tile): ``tests/test_planner.py`` checks it with hypoth
 
 Learning within the process
 ---------------------------
-An OOM can still happen (fragmentation, other processes, a calibration that is off). Both engines
-(:mod:`lib_vram.vae`, :mod:`lib_vram.upscale`) report every out-of-memory retry and every finished
-plan to one :class:`PlanMemory` (:data:`MEMORY` unless they are given another), keyed by
-:func:`plan_key` (stage, model architecture signature, input shape, dtype), and their automatic
-choice goes through :meth:`PlanMemory.adjust`: a plan at least as large as one that failed is not
-chosen again for that key, the next call starts at the plan that worked, and a measured peak above
-the prediction raises later predictions for that key by the observed ratio.
+Both engines report every out-of-memory retry and every finished plan to one :class:`PlanMemory`
+(:data:`MEMORY` unless given another) under :func:`plan_key`, and choose through
+:meth:`PlanMemory.adjust` (docs/how-it-works.md, "Planning").
 """
 
 from __future__ import annotations
@@ -80,11 +76,6 @@ class Choice:
     @property
     def predicted_peak_bytes(self) -> int:
         return self.candidate.peak_bytes
-
-    @property
-    def headroom_bytes(self) -> int:
-        """Budget left over at the predicted peak (negative when it does not fit)."""
-        return self.budget_bytes - self.candidate.peak_bytes
 
 
 def order(candidates: Iterable[Candidate]) -> list[Candidate]:

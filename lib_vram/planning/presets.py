@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from lib_vram.core.release import RELEASE_POINTS
 
-from .tiers import TIERS_GB, GiB, tier_for_total, tier_label
+from .tiers import GiB, tier_for_total, tier_label
 
 MiB = 1024**2
 
@@ -230,28 +230,3 @@ def allocator_conf(preset: Preset, backend: str = "cuda", platform: str | None =
     if preset.allocator.get("expandable_segments") and plat.startswith("linux"):
         parts.append("expandable_segments:True")
     return ",".join(parts)
-
-
-def validate_preset(preset: Preset) -> None:
-    """Raise ``ValueError`` naming the first field of ``preset`` that is out of range."""
-    p = preset
-    if p.vae_mode not in VAE_MODES:
-        raise ValueError(f"`vae_mode` must be one of {VAE_MODES}, got {p.vae_mode!r}")
-    for fname in ("precision_vae", "precision_upscale"):
-        if getattr(p, fname) not in PRECISIONS:
-            raise ValueError(f"`{fname}` must be one of {PRECISIONS}, got {getattr(p, fname)!r}")
-    unknown = set(p.release_at) - set(RELEASE_POINTS)
-    if unknown:
-        raise ValueError(f"`release_at` has unknown boundaries {sorted(unknown)}; known: {RELEASE_POINTS}")
-    if p.safety_margin_bytes < 0:
-        raise ValueError(f"`safety_margin_bytes` must be >= 0, got {p.safety_margin_bytes}")
-    if not (0.0 <= p.safety_margin_fraction < 0.5):
-        raise ValueError(f"`safety_margin_fraction` must be in [0, 0.5), got {p.safety_margin_fraction}")
-    extra = set(p.allocator) - {"garbage_collection_threshold", "expandable_segments"}
-    if extra:
-        raise ValueError(f"`allocator` has unknown keys {sorted(extra)}")
-    gct = p.allocator.get("garbage_collection_threshold")
-    if gct is not None and not (0.0 < float(gct) < 1.0):
-        raise ValueError(f"`allocator` garbage_collection_threshold must be in (0, 1), got {gct}")
-    if p.name != AUTO and p.tier_gb not in TIERS_GB:
-        raise ValueError(f"`tier_gb` must be one of {TIERS_GB}, got {p.tier_gb}")

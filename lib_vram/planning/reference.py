@@ -219,8 +219,8 @@ class Decoder(nn.Module):
         self.norm_out = _norm(block_in)
         self.conv_out = nn.Conv2d(block_in, 3, 3, padding=1)
 
-    def forward_tail(self, h: torch.Tensor) -> torch.Tensor:
-        """Everything after the mid block (the part a tiled decode runs per tile)."""
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        h = self.mid(self.conv_in(z))
         for level in reversed(range(len(self.up))):
             for block in self.up[level].block:
                 h = block(h)
@@ -229,9 +229,6 @@ class Decoder(nn.Module):
         h = self.norm_out(h)
         h = _act(h, self.act)
         return self.conv_out(h)
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.forward_tail(self.mid(self.conv_in(z)))
 
 
 class Encoder(nn.Module):
@@ -259,23 +256,15 @@ class Encoder(nn.Module):
         self.norm_out = _norm(block_in)
         self.conv_out = nn.Conv2d(block_in, 2 * arch.z_channels, 3, padding=1)
 
-    def _down_path(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Like ldm/sgm, every level's output stays in a list until the forward returns, so the
+        # whole down path's activations are alive at once: that is what the real encoder costs.
         hs = [self.conv_in(x)]
         for stage in self.down:
             for block in stage.block:
                 hs.append(block(hs[-1]))
             if stage.downsample is not None:
                 hs.append(stage.downsample(hs[-1]))
-        return hs
-
-    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
-        """Everything before the mid block (the part a tiled encode runs per tile)."""
-        return self._down_path(x)[-1]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Like ldm/sgm, every level's output stays in a list until the forward returns, so the
-        # whole down path's activations are alive at once: that is what the real encoder costs.
-        hs = self._down_path(x)
         h = self.mid(hs[-1])
         h = self.norm_out(h)
         h = _act(h, self.act)

@@ -1,42 +1,19 @@
 """sd-webui-controlnet's control models: counted in the sampling plan, placed by the one owner.
 
-Host-free like the rest of the package: ControlNet's objects are read by attribute names (nothing
-of the WebUI or of the extension is imported); the WebUI adapter passes them in.
+What VRAM Guard does with them, and why: docs/sampling.md, "ControlNet". Host-free like the rest
+of the package: ControlNet's objects are read by attribute names (nothing of the WebUI or of the
+extension is imported); the WebUI adapter passes them in. Its ``UnetHook`` (the ControlNet
+script's ``latest_network``) replaces the UNet's ``forward`` and keeps the enabled units as
+``control_params``; each unit's ``control_model`` (a ``PlugableControlModel``, with the cldm
+``ControlNet`` as ``.control_model``) runs at every UNet forward.
 
-ControlNet (Mikubill/sd-webui-controlnet) hooks the UNet in its ``process``: its ``UnetHook``
-(the ControlNet script's ``latest_network``) replaces the UNet's ``forward`` and keeps the enabled
-units as ``control_params``; each unit's ``control_model`` (a ``PlugableControlModel``, with the
-cldm ``ControlNet`` as ``.control_model``) runs at every UNet forward. ControlNet's own memory
-handling moves every unit's model to the card at each forward (``fullvram()`` / ``.to(device)``),
-with the unit's Low VRAM option back to the CPU after it, and leaves cached models wherever they
-were last (on the card, also for jobs that do not use them).
-
-While VRAM Guard guards a sampling pass (:class:`Controls`, used by the WebUI adapter's
-``SamplingGuard``):
-
-* the pass's units are found (:func:`units`): the hook on this UNet, minus the units switched off
-  for this pass by their hires option ("low res only" in the hires pass, "high res only" in the
-  first);
-* their weights and activations are in the pass's plan (:class:`lib_vram.sampling.Step`'s
-  ``controls``); micro-batches run through ControlNet's wrapper (each computes the control on its
-  own rows: the unit's one control image is broadcast over the rows), except where a unit cannot
-  split (:func:`whole_batch`);
-* each control model joins the one owner (role ``control``, home: host memory); the pass's units
-  wake on the card after the owner made room, the others stay in host memory; ControlNet's own
-  moves are held for the pass (its ``disable_memory_management`` flag, which it honours for
-  IP-Adapter, and the model's ``to``: Low VRAM's move to the CPU after each forward), undone at
-  the pass's end; at the pass's end the owner sends them home;
-* at the job's end they leave the owner (in host memory): a later job with VRAM Guard off finds
-  ControlNet working as it does without VRAM Guard.
-
-A unit whose model is not a cldm ControlNet (a T2I adapter, IP-Adapter, a ControlLoRA) is placed
-by its bytes; its activations are not counted (a note says so once).
-
-On the emulated card (``--vram-guard-emulate-vram``, :func:`emulate_moves`) ControlNet's memory is
-what a GPU would see: a control model is built in host memory (ControlNet builds it on the CPU),
-its ``fullvram()`` puts it on the card (the card admits its weights: the out-of-memory error a GPU
-raises there) and its ``to("cpu")`` (Low VRAM, an error) takes it off; so the plain WebUI with
-ControlNet fails where a GPU of that size would.
+While VRAM Guard guards a sampling pass (:class:`Controls`, used by ``SamplingGuard``) the pass's
+units (:func:`units`) are in its plan (:class:`lib_vram.sampling.Step`'s ``controls``; a unit that
+cannot split its batch: :func:`whole_batch`), join the owner and wake on the card for the pass,
+ControlNet's own moves held until its end. A unit whose model is not a cldm ControlNet (a T2I
+adapter, IP-Adapter, a ControlLoRA) is placed by its bytes; its activations are not counted (a
+note says so once). On the emulated card :func:`emulate_moves` makes ControlNet's moves count as
+a GPU would see them.
 """
 
 from __future__ import annotations

@@ -26,14 +26,13 @@ from ._attention import ATTENTIONS, attention_of
 from ._copy import StreamStats
 from ._estimate import MAX_BATCH, MAX_LATENT_SIDE, SamplingEstimate, estimate_sampling
 from ._micro import MicroBatched, micro_batched
-from ._plan import SamplingPlan, plan_sampling, sampling_key, suggest
+from ._plan import SamplingPlan, plan_sampling
 from ._spec import CONTROLS, REFERENCES, UNetSpec, param_count, reference_control, reference_spec, unet_spec
 from ._stream import StreamedUNet
 from ._stream_plan import (
     StreamPlan,
     choose_resident,
     lowvram_bytes_per_forward,
-    lowvram_step_seconds,
     more_streamed,
     plan_stream,
 )
@@ -56,7 +55,6 @@ __all__ = [
     "attention_of",
     "choose_resident",
     "lowvram_bytes_per_forward",
-    "lowvram_step_seconds",
     "more_streamed",
     "plan_stream",
     "unet_units",
@@ -67,7 +65,5 @@ __all__ = [
     "plan_sampling",
     "reference_control",
     "reference_spec",
-    "sampling_key",
-    "suggest",
     "unet_spec",
 ]

@@ -15,7 +15,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -66,33 +65,17 @@ class SamplingPlan:
     """The ControlNets' weights of the pass (in the peak, not in ``weights_bytes``)."""
 
 
-def sampling_key(
-    spec: UNetSpec,
-    batch: int,
-    latent_hw: tuple[int, int],
-    context_tokens: int,
-    attention: str,
-    dtype: torch.dtype,
-    budget_bytes: int,
-) -> tuple:
-    """The planner-memory key of a sampling step (one per budget bucket of :data:`BUDGET_BUCKET`)."""
-    h, w = latent_hw
-    shape = (batch, spec.in_channels, h, w)
-    return planner.plan_key(
-        "sample",
-        spec.signature(),
-        shape,
-        dtype,
-        attention,
-        int(context_tokens),
-        int(budget_bytes) // BUDGET_BUCKET,
-    )
-
-
 def step_key(step: Step, budget_bytes: int) -> tuple:
-    """:func:`sampling_key` of ``step`` (with its ControlNets' signatures)."""
-    key = sampling_key(
-        step.spec, step.batch, step.latent_hw, step.context_tokens, step.attention, step.dtype, budget_bytes
+    """The planner-memory key of a sampling step (one per budget bucket of :data:`BUDGET_BUCKET`)."""
+    h, w = step.latent_hw
+    key = planner.plan_key(
+        "sample",
+        step.spec.signature(),
+        (step.batch, step.spec.in_channels, h, w),
+        step.dtype,
+        step.attention,
+        int(step.context_tokens),
+        int(budget_bytes) // BUDGET_BUCKET,
     )
     return key + tuple(c.signature() for c in step.controls) + (("whole",) if step.whole else ())
 
@@ -232,14 +215,6 @@ def plan_step(
 def _fits(step: Step, budget: int, resident: int) -> bool:
     peaks = _peaks(step, budget, resident)[0]
     return peaks[min(peaks)] <= budget
-
-
-def suggest(spec: UNetSpec, *, budget_bytes: int, resident_bytes: int = 0, **step: Any) -> str:
-    """One line for a step that does not fit: what it needs and has, the largest image (pixels,
-    multiples of 64, the same aspect) that fits at micro-batch 1, and the largest batch that fits
-    at the asked size (or that none does). ``step``: ``batch`` .. ``backend`` as
-    :func:`plan_sampling` takes them."""
-    return _suggest(Step(spec, **step), budget_bytes, resident_bytes)
 
 
 def _suggest(step: Step, budget_bytes: int, resident_bytes: int) -> str:

@@ -6,20 +6,9 @@ UNet's weights are what is left to give. :func:`plan_stream` keeps the largest u
 activations the sampling plan predicts at the chosen micro-batch, the inputs and the streaming
 buffers); :class:`~._stream.StreamedUNet` streams the others.
 
-Why the largest units stay resident (numbers: ``docs/streaming.md``): for a given number of
-resident bytes the bytes streamed per forward are the same whichever units hold them, but
-
-* the streaming buffer is the largest *pair* of consecutive streamed units (the one computing and
-  the one arriving), so streaming only small units keeps the buffer small and leaves more of the
-  budget for residency (SDXL's middle block and its 10-deep transformer blocks are ~6-7 % of the
-  UNet each; a ResBlock of the first level is 0.1 %);
-* the big units are the low-resolution transformer blocks, which do the least compute per byte of
-  weight, so a copy of one of them would be the hardest to hide behind compute; the small
-  high-resolution units do the most compute per byte: their copies hide behind the previous unit.
-
-The plan is learned like the engines' (:data:`lib_vram.planning.planner.MEMORY`): candidates are
-nested resident sets, and a set that ran out of memory is not chosen again for the same model,
-size, dtype, attention and budget bucket; the next plan keeps fewer units resident.
+Why the largest units stay resident, and how the plan learns from an out-of-memory error
+(:data:`lib_vram.planning.planner.MEMORY`; candidates are nested resident sets): docs/streaming.md,
+"Which units stay resident, and why (numbers)".
 """
 
 from __future__ import annotations
@@ -113,25 +102,6 @@ class StreamPlan:
         if self.batch > 1:
             return f"{head}, batch {self.batch} in one forward"
         return head
-
-    def modelled_step_seconds(
-        self, bandwidth_bytes_per_s: float, compute_seconds: float
-    ) -> tuple[float, float]:
-        """A model, not a measurement: (best, worst) seconds of one step whose forwards compute for
-        ``compute_seconds`` in all, with the copies at ``bandwidth_bytes_per_s``. Best: prefetch hides
-        every copy behind compute (``max``); worst: none is hidden (sum)."""
-        if bandwidth_bytes_per_s <= 0:
-            raise ValueError(f"`bandwidth_bytes_per_s` must be > 0, got {bandwidth_bytes_per_s!r}")
-        copy = self.bytes_moved_per_step / bandwidth_bytes_per_s
-        return max(compute_seconds, copy), compute_seconds + copy
-
-
-def lowvram_step_seconds(
-    lowvram_bytes_per_step: int, bandwidth_bytes_per_s: float, compute_seconds: float
-) -> float:
-    """A model: ``--lowvram``'s copies are synchronous (``module.to`` in a forward pre-hook), so
-    they add to compute."""
-    return compute_seconds + lowvram_bytes_per_step / bandwidth_bytes_per_s
 
 
 def _chain(units: Sequence[tuple[str, int]], weights_budget: int) -> list[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from ._adapter import ModelSpec, as_spec, choose_dtype
 from ._calibrate import (
-    LiveBytes,
     bytes_per_px,
     clear_calibration,
     context,
@@ -31,7 +30,6 @@ from ._types import Interrupted, TileError, UpscaleConfig, UpscaleError, Upscale
 __all__ = [
     "Interrupted",
     "TileError",
-    "LiveBytes",
     "ModelCache",
     "ModelSpec",
     "UpscaleConfig",

@@ -1,26 +1,19 @@
 """Per-model calibration: working-set bytes per input pixel and effective receptive field.
 
 Both are measured once per (model, dtype, device type) with a few small forward passes and kept in
-an in-process cache (weakly keyed by the model object, so a dropped model drops its entry).
+an in-process cache (weakly keyed by the model object, so a dropped model drops its entry). The
+probes (batch, context, reach) and what each decides: docs/upscale-architectures.md, "What
+happens with your model".
 
 * **Bytes per pixel** is the peak of live tensor bytes created inside one forward pass on a probe
-  tile, divided by its pixels. It is counted with :class:`lib_vram.core.livebytes.LiveBytesCounter`
-  (every op's output storage is added when created and subtracted when freed), so it works the
-  same on every backend and needs no global peak counters (the WebUI's memory line relies on
-  those).
-* **Effective context** is how many input pixels of context a tile needs so that its core matches
-  the untiled output to within ``CONTEXT_TOL``: three probes (hard edges, noise, smooth with a flat
-  band) are upscaled whole, then a core placed off the model's internal grids is re-run as crops
-  with growing margins and compared; the halo is 1.5 x the margin found, and a model no margin
-  fits is reported as not local (the engine then does not tile it silently). Theoretical receptive fields are
-  useless here (RRDBNet's spans hundreds of pixels, almost all of it with negligible weight).
-* **Batching** (:func:`measure_batching`): two probe images in one call against two single calls;
-  a model that rejects the batch or mixes its images runs one image at a time.
-* **Reach** (:func:`measure_reach`): whether the output near an image corner, and in the interior,
-  changes when everything farther away than the tiles see is replaced. A cyclic shift (an unmasked
-  ``torch.roll``: the image's far side wraps onto its border), global pooling, global or grid
-  attention all show up here, whatever the model's classes are called; such a model's tiles are
-  flagged inexact.
+  tile, divided by its pixels, counted with :class:`lib_vram.core.livebytes.LiveBytesCounter`: the
+  same on every backend, and no global peak counters (the WebUI's memory line relies on those).
+* **Effective context** (:func:`measure_context`): the halo is 1.5 x the smallest crop margin whose
+  core matches the untiled output within ``CONTEXT_TOL``. Theoretical receptive fields are useless
+  here (RRDBNet's spans hundreds of pixels, almost all of it with negligible weight).
+* **Batching** (:func:`measure_batching`) and **reach** (:func:`measure_reach`): a model that
+  rejects or mixes a batch runs one image at a time; one whose output near a corner or inside
+  changes when everything farther than the tiles see is replaced has its tiles flagged inexact.
 """
 
 from __future__ import annotations
@@ -73,10 +66,6 @@ class Context:
     sufficient: bool
     """False when even the largest margin probed did not match: the model is not local enough for
     exact tiling (untiled when it fits, else a visible note)."""
-
-
-LiveBytes = LiveBytesCounter
-"""The name this package exported before the counters were merged (:mod:`lib_vram.core.livebytes`)."""
 
 
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

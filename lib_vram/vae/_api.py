@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -166,15 +167,6 @@ class _Pass:
         # what a GPU would hold on the device.
         return None if choice == "device" else torch.device("cpu")
 
-    def estimate(self, tile: int | None, mode: str, on_device: bool = True) -> int:
-        return self.plan.estimate(tile, mode, on_device)
-
-    def key(self, mode: str) -> tuple:
-        return self.plan.key(mode)
-
-    def candidate(self, tile: int | None, mode: str) -> planner.Candidate:
-        return self.plan.candidate(tile, mode)
-
     def pick_tile(self, mode: str) -> int:
         if self.config.tile is not None:
             return self.config.tile
@@ -182,8 +174,8 @@ class _Pass:
 
     def record(self, mode: str, tile: int | None, *, oom: bool, measured: int | None = None) -> None:
         """Tell the planner memory what a plan did (with its raw estimate: what ``adjust`` scales)."""
-        cand = self.candidate(tile, mode)
-        self.memory.record(self.key(mode), planner.Outcome.of(cand, oom=oom, measured_peak_bytes=measured))
+        outcome = planner.Outcome.of(self.plan.candidate(tile, mode), oom=oom, measured_peak_bytes=measured)
+        self.memory.record(self.plan.key(mode), outcome)
 
     def new_run(self, offload: torch.device | None) -> Run:
         return Run(
@@ -333,8 +325,8 @@ class _Pass:
             self.report.mode = mode
             self.report.tile = tile
             # the estimate as learned for this key (a measured/estimated ratio above 1 raises it)
-            raw = self.estimate(tile, mode, offload is None)
-            self.report.peak_estimate_bytes = int(raw * self.memory.ratio(self.key(mode)))
+            raw = self.plan.estimate(tile, mode, offload is None)
+            self.report.peak_estimate_bytes = int(raw * self.memory.ratio(self.plan.key(mode)))
             n_tiles = len(self.tiles(src.shape[-2], src.shape[-1], tile))
             ticker.total = max(
                 ticker.total, ticker.done + self.tile_steps(n_tiles, mode) + self.global_after()
@@ -427,8 +419,8 @@ class _Pass:
     def untiled_host(self, original_forward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
         """Try the host's own forward; None on OOM (after release) or on non-finite output."""
         self.report.mode = "untiled"
-        raw = self.estimate(None, "untiled")
-        self.report.peak_estimate_bytes = int(raw * self.memory.ratio(self.key("exact")))
+        raw = self.plan.estimate(None, "untiled")
+        self.report.peak_estimate_bytes = int(raw * self.memory.ratio(self.plan.key("exact")))
         failed = False
         try:
             out = original_forward(self.x)
@@ -457,17 +449,24 @@ def _check_input(x: torch.Tensor, spec: VAESpec, name: str) -> None:
 
 
 def _run_pass(
-    spec: VAESpec,
+    module: nn.Module,
     x: torch.Tensor,
+    kind: str,
     config: TiledVAEConfig,
     original_forward: Callable[[torch.Tensor], torch.Tensor] | None,
     should_interrupt: Callable[[], bool] | None,
     progress: Callable[[int, int], None] | None,
     tracker: StageTracker | None,
     report: VAEReport | None,
-    stage: str,
     memory: planner.PlanMemory | None,
 ) -> torch.Tensor:
+    role, name = ("decoder", "z") if kind == "decode" else ("encoder", "x")
+    try:
+        spec = decoder_spec(module) if kind == "decode" else encoder_spec(module)
+    except UnsupportedLayout as exc:
+        raise ValueError(f"`{role}` is not a supported VAE {role}: {exc}") from exc
+    _check_input(x, spec, name)
+    stage = f"vae_{kind}"
     if not isinstance(config, TiledVAEConfig):
         raise ValueError(f"`config` must be a TiledVAEConfig, got {type(config).__name__}")
     rep = report if report is not None else VAEReport()
@@ -535,7 +534,7 @@ def _attempt(
             p2 = _Pass(
                 spec,
                 x,
-                TiledVAEConfig(**{**_fields(config), "tile": full, "mode": "exact"}),
+                dataclasses.replace(config, tile=full, mode="exact"),
                 rep,
                 should_interrupt,
                 progress,
@@ -591,12 +590,6 @@ def plan_pass(
     )
 
 
-def _fields(config: TiledVAEConfig) -> dict:
-    from dataclasses import fields
-
-    return {f.name: getattr(config, f.name) for f in fields(config)}
-
-
 def tiled_decode(
     decoder: nn.Module,
     z: torch.Tensor,
@@ -639,13 +632,8 @@ def tiled_decode(
         Interrupted: ``should_interrupt()`` returned True.
         VAEOutOfMemory: even the smallest tile did not fit.
     """
-    try:
-        spec = decoder_spec(decoder)
-    except UnsupportedLayout as exc:
-        raise ValueError(f"`decoder` is not a supported VAE decoder: {exc}") from exc
-    _check_input(z, spec, "z")
     return _run_pass(
-        spec, z, config, original_forward, should_interrupt, progress, tracker, report, "vae_decode", memory
+        decoder, z, "decode", config, original_forward, should_interrupt, progress, tracker, report, memory
     )
 
 
@@ -667,11 +655,6 @@ def tiled_encode(
     ``config.tile`` is in latent pixels here too (an SD encoder tile covers ``8 * tile`` image
     pixels). Everything else as :func:`tiled_decode`; the tracker stage is ``"vae_encode"``.
     """
-    try:
-        spec = encoder_spec(encoder)
-    except UnsupportedLayout as exc:
-        raise ValueError(f"`encoder` is not a supported VAE encoder: {exc}") from exc
-    _check_input(x, spec, "x")
     return _run_pass(
-        spec, x, config, original_forward, should_interrupt, progress, tracker, report, "vae_encode", memory
+        encoder, x, "encode", config, original_forward, should_interrupt, progress, tracker, report, memory
     )

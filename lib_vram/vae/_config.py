@@ -8,7 +8,6 @@ import torch
 
 MODES = ("auto", "exact", "fast")
 OFFLOAD = ("auto", "device", "cpu")
-_REDUCED = (torch.float16, torch.bfloat16)
 _ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 EXACT_MAX_ABS_ERR = 1e-4

@@ -1,6 +1,6 @@
 """The tile engine: programs that walk a :class:`VAESpec`, and the drivers that run them.
 
-How exact tiling works (see ``docs/design.md``, "Tiled VAE"):
+How exact tiling works (see ``docs/how-it-works.md``, "Tiled VAE"):
 
 * Every part of the VAE that needs the whole image (decoder: ``conv_in`` + mid block with its
   attention; encoder: mid block + ``norm_out``/``conv_out``) runs once on the whole latent, which

@@ -30,10 +30,6 @@ TILE_CANDIDATES = (256, 192, 160, 128, 112, 96, 80, 64, 56, 48, 40, 32, 24, 16, 
 """Tile sizes (latent px) tried by the auto planner and the out-of-memory retry, largest first."""
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return itemsize(dtype)
-
-
 def _resnet_units(blk: Resnet) -> tuple[int, int]:
     """(working channels, parked channels) of one ResNet block, in channel x pixel units."""
     cin, cout = blk.in_channels, blk.out_channels
@@ -169,8 +165,8 @@ def estimate_components(
     b, _, h, w = (int(v) for v in input_shape)
     # fast mode's statistics subsampling: the engine's automatic one unless given
     fast_sample = fast_sample_for(fast_sample, spec.kind, h, w)
-    s = _itemsize(dtype)
-    so = _itemsize(out_dtype or dtype)
+    s = itemsize(dtype)
+    so = itemsize(out_dtype or dtype)
     f = spec.factor
     ws_term = WORKSPACE_TERMS.get(backend)
 

@@ -10,6 +10,8 @@ import html
 import logging
 from typing import Any
 
+from . import host as default_host
+
 logger = logging.getLogger(__name__)
 
 SECTION = ("vram_guard", "VRAM Guard", "system")
@@ -18,28 +20,21 @@ STATUS_ROUTE = "/vram-guard/v1/status"
 FREE_ROUTE = "/vram-guard/v1/free"
 
 
-def _default_host() -> Any:
-    from . import host
-
-    return host
-
-
 def settings_options() -> list[tuple[str, dict]]:
     """The Settings page: the preset table, then a default for every accordion control."""
-    from .options import BOOL, CHOICE, FIELDS
+    from .options import FIELDS
 
     out: list[tuple[str, dict]] = [
         ("vram_guard_presets_table", {"kind": "html", "default": None, "label": presets_table_html()})
     ]
     for f in FIELDS:
-        kind = {BOOL: "bool", CHOICE: "choice"}.get(f.kind, "int")
         out.append(
             (
                 f.settings_key,
                 {
                     "default": f.default,
                     "label": f.settings_label,
-                    "kind": kind,
+                    "kind": f.kind,
                     "component_args": f.component_args(),
                     "info": f.info,
                 },
@@ -102,7 +97,7 @@ def presets_table_html() -> str:
 
 
 def register_settings(host: Any = None) -> None:
-    host = host if host is not None else _default_host()
+    host = host if host is not None else default_host
     host.add_options(SECTION, settings_options())
 
 
@@ -110,7 +105,7 @@ def defaults(host: Any = None) -> Any:
     """The accordion's defaults from the Settings page (``VRAMGuardOptions``)."""
     from .options import defaults_from_settings
 
-    host = host if host is not None else _default_host()
+    host = host if host is not None else default_host
     return defaults_from_settings(host.opts_get)
 
 
@@ -128,7 +123,7 @@ def api_dependencies(app: Any, host: Any = None) -> list:
     for route in getattr(app, "routes", []):
         if getattr(route, "path", None) == API_PROBE_ROUTE:
             return list(getattr(route, "dependencies", None) or [])
-    host = host if host is not None else _default_host()
+    host = host if host is not None else default_host
     creds = host.cmd_opt("api_auth", None)
     return [basic_auth_dependency(creds)] if creds else []
 
@@ -217,7 +212,7 @@ def api_defaults_follow_settings(app: Any, session: Any, host: Any = None) -> in
             api = getattr(getattr(route, "endpoint", None), "__self__", None)
     if api is None:
         return 0  # no --api: only the UI sends arguments, always explicit
-    host = host if host is not None else getattr(session, "host", None) or _default_host()
+    host = host if host is not None else getattr(session, "host", None) or default_host
     changed = 0
     for tab, runner in host.script_runners().items():
         values = getattr(api, _API_DEFAULT_LISTS[tab], None)
@@ -243,7 +238,7 @@ def api_defaults_follow_settings(app: Any, session: Any, host: Any = None) -> in
 def configure_logging(host: Any = None) -> None:
     from lib_vram.core import log
 
-    host = host if host is not None else _default_host()
+    host = host if host is not None else default_host
     level = host.cmd_opt("vram_guard_log_level", None)
     log.configure(level or "INFO")
 
@@ -252,7 +247,7 @@ def check_conflicts(session: Any, host: Any = None) -> None:
     """Tell the user when the Tiled VAE extension is enabled next to us (log + readout note)."""
     from .session import TILED_VAE_NOTE
 
-    host = host if host is not None else _default_host()
+    host = host if host is not None else default_host
     where = host.tiled_vae_extension_installed()
     if where:
         session.note(TILED_VAE_NOTE.format(where=where))

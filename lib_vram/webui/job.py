@@ -39,18 +39,13 @@ from lib_vram.core.readout import stage_words, vae_pass_note
 from lib_vram.core.timeline import Timeline
 from lib_vram.core.tracker import StageTracker
 
+from . import host as default_host
 from .settings import JobSettings
 
 logger = logging.getLogger(__name__)
 
 HOOK_NAME = "vram_guard"
 """Name of our hook in a module's hook registry."""
-
-
-def _default_host() -> Any:
-    from . import host
-
-    return host
 
 
 class Job:
@@ -76,7 +71,7 @@ class Job:
         self.options = options
         self.kind = kind
         self.token = token
-        self.host = host if host is not None else _default_host()
+        self.host = host if host is not None else default_host
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.tracker = tracker if tracker is not None else StageTracker(self.device, owns_peak_counters=False)
         self.timeline = Timeline(total_bytes=total_bytes, measure=self.tracker.measure)
@@ -431,10 +426,14 @@ class Job:
             f"{what[:1].upper() + what[1:]}: moved the idle {room.names} ({room.nbytes / 2**30:.2f} GiB) "
             f"off the card for this pass and back after it: {why}"
         )
-        self.note(f"VRAM Guard: {text}", log=False)  # (the owner logged each move)
-        self.tracker.event("offload", text, at=stage, moved_bytes=room.nbytes)
-        self.tracker.sample("offload")
+        self.note_moved(stage, text, room.nbytes)
         return room.names
+
+    def note_moved(self, stage: str, text: str, nbytes: int) -> None:
+        """A move the owner made for ``stage``: the readout's note and the timeline's event."""
+        self.note(f"VRAM Guard: {text}", log=False)  # (the owner logged each move)
+        self.tracker.event("offload", text, at=stage, moved_bytes=nbytes)
+        self.tracker.sample("offload")
 
     def current_model(self) -> Any:
         """The checkpoint the WebUI runs this job with now."""

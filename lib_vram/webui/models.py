@@ -1,18 +1,12 @@
 """The WebUI's models, reported to the one owner of the card (:class:`lib_vram.residency.Owner`).
 
-The host adapter does not decide where a model lives: it tells the session's owner which models
-the loaded checkpoint has (``sd_model.model``: the UNet, ``cond_stage_model``/``conditioner``: the
-text encoders, ``first_stage_model``: the VAE), where they are and how to move them
-(:class:`~lib_vram.residency.ModuleMover`), and asks it for room before a stage. The owner then
-decides which models leave for a VAE pass, an upscale or a sampling pass, wakes a parked part when
-one of its modules runs, and sends what it moved home after the stage.
-
-Nothing is reported (so nothing moves) when the host moves models itself (``--lowvram``,
-``--medvram``, ``--medvram-sdxl``: ``sd_model.lowvram``), on Forge (its memory manager owns
-placement), when the WebUI computes on the CPU without an emulated card, or for a model whose
-weights are not on the compute device. A checkpoint placed by VRAM Guard (:mod:`.placement`) is
-reported with its placed homes: the UNet streamed (its resident part never moves), the text
-encoders and the VAE in host memory until used.
+The host adapter does not decide where a model lives: it reports the loaded checkpoint's parts
+(:func:`checkpoint_parts`) with their movers and asks the owner for room before a stage
+(docs/streaming.md, "One owner of the card"). Nothing is reported (so nothing moves) where the
+host or Forge moves models itself or the WebUI computes on the CPU without an emulated card
+(:meth:`CardModels.skip_reason`), or for a model whose weights are not on the compute device. A
+checkpoint placed by VRAM Guard (:mod:`.placement`) is reported with its placed homes: the UNet
+streamed (its resident part never moves), the text encoders and the VAE in host memory until used.
 """
 
 from __future__ import annotations
@@ -60,6 +54,17 @@ def checkpoint_parts(
     return out
 
 
+def model_skip_reason(sd_model: Any) -> str | None:
+    """Why VRAM Guard leaves ``sd_model``'s memory to the WebUI (None: it may manage it)."""
+    if sd_model is None:
+        return "no model"
+    if getattr(sd_model, "forge_objects", None) is not None:
+        return "Forge"
+    if getattr(sd_model, "lowvram", False):
+        return "--medvram/--lowvram"
+    return None
+
+
 def _device_of(module: torch.nn.Module) -> torch.device | None:
     for t in (*module.parameters(), *module.buffers()):
         return t.device
@@ -105,15 +110,10 @@ class CardModels:
 
     # -- reporting -----------------------------------------------------------------------------
     def skip_reason(self, sd_model: Any) -> str | None:
-        if sd_model is None:
-            return "no model"
-        if getattr(sd_model, "forge_objects", None) is not None:
-            return "Forge"
-        if getattr(sd_model, "lowvram", False):
-            return "--medvram/--lowvram"
-        if not self.has_card():
+        why = model_skip_reason(sd_model)
+        if why is None and not self.has_card():
             return "the WebUI runs on the CPU"
-        return None
+        return why
 
     def report(self, sd_model: Any, *, placed: Any = None) -> list[Model]:
         """Report ``sd_model``'s parts (the models of the previous checkpoint leave the owner).

@@ -1,39 +1,27 @@
 """VRAM Guard's user options: one validated model and one table that drives everything else.
 
 :class:`VRAMGuardOptions` is what a generation runs with. :data:`FIELDS` describes every option
-once (short label, default, kind, choices or range, settings key, infotext group, hover hint, the
-Settings page's line); the gradio
-accordion (:mod:`lib_vram.webui.ui`), the Settings page (registered by the host adapter), the infotext and
-the API (``alwayson_scripts``) are all built from it, so they cannot drift apart.
+once (short label, default, choices or range, settings key, infotext group, hover hint, the
+Settings page's line); the gradio accordion (:mod:`lib_vram.webui.ui`), the Settings page
+(registered by the host adapter), the infotext and the API (``alwayson_scripts``) are all built
+from it, so they cannot drift apart.
 
 Pure: no gradio, no WebUI imports.
 
 Infotext
 --------
 One short entry, ``VRAM Guard: "preset 6GB, VAE auto exact t64 fp16, upscale on t192 fp16"``, whose
-value is a comma-separated list of *segments*; the first word of a segment is its group:
-
-=========== =================================================== ===============================
-segment     words                                               fields
-=========== =================================================== ===============================
-``preset``  preset name                                         ``preset``
-``VAE``     ``auto|always|off``, ``exact|fast``, ``t<N>``,      ``vae_tiling``, ``vae_mode``,
-            ``fp16|bf16|fp32``                                  ``vae_tile``, ``precision_vae``
-``upscale`` ``on|off``, ``t<N>``, ``b<N>``, ``fp16|bf16|fp32``  ``upscale_tiling``,
-                                                                ``upscale_tile``,
-                                                                ``upscale_batch``,
-                                                                ``precision_upscale``
-``UNet``    ``fp16``                                            ``unet_fp16``
-``release`` ``off``                                             ``release_between_stages``
-``sampling`` ``off``                                            ``guard_sampling``
-=========== =================================================== ===============================
+value is a comma-separated list of *segments*; the first word of a segment is its group
+(:func:`summary` writes them, :func:`from_infotext` reads them): ``preset <name>``;
+``VAE auto|always|off exact|fast t<N> fp16|bf16|fp32``; ``upscale on|off t<N> b<N> fp16|bf16|fp32``;
+``UNet fp16``; ``release off``; ``sampling off``.
 
 Inside a written segment a missing ``t``/``b``/precision word means Auto (0 / ``"Auto"``); a missing
 ``UNet`` segment means ``unet_fp16=False``, a missing ``release`` segment means release on and a
-missing ``sampling`` segment means 'Guard sampling' on. The
-entry therefore states every option, independent of anybody's defaults. The value contains commas,
-so the WebUI JSON-quotes it on write and unquotes it on read. The optional ``VRAM Guard plan``
-entry records the plan each stage used (informational; never pasted back).
+missing ``sampling`` segment means 'Guard sampling' on. The entry therefore states every option,
+independent of anybody's defaults. The value contains commas, so the WebUI JSON-quotes it on write
+and unquotes it on read. The optional ``VRAM Guard plan`` entry records the plan each stage used
+(informational; never pasted back).
 
 An infotext without the ``VRAM Guard`` key leaves the accordion unchanged when pasted: VRAM Guard
 changes how much memory a job needs, not the picture, so an image made without it is no reason to
@@ -80,8 +68,6 @@ class OptionField:
     label: str
     """Visible label: short, one line (unique: the WebUI's ``ui-config.json`` keys on it)."""
     default: Any
-    kind: str
-    """``"bool"`` (checkbox), ``"choice"`` (dropdown/radio) or ``"int"`` (slider)."""
     choices: tuple[str, ...] | None = None
     """Allowed values of a ``"choice"``."""
     range: tuple[int, int, int] | None = None
@@ -98,6 +84,13 @@ class OptionField:
     info: str = ""
     """One line in the user's terms, shown under the option's label on the Settings page (the
     WebUI's convention there): what it changes and when to use it."""
+
+    @property
+    def kind(self) -> str:
+        """``"choice"`` (dropdown/radio) with choices, ``"int"`` (slider) with a range, else ``"bool"``."""
+        if self.choices:
+            return CHOICE
+        return INT if self.range else BOOL
 
     @property
     def settings_key(self) -> str:
@@ -171,7 +164,6 @@ FIELDS: tuple[OptionField, ...] = (
         "enabled",
         "VRAM Guard",
         False,
-        BOOL,
         infotext=INFOTEXT_KEY,
         tooltip="Turn VRAM Guard on for this tab when its jobs run out of GPU memory: tiled VAE, tiled "
         "upscaling, a check before each sampling pass, precision control and memory release between "
@@ -183,7 +175,6 @@ FIELDS: tuple[OptionField, ...] = (
         "preset",
         "Memory preset",
         "Auto",
-        CHOICE,
         choices=PRESET_CHOICES,
         infotext="preset",
         tooltip="The card to plan for. Auto reads this card's memory at each job; a size (e.g. 6GB) "
@@ -196,7 +187,6 @@ FIELDS: tuple[OptionField, ...] = (
         "vae_tiling",
         "Tiled VAE",
         "Auto",
-        CHOICE,
         choices=VAE_TILING_CHOICES,
         infotext="VAE",
         tooltip="Auto tiles the VAE decode/encode only when the whole image would not fit in free "
@@ -208,7 +198,6 @@ FIELDS: tuple[OptionField, ...] = (
         "vae_mode",
         "Tiled VAE mode",
         "exact",
-        CHOICE,
         choices=VAE_MODE_CHOICES,
         infotext="VAE",
         tooltip="exact: same picture as the untiled VAE (shared normalisation statistics, a few % "
@@ -221,7 +210,6 @@ FIELDS: tuple[OptionField, ...] = (
         "vae_tile",
         "VAE tile size",
         0,
-        INT,
         range=(0, 512, 16),
         auto_zero=True,
         infotext="VAE",
@@ -234,7 +222,6 @@ FIELDS: tuple[OptionField, ...] = (
         "upscale_tiling",
         "Tiled upscaling",
         True,
-        BOOL,
         infotext="upscale",
         tooltip="Run ESRGAN-family upscalers tile by tile on the GPU (hires fix, img2img resize, SD "
         "upscale), in tiles that fit, without seams, retrying with smaller tiles on out-of-memory. Off "
@@ -246,7 +233,6 @@ FIELDS: tuple[OptionField, ...] = (
         "upscale_tile",
         "Upscale tile size",
         0,
-        INT,
         range=(0, 2048, 32),
         auto_zero=True,
         infotext="upscale",
@@ -258,7 +244,6 @@ FIELDS: tuple[OptionField, ...] = (
         "upscale_batch",
         "Upscale batch size",
         0,
-        INT,
         range=(0, 64, 1),
         auto_zero=True,
         infotext="upscale",
@@ -270,7 +255,6 @@ FIELDS: tuple[OptionField, ...] = (
         "precision_vae",
         "VAE precision",
         "Auto",
-        CHOICE,
         choices=PRECISION_CHOICES,
         infotext="VAE",
         tooltip="Auto keeps the WebUI's choice (BF16 where the card supports it on small cards). "
@@ -283,7 +267,6 @@ FIELDS: tuple[OptionField, ...] = (
         "precision_upscale",
         "Upscaler precision",
         "Auto",
-        CHOICE,
         choices=PRECISION_CHOICES,
         infotext="upscale",
         tooltip="FP16/BF16 halve the upscaler's memory. Auto uses them when the model supports them, "
@@ -295,7 +278,6 @@ FIELDS: tuple[OptionField, ...] = (
         "unet_fp16",
         "FP16 UNet",
         False,
-        BOOL,
         infotext="UNet",
         tooltip="Run the UNet in FP16 for the job when the WebUI would run it in FP32 (e.g. --no-half): "
         "halves its memory. Use it when sampling runs out of memory.",
@@ -306,7 +288,6 @@ FIELDS: tuple[OptionField, ...] = (
         "release_between_stages",
         "Free memory between stages",
         True,
-        BOOL,
         infotext="release",
         tooltip="Collect garbage and return cached GPU memory between sampling, hires fix, decode and "
         "postprocessing. Costs milliseconds; keep it on.",
@@ -317,7 +298,6 @@ FIELDS: tuple[OptionField, ...] = (
         "guard_sampling",
         "Guard sampling",
         True,
-        BOOL,
         infotext="sampling",
         info="Checks each sampling pass fits before it runs: smaller batches, idle models off the card, "
         "or a clear stop. Keep it on.",
@@ -481,9 +461,6 @@ def summary(opts: VRAMGuardOptions) -> str:
         parts.append("sampling off")
     return ", ".join(parts)
 
-
-INFOTEXT_KEY_RE = re.compile(r"^\w[\w \-/]+$")
-"""What the WebUI's infotext parser accepts as a key."""
 
 _STAGE_LABELS = {
     "sampling": "sampling",

@@ -72,11 +72,6 @@ class Placed:
         """The woken parked parts' bytes (on the card now)."""
         return sum(m.card_bytes for m in self._woken())
 
-    @property
-    def awake_names(self) -> str:
-        """The parked parts on the card now (woken, not yet home)."""
-        return ", ".join(m.name for m in self._woken())
-
     def recount(self) -> None:
         """The emulated card's resident bytes = what a GPU holds of the placed checkpoint."""
         if self.card is not None:

@@ -1,12 +1,9 @@
 """A checkpoint that does not fit the card at load: VRAM Guard places it by budget for the session.
 
-With 'Place a checkpoint that does not fit' (Settings) or ``--vram-guard-place-checkpoint``, no
-``--medvram``/``--lowvram``/``--medvram-sdxl``, not Forge, and a checkpoint whose weights plus a
-working margin exceed the card, the checkpoint is placed by :func:`lib_vram.residency.plan_checkpoint`:
-the text encoders and the VAE wait in host memory until used (the owner of the card wakes them and
-sends them home after the stage), as much of the UNet as the budget holds is resident and the rest
-streams by a session-long :class:`~lib_vram.sampling.StreamedUNet`, the checkpoint's few buffers
-are on the card.
+With 'Place a checkpoint that does not fit' (Settings) or ``--vram-guard-place-checkpoint`` a
+checkpoint whose weights plus a working margin exceed the card is placed by
+:func:`lib_vram.residency.plan_checkpoint` (the whole story: docs/streaming.md, "A checkpoint that
+does not fit at load").
 
 The host's ``sd_models.model_target_device``/``send_model_to_device``/``send_model_to_cpu``/
 ``send_model_to_trash`` are patched by name (:mod:`.patching`) only while the option is on; after
@@ -14,7 +11,7 @@ The host's ``sd_models.model_target_device``/``send_model_to_device``/``send_mod
 ``sd_model.to(devices.device)``. The option off, a switch, an unload and script unload put every
 weight back where the WebUI would have it. On the emulated card the move at load admits each tensor
 as a copy would (each may raise its out-of-memory error), and :meth:`Placement.model_loaded` runs
-after the card's own count at model load. The whole story: docs/streaming.md.
+after the card's own count at model load.
 """
 
 from __future__ import annotations
@@ -111,7 +108,7 @@ class Placement:
         h = self.host
         if h.cmd_opt("vram_guard_disable", False):
             return "--vram-guard-disable"
-        if not (h.cmd_opt("vram_guard_place_checkpoint", False) or _opt(h, SETTING, False)):
+        if not option_on(h):
             return f"off (Settings or {FLAG})"
         for flag in ("lowvram", "medvram", "medvram_sdxl"):
             if h.cmd_opt(flag, False):
@@ -633,6 +630,11 @@ def _check_host_room(nbytes: int, what: str) -> None:
             nbytes / MiB,
             available / MiB,
         )
+
+
+def option_on(host: Any) -> bool:
+    """The placement is asked for (its Settings option or the command-line flag)."""
+    return bool(host.cmd_opt("vram_guard_place_checkpoint", False) or _opt(host, SETTING, False))
 
 
 def _opt(host: Any, key: str, default: Any) -> Any:

@@ -1,41 +1,15 @@
 """The sampling stage inside the WebUI: plan each pass, make room, micro-batch, or stop early.
 
-Before each sampling pass (``process_before_every_sampling``: the first pass, the hires pass,
-img2img) :meth:`SamplingGuard.before` plans the pass with :func:`lib_vram.sampling.plan_sampling`
-from the live UNet (:func:`~lib_vram.sampling.unet_spec`), the batch the sampler feeds it (the
-images of the batch, twice with ``opts.batch_cond_uncond``: cond and uncond in one forward), the
-latent the pass starts from, the conditioning's tokens, the cross-attention optimization the
-WebUI applied (``sd_hijack.model_hijack.optimization_method``), the UNet's dtype and the free
-memory now. Then, in this order:
+Before each sampling pass (``process_before_every_sampling``) :meth:`SamplingGuard.before` plans
+it with :func:`lib_vram.sampling.plan_sampling` from the live UNet and acts in the order of
+docs/sampling.md ("In the WebUI"): nothing, micro-batches, the VAE and text encoders off the card
+for the pass, or a named stop. The stop is raised by the UNet's first call, not in
+``process_before_every_sampling``: the WebUI swallows errors raised there.
 
-1. the whole batch fits with everything where it is: nothing changes (the UNet's forward is
-   wrapped, but calls straight through; see 4);
-2. it fits only in micro-batches: the UNet's forward (an instance attribute on
-   ``sd_model.model.diffusion_model``) runs the batch in chunks
-   (:func:`~lib_vram.sampling.micro_batched`): each sample's result is the one of the whole batch
-   (every layer of the UNet computes each sample from that sample alone);
-3. it does not fit even at micro-batch 1 with them there: the VAE (not while live previews decode
-   with the full VAE on another thread during sampling: it stays) and the text encoders (the
-   conditioning is computed by now; not with a Refiner or a hires checkpoint, which switch models
-   and compute new conditioning mid-job) leave the card for the pass, when the plan then fits.
-   They come back at the pass's end, on an error, and as soon as anything runs one of their
-   modules (the hires pass's conditioning, an inpainting model's image conditioning, a decode);
-4. nothing fits: the first call of the UNet raises :class:`SamplingOutOfMemory` (the WebUI
-   swallows errors raised in ``process_before_every_sampling`` itself), whose one line says what
-   the pass needs, what the card has and what would fit; nothing is moved or left patched.
-
-The wrapper also reacts to an out-of-memory error the plan did not foresee: the micro-batch halves
-(:func:`~lib_vram.sampling.micro_batched`), and an error even at micro-batch 1 in the pass's first
-step moves the VAE and text encoders off (when they may move) and runs the step again.
-
-Nothing happens with ``--medvram``/``--lowvram`` (``sd_model.lowvram``: the host moves the UNet
-itself), on Forge (its memory manager owns the UNet), for a UNet that is not an ldm/sgm
-``UNetModel``, or when 'Guard sampling' is off.
-
-The patch is undone at the end of the pass (the job's next stage or boundary), on an error (the
-job's close), at the next run and on script unload; when another extension wrapped the same
-forward after us (ControlNet does), ours turns into a pass-through under theirs and a warning says
-so once.
+The patch (an instance attribute on ``sd_model.model.diffusion_model``) is undone at the end of
+the pass (the job's next stage or boundary), on an error (the job's close), at the next run and on
+script unload; when another extension wrapped the same forward after us (ControlNet does), ours
+turns into a pass-through under theirs and a warning says so once.
 """
 
 from __future__ import annotations
@@ -52,6 +26,7 @@ import torch
 from lib_vram.core import emulate
 from lib_vram.core.device import free_bytes, is_oom_error, release
 
+from .models import model_skip_reason
 from .patching import patch_attr
 
 logger = logging.getLogger(__name__)
@@ -248,12 +223,9 @@ class SamplingGuard:
         job = self.job
         if not getattr(job.settings, "guard_sampling", True):
             return "'Guard sampling' is off"
-        if model is None:
-            return "no model"
-        if getattr(model, "forge_objects", None) is not None:
-            return "Forge"
-        if getattr(model, "lowvram", False):
-            return "--medvram/--lowvram"
+        why = model_skip_reason(model)
+        if why is not None:
+            return why
         handle = job.host.unet_of(model)
         if handle is None or handle.kind != "ldm":
             return "not an ldm/sgm UNet"
@@ -434,9 +406,7 @@ class SamplingGuard:
             f"{stage.replace('_', ' ')}: moved the {room.names} ({room.nbytes / 2**30:.2f} GiB) off the card "
             f"for this pass: {why}"
         )
-        job.note(f"VRAM Guard: {text}", log=False)  # (the owner logged each move)
-        job.tracker.event("offload", text, at=stage, moved_bytes=room.nbytes)
-        job.tracker.sample("offload")
+        job.note_moved(stage, text, room.nbytes)
         return bool(room.moved)
 
     def _install(self, dm: Any, planned: PassPlan) -> None:

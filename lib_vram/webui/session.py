@@ -21,6 +21,7 @@ import torch
 
 from lib_vram.core.device import capabilities, memory_info, release
 
+from . import host as default_host
 from .job import Job
 from .profiling import ProfileSwitch
 from .settings import resolve
@@ -39,12 +40,6 @@ REVERT_NOTE = (
 )
 
 
-def _default_host() -> Any:
-    from . import host
-
-    return host
-
-
 OPTIONS_ERROR_KEY = "VRAM Guard error"
 """Infotext / ``extra_generation_params`` key naming bad VRAM Guard arguments of a job."""
 
@@ -53,7 +48,7 @@ class Session:
     """Process-wide state of the loaded extension (see the module docstring)."""
 
     def __init__(self, host: Any = None) -> None:
-        self.host = host if host is not None else _default_host()
+        self.host = host if host is not None else default_host
         self._jobs: weakref.WeakSet[Job] = weakref.WeakSet()
         self._lock = threading.RLock()
         self.last: dict | None = None
@@ -171,8 +166,11 @@ class Session:
         """A job starts: the option may have been turned on or off since (Settings)."""
         if self.placement is not None:
             self.placement.refresh()
-        elif self.host.cmd_opt("vram_guard_place_checkpoint", False) or _opt_on(self.host):
-            self.start_placement()
+        else:
+            from .placement import option_on
+
+            if option_on(self.host):
+                self.start_placement()
 
     def stop_placement(self) -> None:
         """Script unload: every weight back where the WebUI would have it, the patches gone."""
@@ -301,16 +299,6 @@ class Session:
             return self.host.device()
         except (ImportError, AttributeError):
             return torch.device("cpu")
-
-
-def _opt_on(host: Any) -> bool:
-    from .placement import SETTING
-
-    get = getattr(host, "opts_get", None)
-    try:
-        return bool(get(SETTING, False)) if get is not None else False
-    except (ImportError, AttributeError):
-        return False
 
 
 _WIDTH = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}

@@ -48,9 +48,7 @@ class JobSettings:
     (:mod:`lib_vram.webui.stream`) instead of stopping with the named error."""
 
     def describe(self) -> str:
-        dtype = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(
-            self.vae_dtype, "host"
-        )
+        dtype = {v: k for k, v in _DTYPES.items()}.get(self.vae_dtype, "host")
         return (
             f"preset {self.preset}; VAE {self.vae_tiling.lower()} {self.vae_mode} "
             f"t{self.vae_tile or 'auto'} {dtype}; upscale {'on' if self.upscale_tiling else 'off'} "

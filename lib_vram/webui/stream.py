@@ -1,20 +1,14 @@
 """The sampling ladder's last rung in the WebUI: stream the UNet for a pass that does not fit.
 
-The sampling guard (:mod:`lib_vram.webui.sampling`, issue 21) plans each pass, moves the idle parts
-(VAE, text encoders) off the card and micro-batches the UNet's forward. When even that does not
-fit at micro-batch 1, it would stop the pass with its named error. Before that, it asks
-:func:`plan_pass` here: a :class:`~lib_vram.sampling.StreamPlan` that keeps as much of the UNet on
-the card as the budget allows (the sampling plan's own activations, not a second estimate) and
-streams the rest. When that fits, :meth:`StreamPass.enter` puts a
-:class:`~lib_vram.sampling.StreamedUNet` on the pass's ``ExitStack``: the streamed units' weights
-leave the card for the pass and come back at its end, on an error (the job's close), at the next
-run (the WebUI skips ``postprocess`` after an error; the next job closes the old one) and at
-script unload (:meth:`Session.close_all`). A move back that itself could not fit stays pending and
-is retried by :func:`restore_pending` (next job, unload).
-
-Never with ``--medvram``/``--lowvram`` (``sd_model.lowvram``: the host swaps the UNet's blocks
-itself), never on Forge (its memory manager owns placement), never when 'Stream the UNet' is off.
-The readout and the infotext say ``"UNet streamed: X of Y MiB resident"``.
+When the sampling guard (:mod:`lib_vram.webui.sampling`) finds that a pass does not fit even at
+micro-batch 1, it asks :func:`plan_pass` here before it stops: a
+:class:`~lib_vram.sampling.StreamPlan` that keeps as much of the UNet on the card as the budget
+allows (the sampling plan's own activations, not a second estimate) and streams the rest
+(docs/streaming.md). :meth:`StreamPass.enter` puts a :class:`~lib_vram.sampling.StreamedUNet` on
+the pass's ``ExitStack``, so the streamed weights come back at the pass's end, on an error (the
+job's close), at the next run (the WebUI skips ``postprocess`` after an error) and at script
+unload (:meth:`Session.close_all`). A move back that itself could not fit stays pending and is
+retried by :func:`restore_pending` (next job, unload).
 """
 
 from __future__ import annotations
@@ -29,6 +23,8 @@ import torch
 
 from lib_vram.sampling import SamplingPlan, StreamedUNet, StreamPlan, UNetSpec, plan_stream
 
+from .models import model_skip_reason
+
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
@@ -41,13 +37,7 @@ def skip_reason(sd_model: Any, settings: Any = None) -> str | None:
     """Why the UNet may not stream for this model (None: it may)."""
     if settings is not None and not getattr(settings, "stream_unet", True):
         return "'Stream the UNet' is off"
-    if sd_model is None:
-        return "no model"
-    if getattr(sd_model, "forge_objects", None) is not None:
-        return "Forge"
-    if getattr(sd_model, "lowvram", False):
-        return "--medvram/--lowvram"
-    return None
+    return model_skip_reason(sd_model)
 
 
 @dataclass

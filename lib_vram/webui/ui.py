@@ -34,7 +34,6 @@ from .options import (
     INFOTEXT_KEY,
     OptionField,
     VRAMGuardOptions,
-    extras_options,
     infotext_getter,
 )
 from .profiling import BUTTON_TOOLTIP
@@ -66,8 +65,6 @@ ADVANCED: tuple[tuple[str, ...], ...] = (
     ("unet_fp16", "release_between_stages"),
 )
 """Rows of the folded "Advanced" accordion under the readout (Auto/on fits most jobs)."""
-LAYOUT: tuple[tuple[str, ...], ...] = COMMON + ADVANCED
-"""Rows of the accordion (display only; the input order is always ``API_ARG_ORDER``)."""
 ADVANCED_LABEL = "Advanced"
 ADVANCED_TOOLTIP = (
     "Tiled VAE mode, precisions, tile and batch sizes, FP16 UNet and memory release. Auto (0) and the "
@@ -267,7 +264,7 @@ def build_ui(
                         for n in folded
                     },
                     free_id: ("Free memory now", FREE_TOOLTIP),
-                    **profile_tooltip(profile_id),
+                    profile_id: (PROFILE_BUTTON, BUTTON_TOOLTIP),
                     advanced_id: ("", ADVANCED_TOOLTIP),  # ("": not for hints.js's titles[])
                     acc_id: (enable_field.label, enable_field.tooltip),  # the accordion's header
                 },
@@ -282,7 +279,10 @@ def build_ui(
                     gr.Button(value="Free memory now", elem_id=free_id, variant="secondary", size="sm"),
                     FREE_TOOLTIP,
                 )
-                profile_button = profile_button_component(profile_id)
+                profile_button = with_hint(  # 'Profile the next job' (lib_vram.webui.profiling)
+                    gr.Button(value=PROFILE_BUTTON, elem_id=profile_id, variant="secondary", size="sm"),
+                    BUTTON_TOOLTIP,
+                )
             with gr.Accordion(
                 ADVANCED_LABEL, open=False, elem_id=advanced_id, elem_classes=["vram-guard-advanced"]
             ):
@@ -308,17 +308,6 @@ def build_ui(
         infotext_fields=infotext,
         preset=controls["preset"],
         profile_button=profile_button,
-    )
-
-
-def profile_tooltip(eid: str) -> dict[str, tuple[str, str]]:
-    return {eid: (PROFILE_BUTTON, BUTTON_TOOLTIP)}
-
-
-def profile_button_component(eid: str) -> Any:
-    """The accordion's 'Profile the next job' button (:mod:`lib_vram.webui.profiling`)."""
-    return with_hint(
-        gr.Button(value=PROFILE_BUTTON, elem_id=eid, variant="secondary", size="sm"), BUTTON_TOOLTIP
     )
 
 
@@ -391,18 +380,3 @@ def build_extras_ui(defaults: VRAMGuardOptions, **kwargs: Any) -> dict[str, Any]
     """``ScriptPostprocessing.ui()``'s dict (keys = ``process()`` keyword names, see
     :data:`EXTRAS_FIELDS`); keyword arguments as :func:`build_extras_widgets`."""
     return build_extras_widgets(defaults, **kwargs).inputs
-
-
-__all__ = [
-    "EXTRAS_FIELDS",
-    "PRESET_TARGETS",
-    "ExtrasWidgets",
-    "UIWidgets",
-    "build_extras_ui",
-    "build_extras_widgets",
-    "build_ui",
-    "extras_options",
-    "find_input_accordion",
-    "preset_changed",
-    "readout_elem_id",
-]

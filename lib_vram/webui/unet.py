@@ -32,10 +32,8 @@ weights are never loaded into a half-cast model. A model that becomes current du
 and at each sampling step (``on_cfg_denoiser``, which also catches a cached model switched in
 without ``on_model_loaded``); every model the job cast is restored at its end.
 
-Skipped (with a note in the log, the readout and under the image) on Forge (it owns the UNet's
-dtype), on the CPU (FP16 convolutions there are very slow or missing), on devices without FP16,
-for diffusion models that are not an SD1/SD2/SDXL UNet (SD3's MMDiT), and when the UNet is not
-FP32 (already FP16: nothing to do; FP8 storage).
+Skipped, with a note in the log, the readout and under the image, for each reason of
+:data:`SKIP_NOTES`.
 """
 
 from __future__ import annotations
@@ -80,10 +78,6 @@ SKIP_NOTES = {
 }
 
 _MISSING = object()
-
-
-def _short_dtype(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 class _Overflow(Exception):
@@ -401,7 +395,7 @@ class UNetFP16:
         ):
             # FP16 (with --upcast-sampling the WebUI itself widens GroupNorm32/GEGLU to FP32)
             return "already fp16", ""
-        names = ", ".join(sorted(_short_dtype(d) for d in counts)) or "none"
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in counts)) or "none"
         return "not fp32", SKIP_NOTES["not fp32"].format(dtypes=names)
 
     def _skip(self, key: str, why: str) -> None:

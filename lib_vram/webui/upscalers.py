@@ -260,6 +260,7 @@ def smallest_plan_fits(engine: Any, model: Any, img: Any, config: Any) -> bool:
     moves the idle models."""
     from lib_vram.core import emulate
     from lib_vram.core.device import free_bytes, is_oom_error
+    from lib_vram.upscale._engine import BUDGET_FRACTION
     from lib_vram.upscale._plan import MIN_TILE
 
     try:
@@ -273,7 +274,7 @@ def smallest_plan_fits(engine: Any, model: Any, img: Any, config: Any) -> bool:
                 extra = emulate.module_bytes([spec.module]) * torch.empty((), dtype=dtype).element_size()
                 extra //= max(1, first.element_size())
         free = free_bytes(dev)
-        budget = max(1, int((free - extra) * engine_budget_fraction()))
+        budget = max(1, int((free - extra) * BUDGET_FRACTION))
         w, h = img.size
         plan = engine.plan_upscale(
             model,
@@ -302,10 +303,3 @@ def smallest_plan_fits(engine: Any, model: Any, img: Any, config: Any) -> bool:
         "fits" if fits else "does not fit",
     )
     return fits
-
-
-def engine_budget_fraction() -> float:
-    """The share of the free memory the upscale engine budgets for itself."""
-    from lib_vram.upscale._engine import BUDGET_FRACTION
-
-    return BUDGET_FRACTION
