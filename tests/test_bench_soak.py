@@ -50,6 +50,19 @@ def test_the_summary_fails_a_soak_that_grows_or_leaves_something_on_the_card():
     assert s["rss_growth_after_job_10"] > RSS_GROWTH and not s["card_at_baseline"]
 
 
+def test_a_webui_soak_settles_its_baseline_in_the_first_round_then_may_not_grow():
+    # The WebUI keeps its last conditioning etc. on the card: above the placed bytes, but flat after
+    rec = dict.fromkeys(KEYS)
+    one = dict(rec, ok=True, rss_bytes=100, card_baseline_bytes=5, seconds=1.0)
+    rows = [dict(one, job=i + 1, card_bytes_at_rest=7 if i % 4 == 2 else 6) for i in range(20)]
+    rows[5] = dict(rows[5], card_bytes_at_rest=None)  # read while another client's job ran
+    assert not summary(rows)["card_at_baseline"]  # (the library's rule: nothing above the placed bytes)
+    s = summary(rows, settle=8)
+    assert s["card_at_baseline"] and s["card_settled_bytes"] == 7
+    rows[-1] = dict(rows[-1], card_bytes_at_rest=8)
+    assert not summary(rows, settle=8)["card_at_baseline"]
+
+
 def test_soak_needs_one_of_quick_or_url():
     with pytest.raises(SystemExit, match="--quick .* or --url"):
         main(["bench", "soak", "--jobs", "10"])

@@ -309,8 +309,9 @@ class _WebUI:
             error = str(exc)[:200]
         st = self.call("/vram-guard/v1/status", timeout=60)
         card = st.get("card") or {}
+        at_rest = None if st.get("job_running") else card.get("used_bytes")  # (another client's job)
         values = (n + 1, kind, "<lora:" in str(payload.get("prompt")), error is None, error,
-                  (st.get("memory") or {}).get("process_rss_bytes"), card.get("used_bytes"),
+                  (st.get("memory") or {}).get("process_rss_bytes"), at_rest,
                   card.get("resident_bytes"), round(time.perf_counter() - t0, 2))  # fmt: skip
         out[n] = dict(zip(FIELDS, values))
 
@@ -324,25 +325,41 @@ class _WebUI:
         return [out[n] for n in sorted(out)]
 
 
-def summary(records: list[dict]) -> dict:
-    """Every job ok, RSS growth from job 10 to the last, the card at rest, time per job."""
+SETTLE_JOBS = 2 * len(KINDS)
+"""``--url``: the card at rest after the first round (each kind with and without the LoRA) is the
+baseline. The WebUI keeps a few small tensors on the card between jobs (the last prompts'
+conditioning, the sampler's sigma table: about 1 MiB at 128 px), so its card at rest is that much
+above the placed checkpoint; what may not happen is growth after it."""
+
+
+def summary(records: list[dict], settle: int = 0) -> dict:
+    """Every job ok, RSS growth from job 10 to the last, the card at rest, time per job. The card at
+    rest may not exceed the placed resident bytes, or with ``settle`` jobs: the most it held at rest
+    in those jobs (``card_settled_bytes``)."""
     rss = [r["rss_bytes"] for r in records if r.get("rss_bytes")]
     growth = (rss[-1] / rss[9] - 1) if len(rss) >= 10 else None
     at_rest = [r for r in records if r.get("card_bytes_at_rest") is not None]
+    first = [r["card_bytes_at_rest"] for r in at_rest if r["job"] <= settle]
+    settled = max(first) if first else None
     tenth = max(1, len(records) // 10)
     secs = [r["seconds"] for r in records]
     return {
         "jobs": len(records),
         "ok": sum(bool(r["ok"]) for r in records),
         "rss_growth_after_job_10": None if growth is None else round(growth, 4),
-        "card_at_baseline": all(r["card_bytes_at_rest"] <= r["card_baseline_bytes"] for r in at_rest),
+        "card_at_baseline": all(
+            r["card_bytes_at_rest"] <= (r["card_baseline_bytes"] if settled is None else settled)
+            for r in at_rest
+            if r["job"] > settle
+        ),
+        "card_settled_bytes": settled,
         "first_tenth_median_s": statistics.median(secs[:tenth]) if secs else None,
         "last_tenth_median_s": statistics.median(secs[-tenth:]) if secs else None,
     }
 
 
-def _passed(records: list[dict]) -> dict:
-    s = summary(records)
+def _passed(records: list[dict], settle: int = 0) -> dict:
+    s = summary(records, settle)
     ok = s["ok"] == s["jobs"] and s["card_at_baseline"] and (s["rss_growth_after_job_10"] or 0) <= RSS_GROWTH
     return {**s, "passed": ok}
 
@@ -363,7 +380,7 @@ def bench(args: argparse.Namespace) -> Bench:
                      label=lambda n: f"job {n + 1} {_kind(n)[0]}")  # fmt: skip
     webui, k = _WebUI(args), args.clients
     rounds = [list(range(i, min(i + k, args.jobs))) for i in range(0, args.jobs, k)]
-    return Bench(rounds, webui.jobs, COLUMNS, hold=webui, summary=_passed,
+    return Bench(rounds, webui.jobs, COLUMNS, hold=webui, summary=lambda r: _passed(r, SETTLE_JOBS),
                  label=lambda ns: "jobs " + ", ".join(str(n + 1) for n in ns))  # fmt: skip
 
 
