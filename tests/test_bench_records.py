@@ -296,9 +296,9 @@ def test_sampling_stream_records():
 
 def test_sampling_controlnet_records(monkeypatch):
     """``bench sampling``'s ControlNet records (issue 30 item 5) on the smallest case."""
-    from lib_vram.cli.bench import _controlnet, sampling
+    from lib_vram.cli.bench import sampling
 
-    recs = _controlnet.records(("sd15", 16, 16, 2, "none"), {}, sampling._idle_bytes("sd15"))
+    recs = sampling.control_records(("sd15", 16, 16, 2, "none"), {}, sampling._idle_bytes("sd15"))
     assert [r["card_gib"] for r in recs] == list(sampling.CARDS)
     keys = ("plain_ok", "guarded_ok", "controlnet_bytes", "controlnet_resident_bytes", "bytes_moved_per_step",
             "controlnet_lowvram_bytes_per_step", "predicted_bytes", "peak_bytes")  # fmt: skip

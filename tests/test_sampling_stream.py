@@ -550,7 +550,7 @@ def test_bench_gpus_streamed_part_refuses_cleanly_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: the part runs (bench gpu)")
     skipped: list[str] = []
-    assert gpu._stream_unet(torch.device("cpu"), gpu._Clock(60.0), skipped) == []
+    assert gpu.gpu_stream(torch.device("cpu"), gpu._Clock(60.0), skipped) == []
     assert skipped == ["stream_unet: needs CUDA (side-stream copy/compute overlap from pinned memory)"]
     assert gpu_stream("cpu") == []
 

@@ -1,15 +1,8 @@
-"""The one bench runner: a target says what differs, this module does the rest.
+"""The one bench runner: a target says what differs (a :class:`Bench`), this module does the rest.
 
-A target module (``HELP``, ``configure(parser)``, ``run = runner(bench)``) turns its options into a
-:class:`Bench`: its cases, the function that runs one case and returns its record(s), the table.
-The runner runs the cases in order (each in a fresh process when the target says so: clean peak
-counters and caches), prints progress on stderr, then ``--json`` (strict JSON only on stdout: a
-record a line as each case ends, or one list) or the table. A case whose process fails becomes a record with
-``error`` (the end of its output); the others still run and the exit code is 1. :func:`attempt` is
-the plain-vs-guarded step the emulated-card targets share: one call on a card, an out-of-memory
-error as its result.
-
-CLI module: it may print.
+A case whose fresh process fails becomes a record with ``error`` (the end of its output); the
+others still run and the exit code is 1. :func:`attempt` is the plain-vs-guarded step the
+emulated-card targets share. CLI module: it may print.
 """
 
 from __future__ import annotations
@@ -174,9 +167,9 @@ def mib(n: float | None, digits: int = 1) -> str:
     return "-" if n is None else f"{n / 2**20:.{digits}f}"
 
 
-def mib_of(key: str, digits: int = 1) -> Callable[[dict], str]:
-    """A table cell: the record's ``key`` (bytes) in MiB."""
-    return lambda r: mib(r.get(key), digits)
+def mib_of(key: str, digits: int = 1, unit: str = "") -> Callable[[dict], str]:
+    """A table cell: the record's ``key`` (bytes) in MiB, then ``unit``."""
+    return lambda r: mib(r.get(key), digits) + unit
 
 
 def fmt(key: str, spec: str = "", unit: str = "") -> Callable[[dict], str]:
@@ -199,9 +192,9 @@ def psnr(mse: float, peak: float) -> float:
     return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
 
 
-def ok(flag: object, yes: str = "OK") -> str:
-    """A table cell: ``yes`` or ``OOM``."""
-    return yes if flag else "OOM"
+def ok(key: str, yes: str = "OK") -> Callable[[dict], str]:
+    """A table cell: ``yes`` or ``OOM``, by the record's ``key``."""
+    return lambda r: yes if r[key] else "OOM"
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:

@@ -23,7 +23,7 @@ from lib_vram.core.device import release
 from lib_vram.core.emulate import EmulatedCard
 from lib_vram.planning import planner
 
-from ._harness import Bench, attempt, known, runner, table, timed
+from ._harness import Bench, attempt, known, ok, psnr, runner, table, timed
 from .vae import SD_VAE, build_ldm
 
 MAX_CARD_GB = MAX_CARD_BYTES // 2**30
@@ -96,11 +96,10 @@ def rrdb(filters: int = 16, blocks: int = 6):
 
 def fidelity(out, ref, data_range: float) -> dict:
     err = (out.float() - ref.float()).abs()
-    mse = float((err**2).mean())
-    psnr = math.inf if mse == 0 else 10 * math.log10(data_range**2 / mse)
+    db = psnr(float((err**2).mean()), data_range)
     to8 = 255.0 / data_range
     lsb = int(((out.float() * to8).round() - (ref.float() * to8).round()).abs().max())
-    return {"psnr_db": round(psnr, 2) if math.isfinite(psnr) else None, "max_err": float(err.max()),
+    return {"psnr_db": round(db, 2) if math.isfinite(db) else None, "max_err": float(err.max()),
             "max_err_lsb": lsb, "finite": bool(torch.isfinite(out).all())}  # fmt: skip
 
 
@@ -221,16 +220,13 @@ def overhead() -> list[dict]:
 
 
 def _table(records: list[dict]) -> str:
-    def ok(key: str):  # noqa: ANN202
-        return lambda r: "OK" if r[key] else "OOM"
-
-    def psnr(r: dict) -> str:
+    def psnr_cell(r: dict) -> str:
         return "∞" if r.get("guarded_ok") and r.get("psnr_db") is None else str(r.get("psnr_db", "—"))
 
     cols = [
         "stage", ("image", lambda r: f"{r['image_px']}²"), ("card", lambda r: f"{r['card_gb']} GB"),
         ("plain", ok("plain_ok")), ("VRAM Guard", ok("guarded_ok")), ("plan", lambda r: r.get("plan") or "—"),
-        ("peak/cap", lambda r: f"{r['peak_over_cap']:.2f}"), ("PSNR", psnr),
+        ("peak/cap", lambda r: f"{r['peak_over_cap']:.2f}"), ("PSNR", psnr_cell),
         ("max LSB", lambda r: str(r.get("max_err_lsb", "—"))),
         ("CPU vs plain", lambda r: str(r.get("cpu_ratio", "—"))),
     ]  # fmt: skip

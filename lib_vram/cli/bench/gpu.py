@@ -1,24 +1,12 @@
-"""``python -m lib_vram bench gpu``: everything a GPU should measure, in one prepared call.
+"""``python -m lib_vram bench gpu``: everything a GPU should measure, in one prepared call (under
+~8 minutes, one JSON file): ``env``; ``matrix`` (each stage plain vs VRAM Guard on 4/6/8 GB cards
+capped by ``set_per_process_memory_fraction``, an SD1.5 checkpoint's 2.1 GB really allocated);
+``decode_2048`` (FP16 untiled vs exact vs fast); ``upscale_batch`` (batched vs one tile at a time);
+``cudnn_workspace`` (per convolution shape, the peak above input, output and weights: the data for
+``predict.cuda_conv_workspace_bytes``); ``stream_unet`` (:func:`.sampling_stream.gpu_stream`).
 
-For the rare minutes a GPU is at hand: one command, under ~8 minutes on one GPU, one JSON file.
-
-1. ``env``: the device, torch/CUDA versions, capabilities.
-2. ``matrix``: each stage (full-size SD VAE decode/encode in FP16, a full-size RRDB x4 upscale)
-   plain vs VRAM Guard on 4/6/8 GB cards made with ``torch.cuda.set_per_process_memory_fraction``
-   (:class:`lib_vram.core.emulate.EmulatedCard` on CUDA), with an SD1.5 checkpoint's 2.1 GB of weights
-   resident as a real allocation: OK/OOM, plan, ``max_memory_allocated``/cap, fidelity against the
-   uncapped plain output, time.
-3. ``decode_2048``: the FP16 2048² decode untiled vs exact t64 vs fast t64 (``max_memory_allocated``,
-   time, PSNR against the untiled FP32 decode).
-4. ``upscale_batch``: the tiled upscaler batched (auto) vs one tile at a time, same tile size.
-5. ``cudnn_workspace``: per convolution shape of the VAE and the upscaler, the peak above input,
-   output and weights (``max_memory_allocated`` around one call after a warm-up): the data that
-   calibrates ``predict.cuda_conv_workspace_bytes``, with a fitted ``bytes = a * max(in, out)``.
-6. ``stream_unet``: the streamed UNet (issue 22) on the GPU (``sampling_stream.gpu_stream``). CUDA only.
-
-Without CUDA it runs the parts that make sense on the CPU at small sizes (the matrix on the
-emulated CPU card, the batched-vs-single upscale) and lists what it skipped and why, so the
-command is tested here and the first GPU yields the numbers in one call.
+Without CUDA the parts that make sense on the CPU run at small sizes and the rest is listed as
+skipped, so the command is tested here and the first GPU yields the numbers in one call.
 """
 
 from __future__ import annotations
@@ -37,6 +25,7 @@ from lib_vram.core.emulate import EmulatedCard
 
 from ._harness import Bench, attempt, runner, timed
 from .emulate import GB, RESIDENT_REAL, VAE_FULL, add_cards, fidelity, image, latent, rrdb, stage_fns
+from .sampling_stream import gpu_stream
 from .vae import build_ldm
 
 HELP = "One prepared GPU run (< 8 min): capped 4/6/8 GB matrix, fp16 2048² decode, upscale batching, cuDNN."
@@ -77,7 +66,7 @@ def bench(args: argparse.Namespace) -> Bench:
     result: dict = {"schema": 1, "device": str(device), "env": env}
     parts = {"matrix": lambda *a: matrix(device, cards, clock, skipped), "decode_2048": decode_2048,
              "upscale_batch": upscale_batch, "cudnn_workspace": cudnn_workspace,
-             "stream_unet": _stream_unet}  # fmt: skip
+             "stream_unet": gpu_stream}  # fmt: skip
 
     def part(name: str) -> dict:
         t0 = time.perf_counter()
@@ -248,12 +237,6 @@ def cudnn_workspace(device, clock: _Clock, skipped: list[str]) -> dict:  # noqa:
     fit = sum(a * w for a, w in pairs) / den if den else None
     return {"rows": rows, "fit_bytes_per_max_in_out": fit,
             "benchmark_flag": bool(torch.backends.cudnn.benchmark)}  # fmt: skip
-
-
-def _stream_unet(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
-    from .sampling_stream import gpu_stream
-
-    return gpu_stream(device, clock, skipped)
 
 
 def _write(path: Path, data: dict) -> None:

@@ -86,22 +86,16 @@ RRDB_BLOCKS = 2
 SCALE = 4
 
 
-def _ldm_config(ch: int) -> dict:
-    # v1-inference.yaml first_stage_config ddconfig, with a configurable base width.
-    return dict(double_z=True, z_channels=4, resolution=256, in_channels=3, out_ch=3, ch=ch,
-                ch_mult=[1, 2, 4, 4], num_res_blocks=2, attn_resolutions=[], dropout=0.0)  # fmt: skip
-
-
 def _build(case: Case):
     """The model and the input shape of ``case`` (build under a device/fake context as needed)."""
 
     if case.engine in ("vae", "vae-engine"):
-        from .vae import build_ldm
+        from .vae import SD_VAE, build_ldm
 
         lat = case.size // 8
         shape = (1, 4, lat, lat) if case.kind == "decode" else (1, 3, case.size, case.size)
         kind = "decoder" if case.kind == "decode" else "encoder"
-        return build_ldm(kind, _ldm_config(case.ch), seed=None), shape
+        return build_ldm(kind, {**SD_VAE, "ch": case.ch}, seed=None), shape
     blocks = RRDB_BLOCKS if case.kind == "rrdb" else None
     side = case.size // SCALE
     return reference.build_upscaler(case.kind, SCALE, num_blocks=blocks).eval(), (1, 3, side, side)

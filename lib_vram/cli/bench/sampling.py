@@ -2,18 +2,19 @@
 plain WebUI's way (the whole cond/uncond batch in one forward, the idle VAE and text encoders
 resident) against VRAM Guard's plan (the idle models off when the step does not fit beside them;
 the largest micro-batch that fits), then the streamed cases of :mod:`.sampling_stream` and the
-ControlNet cases of :mod:`._controlnet`.
+cases with one ControlNet unit (:mod:`._controlnet`'s model).
 
 Models: the real ldm ``UNetModel`` at ``model_channels`` 32 (:data:`._unet.SHAPES`), float32 on
 the CPU under :class:`~lib_vram.core.emulate.EmulatedCard`. Each case scales the card and the idle
-models by ``f = reduced plain peak / full-size plain peak`` (both from
-:func:`lib_vram.sampling.estimate_sampling`), so the plain step fits the scaled card exactly when
-the full-size one fits the real card. Method: docs/benchmarks.md, "Sampling step".
+models by ``f = reduced plain peak / full-size plain peak`` (both from the estimate, the control
+counted where there is one), so the plain step fits the scaled card exactly when the full-size one
+fits the real card. Method: docs/benchmarks.md, "Sampling step".
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -23,8 +24,8 @@ from lib_vram.planning import planner
 from lib_vram.planning.reference import vae_arch
 from lib_vram.sampling import estimate_sampling, micro_batched, plan_sampling, reference_spec, unet_spec
 
-from . import _controlnet, sampling_stream
-from ._harness import Bench, attempt, runner, table
+from . import sampling_stream
+from ._harness import Bench, attempt, mib_of, ok, runner, table
 
 HELP = (
     "Sampling step: plain vs VRAM Guard's plan (idle models off, micro-batch, streamed UNet) on "
@@ -40,6 +41,11 @@ FULL = QUICK + (
     ("sd15", 48, 48, 8, "sub-quadratic"), ("sd15", 32, 32, 4, "none"), ("sdxl", 96, 96, 8, "doggettx"),
     ("sdxl", 64, 64, 4, "none"),
 )  # fmt: skip
+# 448 px, 2 images, no attention optimization: at full size the plain step with ControlNet and the
+# idle VAE and text encoders needs 5.2 GiB (the estimate): out of memory on a 4 GB card, not on 6 GB
+CONTROL_CASES = (("sd15", 56, 56, 4, "none"),)
+STEPS = 20
+"""The sampling steps a job runs (the bytes VRAM Guard moves per pass, per step)."""
 TOKENS = 77
 CTX = 96
 
@@ -53,12 +59,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def bench(args: argparse.Namespace) -> Bench:
     step, models = QUICK if args.quick else FULL, {}
     streamed = sampling_stream.cases(args.quick)
-
-    controls = [("controlnet", *c) for c in _controlnet.CASES]
+    controls = [("controlnet", *c) for c in CONTROL_CASES]
 
     def run_case(case: tuple) -> list[dict]:
         if case in controls:
-            return _controlnet.records(case[1:], models, _idle_bytes(case[1]))
+            return control_records(case[1:], models, _idle_bytes(case[1]))
         return _case_records(*case, models) if case in step else [sampling_stream.run_one(case)]
 
     def label(case: tuple) -> str:
@@ -81,93 +86,149 @@ def _idle_bytes(shape: str) -> int:
     return vae + vae_arch(shape).text_encoder_bytes
 
 
-def _case_records(shape: str, h: int, w: int, batch: int, attention: str, models: dict) -> list[dict]:
-    """One case on each card (``models``: the UNets built so far, by shape)."""
+def _on_cards(case: tuple, unet, f: float, idle: int, control=None):  # noqa: ANN001, ANN202
+    """The step plain, then as VRAM Guard plans it, on each scaled card (``control``: one ControlNet
+    unit through its hook): yields the fields both kinds of record share, the plan, whether the
+    idle models were moved off and the guarded :class:`Attempt`."""
+    from ._controlnet import controlled
+    from ._unet import attention_applied, context_arg, host_forward
 
-    from ._unet import attention_applied, build_unet, context_arg, host_forward
-
-    if shape not in models:
-        unet = build_unet(shape, 32, context_dim=CTX)
-        models[shape] = (unet, unet_spec(unet))
-    unet, spec = models[shape]
-    kw = dict(batch=batch, latent_hw=(h, w), context_tokens=TOKENS, attention=attention)
-    red = estimate_sampling(spec, dtype=torch.float32, backend="cpu", **kw)
-    full = estimate_sampling(reference_spec(shape), dtype=torch.float16, backend="cuda", **kw)
-    f = red.peak_bytes / full.peak_bytes
-    idle, w_bytes = int(_idle_bytes(shape) * f), weights_bytes(unet)
+    shape, h, w, batch, attention = case
+    spec = unet_spec(unet)
+    kw = dict(batch=batch, latent_hw=(h, w), context_tokens=TOKENS, attention=attention, dtype=torch.float32,
+              backend="cpu", controls=() if control is None else (unet_spec(control),))  # fmt: skip
+    resident = weights_bytes(unet) + (0 if control is None else weights_bytes(control))
     gen = torch.Generator().manual_seed(0)
     x0, c0 = torch.randn(batch, 4, h, w, generator=gen), torch.randn(batch, TOKENS, CTX, generator=gen)
+    hint0 = None if control is None else torch.rand(1, 3, 8 * h, 8 * w, generator=gen)
     t0 = torch.linspace(10, 900, batch)
+    nets = [unet] if control is None else [unet, control]
 
-    def forward(card, fn_micro=None):  # noqa: ANN001, ANN202
-        """One step on ``card``: the :class:`Attempt` (its output None on out-of-memory)."""
+    def forward(card, plan=None, memory=None, wrapped=None):  # noqa: ANN001, ANN202
+        """One step on ``card`` (``plan``: its micro-batches, the wrapper kept in ``wrapped``)."""
         probe = (lambda: float(card.free_bytes)) if card is not None else (lambda: float(1 << 50))
 
         def step():  # noqa: ANN202
-            with attention_applied(unet, host_forward(attention, probe, "cpu")), torch.no_grad():
+            with torch.no_grad(), contextlib.ExitStack() as stack:
+                for net in nets:
+                    stack.enter_context(attention_applied(net, host_forward(attention, probe, "cpu")))
                 x, t, c = x0.clone(), t0.clone(), c0.clone()  # the sampler's inputs, on the card
-                run = fn_micro(unet) if fn_micro is not None else unet
+                run = unet
+                if control is not None:
+                    hint = hint0.clone()
+                    run = lambda x, t, context: controlled(unet, [control], [hint], x, t, context)  # noqa: E731
+                if plan is not None:  # the plan's micro-batches (through the hook: each its rows' control)
+                    run = wrapped["w"] = micro_batched(run, plan.micro_batch, key=plan.key, memory=memory)
                 return run(x, t, context=context_arg(shape, c))
 
         return attempt(step, card)
 
-    plain = forward(None)
-    ref = plain.out
-    out = []
+    ref = forward(None)
     for gb in CARDS:
-        cap = int(gb * GiB * f)
-        plain_ok = forward(EmulatedCard(cap, resident=w_bytes + idle)).ok
-        memory = planner.PlanMemory()
-        plan = plan_sampling(spec, dtype=torch.float32, budget_bytes=cap, resident_bytes=idle, backend="cpu",
-                             memory=memory, **kw)  # fmt: skip
-        moved = ""
-        if not plan.fits:
-            plan = plan_sampling(spec, dtype=torch.float32, budget_bytes=cap, resident_bytes=0, backend="cpu",
-                                 memory=memory, **kw)  # fmt: skip
-            moved = "VAE, text encoders"
-        card, wrapped = EmulatedCard(cap, resident=w_bytes + (0 if moved else idle)), {}
+        cap, memory = int(gb * GiB * f), planner.PlanMemory()
+        plain = forward(EmulatedCard(cap, resident=resident + idle))
+        plan = plan_sampling(spec, budget_bytes=cap, resident_bytes=idle, memory=memory, **kw)
+        moved = not plan.fits
+        if moved:
+            plan = plan_sampling(spec, budget_bytes=cap, resident_bytes=0, memory=memory, **kw)
+        card, wrapped = EmulatedCard(cap, resident=resident + (0 if moved else idle)), {}
+        got = forward(card, plan, memory, wrapped)
+        got.micro_batch = wrapped["w"].micro_batch if "w" in wrapped else plan.micro_batch
+        got.cpu_ratio = got.cpu_seconds / ref.cpu_seconds if ref.cpu_seconds > 0 else None
+        yield {
+            "shape": shape, "latent": [h, w], "batch": batch, "attention": attention, "card_gib": gb,
+            "scale": f, "card_bytes": cap, "plain_ok": plain.ok, "guarded_ok": got.ok,
+            "predicted_bytes": plan.predicted_peak_bytes, "peak_bytes": card.peak_bytes,
+            "max_abs_diff": float((got.out - ref.out).abs().max()) if got.ok else None,
+        }, plan, moved, got  # fmt: skip
 
-        def micro(u, plan=plan, wrapped=wrapped, memory=memory):  # noqa: ANN001, ANN202
-            wrapped["w"] = micro_batched(u, plan.micro_batch, key=plan.key, memory=memory)
-            return wrapped["w"]
 
-        got = forward(card, micro)
+def _case_records(shape: str, h: int, w: int, batch: int, attention: str, models: dict) -> list[dict]:
+    """One case on each card (``models``: the UNets built so far, by shape)."""
+    from ._unet import build_unet
+
+    if shape not in models:
+        models[shape] = build_unet(shape, 32, context_dim=CTX)
+    unet = models[shape]
+    kw = dict(batch=batch, latent_hw=(h, w), context_tokens=TOKENS, attention=attention)
+    red = estimate_sampling(unet_spec(unet), dtype=torch.float32, backend="cpu", **kw)
+    full = estimate_sampling(reference_spec(shape), dtype=torch.float16, backend="cuda", **kw)
+    f = red.peak_bytes / full.peak_bytes
+    out = []
+    for common, plan, moved, got in _on_cards(
+        (shape, h, w, batch, attention), unet, f, int(_idle_bytes(shape) * f)
+    ):
+        off = "VAE, text encoders" if moved else ""
         out.append({
-            "stage": "sample", "shape": shape, "latent": [h, w], "batch": batch, "attention": attention,
-            "card_gib": gb, "scale": f, "card_bytes": cap, "plain_ok": plain_ok, "guarded_ok": got.ok,
-            "plan": plan.label + (f"; {moved} off" if moved else ""), "moved_off": moved,
-            "micro_batch": wrapped["w"].micro_batch if "w" in wrapped else plan.micro_batch,
-            "fits_predicted": plan.fits, "predicted_bytes": plan.predicted_peak_bytes,
-            "peak_bytes": card.peak_bytes,
-            "cpu_ratio": got.cpu_seconds / plain.cpu_seconds if plain.cpu_seconds > 0 else None,
-            "max_abs_diff": float((got.out - ref).abs().max()) if got.ok else None,
+            "stage": "sample", **common, "plan": plan.label + (f"; {off} off" if moved else ""),
+            "moved_off": off, "micro_batch": got.micro_batch, "fits_predicted": plan.fits,
+            "cpu_ratio": got.cpu_ratio,
+        })  # fmt: skip
+    return out
+
+
+def control_records(case: tuple, models: dict, idle_full: int) -> list[dict]:
+    """One ControlNet case on each card (``models``: the UNets built so far). Plain: ControlNet's model
+    on the card beside everything (its default; its Low VRAM has the same peak in the forward)."""
+    from lib_vram.sampling import reference_control
+    from lib_vram.sampling._estimate import Step
+
+    from ._controlnet import ControlNet
+    from ._unet import build_unet
+
+    shape, h, w, batch, attention = case
+    if ("controlnet", shape) not in models:
+        unet = build_unet(shape, 32, context_dim=CTX)
+        models["controlnet", shape] = (unet, ControlNet(unet))
+    unet, control = models["controlnet", shape]
+    full_c = reference_control(shape)
+
+    def plain_peak(s, c, dtype, backend):  # noqa: ANN001, ANN202
+        step = Step(s, batch, (h, w), TOKENS, attention, dtype, backend, (c,))
+        return step.weights_bytes + step.control_bytes + step.input_bytes + step.activation(batch, None)[0]
+
+    f = plain_peak(unet_spec(unet), unet_spec(control), torch.float32, "cpu") / plain_peak(
+        reference_spec(shape), full_c, torch.float16, "cuda"
+    )
+    kw = dict(batch=batch, latent_hw=(h, w), context_tokens=TOKENS, attention=attention)
+    est = estimate_sampling(unet_spec(unet), dtype=torch.float32, backend="cpu", **kw)
+    c_full, out = full_c.params * 2, []
+    for common, plan, moved, _ in _on_cards(case, unet, f, int(idle_full * f), control):
+        out.append({
+            "stage": "controlnet", **common,
+            "plan": f"{plan.label}, 1 ControlNet unit on the card" + ("; VAE, text encoders off" * moved),
+            "controlnet_bytes": c_full, "controlnet_resident_bytes": c_full,
+            "bytes_moved_per_step": (2 * c_full + (2 * idle_full if moved else 0)) // STEPS,
+            "controlnet_lowvram_bytes_per_step": 2 * c_full, "steps": STEPS,
+            "unet_activation_bytes": est.activation_bytes,
         })  # fmt: skip
     return out
 
 
 def _table(records: list[dict]) -> str:
-    sample = [r for r in records if r["stage"] == "sample"]
-    controls = [r for r in records if r["stage"] == "controlnet"]
-    streamed = [r for r in records if r["stage"] not in ("sample", "controlnet")]
-    cols = [
+    head = [
         "shape", ("latent", lambda r: f"{r['latent'][0]}x{r['latent'][1]}"), "batch", "attention",
         ("card", lambda r: f"{r['card_gib']} GB ({r['card_bytes'] / 2**20:.0f} MiB)"),
-        ("f", lambda r: f"{r['scale']:.4f}"), ("plain", lambda r: "OK" if r["plain_ok"] else "OOM"),
-        ("VRAM Guard's plan", lambda r: r["plan"]), ("guarded", lambda r: "OK" if r["guarded_ok"] else "OOM"),
-        ("predicted MiB", lambda r: f"{r['predicted_bytes'] / 2**20:.1f}"),
-        ("measured MiB", lambda r: f"{r['peak_bytes'] / 2**20:.1f}"),
-        ("CPU guarded/plain", lambda r: "" if r["cpu_ratio"] is None else f"{r['cpu_ratio']:.2f}"),
     ]  # fmt: skip
+    plan = [("VRAM Guard's plan", lambda r: r["plan"]), ("guarded", ok("guarded_ok")),
+            ("predicted MiB", mib_of("predicted_bytes")), ("measured MiB", mib_of("peak_bytes"))]  # fmt: skip
+    ratio = ("CPU guarded/plain", lambda r: "" if r["cpu_ratio"] is None else f"{r['cpu_ratio']:.2f}")
+    step = [*head, ("f", lambda r: f"{r['scale']:.4f}"), ("plain", ok("plain_ok")), *plan, ratio]
+    control = [*head, ("plain", ok("plain_ok")), *plan,
+               ("moved/step (full size)", mib_of("bytes_moved_per_step", 0, " MiB")),
+               ("Low VRAM moves/step", mib_of("controlnet_lowvram_bytes_per_step", 0, " MiB"))]  # fmt: skip
+    by = {k: [r for r in records if r["stage"] == k] for k in ("sample", "controlnet")}
+    streamed = [r for r in records if r["stage"] not in by]
     return (
         "Sampling step, real ldm UNetModel at model_channels 32 (float32, CPU) on emulated cards; each "
         "case's card and idle models scaled by f = reduced plain peak / full-size (fp16) plain peak\n"
-        + table(cols, sample)
+        + table(step, by["sample"])
         + "\n\nStreamed UNet (the plan's last rung when even micro-batch 1 does not fit beside the whole "
         "UNet):\n"
         + sampling_stream.table(streamed)
         + "\n\nWith one ControlNet unit (cldm layout over the UNet's encoder; plain: ControlNet's model "
         "on the card beside everything, as it keeps it; its Low VRAM has the same peak in the forward):\n"
-        + table(_controlnet.table_columns(), controls)
+        + table(control, by["controlnet"])
     )
 
 

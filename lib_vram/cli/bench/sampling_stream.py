@@ -86,15 +86,20 @@ def _forward(unet, kw) -> torch.Tensor:
         return unet(**kw)
 
 
+def _inputs(side: int, ctx: int) -> dict:
+    """The WebUI's batched cond/uncond forward (batch 2) at ``side`` x ``side`` latent."""
+    g = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(2, 4, side, side, generator=g), "timesteps": torch.tensor([10, 700]),
+            "context": torch.randn(2, 77, ctx, generator=g)}  # fmt: skip
+
+
 def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2, attempts: int = 4) -> dict:
     """One emulated-card case: a card that holds about ``fraction`` of the UNet beside one
     micro-batch's activations, and at least the whole UNet beside the step's output (it was
     resident before the pass: the move back needs that room). Each step is the WebUI's batched
     cond/uncond forward (batch 2), micro-batched as the sampling plan says."""
     unet = build_unet("sdxl-d1" if shape == "sdxl" else shape, mc, context_dim=64, init=True)
-    g = torch.Generator().manual_seed(1)
-    kw = {"x": torch.randn(2, 4, side, side, generator=g), "timesteps": torch.tensor([10, 700]),
-          "context": torch.randn(2, 77, 64, generator=g)}  # fmt: skip
+    kw = _inputs(side, 64)
     units = unit_bytes(unet)
     total = sum(b for _, b in units)
     with EmulatedCard(1 << 40, resident=[unet]) as probe:  # one micro-batch's activations
@@ -221,9 +226,8 @@ def table(rows: list[dict]) -> str:
 
     return grid([
         ("case", lambda r: f"{r['shape']} {r['latent']} lat" if "latent" in r else f"{r['shape']} {r['px']}"),
-        ("card MiB", lambda r: f"{r['card_bytes'] / MiB:.0f}"), ("plain", lambda r: ok(r["plain_ok"], "ok")),
-        ("guarded", lambda r: ok(r["guarded_ok"], "ok")),
-        ("bit-identical", lambda r: r.get("identical", "-")),
+        ("card MiB", mib_of("card_bytes", 0)), ("plain", ok("plain_ok", "ok")),
+        ("guarded", ok("guarded_ok", "ok")), ("bit-identical", lambda r: r.get("identical", "-")),
         ("micro-batch", lambda r: f"{r.get('micro_batch', '-')} of 2"), ("UNet MiB", mib_of("unet_bytes")),
         ("resident MiB", mib_of("resident_bytes")), ("MiB/step", mib_of("bytes_moved_per_step")),
         ("--lowvram MiB/step", mib_of("lowvram_bytes_per_step")), ("ratio", ratio), ("note", _note),
@@ -271,10 +275,7 @@ def gpu_stream(  # noqa: ANN001
         raise ValueError(f"`steps` must be in 1..100 and `side` in 8..256, got {steps}, {side}")
     dtype = torch.float16
     unet = build_unet("sd15", 320, context_dim=768, init=True).to(dtype)
-    g = torch.Generator().manual_seed(1)
-    kw = {"x": torch.randn(2, 4, side, side, generator=g).to(device, dtype),
-          "timesteps": torch.tensor([10, 700], device=device),
-          "context": torch.randn(2, 77, 768, generator=g).to(device, dtype)}  # fmt: skip
+    kw = {k: v.to(device, dtype if v.is_floating_point() else None) for k, v in _inputs(side, 768).items()}
     units = unit_bytes(unet)
     total = sum(b for _, b in units)
     plan = choose_resident(units, weights_budget_bytes=int(total * 2 / 3), activation_bytes=0, micro_batch=2,

@@ -1,26 +1,20 @@
 """``python -m lib_vram bench soak``: many mixed jobs in one process; nothing may grow or stay behind.
 
-Two ways to run it:
-
 * ``--quick`` (library level, no WebUI; what CI runs): a checkpoint of real ldm modules at a small
-  width (the UNet with cross-attention, the VAE decoder and encoder, a text encoder's weights) placed
-  by VRAM Guard on an emulated card below it (:func:`lib_vram.residency.plan_checkpoint`: a third
-  of the UNet streams, the text encoders and VAE wait in host memory; :class:`~lib_vram.residency.Owner`
-  moves them) and a spandrel ESRGAN loaded from a file. Jobs cycle through txt2img, img2img, hires
-  fix and an Extras upscale, each with its own prompt; every other round merges a LoRA-style
-  low-rank update into two of the UNet's attention weights in place (the built-in Lora extension's
-  way: a backup, then the weight changed) and restores it after the job. Per job: ``ok`` (it ran,
-  and a job without the LoRA equals the first run of its kind bit for bit: nothing of a merge left
-  in a streamed or parked copy), ``rss_bytes``, ``card_bytes_at_rest`` (the card after the job:
-  must be the placed checkpoint's resident bytes, nothing more) and ``seconds``.
+  width placed by VRAM Guard on an emulated card below it (:func:`lib_vram.residency.plan_checkpoint`:
+  a third of the UNet streams, the text encoders and VAE wait in host memory; an
+  :class:`~lib_vram.residency.Owner` moves them) and a spandrel ESRGAN loaded from a file. Jobs
+  cycle through txt2img, img2img, hires fix and an Extras upscale; every other round merges a
+  LoRA-style low-rank update into two attention weights in place (the built-in Lora extension's
+  way) and restores it after the job. A job without the LoRA must equal the first of its kind bit
+  for bit (nothing of a merge left in a streamed or parked copy); the card after each job must hold
+  the placed checkpoint's resident bytes, nothing more.
 * ``--url URL`` (a running WebUI with ``--api``): the same mix through its API, VRAM Guard on for
   each job (``--lora NAME`` or ``NAME:WEIGHT`` adds ``<lora:NAME:WEIGHT>`` to every other round's
-  prompts), ``--poll`` reads the status route every 200 ms during the jobs, ``--clients 2`` sends
-  from two clients at once (the WebUI queues them). Per job: ``ok``, ``rss_bytes`` and
-  ``card_bytes_at_rest`` from the status route, ``seconds``.
+  prompts; ``--poll`` reads the status route every 200 ms; ``--clients 2`` sends from two clients
+  at once).
 
-The summary: every job ok, RSS after the last job within 5 % of after job 10, the card at rest at
-its baseline after every job, the median seconds of the first and the last tenth. Exit 1 otherwise.
+Pass/fail: :func:`_passed` (exit 1 when it fails). Method: docs/benchmarks.md, "Soak".
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from lib_vram.core.device import resolve_device
 from lib_vram.core.livebytes import LiveBytesCounter
 from lib_vram.core.tracker import _read_vm_hwm, _reset_vm_hwm
 
-from ._harness import Bench, cell, known, psnr, runner, table
+from ._harness import Bench, cell, known, mib_of, psnr, runner, table
 
 HELP = "Tiled upscaling: untiled vs this engine (tiles x batches) vs a one-tile-at-a-time PIL loop."
 
@@ -286,8 +286,7 @@ def run_case(case: dict) -> dict:
 
 
 def _table(records: list[dict]) -> str:
-    mib = {"peak_bytes", "rss_peak_bytes"}
-    cols = [(c, lambda r, c=c: f"{r[c] / 2**20:.1f} MiB") if c in mib else c for c in FIELDS]
+    cols = [(c, mib_of(c, 1, " MiB")) if c in ("peak_bytes", "rss_peak_bytes") else c for c in FIELDS]
     return table(cols, records) + "\n\n" + "\n".join(ratios(records))
 
 

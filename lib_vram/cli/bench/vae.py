@@ -35,6 +35,7 @@ MAX_PREDICT = MAX_SIDE
 
 HELP = "Tiled VAE: untiled vs exact vs fast vs diffusers tiled_decode (full-size SD VAE, random weights)."
 
+# v1-inference.yaml's first_stage_config ddconfig (the SD VAE; other widths: ``{**SD_VAE, "ch": n}``)
 SD_VAE = {"ch": 128, "out_ch": 3, "ch_mult": (1, 2, 4, 4), "num_res_blocks": 2, "attn_resolutions": [],
           "in_channels": 3, "resolution": 256, "z_channels": 4}  # fmt: skip
 

@@ -44,12 +44,11 @@ def _record(kind: str, px: int, tile: int | None, mode: str, ch: int, models: di
     from lib_vram.vae import decoder_spec, encoder_spec
     from lib_vram.vae._plan import combine, estimate_components, fast_sample_for
 
-    from .planner import _ldm_config
-    from .vae import build_ldm
+    from .vae import SD_VAE, build_ldm
 
     if ch not in models:
         with torch.device("meta"):
-            models[ch] = tuple(build_ldm(k, _ldm_config(ch), seed=None) for k in ("decoder", "encoder"))
+            models[ch] = tuple(build_ldm(k, {**SD_VAE, "ch": ch}, seed=None) for k in ("decoder", "encoder"))
     dec, enc = models[ch]
     module, spec = (dec, decoder_spec(dec)) if kind == "decode" else (enc, encoder_spec(enc))
     shape = (1, 4, px // 8, px // 8) if kind == "decode" else (1, 3, px, px)
