@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lib_vram.core.predict import dtype_of, weights_bytes
+from lib_vram.core.predict import dtype_of
 from lib_vram.planning import planner, reference
 from lib_vram.planning.presets import Preset, resolve_precision
 
@@ -17,12 +17,12 @@ from .stageplan import (
     SAMPLING_ARCHS,
     MiB,
     StagePlan,
-    _with_controls,
     controls_of,
     job_stages,
     plan_upscale_stage,
     plan_vae_stage,
-    reference_vae,
+    sampling_stage,
+    vae_weights,
 )
 
 NATIVE_SIDE = {"sd15": 512, "sdxl": 1024}
@@ -65,7 +65,7 @@ class PlacedCheckpoint:
     def fits(self) -> bool:
         """The default pass fits with the UNet streamed, and the largest parked part beside the
         UNet's resident part (a part that wakes)."""
-        return self.plan.fits and _parked_fits(self.plan)
+        return _fits(self.plan)
 
     @property
     def line(self) -> str | None:
@@ -137,15 +137,10 @@ class PlacedCheckpoint:
         }
 
 
-def _parked_fits(cp: object) -> bool:
+def _fits(cp: object) -> bool:
+    """The checkpoint plan fits, and its largest parked part beside the UNet's resident part."""
     budget = cp.card_bytes - cp.safety_bytes - cp.leftover_bytes
-    return cp.unet_resident_bytes + cp.largest_parked_bytes <= budget
-
-
-def _vae_weights(arch: str, dtype: str) -> tuple[int, int]:
-    """(decoder, encoder) weights of the reference VAE of ``arch`` at ``dtype``."""
-    dt = dtype_of(dtype)
-    return weights_bytes(reference_vae(arch, "decode"), dt), weights_bytes(reference_vae(arch, "encode"), dt)
+    return cp.fits and cp.unet_resident_bytes + cp.largest_parked_bytes <= budget
 
 
 def place_checkpoint(
@@ -178,7 +173,7 @@ def place_checkpoint(
     spec = reference_spec(SAMPLING_ARCHS[arch])
     a = reference.vae_arch(arch)
     dt = dtype_of(UNET_DTYPE)
-    dec, enc = _vae_weights(arch, vae_dtype)
+    dec, enc = vae_weights(arch, vae_dtype)
     parked = (("text encoders", a.text_encoder_bytes), ("VAE", dec + enc))
     side = NATIVE_SIDE[arch]
     hw = (side // a.downscale, side // a.downscale)
@@ -202,25 +197,21 @@ def place_checkpoint(
             parked=parked, **step,
         )  # fmt: skip
 
-    def fits(total: int) -> bool:
-        cp = at(total)
-        return cp.fits and _parked_fits(cp)
-
     margin = working_margin(total_bytes)
     if not force and ckpt + margin <= total_bytes:
         return None
     units = reference_units(arch, dt.itemsize)
     cp = at(total_bytes)
     smallest = None
-    if not (cp.fits and _parked_fits(cp)):
+    if not _fits(cp):
         step_bytes = 256 * MiB
         lo = -(-total_bytes // step_bytes)  # (in steps) does not fit, or is the card itself
         hi = max(lo + 1, -(-(ckpt + margin) // step_bytes) + 1)
-        while not fits(hi * step_bytes) and hi < 4 * lo + 64:
+        while not _fits(at(hi * step_bytes)) and hi < 4 * lo + 64:
             hi *= 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if fits(mid * step_bytes):
+            if _fits(at(mid * step_bytes)):
                 hi = mid
             else:
                 lo = mid
@@ -281,7 +272,7 @@ def plan_placed_job(
     backend = getattr(caps, "backend", "cuda")
     vae_dtype = resolve_precision(preset.precision_vae, caps)
     up_dtype = resolve_precision(preset.precision_upscale, caps)
-    dec_w, enc_w = _vae_weights(arch, vae_dtype)
+    dec_w, enc_w = vae_weights(arch, vae_dtype)
     spec = reference_spec(SAMPLING_ARCHS[arch])
     unet_res = cp.unet_resident_bytes
     buffer = st.buffer_bytes if st.streamed else 0
@@ -338,15 +329,10 @@ def plan_placed_job(
                 f"sampling {w}x{h} px with the checkpoint placed needs {peak / MiB:.0f} MiB, the card "
                 f"offers {budget / MiB:.0f} MiB: {rest or 'a smaller image or batch may fit'}"
             )
-        sp = StagePlan(
-            stage=stage, plan=p.label + _with_controls(p), predicted_peak_bytes=peak, fits=fits,
-            budget_bytes=budget,
-            safety_margin_bytes=margin, resident_bytes=cp.leftover_bytes, weights_bytes=unet_res + buffer,
-            input_bytes=p.input_bytes, activation_bytes=p.activation_bytes, tile=None, batch=p.micro_batch,
-            dtype=UNET_DTYPE, key=p.key, warning=suggestion,
-            candidates=[dataclasses.replace(c, peak_bytes=c.peak_bytes - inflate + cp.leftover_bytes)
-                        for c in p.candidates],
-            suggestion=suggestion, attention=placed.attention, controlnet_bytes=p.control_bytes,
+        sp = sampling_stage(
+            stage, p, budget, margin, shift=cp.leftover_bytes - inflate, resident_bytes=cp.leftover_bytes,
+            dtype=UNET_DTYPE, attention=placed.attention, fits=fits, weights_bytes=unet_res + buffer,
+            warning=suggestion, suggestion=suggestion,
         )  # fmt: skip
         return with_models(
             sp, bytes_moved_per_step=streamed * forwards, lowvram_bytes_per_step=st.lowvram_bytes_per_step

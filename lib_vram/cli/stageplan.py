@@ -215,19 +215,15 @@ def plan_vae_stage(
     weights = weights_bytes(module, dt)
     input_bytes = shape[0] * shape[1] * shape[2] * shape[3] * dt.itemsize
     budget = max(0, free_bytes - safety_margin_bytes - weights - resident_bytes)
-    if preset.vae_mode == "off":
-        # the WebUI's own forward, untiled
+    if preset.vae_mode == "off":  # the WebUI's own forward, untiled
         peak = estimate_peak_bytes(module, shape, dt, tile=None, mode="untiled", backend=backend)
-        cand = planner.Candidate("untiled", peak)
-        return _stage(
-            stage, "untiled", None, 1, peak, [cand], free_bytes=free_bytes, margin=safety_margin_bytes,
-            weights=weights, resident=resident_bytes, input_bytes=input_bytes, dtype=dtype, key=(),
-        )  # fmt: skip
-    p = plan_vae(module, shape, dt, budget, mode=preset.vae_mode, backend=backend, memory=memory)
+        label, tile, cands, key = "untiled", None, [planner.Candidate("untiled", peak)], ()
+    else:
+        p = plan_vae(module, shape, dt, budget, mode=preset.vae_mode, backend=backend, memory=memory)
+        label, tile, peak, cands, key = p.plan, p.tile, p.peak_bytes, list(p.candidates), p.key
     return _stage(
-        stage, p.plan, p.tile, 1, p.peak_bytes, list(p.candidates), free_bytes=free_bytes,
-        margin=safety_margin_bytes, weights=weights, resident=resident_bytes, input_bytes=input_bytes,
-        dtype=dtype, key=p.key,
+        stage, label, tile, 1, peak, cands, free_bytes=free_bytes, margin=safety_margin_bytes,
+        weights=weights, resident=resident_bytes, input_bytes=input_bytes, dtype=dtype, key=key,
     )  # fmt: skip
 
 
@@ -269,8 +265,6 @@ def plan_upscale_stage(
 
 SAMPLING_ARCHS = {"sd15": "sd15", "sdxl": "sdxl"}
 """Archs whose UNet the sampling estimate knows (:func:`lib_vram.sampling.reference_spec`)."""
-MAX_IMAGES = 32
-"""The largest images per batch ``plan`` takes (the UNet's forward then holds 64 samples)."""
 
 
 def plan_sampling_stage(
@@ -306,15 +300,26 @@ def plan_sampling_stage(
         context_tokens=context_tokens, attention=attention, dtype=dt, budget_bytes=budget,
         resident_bytes=resident_bytes, backend=backend, memory=memory, controls=controls,
     )  # fmt: skip
-    return StagePlan(
-        stage=stage, plan=p.label + _with_controls(p), predicted_peak_bytes=p.predicted_peak_bytes,
-        fits=p.fits,
-        budget_bytes=budget, safety_margin_bytes=safety_margin_bytes, resident_bytes=resident_bytes,
-        weights_bytes=p.weights_bytes, input_bytes=p.input_bytes, activation_bytes=p.activation_bytes,
-        tile=None, batch=p.micro_batch, dtype=dtype, key=p.key, warning=None if p.fits else p.suggestion,
-        candidates=list(p.candidates), suggestion=p.suggestion, attention=attention,
-        controlnet_bytes=p.control_bytes,
-    )  # fmt: skip
+    return sampling_stage(
+        stage, p, budget, safety_margin_bytes, resident_bytes=resident_bytes, dtype=dtype, attention=attention
+    )
+
+
+def sampling_stage(
+    stage: str, p: object, budget: int, margin: int, shift: int = 0, **fields: object
+) -> StagePlan:
+    """The stage of sampling plan ``p``, its peaks moved by ``shift``; ``fields``: ``resident_bytes``,
+    ``dtype``, ``attention`` and what else differs from ``p``."""
+    n = p.control_bytes
+    return StagePlan(**{
+        "stage": stage, "plan": p.label + (f", ControlNet {n / MiB:.0f} MiB" if n else ""),
+        "predicted_peak_bytes": p.predicted_peak_bytes + shift, "fits": p.fits, "budget_bytes": budget,
+        "safety_margin_bytes": margin, "weights_bytes": p.weights_bytes,
+        "input_bytes": p.input_bytes, "activation_bytes": p.activation_bytes, "tile": None,
+        "batch": p.micro_batch, "key": p.key, "warning": None if p.fits else p.suggestion,
+        "candidates": [dataclasses.replace(c, peak_bytes=c.peak_bytes + shift) for c in p.candidates],
+        "suggestion": p.suggestion, "controlnet_bytes": n, **fields,
+    })  # fmt: skip
 
 
 CONTROLNET_HIRES = ("both", "lowres", "highres")
@@ -332,10 +337,19 @@ def controls_of(controlnets: tuple[str, ...], stage: str, hires_option: str = "b
     return tuple(reference_control(c) for c in controlnets)
 
 
-def _with_controls(p: object) -> str:
-    """The plan's label's ControlNet part (the sampling plan's ``control_bytes``)."""
-    n = getattr(p, "control_bytes", 0)
-    return f", ControlNet {n / MiB:.0f} MiB" if n else ""
+def vae_weights(arch: str, dtype: str) -> tuple[int, int]:
+    """(decoder, encoder) weights of the reference VAE of ``arch`` at ``dtype``."""
+    dt = dtype_of(dtype)
+    return weights_bytes(reference_vae(arch, "decode"), dt), weights_bytes(reference_vae(arch, "encode"), dt)
+
+
+def _moving_off(at: Callable[[int], StagePlan], on_card: int, movable: list[tuple[str, int]]) -> StagePlan:
+    """``at(on_card)``; where that does not fit, ``at`` with the ``movable`` (name, bytes) off the card."""
+    sp = at(on_card)
+    if sp.fits or not movable:
+        return sp
+    off = at(on_card - sum(n for _, n in movable))
+    return dataclasses.replace(off, moved_off=", ".join(name for name, _ in movable))
 
 
 def plan_job(
@@ -406,21 +420,15 @@ def plan_job(
                 resident_bytes=on_card + waiting(w, h), backend=backend, memory=memory,
             )  # fmt: skip
 
-        sp = at(resident)
-        if sp.fits or not movable:
-            return sp
-        off = at(resident - sum(n for _, n in movable))
-        return dataclasses.replace(off, moved_off=", ".join(name for name, _ in movable))
+        return _moving_off(at, resident, movable)
 
     sampling = arch in SAMPLING_ARCHS
     if sampling:
         from lib_vram.sampling import attention_of
 
         att = attention_of(attention or "Automatic", backend=backend)
-        vae_weights = weights_bytes(reference_vae(arch, "decode"), dtype_of(vae_dtype)) + weights_bytes(
-            reference_vae(arch, "encode"), dtype_of(vae_dtype)
-        )
-        idle = [] if host_swaps else [("VAE", vae_weights), ("text encoders", a.text_encoder_bytes)]
+        vae_bytes = sum(vae_weights(arch, vae_dtype))
+        idle = [] if host_swaps else [("VAE", vae_bytes), ("text encoders", a.text_encoder_bytes)]
 
     def sample(stage: str, w: int, h: int) -> StagePlan:
         def at(on_card: int) -> StagePlan:
@@ -430,12 +438,7 @@ def plan_job(
                 controls=controls_of(controlnets, stage, controlnet_hires),
             )  # fmt: skip
 
-        on_card = sum(n for _, n in idle)
-        sp = at(on_card)
-        if sp.fits or not idle:
-            return sp
-        off = at(0)
-        return dataclasses.replace(off, moved_off=", ".join(name for name, _ in idle))
+        return _moving_off(at, sum(n for _, n in idle), idle)
 
     return job_stages(
         width, height, hires, upscaler, a.downscale, sample=sample if sampling else None, vae=vae,
