@@ -153,15 +153,11 @@ def place_checkpoint(
     backend: str = "cuda",
     force: bool = True,
 ) -> PlacedCheckpoint | None:
-    """The placed plan of the reference checkpoint of ``arch`` (SD1.5, SDXL) on a card of
-    ``total_bytes``: :func:`lib_vram.residency.plan_checkpoint` (the WebUI's placement's own
-    function) on the reference UNet's units (:func:`lib_vram.cli.refunet.reference_units`), the
-    text encoders (:data:`lib_vram.planning.reference.ARCHS`) and the VAE (the reference VAE) parked,
-    the checkpoint's buffers, and the default pass (the native size at batch 2, 77 tokens,
-    ``attention``, FP16). ``margin_of(total)``: the safety margin of a card of ``total`` bytes
-    (the preset's, or ``--safety-margin``). When it does not fit, the smallest card it fits is
-    searched (256 MiB steps). ``force=False``: None when the checkpoint and the working margin fit
-    the card (the WebUI does not place it)."""
+    """The placed plan of the reference checkpoint of ``arch`` on a card of ``total_bytes``: the
+    WebUI's own :func:`lib_vram.residency.plan_checkpoint` on the reference UNet's units, the text
+    encoders and VAE parked, for the default pass (native size, batch 2, 77 tokens, FP16).
+    ``margin_of(total)``: a card's safety margin. Not fitting: the smallest card that would is
+    searched (256 MiB steps). ``force=False``: None where the WebUI would not place it."""
     from lib_vram.residency import plan_checkpoint
     from lib_vram.sampling import estimate_sampling, reference_spec
     from lib_vram.sampling._estimate import input_bytes
@@ -249,19 +245,11 @@ def plan_placed_job(
     controlnets: tuple[str, ...] = (),
     controlnet_hires: str = "both",
 ) -> list[StagePlan]:
-    """Plans for every stage of a job with the checkpoint placed (``placed``), as the WebUI runs
-    it with ``--vram-guard-place-checkpoint``:
-
-    * ``conditioning``: the text encoders woken on the card beside the UNet's resident part (their
-      activations, 77 tokens, are not modelled);
-    * ``sample``/``sample_hires``: the UNet's resident part, the stream buffer, the step's
-      activations at the micro-batch :func:`lib_vram.sampling.plan_sampling` chooses with the
-      placement's budget (as :mod:`lib_vram.webui.sampling` plans a placed checkpoint's pass) and
-      the inputs; bytes moved per step = streamed bytes x forwards, against ``--lowvram``'s;
-    * VAE stages: the VAE woken (both halves) beside the UNet's resident part, the VAE's own tiled
-      plan (:func:`plan_vae_stage`); upscales: the upscaler beside the UNet's resident part.
-
-    Budgets are ``free_bytes - safety_margin_bytes`` as in :func:`plan_job`."""
+    """Plans for every stage of a job with the checkpoint placed, as the WebUI runs it with
+    ``--vram-guard-place-checkpoint``: each stage's part woken beside the UNet's resident part
+    (the text encoders' activations not modelled); sampling as :mod:`lib_vram.webui.sampling`
+    plans a placed pass, its bytes moved per step (streamed bytes x forwards) against
+    ``--lowvram``'s. Budgets are ``free_bytes - safety_margin_bytes`` as in :func:`plan_job`."""
     from lib_vram.sampling import plan_sampling, reference_spec
 
     cp = placed.plan

@@ -1,19 +1,8 @@
-"""The ``plan`` command's model of a job: its stages, each planned by its own engine.
-
-Stages of a txt2img job (with hires fix and an upscaler, as in the WebUI): ``vae_decode`` of the
-first pass, ``hires_upscale`` (the upscaler on the first-pass image), ``vae_encode`` at the hires
-size, ``vae_decode_hires``; or, without hires fix, a final ``upscale`` (Extras-style) of the image.
-
-Every stage is planned by the function its engine decides with at run time
-(:func:`lib_vram.vae.plan_vae`, :func:`lib_vram.upscale.plan_upscale`): the same candidates, the
-same analytic estimates, the same learning keys. There is no model here, so the engines plan the
-:mod:`lib_vram.planning.reference` architectures, built on the meta device (no weights, no
-ldm/sgm). Nothing runs over the image: a plan takes milliseconds at any size.
-
-The preset decides what the engines are given: the stage's budget is the free memory minus the
-preset's safety margin, the stage model's weights, the UNet/text-encoder weights the preset keeps
-on the device and the decoded images of a batch that wait there; and the precision.
-Peak = those weights + the engine's predicted peak (input, activations, output).
+"""The ``plan`` command's model of a job: its stages (:func:`job_stages`), each planned by the
+function its engine decides with at run time (:func:`lib_vram.vae.plan_vae`,
+:func:`lib_vram.upscale.plan_upscale`, :func:`lib_vram.sampling.plan_sampling`) on the
+:mod:`lib_vram.planning.reference` architectures built on the meta device: no weights, no ldm/sgm,
+nothing run over the image. Peak = the weights on the card + the engine's predicted peak.
 
 The engines' fake-tensor runs (:func:`predict_engine_vae`, :func:`predict_engine_upscale`) are
 the validators of those estimates (tests, ``bench planner``), not a second planner.
@@ -51,48 +40,32 @@ class StagePlan:
     """The chosen plan of one stage, with the numbers behind it."""
 
     stage: str
-    plan: str
-    """The engine's label (``"untiled"``, ``"exact t64"``, ``"tiled t192 o16 b2"``, ``"whole b1"``)."""
+    plan: str  # the engine's label ("untiled", "exact t64", "tiled t192 o16 b2", "whole b1")
     predicted_peak_bytes: int
     fits: bool
-    budget_bytes: int
-    """Free memory minus the safety margin (what the whole peak must fit)."""
+    budget_bytes: int  # free memory minus the safety margin (what the whole peak must fit)
     safety_margin_bytes: int
-    resident_bytes: int
-    """Weights that stay on the device during the stage but are not the stage's own model (and
-    decoded images of a batch waiting there)."""
-    weights_bytes: int
-    """The stage model's weights."""
+    resident_bytes: int  # on the card during the stage, not its model's (and a batch's waiting images)
+    weights_bytes: int  # the stage model's
     input_bytes: int
-    activation_bytes: int
-    """The engine's predicted peak minus the input."""
+    activation_bytes: int  # the engine's predicted peak minus the input
     tile: int | None
     batch: int
     dtype: str
-    key: tuple = ()
-    """The planner-memory key the engine learns under for this stage."""
+    key: tuple = ()  # the planner-memory key the engine learns under
     warning: str | None = None
     candidates: list[planner.Candidate] = field(default_factory=list, compare=False)
-    moved_off: str = ""
-    """What leaves the card for this stage because its plan does not fit with it there (e.g.
-    ``"UNet, text encoders"``); empty when nothing moves."""
-    suggestion: str | None = None
-    """Sampling stages that do not fit: the largest size and batch that would (one line)."""
-    attention: str = ""
-    """Sampling stages: the attention implementation planned for."""
+    moved_off: str = ""  # what leaves the card for this stage to fit ("UNet, text encoders")
+    suggestion: str | None = None  # sampling that does not fit: the largest size and batch that would
+    attention: str = ""  # sampling: the attention planned for
     models: tuple[dict, ...] = ()
     """The placed plan (:func:`plan_placed_job`): each model of the checkpoint during the stage
     (``name``, ``where``: ``card``/``host``/``streamed``, ``card_mib``, ``mib``); empty: not placed."""
-    card_bytes: int = 0
-    """The placed plan: the checkpoint's bytes on the card during the stage (between forwards)."""
-    streamed_bytes: int = 0
-    """The placed plan: the UNet's streamed part (in host memory, through the card per forward)."""
-    bytes_moved_per_step: int | None = None
-    """The placed plan's sampling stages: host->card bytes per step (streamed bytes x forwards)."""
-    lowvram_bytes_per_step: int | None = None
-    """What ``--lowvram`` moves per step for the same UNet."""
-    controlnet_bytes: int = 0
-    """Sampling stages: the ControlNets' weights on the card for the pass (in the peak)."""
+    card_bytes: int = 0  # placed: the checkpoint's bytes on the card between forwards
+    streamed_bytes: int = 0  # placed: the UNet's part in host memory, through the card per forward
+    bytes_moved_per_step: int | None = None  # placed sampling: host->card bytes (streamed x forwards)
+    lowvram_bytes_per_step: int | None = None  # what --lowvram moves per step for the same UNet
+    controlnet_bytes: int = 0  # sampling: the ControlNets' weights on the card (in the peak)
 
     def to_dict(self) -> dict:
         placed = {}
@@ -372,19 +345,13 @@ def plan_job(
     controlnets: tuple[str, ...] = (),
     controlnet_hires: str = "both",
 ) -> list[StagePlan]:
-    """Plans for every memory-heavy stage of a job (see the module docstring).
+    """Plans for every memory-heavy stage of a job.
 
-    ``free_bytes`` is what the job may use with the model loaded *off* the device (the resident
-    UNet/text encoder bytes are added per stage from the arch table unless the preset offloads
-    them). The WebUI decodes a batch one image at a time, so ``batch`` adds only the decoded images
-    that wait on the device.
-
-    Sampling stages (``sample``, ``sample_hires``; archs with a UNet the sampling estimate knows)
-    plan one UNet forward of the whole batch (cond and uncond) with ``attention`` (default: what
-    the WebUI v1.10.1 picks with no flags, :func:`lib_vram.sampling.attention_of`). During
-    sampling the VAE is idle and the text encoders are done once the conditioning is computed:
-    when the step does not fit beside them, they leave the card for it (``moved_off``), not when
-    the host swaps models itself (``host_swaps``).
+    ``free_bytes``: what the job may use with the models *off* the device (the UNet/text encoders
+    are added per stage). The WebUI decodes a batch one image at a time: ``batch`` adds only the
+    decoded images waiting on the device. Sampling plans one UNet forward of the whole batch (cond
+    and uncond); the idle VAE and text encoders leave the card for a step that does not fit beside
+    them (``moved_off``), unless the host swaps models itself (``host_swaps``).
     """
     if batch < 1:
         raise ValueError(f"`batch` must be >= 1, got {batch}")
@@ -503,9 +470,8 @@ def predict_engine_vae(
     state_offload: str = "device",
 ) -> PeakPrediction:
     """Peak of :func:`lib_vram.vae.tiled_decode`/``tiled_encode`` on ``module`` (any layout the
-    engine supports: the WebUI's own VAE, ldm, diffusers, :mod:`lib_vram.planning.reference`), predicted by
-    running the engine itself on fake tensors (its finite-check guard off, its state kept on the
-    device). ``tile=None`` predicts the untiled pass the engine runs when everything fits."""
+    engine supports), predicted by running the engine itself on fake tensors. ``tile=None``: the
+    untiled pass the engine runs when everything fits."""
     if kind not in ("decode", "encode"):
         raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
     dt = dtype_of(dtype)
@@ -542,9 +508,8 @@ def predict_engine_upscale(
     backend: str = "cpu",
     overlap: int | None = None,
 ) -> PeakPrediction:
-    """Peak of :func:`lib_vram.upscale.upscale_tensor` with ``model`` (a ``torch.nn.Module``),
-    predicted by running the engine on fake tensors (finite check off, accumulator on the device;
-    ``overlap`` None: the engine's default for an uncalibrated model)."""
+    """Peak of :func:`lib_vram.upscale.upscale_tensor` with ``model``, predicted by running the
+    engine on fake tensors (``overlap`` None: the default for an uncalibrated model)."""
     net = getattr(model, "model", model)
     precision = dtype if isinstance(dtype, str) else str(dtype).replace("torch.float", "fp")
     loop = upscale_loop(max(input_shape[-2:]) if tile is None else tile, batch, scale, precision, overlap)
