@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from lib_vram.core.predict import dtype_of
-from lib_vram.planning import planner, reference
+from lib_vram.planning import reference
 from lib_vram.planning.presets import Preset, resolve_precision
 
 from .stageplan import (
@@ -25,17 +25,14 @@ from .stageplan import (
     vae_weights,
 )
 
+# The default pass the WebUI's placement plans for (lib_vram.webui.placement.native_latent_hw): the
+# native size, one image (cond and uncond in one forward), 77 tokens, the UNet in FP16.
 NATIVE_SIDE = {"sd15": 512, "sdxl": 1024}
-"""The model's native size: the default pass the WebUI's placement plans for
-(:func:`lib_vram.webui.placement.native_latent_hw`)."""
 DEFAULT_BATCH = 2
-"""The default pass: one image, cond and uncond in one forward (the WebUI's placement's)."""
 CONTEXT_TOKENS = 77
-LEFTOVER_BYTES = 13 * 1000 * 4
-"""The checkpoint's own buffers (not of the UNet, the text encoders or the VAE): ldm's 13 noise
-schedules of 1000 steps in float32, 0.05 MiB (sgm's SDXL holds fewer)."""
 UNET_DTYPE = "fp16"
-"""The UNet's precision the sampling stages are planned at (the WebUI's default)."""
+LEFTOVER_BYTES = 13 * 1000 * 4
+"""The checkpoint's own buffers: ldm's 13 noise schedules of 1000 steps in float32 (sgm's fewer)."""
 
 
 @dataclass(frozen=True)
@@ -43,18 +40,13 @@ class PlacedCheckpoint:
     """The placed plan of a reference checkpoint on one card (:func:`place_checkpoint`)."""
 
     arch: str
-    plan: object
-    """The :class:`lib_vram.residency.CheckpointPlan`."""
+    plan: object  # the lib_vram.residency.CheckpointPlan
     checkpoint_bytes: int
-    working_margin_bytes: int
-    """The safety margin plus the default pass's activations and inputs."""
-    side: int
-    """The default pass's image side (px)."""
+    working_margin_bytes: int  # the safety margin + the default pass's activations and inputs
+    side: int  # the default pass's image side (px)
     attention: str
-    input_bytes: int = 0
-    """The default pass's inputs (latent, timesteps, context)."""
-    smallest_card_bytes: int | None = None
-    """When the placed plan does not fit: the smallest card (in 256 MiB steps) it fits."""
+    input_bytes: int = 0  # the default pass's inputs (latent, timesteps, context)
+    smallest_card_bytes: int | None = None  # not fitting: the smallest card it fits (256 MiB steps)
 
     @property
     def needed(self) -> bool:
@@ -63,8 +55,7 @@ class PlacedCheckpoint:
 
     @property
     def fits(self) -> bool:
-        """The default pass fits with the UNet streamed, and the largest parked part beside the
-        UNet's resident part (a part that wakes)."""
+        """The default pass fits with the UNet streamed, and a parked part that wakes beside it."""
         return _fits(self.plan)
 
     @property
@@ -164,8 +155,6 @@ def place_checkpoint(
 
     from .refunet import reference_units
 
-    if arch not in SAMPLING_ARCHS:
-        raise ValueError(f"`arch` must be one of {sorted(SAMPLING_ARCHS)} to be placed, got {arch!r}")
     spec = reference_spec(SAMPLING_ARCHS[arch])
     a = reference.vae_arch(arch)
     dt = dtype_of(UNET_DTYPE)
@@ -240,8 +229,6 @@ def plan_placed_job(
     batch: int = 1,
     hires: float | None = None,
     upscaler: str | None = None,
-    upscale_scale: int = 4,
-    memory: planner.PlanMemory | None = None,
     controlnets: tuple[str, ...] = (),
     controlnet_hires: str = "both",
 ) -> list[StagePlan]:
@@ -302,7 +289,7 @@ def plan_placed_job(
         p = plan_sampling(
             spec, batch=2 * batch, latent_hw=(h // a.downscale, w // a.downscale),
             context_tokens=CONTEXT_TOKENS, attention=placed.attention, dtype=dtype_of(UNET_DTYPE),
-            budget_bytes=max(0, budget - cp.leftover_bytes) + inflate, backend=backend, memory=memory,
+            budget_bytes=max(0, budget - cp.leftover_bytes) + inflate, backend=backend,
             controls=controls_of(controlnets, stage, controlnet_hires),
         )  # fmt: skip
         peak = p.predicted_peak_bytes - inflate + cp.leftover_bytes
@@ -331,14 +318,13 @@ def plan_placed_job(
         waiting = (batch - 1) * 3 * w * h * itemsize
         sp = plan_vae_stage(
             stage, kind, arch, w, h, preset, free_bytes, margin, dtype=vae_dtype,
-            resident_bytes=base + other + waiting, backend=backend, memory=memory,
+            resident_bytes=base + other + waiting, backend=backend
         )  # fmt: skip
         return with_models(sp)
 
     def upscale(stage: str, w: int, h: int) -> StagePlan:
         sp = plan_upscale_stage(
-            stage, upscaler, w, h, free_bytes, margin, dtype=up_dtype, scale=upscale_scale,
-            resident_bytes=base, backend=backend, memory=memory,
+            stage, upscaler, w, h, free_bytes, margin, dtype=up_dtype, resident_bytes=base, backend=backend
         )  # fmt: skip
         return with_models(sp)
 

@@ -132,6 +132,4 @@ def _units_fp32(arch: str) -> tuple[tuple[str, int], ...]:
 def reference_units(arch: str, itemsize: int = 2) -> list[tuple[str, int]]:
     """(name, bytes) of each unit of the reference UNet of ``arch`` at ``itemsize`` bytes per
     weight, in forward order (:func:`lib_vram.sampling.unit_bytes` of :func:`reference_unet`)."""
-    if itemsize not in (1, 2, 4, 8):
-        raise ValueError(f"`itemsize` must be 1, 2, 4 or 8, got {itemsize!r}")
     return [(n, b // 4 * itemsize) for n, b in _units_fp32(reference_spec(arch).name)]

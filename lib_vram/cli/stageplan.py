@@ -165,19 +165,12 @@ def plan_vae_stage(
     dtype: str,
     resident_bytes: int = 0,
     backend: str = "cuda",
-    memory: planner.PlanMemory | None = None,
 ) -> StagePlan:
     """``stage`` as the VAE engine plans it (:func:`lib_vram.vae.plan_vae`) for the reference VAE
     of ``arch``, within what the preset leaves of ``free_bytes``."""
     from lib_vram.vae import estimate_peak_bytes, plan_vae
 
-    if kind not in ("decode", "encode"):
-        raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
     a = reference.vae_arch(arch)
-    if width <= 0 or height <= 0 or width % a.downscale or height % a.downscale:
-        raise ValueError(
-            f"`width`/`height` must be positive multiples of {a.downscale}, got {width}x{height}"
-        )
     module = reference_vae(arch, kind)
     dt = dtype_of(dtype)
     shape = (
@@ -192,7 +185,7 @@ def plan_vae_stage(
         peak = estimate_peak_bytes(module, shape, dt, tile=None, mode="untiled", backend=backend)
         label, tile, cands, key = "untiled", None, [planner.Candidate("untiled", peak)], ()
     else:
-        p = plan_vae(module, shape, dt, budget, mode=preset.vae_mode, backend=backend, memory=memory)
+        p = plan_vae(module, shape, dt, budget, mode=preset.vae_mode, backend=backend)
         label, tile, peak, cands, key = p.plan, p.tile, p.peak_bytes, list(p.candidates), p.key
     return _stage(
         stage, label, tile, 1, peak, cands, free_bytes=free_bytes, margin=safety_margin_bytes,
@@ -212,20 +205,17 @@ def plan_upscale_stage(
     scale: int = 4,
     resident_bytes: int = 0,
     backend: str = "cuda",
-    memory: planner.PlanMemory | None = None,
 ) -> StagePlan:
     """``stage`` as the upscale engine plans it (:func:`lib_vram.upscale.plan_upscale`) for the
     reference upscaler ``kind`` (``"rrdb"``/``"compact"``), within what is left of ``free_bytes``."""
     from lib_vram.upscale import plan_upscale
 
-    if width <= 0 or height <= 0:
-        raise ValueError(f"`width`/`height` must be positive, got {width}x{height}")
     module = reference_upscaler(kind, scale)
     dt = dtype_of(dtype)
     shape = (1, 3, height, width)
     weights = weights_bytes(module, dt)
     budget = max(1, free_bytes - safety_margin_bytes - weights - resident_bytes)
-    p = plan_upscale(module, shape, dt, budget, scale=scale, host_apart=backend != "cpu", memory=memory)
+    p = plan_upscale(module, shape, dt, budget, scale=scale, host_apart=backend != "cpu")
     input_bytes = 0 if p.in_host else 3 * height * width * dt.itemsize
     tile = None if p.whole else p.tile
     cand = p.candidate(p.tile, p.batch, p.halo)
@@ -252,15 +242,11 @@ def plan_sampling_stage(
     attention: str = "doggettx",
     dtype: str = "fp16",
     resident_bytes: int = 0,
-    context_tokens: int = 77,
     backend: str = "cuda",
-    memory: planner.PlanMemory | None = None,
     controls: tuple = (),
 ) -> StagePlan:
-    """``stage`` (a sampling pass) as :func:`lib_vram.sampling.plan_sampling` plans it: the
-    reference UNet of ``arch``, one forward of ``2 x images`` samples (the WebUI batches cond and
-    uncond), the latent of ``width`` x ``height``; ``controls``: the pass's ControlNets
-    (:func:`controls_of`)."""
+    """``stage`` as :func:`lib_vram.sampling.plan_sampling` plans it: the reference UNet of ``arch``,
+    one forward of ``2 x images`` samples (the WebUI batches cond and uncond)."""
     from lib_vram.sampling import plan_sampling, reference_spec
 
     spec = reference_spec(SAMPLING_ARCHS[arch])
@@ -270,8 +256,8 @@ def plan_sampling_stage(
     batch = 2 * images
     p = plan_sampling(
         spec, batch=batch, latent_hw=(height // a.downscale, width // a.downscale),
-        context_tokens=context_tokens, attention=attention, dtype=dt, budget_bytes=budget,
-        resident_bytes=resident_bytes, backend=backend, memory=memory, controls=controls,
+        context_tokens=77, attention=attention, dtype=dt, budget_bytes=budget,
+        resident_bytes=resident_bytes, backend=backend, controls=controls,
     )  # fmt: skip
     return sampling_stage(
         stage, p, budget, safety_margin_bytes, resident_bytes=resident_bytes, dtype=dtype, attention=attention
@@ -337,9 +323,7 @@ def plan_job(
     batch: int = 1,
     hires: float | None = None,
     upscaler: str | None = None,
-    upscale_scale: int = 4,
     safety_margin_bytes: int | None = None,
-    memory: planner.PlanMemory | None = None,
     host_swaps: bool = False,
     attention: str | None = None,
     controlnets: tuple[str, ...] = (),
@@ -353,10 +337,6 @@ def plan_job(
     and uncond); the idle VAE and text encoders leave the card for a step that does not fit beside
     them (``moved_off``), unless the host swaps models itself (``host_swaps``).
     """
-    if batch < 1:
-        raise ValueError(f"`batch` must be >= 1, got {batch}")
-    if hires is not None and not (1.0 < hires <= 8.0):
-        raise ValueError(f"`hires` must be in (1, 8], got {hires}")
     a = reference.vae_arch(arch)
     margin = preset.safety_margin(total_bytes) if safety_margin_bytes is None else safety_margin_bytes
     backend = getattr(caps, "backend", "cuda")
@@ -384,7 +364,7 @@ def plan_job(
         def at(on_card: int) -> StagePlan:
             return plan_vae_stage(
                 stage, kind, arch, w, h, preset, free_bytes, margin, dtype=vae_dtype,
-                resident_bytes=on_card + waiting(w, h), backend=backend, memory=memory,
+                resident_bytes=on_card + waiting(w, h), backend=backend,
             )  # fmt: skip
 
         return _moving_off(at, resident, movable)
@@ -400,9 +380,8 @@ def plan_job(
     def sample(stage: str, w: int, h: int) -> StagePlan:
         def at(on_card: int) -> StagePlan:
             return plan_sampling_stage(
-                stage, arch, w, h, free_bytes, margin, images=batch, attention=att,
-                resident_bytes=on_card, backend=backend, memory=memory,
-                controls=controls_of(controlnets, stage, controlnet_hires),
+                stage, arch, w, h, free_bytes, margin, images=batch, attention=att, resident_bytes=on_card,
+                backend=backend, controls=controls_of(controlnets, stage, controlnet_hires),
             )  # fmt: skip
 
         return _moving_off(at, sum(n for _, n in idle), idle)
@@ -410,8 +389,8 @@ def plan_job(
     return job_stages(
         width, height, hires, upscaler, a.downscale, sample=sample if sampling else None, vae=vae,
         upscale=lambda stage, w, h: plan_upscale_stage(
-            stage, upscaler, w, h, free_bytes, margin, dtype=up_dtype, scale=upscale_scale,
-            resident_bytes=resident if stage == "hires_upscale" else 0, backend=backend, memory=memory),
+            stage, upscaler, w, h, free_bytes, margin, dtype=up_dtype,
+            resident_bytes=resident if stage == "hires_upscale" else 0, backend=backend),
     )  # fmt: skip
 
 
