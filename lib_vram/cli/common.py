@@ -22,11 +22,8 @@ class UsageError(ValueError):
 
 
 def check_device(text: str | None, option: str = "--device") -> str | None:
-    """Check a ``--device`` value before any work: a known device type that this PyTorch can use.
-
-    Returns ``text`` unchanged (``None`` = the best available); raises :class:`UsageError` naming
-    the option, the value and the reason.
-    """
+    """``text`` (``None``: the best available) if this PyTorch can use it, before any work; else
+    :class:`UsageError` naming the option, the value and the reason."""
     if text is None:
         return None
     import torch

@@ -108,19 +108,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON: one record per stage")
 
 
-def emulate_vram(total: int, device: object | None = None) -> bool:
-    """On CUDA, cap this process's allocations at ``total`` bytes (an emulated smaller card).
-    Returns False where the backend has no such cap."""
-    import torch
-
-    dev = resolve_device(device)
-    if dev.type != "cuda":
-        return False
-    card = torch.cuda.get_device_properties(dev).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, total / card), dev)
-    return True
-
-
 def _placement(
     args: argparse.Namespace, total: int, caps: object, margin: int | None, preset: object
 ) -> tuple[object | None, str | None]:
@@ -169,9 +156,14 @@ def collect(args: argparse.Namespace) -> dict:
     margin = None
     if args.safety_margin is not None:
         margin = card_size(args.safety_margin, "--safety-margin", allow_zero=True)
+    emulated = vram is not None and dev.type == "cuda"
+    if emulated:  # cap this process's allocations at the card's size
+        import torch
+
+        card = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, vram / card), dev)
     if vram is not None:
         total = free = vram
-        emulated = emulate_vram(total, dev)
         # A generic card of that size: half precision, bf16 unknown -> assume fp16 only.
         from types import SimpleNamespace
 
@@ -179,7 +171,6 @@ def collect(args: argparse.Namespace) -> dict:
     else:
         total = memory_info(dev).total
         free = free_bytes(dev)
-        emulated = False
     preset = resolve_preset(args.preset, total, caps)
     safety = preset.safety_margin(total) if margin is None else margin
     arch = vae_arch(args.arch)

@@ -245,8 +245,6 @@ def _checkpoint_vae(kind: str, path: Path):
 def _run_vae(args: argparse.Namespace) -> int:
     import torch
 
-    if args.size % 8:
-        raise UsageError(f"`--size` must be a multiple of 8 (the VAE's factor), got {args.size}")
     if args.mode == "untiled" and args.tile is not None:
         raise UsageError("`--tile` is for --mode exact or fast, not untiled")
     if args.checkpoint is not None and (args.layout is not None or args.family != "ldm"):
@@ -300,9 +298,8 @@ def _run_vae(args: argparse.Namespace) -> int:
 
 
 def _check_memory(module, shape: tuple, dtype, device, args: argparse.Namespace) -> None:
-    """Refuse, before the run, a pass whose predicted peak (the engine's own plan) does not fit the
-    device's free memory (the CPU's: available RAM): one line, not an allocator error or a
-    process killed for memory."""
+    """Refuse, before the run, a pass whose predicted peak does not fit the device's free memory (the
+    CPU's: available RAM): one line, not an allocator error or a process killed for memory."""
     from lib_vram.core.device import free_bytes
     from lib_vram.vae import estimate_peak_bytes, plan_vae
 

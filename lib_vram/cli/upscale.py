@@ -142,10 +142,8 @@ class _Bar:
 class _Job:
     src: Path
     dst: Path
-    skip: str | None = None
-    """Why this file is not processed (a note), or None."""
-    error: str | None = None
-    """Why this file cannot be processed (counts as failed), or None."""
+    skip: str | None = None  # why this file is not processed (a note)
+    error: str | None = None  # why this file cannot be processed (counts as failed)
 
 
 @dataclass
@@ -295,10 +293,8 @@ def _check_sizes(jobs: list[_Job], folder: bool, args: argparse.Namespace, model
 
 @contextmanager
 def _image_file(src: Path) -> Iterator:
-    """``Image.open(src)``, with Pillow's decompression-bomb *warning* (an image above
-    ``Image.MAX_IMAGE_PIXELS``, below twice that) raised as an error while the file is read: the
-    user gets the one-line refusal (:func:`_reason`), not Pillow's two-line warning before it. The
-    limit itself is left as it is."""
+    """``Image.open(src)``, Pillow's decompression-bomb *warning* raised as an error: the user gets
+    the one-line refusal (:func:`_reason`), not Pillow's two-line warning before it."""
     from PIL import Image
 
     with warnings.catch_warnings():
@@ -347,12 +343,8 @@ def _for_format(img, fmt: str, notes: list[str]):
 
 
 def save_atomic(img, dst: Path, fmt: str, *, overwrite: bool, **params) -> None:
-    """Write ``img`` to a temporary file beside ``dst``, then rename it into place
-    (:func:`lib_vram.core.files.write_atomic`).
-
-    Without ``overwrite`` an output that appeared meanwhile is not replaced (``FileExistsError``).
-    Whatever goes wrong (also Ctrl-C), the temporary file is removed and ``dst`` is untouched.
-    """
+    """Write ``img`` to ``dst`` atomically (:func:`lib_vram.core.files.write_atomic`); without
+    ``overwrite`` an output that appeared meanwhile is not replaced (``FileExistsError``)."""
 
     def fill(tmp: Path) -> None:
         with open(tmp, "wb") as f:
