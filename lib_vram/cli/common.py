@@ -67,10 +67,9 @@ def check_device(text: str | None, option: str = "--device") -> str | None:
 GiB = 2**30
 
 MAX_SIDE = 16384
-"""Largest image side (px) a command plans, makes or profiles: 8x the WebUI's 2048 px width/height
-sliders, 4x its largest hires-fix output (2048 x 4 = 8192), and the Extras tab's 8x of a 2048 px
-image. The planner answers for 16384² (and the 65536² output of a 4x upscaler on it) in a few
-seconds; beyond, a plan walks ever more tiles while no card holds even the smallest tile's image."""
+"""Largest image side (px) a command plans, makes or profiles: 8x the WebUI's 2048 px sliders, 2x
+its largest hires-fix output, the Extras tab's 8x of 2048 px. Beyond, a plan walks ever more tiles
+while no card holds even the smallest tile's image."""
 
 MAX_PIXELS = MAX_SIDE * MAX_SIDE
 """Largest image (px) an upscale writes, any pass included: 268 Mpx, a float32 accumulator of 3 GiB."""

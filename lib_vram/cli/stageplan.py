@@ -342,10 +342,8 @@ def plan_job(
     backend = getattr(caps, "backend", "cuda")
     vae_dtype = resolve_precision(preset.precision_vae, caps)
     up_dtype = resolve_precision(preset.precision_upscale, caps)
-    # The UNet and text encoders stay on the card; a VAE pass whose plan does not fit with them
-    # there moves the ones the preset allows off for that pass (lib_vram.residency does it).
-    # With ``host_swaps`` (the WebUI's --medvram/--lowvram) the host keeps them off the card
-    # outside sampling itself.
+    # a VAE pass that does not fit beside the UNet and text encoders moves the ones the preset
+    # allows off the card for that pass (lib_vram.residency does it)
     resident = 0 if host_swaps else a.unet_bytes + a.text_encoder_bytes
     movable = [
         (name, n)
