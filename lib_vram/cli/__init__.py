@@ -87,8 +87,6 @@ def add_emulate_argument(parser: argparse.ArgumentParser) -> None:
 def emulated_card(args: argparse.Namespace):  # noqa: ANN201
     """The card ``--emulate-vram`` (or the environment a parent process set) asks for, or None.
     Raises ValueError naming the option for a bad size or device."""
-    import os
-
     size = getattr(args, "emulate_vram", None)
     if size is None:
         size = os.environ.get(EMULATE_ENV) or None
@@ -141,7 +139,7 @@ def _main(args: argparse.Namespace, debug: bool, log: logging.Logger) -> int:
         from lib_vram.core import emulate
 
         previous = emulate.install(card)
-        logging.getLogger("lib_vram").warning(
+        log.warning(
             "running on an %s (--emulate-vram): memory is counted in software, not a real GPU", card.label
         )
         try:
@@ -155,21 +153,18 @@ def _main(args: argparse.Namespace, debug: bool, log: logging.Logger) -> int:
                 os.environ.pop(EMULATE_ENV, None)
             else:
                 os.environ[EMULATE_ENV] = env_before
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as exc:  # one line, not a traceback (unless --debug)
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        if not interrupted:
+            log.debug("command failed", exc_info=True)
         if debug:
             traceback.print_exc()
-        print("interrupted", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError) as exc:
-        log.debug("command failed", exc_info=True)
-        if debug:
-            traceback.print_exc()
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # anything else: one line, not a traceback (unless --debug)
-        log.debug("command failed", exc_info=True)
-        if debug:
-            traceback.print_exc()
+        if interrupted:
+            print("interrupted", file=sys.stderr)
+            return 130
+        if isinstance(exc, (ValueError, FileNotFoundError)):
+            print(f"error: {_one_line(exc)}", file=sys.stderr)
+            return 2
         where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
         print(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -21,11 +22,8 @@ class UsageError(ValueError):
 
 
 def check_device(text: str | None, option: str = "--device") -> str | None:
-    """Check a ``--device`` value before any work: a known device type that this PyTorch can use.
-
-    Returns ``text`` unchanged (``None`` = the best available); raises :class:`UsageError` naming
-    the option, the value and the reason.
-    """
+    """``text`` (``None``: the best available) if this PyTorch can use it, before any work; else
+    :class:`UsageError` naming the option, the value and the reason."""
     if text is None:
         return None
     import torch
@@ -55,15 +53,11 @@ def check_device(text: str | None, option: str = "--device") -> str | None:
                 f"`{option} {text}`: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})"
             )
         return text
-    if dev.type == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
-            raise UsageError(f"`{option} {text}`: Apple MPS is not available here; use --device cpu")
-        return text
-    if dev.type == "xpu":
-        xpu = getattr(torch, "xpu", None)
-        if xpu is None or not xpu.is_available():
-            raise UsageError(f"`{option} {text}`: no Intel XPU is available here; use --device cpu")
+    if dev.type in ("mps", "xpu"):
+        backend = getattr(torch.backends, "mps", None) if dev.type == "mps" else getattr(torch, "xpu", None)
+        if backend is None or not backend.is_available():
+            missing = "Apple MPS is not" if dev.type == "mps" else "no Intel XPU is"
+            raise UsageError(f"`{option} {text}`: {missing} available here; use --device cpu")
         return text
     raise UsageError(f"`{option} {text}`: VRAM Guard does not run on {dev.type!r} devices ({DEVICE_HINT})")
 
@@ -73,10 +67,9 @@ def check_device(text: str | None, option: str = "--device") -> str | None:
 GiB = 2**30
 
 MAX_SIDE = 16384
-"""Largest image side (px) a command plans, makes or profiles: 8x the WebUI's 2048 px width/height
-sliders, 4x its largest hires-fix output (2048 x 4 = 8192), and the Extras tab's 8x of a 2048 px
-image. The planner answers for 16384² (and the 65536² output of a 4x upscaler on it) in a few
-seconds; beyond, a plan walks ever more tiles while no card holds even the smallest tile's image."""
+"""Largest image side (px) a command plans, makes or profiles: 8x the WebUI's 2048 px sliders, 2x
+its largest hires-fix output, the Extras tab's 8x of 2048 px. Beyond, a plan walks ever more tiles
+while no card holds even the smallest tile's image."""
 
 MAX_PIXELS = MAX_SIDE * MAX_SIDE
 """Largest image (px) an upscale writes, any pass included: 268 Mpx, a float32 accumulator of 3 GiB."""
@@ -108,20 +101,6 @@ MAX_SECONDS = 86400.0
 """Time limits (``--timeout``, ``--budget-s``): one day."""
 
 
-def _fail(message: str):
-    import argparse
-
-    raise argparse.ArgumentTypeError(message)
-
-
-def _int(value: str) -> int:
-    try:
-        return int(str(value).strip())
-    except ValueError:
-        _fail(f"expected an integer, got {value!r}")
-        raise  # unreachable
-
-
 def check_int(
     value: int, option: str, lo: int, hi: int, *, why: str = "", multiple_of: int = 1, unit: str = ""
 ) -> int:
@@ -137,27 +116,29 @@ def check_int(
     return value
 
 
+def _arg_int(n: int, option: str, lo: int, hi: int, **kw) -> int:
+    """:func:`check_int` for argparse: its message without the option (argparse names it)."""
+    try:
+        return check_int(n, option, lo, hi, **kw)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(" ", 1)[1]) from None
+
+
 def bounded_int(
     option: str, lo: int, hi: int, *, why: str = "", multiple_of: int = 1, unit: str = "", auto: bool = False
 ):
     """An argparse ``type=`` for an integer in ``[lo, hi]``: beyond it, one line naming the option and
     the bound (exit 2), before any work. ``auto``: ``"auto"`` is accepted as ``None``."""
-    import argparse
 
     def parse(value: str) -> int | None:
         if auto and value == "auto":
             return None
-        if auto:
-            try:
-                n = int(str(value).strip())
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {value!r}") from None
-        else:
-            n = _int(value)
         try:
-            return check_int(n, option, lo, hi, why=why, multiple_of=multiple_of, unit=unit)
-        except UsageError as exc:
-            raise argparse.ArgumentTypeError(str(exc).split(" ", 1)[1]) from None
+            n = int(str(value).strip())
+        except ValueError:
+            expected = "'auto' or an integer" if auto else "an integer"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}") from None
+        return _arg_int(n, option, lo, hi, why=why, multiple_of=multiple_of, unit=unit)
 
     parse.__name__ = option.lstrip("-")
     return parse
@@ -165,8 +146,6 @@ def bounded_int(
 
 def bounded_float(option: str, lo: float, hi: float, *, why: str = "", unit: str = ""):
     """An argparse ``type=`` for a finite number ``lo < x <= hi`` (``inf``/``nan`` refused)."""
-    import argparse
-
     unit = f" {unit}" if unit else ""
 
     def parse(value: str) -> float:
@@ -198,7 +177,6 @@ def int_list(
 ):
     """An argparse ``type=`` for a comma-separated list of integers, each in ``[lo, hi]``; the value
     stays the text (normalised: ``"512,1024"``) for the code that splits it."""
-    import argparse
 
     def parse(value: str) -> str:
         parts = [p.strip() for p in str(value).split(",")]
@@ -212,10 +190,7 @@ def int_list(
                 n = int(p)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {p!r}") from None
-            try:
-                out.append(check_int(n, option, lo, hi, why=why, unit=unit, multiple_of=multiple_of))
-            except UsageError as exc:
-                raise argparse.ArgumentTypeError(str(exc).split(" ", 1)[1]) from None
+            out.append(_arg_int(n, option, lo, hi, why=why, unit=unit, multiple_of=multiple_of))
         return ",".join(str(n) for n in out)
 
     parse.__name__ = option.lstrip("-")

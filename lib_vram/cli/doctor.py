@@ -10,8 +10,6 @@ from lib_vram.core.device import capabilities, memory_info, resolve_device
 from lib_vram.planning.presets import tier_preset_name
 from lib_vram.planning.tiers import tier_for_total, tier_label
 
-from .common import check_device
-
 NAME = "doctor"
 HELP = "Show the compute device, its memory, precision and attention support, and its memory tier."
 
@@ -106,10 +104,8 @@ def format_table(report: dict) -> str:
         ("xformers", _yes(t["xformers"])),
         ("fp16 / bf16", f"{_yes(report['precision']['fp16'])} / {_yes(report['precision']['bf16'])}"),
         ("memory tier", report["tier"]["label"]),
+        ("recommended preset", str(report["recommended_preset"])),
     ]
-    for key, value in report.items():
-        if key.startswith("recommended_"):
-            rows.append((key.replace("_", " "), str(value)))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += [f"note: {n}" for n in report["notes"]]
@@ -117,7 +113,6 @@ def format_table(report: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_device(args.device)
     report = collect(args.device)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))

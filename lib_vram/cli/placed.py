@@ -9,33 +9,30 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lib_vram.core.predict import dtype_of, weights_bytes
-from lib_vram.planning import planner, reference
+from lib_vram.core.predict import dtype_of
+from lib_vram.planning import reference
 from lib_vram.planning.presets import Preset, resolve_precision
 
 from .stageplan import (
     SAMPLING_ARCHS,
     MiB,
     StagePlan,
-    _with_controls,
     controls_of,
     job_stages,
     plan_upscale_stage,
     plan_vae_stage,
-    reference_vae,
+    sampling_stage,
+    vae_weights,
 )
 
+# The default pass the WebUI's placement plans for (lib_vram.webui.placement.native_latent_hw): the
+# native size, one image (cond and uncond in one forward), 77 tokens, the UNet in FP16.
 NATIVE_SIDE = {"sd15": 512, "sdxl": 1024}
-"""The model's native size: the default pass the WebUI's placement plans for
-(:func:`lib_vram.webui.placement.native_latent_hw`)."""
 DEFAULT_BATCH = 2
-"""The default pass: one image, cond and uncond in one forward (the WebUI's placement's)."""
 CONTEXT_TOKENS = 77
-LEFTOVER_BYTES = 13 * 1000 * 4
-"""The checkpoint's own buffers (not of the UNet, the text encoders or the VAE): ldm's 13 noise
-schedules of 1000 steps in float32, 0.05 MiB (sgm's SDXL holds fewer)."""
 UNET_DTYPE = "fp16"
-"""The UNet's precision the sampling stages are planned at (the WebUI's default)."""
+LEFTOVER_BYTES = 13 * 1000 * 4
+"""The checkpoint's own buffers: ldm's 13 noise schedules of 1000 steps in float32 (sgm's fewer)."""
 
 
 @dataclass(frozen=True)
@@ -43,18 +40,13 @@ class PlacedCheckpoint:
     """The placed plan of a reference checkpoint on one card (:func:`place_checkpoint`)."""
 
     arch: str
-    plan: object
-    """The :class:`lib_vram.residency.CheckpointPlan`."""
+    plan: object  # the lib_vram.residency.CheckpointPlan
     checkpoint_bytes: int
-    working_margin_bytes: int
-    """The safety margin plus the default pass's activations and inputs."""
-    side: int
-    """The default pass's image side (px)."""
+    working_margin_bytes: int  # the safety margin + the default pass's activations and inputs
+    side: int  # the default pass's image side (px)
     attention: str
-    input_bytes: int = 0
-    """The default pass's inputs (latent, timesteps, context)."""
-    smallest_card_bytes: int | None = None
-    """When the placed plan does not fit: the smallest card (in 256 MiB steps) it fits."""
+    input_bytes: int = 0  # the default pass's inputs (latent, timesteps, context)
+    smallest_card_bytes: int | None = None  # not fitting: the smallest card it fits (256 MiB steps)
 
     @property
     def needed(self) -> bool:
@@ -63,9 +55,8 @@ class PlacedCheckpoint:
 
     @property
     def fits(self) -> bool:
-        """The default pass fits with the UNet streamed, and the largest parked part beside the
-        UNet's resident part (a part that wakes)."""
-        return self.plan.fits and _parked_fits(self.plan)
+        """The default pass fits with the UNet streamed, and a parked part that wakes beside it."""
+        return _fits(self.plan)
 
     @property
     def line(self) -> str | None:
@@ -137,15 +128,10 @@ class PlacedCheckpoint:
         }
 
 
-def _parked_fits(cp: object) -> bool:
+def _fits(cp: object) -> bool:
+    """The checkpoint plan fits, and its largest parked part beside the UNet's resident part."""
     budget = cp.card_bytes - cp.safety_bytes - cp.leftover_bytes
-    return cp.unet_resident_bytes + cp.largest_parked_bytes <= budget
-
-
-def _vae_weights(arch: str, dtype: str) -> tuple[int, int]:
-    """(decoder, encoder) weights of the reference VAE of ``arch`` at ``dtype``."""
-    dt = dtype_of(dtype)
-    return weights_bytes(reference_vae(arch, "decode"), dt), weights_bytes(reference_vae(arch, "encode"), dt)
+    return cp.fits and cp.unet_resident_bytes + cp.largest_parked_bytes <= budget
 
 
 def place_checkpoint(
@@ -158,27 +144,21 @@ def place_checkpoint(
     backend: str = "cuda",
     force: bool = True,
 ) -> PlacedCheckpoint | None:
-    """The placed plan of the reference checkpoint of ``arch`` (SD1.5, SDXL) on a card of
-    ``total_bytes``: :func:`lib_vram.residency.plan_checkpoint` (the WebUI's placement's own
-    function) on the reference UNet's units (:func:`lib_vram.cli.refunet.reference_units`), the
-    text encoders (:data:`lib_vram.planning.reference.ARCHS`) and the VAE (the reference VAE) parked,
-    the checkpoint's buffers, and the default pass (the native size at batch 2, 77 tokens,
-    ``attention``, FP16). ``margin_of(total)``: the safety margin of a card of ``total`` bytes
-    (the preset's, or ``--safety-margin``). When it does not fit, the smallest card it fits is
-    searched (256 MiB steps). ``force=False``: None when the checkpoint and the working margin fit
-    the card (the WebUI does not place it)."""
+    """The placed plan of the reference checkpoint of ``arch`` on a card of ``total_bytes``: the
+    WebUI's own :func:`lib_vram.residency.plan_checkpoint` on the reference UNet's units, the text
+    encoders and VAE parked, for the default pass (native size, batch 2, 77 tokens, FP16).
+    ``margin_of(total)``: a card's safety margin. Not fitting: the smallest card that would is
+    searched (256 MiB steps). ``force=False``: None where the WebUI would not place it."""
     from lib_vram.residency import plan_checkpoint
     from lib_vram.sampling import estimate_sampling, reference_spec
     from lib_vram.sampling._estimate import input_bytes
 
     from .refunet import reference_units
 
-    if arch not in SAMPLING_ARCHS:
-        raise ValueError(f"`arch` must be one of {sorted(SAMPLING_ARCHS)} to be placed, got {arch!r}")
     spec = reference_spec(SAMPLING_ARCHS[arch])
     a = reference.vae_arch(arch)
     dt = dtype_of(UNET_DTYPE)
-    dec, enc = _vae_weights(arch, vae_dtype)
+    dec, enc = vae_weights(arch, vae_dtype)
     parked = (("text encoders", a.text_encoder_bytes), ("VAE", dec + enc))
     side = NATIVE_SIDE[arch]
     hw = (side // a.downscale, side // a.downscale)
@@ -202,25 +182,21 @@ def place_checkpoint(
             parked=parked, **step,
         )  # fmt: skip
 
-    def fits(total: int) -> bool:
-        cp = at(total)
-        return cp.fits and _parked_fits(cp)
-
     margin = working_margin(total_bytes)
     if not force and ckpt + margin <= total_bytes:
         return None
     units = reference_units(arch, dt.itemsize)
     cp = at(total_bytes)
     smallest = None
-    if not (cp.fits and _parked_fits(cp)):
+    if not _fits(cp):
         step_bytes = 256 * MiB
         lo = -(-total_bytes // step_bytes)  # (in steps) does not fit, or is the card itself
         hi = max(lo + 1, -(-(ckpt + margin) // step_bytes) + 1)
-        while not fits(hi * step_bytes) and hi < 4 * lo + 64:
+        while not _fits(at(hi * step_bytes)) and hi < 4 * lo + 64:
             hi *= 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if fits(mid * step_bytes):
+            if _fits(at(mid * step_bytes)):
                 hi = mid
             else:
                 lo = mid
@@ -253,24 +229,14 @@ def plan_placed_job(
     batch: int = 1,
     hires: float | None = None,
     upscaler: str | None = None,
-    upscale_scale: int = 4,
-    memory: planner.PlanMemory | None = None,
     controlnets: tuple[str, ...] = (),
     controlnet_hires: str = "both",
 ) -> list[StagePlan]:
-    """Plans for every stage of a job with the checkpoint placed (``placed``), as the WebUI runs
-    it with ``--vram-guard-place-checkpoint``:
-
-    * ``conditioning``: the text encoders woken on the card beside the UNet's resident part (their
-      activations, 77 tokens, are not modelled);
-    * ``sample``/``sample_hires``: the UNet's resident part, the stream buffer, the step's
-      activations at the micro-batch :func:`lib_vram.sampling.plan_sampling` chooses with the
-      placement's budget (as :mod:`lib_vram.webui.sampling` plans a placed checkpoint's pass) and
-      the inputs; bytes moved per step = streamed bytes x forwards, against ``--lowvram``'s;
-    * VAE stages: the VAE woken (both halves) beside the UNet's resident part, the VAE's own tiled
-      plan (:func:`plan_vae_stage`); upscales: the upscaler beside the UNet's resident part.
-
-    Budgets are ``free_bytes - safety_margin_bytes`` as in :func:`plan_job`."""
+    """Plans for every stage of a job with the checkpoint placed, as the WebUI runs it with
+    ``--vram-guard-place-checkpoint``: each stage's part woken beside the UNet's resident part
+    (the text encoders' activations not modelled); sampling as :mod:`lib_vram.webui.sampling`
+    plans a placed pass, its bytes moved per step (streamed bytes x forwards) against
+    ``--lowvram``'s. Budgets are ``free_bytes - safety_margin_bytes`` as in :func:`plan_job`."""
     from lib_vram.sampling import plan_sampling, reference_spec
 
     cp = placed.plan
@@ -281,7 +247,7 @@ def plan_placed_job(
     backend = getattr(caps, "backend", "cuda")
     vae_dtype = resolve_precision(preset.precision_vae, caps)
     up_dtype = resolve_precision(preset.precision_upscale, caps)
-    dec_w, enc_w = _vae_weights(arch, vae_dtype)
+    dec_w, enc_w = vae_weights(arch, vae_dtype)
     spec = reference_spec(SAMPLING_ARCHS[arch])
     unet_res = cp.unet_resident_bytes
     buffer = st.buffer_bytes if st.streamed else 0
@@ -323,7 +289,7 @@ def plan_placed_job(
         p = plan_sampling(
             spec, batch=2 * batch, latent_hw=(h // a.downscale, w // a.downscale),
             context_tokens=CONTEXT_TOKENS, attention=placed.attention, dtype=dtype_of(UNET_DTYPE),
-            budget_bytes=max(0, budget - cp.leftover_bytes) + inflate, backend=backend, memory=memory,
+            budget_bytes=max(0, budget - cp.leftover_bytes) + inflate, backend=backend,
             controls=controls_of(controlnets, stage, controlnet_hires),
         )  # fmt: skip
         peak = p.predicted_peak_bytes - inflate + cp.leftover_bytes
@@ -338,15 +304,10 @@ def plan_placed_job(
                 f"sampling {w}x{h} px with the checkpoint placed needs {peak / MiB:.0f} MiB, the card "
                 f"offers {budget / MiB:.0f} MiB: {rest or 'a smaller image or batch may fit'}"
             )
-        sp = StagePlan(
-            stage=stage, plan=p.label + _with_controls(p), predicted_peak_bytes=peak, fits=fits,
-            budget_bytes=budget,
-            safety_margin_bytes=margin, resident_bytes=cp.leftover_bytes, weights_bytes=unet_res + buffer,
-            input_bytes=p.input_bytes, activation_bytes=p.activation_bytes, tile=None, batch=p.micro_batch,
-            dtype=UNET_DTYPE, key=p.key, warning=suggestion,
-            candidates=[dataclasses.replace(c, peak_bytes=c.peak_bytes - inflate + cp.leftover_bytes)
-                        for c in p.candidates],
-            suggestion=suggestion, attention=placed.attention, controlnet_bytes=p.control_bytes,
+        sp = sampling_stage(
+            stage, p, budget, margin, shift=cp.leftover_bytes - inflate, resident_bytes=cp.leftover_bytes,
+            dtype=UNET_DTYPE, attention=placed.attention, fits=fits, weights_bytes=unet_res + buffer,
+            warning=suggestion, suggestion=suggestion,
         )  # fmt: skip
         return with_models(
             sp, bytes_moved_per_step=streamed * forwards, lowvram_bytes_per_step=st.lowvram_bytes_per_step
@@ -357,14 +318,13 @@ def plan_placed_job(
         waiting = (batch - 1) * 3 * w * h * itemsize
         sp = plan_vae_stage(
             stage, kind, arch, w, h, preset, free_bytes, margin, dtype=vae_dtype,
-            resident_bytes=base + other + waiting, backend=backend, memory=memory,
+            resident_bytes=base + other + waiting, backend=backend
         )  # fmt: skip
         return with_models(sp)
 
     def upscale(stage: str, w: int, h: int) -> StagePlan:
         sp = plan_upscale_stage(
-            stage, upscaler, w, h, free_bytes, margin, dtype=up_dtype, scale=upscale_scale,
-            resident_bytes=base, backend=backend, memory=memory,
+            stage, upscaler, w, h, free_bytes, margin, dtype=up_dtype, resident_bytes=base, backend=backend
         )  # fmt: skip
         return with_models(sp)
 

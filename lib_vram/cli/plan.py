@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import threading
 import time
 
 from lib_vram.core.device import capabilities, free_bytes, memory_info, resolve_device
-from lib_vram.core.emulate import parse_size
 from lib_vram.planning.presets import PRESET_NAMES, resolve_precision, resolve_preset
 from lib_vram.planning.reference import ARCHS, UPSCALERS, vae_arch
 from lib_vram.sampling import CONTROLS
 
-from .common import MAX_IMAGES, MAX_SIDE, bounded_float, bounded_int
+from .common import MAX_IMAGES, MAX_SIDE, UsageError, bounded_float, bounded_int, card_size
 
 SIDE_WHY = "the largest image side VRAM Guard plans; see docs/cli.md"
 IMAGES_WHY = "the sampling stage plans a UNet batch of at most 2 x 32 (cond and uncond)"
@@ -107,19 +108,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON: one record per stage")
 
 
-def emulate_vram(total: int, device: object | None = None) -> bool:
-    """On CUDA, cap this process's allocations at ``total`` bytes (an emulated smaller card).
-    Returns False where the backend has no such cap."""
-    import torch
-
-    dev = resolve_device(device)
-    if dev.type != "cuda":
-        return False
-    card = torch.cuda.get_device_properties(dev).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, total / card), dev)
-    return True
-
-
 def _placement(
     args: argparse.Namespace, total: int, caps: object, margin: int | None, preset: object
 ) -> tuple[object | None, str | None]:
@@ -129,13 +117,12 @@ def _placement(
     from .placed import place_checkpoint
     from .stageplan import SAMPLING_ARCHS
 
-    place = getattr(args, "place", None)
-    if place is False or args.medvram:
+    if args.place is False or args.medvram:
         return None, None
     if args.arch not in SAMPLING_ARCHS:
         a = vae_arch(args.arch)
         room = total - (preset.safety_margin(total) if margin is None else margin)
-        if place or a.unet_bytes + a.text_encoder_bytes >= room:
+        if args.place or a.unet_bytes + a.text_encoder_bytes >= room:
             return None, (
                 f"{args.arch}: not placed: the checkpoint placement plans the ldm/sgm UNets (sd15, sdxl), "
                 f"not {args.arch}'s; the plain plan follows"
@@ -148,16 +135,15 @@ def _placement(
         return resolve_preset(args.preset, t, caps).safety_margin(t)
 
     backend = getattr(caps, "backend", "cuda")
-    placed = place_checkpoint(
+    return place_checkpoint(
         args.arch,
         total,
         margin_of,
         vae_dtype=resolve_precision(preset.precision_vae, caps),
         attention=attention_of(args.attention or "Automatic", backend=backend),
         backend=backend,
-        force=bool(place),
-    )
-    return placed, None
+        force=bool(args.place),
+    ), None
 
 
 def collect(args: argparse.Namespace) -> dict:
@@ -166,49 +152,50 @@ def collect(args: argparse.Namespace) -> dict:
 
     dev = resolve_device(args.device)
     caps = capabilities(dev)
-    if args.vram is not None:
-        total = free = parse_size(args.vram, "--vram")
-        emulated = emulate_vram(total, dev)
+    vram = None if args.vram is None else card_size(args.vram, "--vram")
+    margin = None
+    if args.safety_margin is not None:
+        margin = card_size(args.safety_margin, "--safety-margin", allow_zero=True)
+    emulated = vram is not None and dev.type == "cuda"
+    if emulated:  # cap this process's allocations at the card's size
+        import torch
+
+        card = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, vram / card), dev)
+    if vram is not None:
+        total = free = vram
         # A generic card of that size: half precision, bf16 unknown -> assume fp16 only.
         from types import SimpleNamespace
 
-        caps_used = SimpleNamespace(backend="cuda", fp16=True, bf16=False)
+        caps = SimpleNamespace(backend="cuda", fp16=True, bf16=False)
     else:
         total = memory_info(dev).total
         free = free_bytes(dev)
-        emulated = False
-        caps_used = caps
-    preset = resolve_preset(args.preset, total, caps_used)
-    margin = (
-        None
-        if args.safety_margin is None
-        else parse_size(args.safety_margin, "--safety-margin", allow_zero=True)
-    )
+    preset = resolve_preset(args.preset, total, caps)
+    safety = preset.safety_margin(total) if margin is None else margin
     arch = vae_arch(args.arch)
     models = arch.unet_bytes + arch.text_encoder_bytes
-    room = free - (preset.safety_margin(total) if margin is None else margin)
-    swaps = "flag" if args.medvram else ("inferred" if models >= room else "")
+    swaps = "flag" if args.medvram else ("inferred" if models >= free - safety else "")
     t0 = time.perf_counter()
-    controlnet = {
-        "controlnets": tuple(getattr(args, "controlnet", None) or ()),
-        "controlnet_hires": getattr(args, "controlnet_hires", "both"),
-    }
-    placed, note = _placement(args, total, caps_used, margin, preset)
+    job = dict(
+        caps=caps,
+        batch=args.batch,
+        hires=args.hires,
+        upscaler=args.upscaler,
+        controlnets=tuple(args.controlnet),
+        controlnet_hires=args.controlnet_hires,
+    )
+    placed, note = _placement(args, total, caps, margin, preset)
+    extra: dict = {}
     if placed is not None:
         swaps = ""
-        plans = plan_placed_job(
-            placed,
-            args.width,
-            args.height,
-            preset,
-            free,
-            preset.safety_margin(total) if margin is None else margin,
-            caps=caps_used,
-            batch=args.batch,
-            hires=args.hires,
-            upscaler=args.upscaler,
-            **controlnet,
-        )
+        plans = plan_placed_job(placed, args.width, args.height, preset, free, safety, **job)
+        extra = {
+            "placed": True,
+            "placed_by": "flag" if args.place else "auto",
+            "host_bytes": placed.plan.host_bytes,
+            "placement": placed.to_dict(),
+        }
     else:
         plans = plan_job(
             args.arch,
@@ -217,25 +204,13 @@ def collect(args: argparse.Namespace) -> dict:
             preset,
             free,
             total,
-            caps=caps_used,
-            batch=args.batch,
-            hires=args.hires,
-            upscaler=args.upscaler,
             safety_margin_bytes=margin,
             host_swaps=bool(swaps),
             attention=args.attention,
-            **controlnet,
+            **job,
         )
-    extra: dict = {}
-    if placed is not None:
-        extra = {
-            "placed": True,
-            "placed_by": "flag" if getattr(args, "place", None) else "auto",
-            "host_bytes": placed.plan.host_bytes,
-            "placement": placed.to_dict(),
-        }
-    elif note:
-        extra = {"placed": False, "place_note": note}
+        if note:
+            extra = {"placed": False, "place_note": note}
     return extra | {
         "schema": SCHEMA_VERSION,
         "arch": args.arch,
@@ -244,8 +219,8 @@ def collect(args: argparse.Namespace) -> dict:
         "batch": args.batch,
         "hires": args.hires,
         "upscaler": args.upscaler,
-        "controlnets": list(controlnet["controlnets"]),
-        "controlnet_hires": controlnet["controlnet_hires"],
+        "controlnets": list(job["controlnets"]),
+        "controlnet_hires": args.controlnet_hires,
         "preset": preset.name,
         "resolved_from": preset.resolved_from,
         "total_bytes": total,
@@ -379,12 +354,12 @@ def _placed_rows(report: dict) -> list[str]:
     names = [m["name"] for m in report["stages"][0]["models"]]
     rows = [("stage", *names, "resident", "streamed", "moved per step", "--lowvram", "ratio")]
     for s in report["stages"]:
-        cells = []
-        for m in s["models"]:
-            if m["where"] == "streamed":
-                cells.append(f"streamed, {m['card_mib']:.0f} MiB on the card")
-            else:
-                cells.append(where[m["where"]])
+        cells = [
+            f"streamed, {m['card_mib']:.0f} MiB on the card"
+            if m["where"] == "streamed"
+            else where[m["where"]]
+            for m in s["models"]
+        ]
         moved = s.get("bytes_moved_per_step")
         low = s.get("lowvram_bytes_per_step")
         rows.append(
@@ -402,37 +377,25 @@ def _placed_rows(report: dict) -> list[str]:
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """Refuse bad options before any work, one line naming the option."""
-    import math
+    """Refuse, before any work, what argparse's per-option checks cannot: one line naming the option.
+    (The device was checked by ``main``; ``--vram``/``--safety-margin`` are read by :func:`collect`
+    before it plans.)"""
+    from lib_vram.sampling import attention_of
 
-    from .common import UsageError, card_size, check_device, check_int
+    from .stageplan import SAMPLING_ARCHS
 
-    check_device(args.device)
-    for name in ("width", "height"):  # also for a caller that built the namespace itself
-        check_int(getattr(args, name), f"--{name}", 8, MAX_SIDE, why=SIDE_WHY, multiple_of=8, unit="px")
-    check_int(args.batch, "--batch", 1, MAX_IMAGES, why=IMAGES_WHY)
     if args.hires is not None:
-        if not math.isfinite(args.hires) or not 1 < args.hires <= 8:
-            raise UsageError(f"`--hires` must be a scale in (1, 8], got {args.hires}")
         side = max(args.width, args.height) * args.hires
         if side > MAX_SIDE:
             raise UsageError(
                 f"`--hires {args.hires:g}` makes a {side:.0f} px side; the hires image's sides must be "
                 f"<= {MAX_SIDE} px ({SIDE_WHY})"
             )
-    from lib_vram.sampling import attention_of
-
     try:
         attention_of(args.attention)
     except ValueError as exc:
         raise UsageError(f"`--attention {args.attention}`: {exc}") from None
-    if args.vram is not None:
-        card_size(args.vram, "--vram")
-    if args.safety_margin is not None:
-        card_size(args.safety_margin, "--safety-margin", allow_zero=True)
-    from .stageplan import SAMPLING_ARCHS
-
-    units = getattr(args, "controlnet", None) or ()
+    units = args.controlnet
     if len(units) > MAX_CONTROLNETS:
         raise UsageError(
             f"`--controlnet` at most {MAX_CONTROLNETS} times (ControlNet's units), got {len(units)}"
@@ -445,7 +408,7 @@ def check_options(args: argparse.Namespace) -> None:
             )
         if unit != family:
             raise UsageError(f"`--controlnet {unit}` is not a ControlNet for `--arch {args.arch}` ({family})")
-    if getattr(args, "place", None) and args.medvram:
+    if args.place and args.medvram:
         raise UsageError(
             "`--place` and `--medvram` exclude each other: the WebUI does not place a checkpoint with "
             "--medvram/--lowvram"
@@ -461,22 +424,16 @@ class _Progress:
     updates every second on a terminal; one line (no ``\\r``) into pipes and logs."""
 
     def __init__(self, label: str) -> None:
-        import threading
-
         self.label = label
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="vram-guard-plan-progress", daemon=True)
         self.wrote = False
 
     def _run(self) -> None:
-        import sys
-        import time
-
         t0 = time.perf_counter()
         if self.stop.wait(PROGRESS_AFTER_S):
             return
-        tty = getattr(sys.stderr, "isatty", lambda: False)()
-        if not tty:
+        if not getattr(sys.stderr, "isatty", lambda: False)():
             sys.stderr.write(f"planning {self.label} (large sizes take a while)...\n")
             sys.stderr.flush()
             return
@@ -492,8 +449,6 @@ class _Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        import sys
-
         self.stop.set()
         self.thread.join()
         if self.wrote:

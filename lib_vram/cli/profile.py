@@ -1,13 +1,8 @@
 """``python -m lib_vram profile vae|upscale ...``: what took the memory in one stage.
 
-Runs a VAE decode/encode (a random-weight SD VAE of the layout asked for, or the weights of a VAE
-file) or an upscale (a model file) once under ``torch.profiler`` with ``profile_memory=True`` and
-``record_shapes=True`` (:mod:`lib_vram.core.profiling`), and prints the operators that allocated
-the most, the stage's plan and its peak as the tracker measured it next to the profiler's count.
-``--out DIR`` writes the Chrome trace, the summary (JSON) and, on CUDA, the memory snapshot that
-https://pytorch.org/memory_viz opens; each file atomically, none replaced without ``--overwrite``.
-
-CLI module: it may print.
+Runs a VAE decode/encode or an upscale once under ``torch.profiler`` (:mod:`lib_vram.core.profiling`)
+and prints the operators that allocated the most, the stage's plan and its peak as the tracker
+measured it next to the profiler's count; ``--out DIR`` writes the trace, summary and snapshot.
 """
 
 from __future__ import annotations
@@ -27,9 +22,9 @@ from lib_vram.cli.common import (
     MAX_TILE_BATCH,
     UsageError,
     bounded_int,
-    check_device,
     native_stderr_filtered,
 )
+from lib_vram.core.device import resolve_device
 
 NAME = "profile"
 HELP = "Profile one stage (VAE decode/encode, upscale): the operators that took the memory, and its peak."
@@ -121,9 +116,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     u.set_defaults(_profile=_run_upscale)
 
 
-# -- checks before any work ---------------------------------------------------------------------
-
-
 def _check_out(args: argparse.Namespace, stem: str, history: bool) -> dict[str, Path]:
     if args.out is None:
         return {}
@@ -137,50 +129,28 @@ def _check_out(args: argparse.Namespace, stem: str, history: bool) -> dict[str, 
     there = [str(p) for p in paths.values() if p.exists() or p.is_symlink()]
     if there and not args.overwrite:
         raise UsageError(f"`--out`: {there[0]} exists; pass --overwrite to replace it")
-    _check_writable(out)
-    return paths
-
-
-def _check_writable(out: Path) -> None:
-    """``--out`` can take files: created if missing, a probe file written and removed (before the
-    profiled run, not after it)."""
     import tempfile
 
-    try:
+    try:  # a probe file, before the profiled run rather than after it
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".vram-guard-probe-"):
             pass
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise UsageError(f"`--out` {out}: cannot write there ({reason})") from None
-
-
-def _device(args: argparse.Namespace):
-    import torch
-
-    from lib_vram.core.device import resolve_device
-
-    check_device(args.device)
-    return torch.device(resolve_device(args.device))
-
-
-# -- VAE -----------------------------------------------------------------------------------------
+    return paths
 
 
 def _quiet():
     return contextlib.redirect_stdout(io.StringIO())
 
 
-def _vae_config(layout: str) -> dict:
-    from lib_vram.cli.bench.vae import SD_VAE
-
-    return dict(SD_VAE) if layout == "sd" else {**SD_VAE, "ch": 32}
-
-
 def _random_vae(kind: str, layout: str, family: str):
     import torch
 
-    cfg = _vae_config(layout)
+    from lib_vram.cli.bench.vae import SD_VAE
+
+    cfg = dict(SD_VAE) if layout == "sd" else {**SD_VAE, "ch": 32}
     torch.manual_seed(0)
     if family == "diffusers":
         try:
@@ -275,13 +245,11 @@ def _checkpoint_vae(kind: str, path: Path):
 def _run_vae(args: argparse.Namespace) -> int:
     import torch
 
-    if args.size % 8:
-        raise UsageError(f"`--size` must be a multiple of 8 (the VAE's factor), got {args.size}")
     if args.mode == "untiled" and args.tile is not None:
         raise UsageError("`--tile` is for --mode exact or fast, not untiled")
     if args.checkpoint is not None and (args.layout is not None or args.family != "ldm"):
         raise UsageError("`--checkpoint` sets the VAE; leave out --layout and --family")
-    device = _device(args)
+    device = resolve_device(args.device)
     kind = "encode" if args.encode else "decode"
     layout = args.layout or ("small" if device.type == "cpu" else "sd")
     stage = f"vae_{kind}"
@@ -301,10 +269,8 @@ def _run_vae(args: argparse.Namespace) -> int:
     _check_memory(module, shape, dtype, device, args)
     from lib_vram.cli.bench._synthetic import image_like
 
-    if kind == "decode":
-        x = image_like(args.size // 8, args.size // 8, z_channels, 0) * 4 - 2
-    else:
-        x = image_like(args.size, args.size, 3, 0) * 2 - 1
+    x = image_like(shape[2], shape[3], shape[1], 0)
+    x = x * 4 - 2 if kind == "decode" else x * 2 - 1
     from lib_vram import vae as engine
 
     report = engine.VAEReport()
@@ -332,9 +298,8 @@ def _run_vae(args: argparse.Namespace) -> int:
 
 
 def _check_memory(module, shape: tuple, dtype, device, args: argparse.Namespace) -> None:
-    """Refuse, before the run, a pass whose predicted peak (the engine's own plan) does not fit the
-    device's free memory (the CPU's: available RAM): one line, not an allocator error or a
-    process killed for memory."""
+    """Refuse, before the run, a pass whose predicted peak does not fit the device's free memory (the
+    CPU's: available RAM): one line, not an allocator error or a process killed for memory."""
     from lib_vram.core.device import free_bytes
     from lib_vram.vae import estimate_peak_bytes, plan_vae
 
@@ -353,13 +318,10 @@ def _check_memory(module, shape: tuple, dtype, device, args: argparse.Namespace)
         )
 
 
-# -- upscale -------------------------------------------------------------------------------------
-
-
 def _run_upscale(args: argparse.Namespace) -> int:
     from lib_vram.upscale import UpscaleConfig, UpscaleError, UpscaleReport, load_model, upscale_tensor
 
-    device = _device(args)
+    device = resolve_device(args.device)
     if not args.model.exists():
         raise UsageError(f"`model` not found: {args.model}")
     stem = f"upscale-{args.size}"
@@ -389,9 +351,6 @@ def _run_upscale(args: argparse.Namespace) -> int:
     scale = getattr(model, "scale", "?")
     head = f"upscale {args.size}x{args.size} ({args.model.name}, x{scale}, {args.precision}, {device})"
     return _profile(args, "upscale", device, call, head, paths, stem, lambda: report.plan)
-
-
-# -- the profiled run ----------------------------------------------------------------------------
 
 
 def _profile(args, stage: str, device, call, head: str, paths: dict, stem: str, plan) -> int:

@@ -1,16 +1,10 @@
 """The reference UNets' unit sizes for ``plan``, without ldm/sgm and without weights.
 
-The checkpoint placement (:func:`lib_vram.residency.plan_checkpoint`) decides which UNet units
-stay on the card from their sizes (:func:`lib_vram.sampling.unit_bytes`: the top-level blocks,
-each larger than 1/64 of the UNet split into its children). ``plan`` has no checkpoint, so
-:func:`reference_unet` builds the module tree that a :class:`~lib_vram.sampling.UNetSpec`
-describes in plain ``torch.nn`` on the meta device (no memory, no init work): the same names, the
-same registration order and the same parameter shapes as ldm's/sgm's openaimodel ``UNetModel``
-(conv resampling, no scale-shift norm; SDXL's ``label_emb`` as sgm's ``Sequential(Sequential(..))``).
-:func:`reference_units` is :func:`~lib_vram.sampling.unit_bytes` of it: the product's own split,
-not a second one. ``tests/test_cli_plan.py`` checks it against the real ldm ``UNetModel`` (SD1.5,
-name for name and byte for byte) and against :func:`~lib_vram.sampling.param_count` (SD1.5, SD2,
-SDXL).
+The checkpoint placement decides which UNet units stay on the card from their sizes
+(:func:`lib_vram.sampling.unit_bytes`). ``plan`` has no checkpoint, so :func:`reference_unet`
+builds the module tree of a :class:`~lib_vram.sampling.UNetSpec` in plain ``torch.nn`` on the meta
+device with the names, registration order and parameter shapes of ldm's/sgm's ``UNetModel``
+(checked against the real one in ``tests/test_cli_plan.py``).
 """
 
 from __future__ import annotations
@@ -138,6 +132,4 @@ def _units_fp32(arch: str) -> tuple[tuple[str, int], ...]:
 def reference_units(arch: str, itemsize: int = 2) -> list[tuple[str, int]]:
     """(name, bytes) of each unit of the reference UNet of ``arch`` at ``itemsize`` bytes per
     weight, in forward order (:func:`lib_vram.sampling.unit_bytes` of :func:`reference_unet`)."""
-    if itemsize not in (1, 2, 4, 8):
-        raise ValueError(f"`itemsize` must be 1, 2, 4 or 8, got {itemsize!r}")
     return [(n, b // 4 * itemsize) for n, b in _units_fp32(reference_spec(arch).name)]

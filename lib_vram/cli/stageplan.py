@@ -1,19 +1,8 @@
-"""The ``plan`` command's model of a job: its stages, each planned by its own engine.
-
-Stages of a txt2img job (with hires fix and an upscaler, as in the WebUI): ``vae_decode`` of the
-first pass, ``hires_upscale`` (the upscaler on the first-pass image), ``vae_encode`` at the hires
-size, ``vae_decode_hires``; or, without hires fix, a final ``upscale`` (Extras-style) of the image.
-
-Every stage is planned by the function its engine decides with at run time
-(:func:`lib_vram.vae.plan_vae`, :func:`lib_vram.upscale.plan_upscale`): the same candidates, the
-same analytic estimates, the same learning keys. There is no model here, so the engines plan the
-:mod:`lib_vram.planning.reference` architectures, built on the meta device (no weights, no
-ldm/sgm). Nothing runs over the image: a plan takes milliseconds at any size.
-
-The preset decides what the engines are given: the stage's budget is the free memory minus the
-preset's safety margin, the stage model's weights, the UNet/text-encoder weights the preset keeps
-on the device and the decoded images of a batch that wait there; and the precision.
-Peak = those weights + the engine's predicted peak (input, activations, output).
+"""The ``plan`` command's model of a job: its stages (:func:`job_stages`), each planned by the
+function its engine decides with at run time (:func:`lib_vram.vae.plan_vae`,
+:func:`lib_vram.upscale.plan_upscale`, :func:`lib_vram.sampling.plan_sampling`) on the
+:mod:`lib_vram.planning.reference` architectures built on the meta device: no weights, no ldm/sgm,
+nothing run over the image. Peak = the weights on the card + the engine's predicted peak.
 
 The engines' fake-tensor runs (:func:`predict_engine_vae`, :func:`predict_engine_upscale`) are
 the validators of those estimates (tests, ``bench planner``), not a second planner.
@@ -51,48 +40,32 @@ class StagePlan:
     """The chosen plan of one stage, with the numbers behind it."""
 
     stage: str
-    plan: str
-    """The engine's label (``"untiled"``, ``"exact t64"``, ``"tiled t192 o16 b2"``, ``"whole b1"``)."""
+    plan: str  # the engine's label ("untiled", "exact t64", "tiled t192 o16 b2", "whole b1")
     predicted_peak_bytes: int
     fits: bool
-    budget_bytes: int
-    """Free memory minus the safety margin (what the whole peak must fit)."""
+    budget_bytes: int  # free memory minus the safety margin (what the whole peak must fit)
     safety_margin_bytes: int
-    resident_bytes: int
-    """Weights that stay on the device during the stage but are not the stage's own model (and
-    decoded images of a batch waiting there)."""
-    weights_bytes: int
-    """The stage model's weights."""
+    resident_bytes: int  # on the card during the stage, not its model's (and a batch's waiting images)
+    weights_bytes: int  # the stage model's
     input_bytes: int
-    activation_bytes: int
-    """The engine's predicted peak minus the input."""
+    activation_bytes: int  # the engine's predicted peak minus the input
     tile: int | None
     batch: int
     dtype: str
-    key: tuple = ()
-    """The planner-memory key the engine learns under for this stage."""
+    key: tuple = ()  # the planner-memory key the engine learns under
     warning: str | None = None
     candidates: list[planner.Candidate] = field(default_factory=list, compare=False)
-    moved_off: str = ""
-    """What leaves the card for this stage because its plan does not fit with it there (e.g.
-    ``"UNet, text encoders"``); empty when nothing moves."""
-    suggestion: str | None = None
-    """Sampling stages that do not fit: the largest size and batch that would (one line)."""
-    attention: str = ""
-    """Sampling stages: the attention implementation planned for."""
+    moved_off: str = ""  # what leaves the card for this stage to fit ("UNet, text encoders")
+    suggestion: str | None = None  # sampling that does not fit: the largest size and batch that would
+    attention: str = ""  # sampling: the attention planned for
     models: tuple[dict, ...] = ()
     """The placed plan (:func:`plan_placed_job`): each model of the checkpoint during the stage
     (``name``, ``where``: ``card``/``host``/``streamed``, ``card_mib``, ``mib``); empty: not placed."""
-    card_bytes: int = 0
-    """The placed plan: the checkpoint's bytes on the card during the stage (between forwards)."""
-    streamed_bytes: int = 0
-    """The placed plan: the UNet's streamed part (in host memory, through the card per forward)."""
-    bytes_moved_per_step: int | None = None
-    """The placed plan's sampling stages: host->card bytes per step (streamed bytes x forwards)."""
-    lowvram_bytes_per_step: int | None = None
-    """What ``--lowvram`` moves per step for the same UNet."""
-    controlnet_bytes: int = 0
-    """Sampling stages: the ControlNets' weights on the card for the pass (in the peak)."""
+    card_bytes: int = 0  # placed: the checkpoint's bytes on the card between forwards
+    streamed_bytes: int = 0  # placed: the UNet's part in host memory, through the card per forward
+    bytes_moved_per_step: int | None = None  # placed sampling: host->card bytes (streamed x forwards)
+    lowvram_bytes_per_step: int | None = None  # what --lowvram moves per step for the same UNet
+    controlnet_bytes: int = 0  # sampling: the ControlNets' weights on the card (in the peak)
 
     def to_dict(self) -> dict:
         placed = {}
@@ -192,19 +165,12 @@ def plan_vae_stage(
     dtype: str,
     resident_bytes: int = 0,
     backend: str = "cuda",
-    memory: planner.PlanMemory | None = None,
 ) -> StagePlan:
     """``stage`` as the VAE engine plans it (:func:`lib_vram.vae.plan_vae`) for the reference VAE
     of ``arch``, within what the preset leaves of ``free_bytes``."""
     from lib_vram.vae import estimate_peak_bytes, plan_vae
 
-    if kind not in ("decode", "encode"):
-        raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
     a = reference.vae_arch(arch)
-    if width <= 0 or height <= 0 or width % a.downscale or height % a.downscale:
-        raise ValueError(
-            f"`width`/`height` must be positive multiples of {a.downscale}, got {width}x{height}"
-        )
     module = reference_vae(arch, kind)
     dt = dtype_of(dtype)
     shape = (
@@ -215,19 +181,15 @@ def plan_vae_stage(
     weights = weights_bytes(module, dt)
     input_bytes = shape[0] * shape[1] * shape[2] * shape[3] * dt.itemsize
     budget = max(0, free_bytes - safety_margin_bytes - weights - resident_bytes)
-    if preset.vae_mode == "off":
-        # the WebUI's own forward, untiled
+    if preset.vae_mode == "off":  # the WebUI's own forward, untiled
         peak = estimate_peak_bytes(module, shape, dt, tile=None, mode="untiled", backend=backend)
-        cand = planner.Candidate("untiled", peak)
-        return _stage(
-            stage, "untiled", None, 1, peak, [cand], free_bytes=free_bytes, margin=safety_margin_bytes,
-            weights=weights, resident=resident_bytes, input_bytes=input_bytes, dtype=dtype, key=(),
-        )  # fmt: skip
-    p = plan_vae(module, shape, dt, budget, mode=preset.vae_mode, backend=backend, memory=memory)
+        label, tile, cands, key = "untiled", None, [planner.Candidate("untiled", peak)], ()
+    else:
+        p = plan_vae(module, shape, dt, budget, mode=preset.vae_mode, backend=backend)
+        label, tile, peak, cands, key = p.plan, p.tile, p.peak_bytes, list(p.candidates), p.key
     return _stage(
-        stage, p.plan, p.tile, 1, p.peak_bytes, list(p.candidates), free_bytes=free_bytes,
-        margin=safety_margin_bytes, weights=weights, resident=resident_bytes, input_bytes=input_bytes,
-        dtype=dtype, key=p.key,
+        stage, label, tile, 1, peak, cands, free_bytes=free_bytes, margin=safety_margin_bytes,
+        weights=weights, resident=resident_bytes, input_bytes=input_bytes, dtype=dtype, key=key,
     )  # fmt: skip
 
 
@@ -243,20 +205,17 @@ def plan_upscale_stage(
     scale: int = 4,
     resident_bytes: int = 0,
     backend: str = "cuda",
-    memory: planner.PlanMemory | None = None,
 ) -> StagePlan:
     """``stage`` as the upscale engine plans it (:func:`lib_vram.upscale.plan_upscale`) for the
     reference upscaler ``kind`` (``"rrdb"``/``"compact"``), within what is left of ``free_bytes``."""
     from lib_vram.upscale import plan_upscale
 
-    if width <= 0 or height <= 0:
-        raise ValueError(f"`width`/`height` must be positive, got {width}x{height}")
     module = reference_upscaler(kind, scale)
     dt = dtype_of(dtype)
     shape = (1, 3, height, width)
     weights = weights_bytes(module, dt)
     budget = max(1, free_bytes - safety_margin_bytes - weights - resident_bytes)
-    p = plan_upscale(module, shape, dt, budget, scale=scale, host_apart=backend != "cpu", memory=memory)
+    p = plan_upscale(module, shape, dt, budget, scale=scale, host_apart=backend != "cpu")
     input_bytes = 0 if p.in_host else 3 * height * width * dt.itemsize
     tile = None if p.whole else p.tile
     cand = p.candidate(p.tile, p.batch, p.halo)
@@ -269,8 +228,6 @@ def plan_upscale_stage(
 
 SAMPLING_ARCHS = {"sd15": "sd15", "sdxl": "sdxl"}
 """Archs whose UNet the sampling estimate knows (:func:`lib_vram.sampling.reference_spec`)."""
-MAX_IMAGES = 32
-"""The largest images per batch ``plan`` takes (the UNet's forward then holds 64 samples)."""
 
 
 def plan_sampling_stage(
@@ -285,15 +242,11 @@ def plan_sampling_stage(
     attention: str = "doggettx",
     dtype: str = "fp16",
     resident_bytes: int = 0,
-    context_tokens: int = 77,
     backend: str = "cuda",
-    memory: planner.PlanMemory | None = None,
     controls: tuple = (),
 ) -> StagePlan:
-    """``stage`` (a sampling pass) as :func:`lib_vram.sampling.plan_sampling` plans it: the
-    reference UNet of ``arch``, one forward of ``2 x images`` samples (the WebUI batches cond and
-    uncond), the latent of ``width`` x ``height``; ``controls``: the pass's ControlNets
-    (:func:`controls_of`)."""
+    """``stage`` as :func:`lib_vram.sampling.plan_sampling` plans it: the reference UNet of ``arch``,
+    one forward of ``2 x images`` samples (the WebUI batches cond and uncond)."""
     from lib_vram.sampling import plan_sampling, reference_spec
 
     spec = reference_spec(SAMPLING_ARCHS[arch])
@@ -303,18 +256,29 @@ def plan_sampling_stage(
     batch = 2 * images
     p = plan_sampling(
         spec, batch=batch, latent_hw=(height // a.downscale, width // a.downscale),
-        context_tokens=context_tokens, attention=attention, dtype=dt, budget_bytes=budget,
-        resident_bytes=resident_bytes, backend=backend, memory=memory, controls=controls,
+        context_tokens=77, attention=attention, dtype=dt, budget_bytes=budget,
+        resident_bytes=resident_bytes, backend=backend, controls=controls,
     )  # fmt: skip
-    return StagePlan(
-        stage=stage, plan=p.label + _with_controls(p), predicted_peak_bytes=p.predicted_peak_bytes,
-        fits=p.fits,
-        budget_bytes=budget, safety_margin_bytes=safety_margin_bytes, resident_bytes=resident_bytes,
-        weights_bytes=p.weights_bytes, input_bytes=p.input_bytes, activation_bytes=p.activation_bytes,
-        tile=None, batch=p.micro_batch, dtype=dtype, key=p.key, warning=None if p.fits else p.suggestion,
-        candidates=list(p.candidates), suggestion=p.suggestion, attention=attention,
-        controlnet_bytes=p.control_bytes,
-    )  # fmt: skip
+    return sampling_stage(
+        stage, p, budget, safety_margin_bytes, resident_bytes=resident_bytes, dtype=dtype, attention=attention
+    )
+
+
+def sampling_stage(
+    stage: str, p: object, budget: int, margin: int, shift: int = 0, **fields: object
+) -> StagePlan:
+    """The stage of sampling plan ``p``, its peaks moved by ``shift``; ``fields``: ``resident_bytes``,
+    ``dtype``, ``attention`` and what else differs from ``p``."""
+    n = p.control_bytes
+    return StagePlan(**{
+        "stage": stage, "plan": p.label + (f", ControlNet {n / MiB:.0f} MiB" if n else ""),
+        "predicted_peak_bytes": p.predicted_peak_bytes + shift, "fits": p.fits, "budget_bytes": budget,
+        "safety_margin_bytes": margin, "weights_bytes": p.weights_bytes,
+        "input_bytes": p.input_bytes, "activation_bytes": p.activation_bytes, "tile": None,
+        "batch": p.micro_batch, "key": p.key, "warning": None if p.fits else p.suggestion,
+        "candidates": [dataclasses.replace(c, peak_bytes=c.peak_bytes + shift) for c in p.candidates],
+        "suggestion": p.suggestion, "controlnet_bytes": n, **fields,
+    })  # fmt: skip
 
 
 CONTROLNET_HIRES = ("both", "lowres", "highres")
@@ -332,10 +296,19 @@ def controls_of(controlnets: tuple[str, ...], stage: str, hires_option: str = "b
     return tuple(reference_control(c) for c in controlnets)
 
 
-def _with_controls(p: object) -> str:
-    """The plan's label's ControlNet part (the sampling plan's ``control_bytes``)."""
-    n = getattr(p, "control_bytes", 0)
-    return f", ControlNet {n / MiB:.0f} MiB" if n else ""
+def vae_weights(arch: str, dtype: str) -> tuple[int, int]:
+    """(decoder, encoder) weights of the reference VAE of ``arch`` at ``dtype``."""
+    dt = dtype_of(dtype)
+    return weights_bytes(reference_vae(arch, "decode"), dt), weights_bytes(reference_vae(arch, "encode"), dt)
+
+
+def _moving_off(at: Callable[[int], StagePlan], on_card: int, movable: list[tuple[str, int]]) -> StagePlan:
+    """``at(on_card)``; where that does not fit, ``at`` with the ``movable`` (name, bytes) off the card."""
+    sp = at(on_card)
+    if sp.fits or not movable:
+        return sp
+    off = at(on_card - sum(n for _, n in movable))
+    return dataclasses.replace(off, moved_off=", ".join(name for name, _ in movable))
 
 
 def plan_job(
@@ -350,41 +323,27 @@ def plan_job(
     batch: int = 1,
     hires: float | None = None,
     upscaler: str | None = None,
-    upscale_scale: int = 4,
     safety_margin_bytes: int | None = None,
-    memory: planner.PlanMemory | None = None,
     host_swaps: bool = False,
     attention: str | None = None,
     controlnets: tuple[str, ...] = (),
     controlnet_hires: str = "both",
 ) -> list[StagePlan]:
-    """Plans for every memory-heavy stage of a job (see the module docstring).
+    """Plans for every memory-heavy stage of a job.
 
-    ``free_bytes`` is what the job may use with the model loaded *off* the device (the resident
-    UNet/text encoder bytes are added per stage from the arch table unless the preset offloads
-    them). The WebUI decodes a batch one image at a time, so ``batch`` adds only the decoded images
-    that wait on the device.
-
-    Sampling stages (``sample``, ``sample_hires``; archs with a UNet the sampling estimate knows)
-    plan one UNet forward of the whole batch (cond and uncond) with ``attention`` (default: what
-    the WebUI v1.10.1 picks with no flags, :func:`lib_vram.sampling.attention_of`). During
-    sampling the VAE is idle and the text encoders are done once the conditioning is computed:
-    when the step does not fit beside them, they leave the card for it (``moved_off``), not when
-    the host swaps models itself (``host_swaps``).
+    ``free_bytes``: what the job may use with the models *off* the device (the UNet/text encoders
+    are added per stage). The WebUI decodes a batch one image at a time: ``batch`` adds only the
+    decoded images waiting on the device. Sampling plans one UNet forward of the whole batch (cond
+    and uncond); the idle VAE and text encoders leave the card for a step that does not fit beside
+    them (``moved_off``), unless the host swaps models itself (``host_swaps``).
     """
-    if batch < 1:
-        raise ValueError(f"`batch` must be >= 1, got {batch}")
-    if hires is not None and not (1.0 < hires <= 8.0):
-        raise ValueError(f"`hires` must be in (1, 8], got {hires}")
     a = reference.vae_arch(arch)
     margin = preset.safety_margin(total_bytes) if safety_margin_bytes is None else safety_margin_bytes
     backend = getattr(caps, "backend", "cuda")
     vae_dtype = resolve_precision(preset.precision_vae, caps)
     up_dtype = resolve_precision(preset.precision_upscale, caps)
-    # The UNet and text encoders stay on the card; a VAE pass whose plan does not fit with them
-    # there moves the ones the preset allows off for that pass (lib_vram.residency does it).
-    # With ``host_swaps`` (the WebUI's --medvram/--lowvram) the host keeps them off the card
-    # outside sampling itself.
+    # a VAE pass that does not fit beside the UNet and text encoders moves the ones the preset
+    # allows off the card for that pass (lib_vram.residency does it)
     resident = 0 if host_swaps else a.unet_bytes + a.text_encoder_bytes
     movable = [
         (name, n)
@@ -403,45 +362,33 @@ def plan_job(
         def at(on_card: int) -> StagePlan:
             return plan_vae_stage(
                 stage, kind, arch, w, h, preset, free_bytes, margin, dtype=vae_dtype,
-                resident_bytes=on_card + waiting(w, h), backend=backend, memory=memory,
+                resident_bytes=on_card + waiting(w, h), backend=backend,
             )  # fmt: skip
 
-        sp = at(resident)
-        if sp.fits or not movable:
-            return sp
-        off = at(resident - sum(n for _, n in movable))
-        return dataclasses.replace(off, moved_off=", ".join(name for name, _ in movable))
+        return _moving_off(at, resident, movable)
 
     sampling = arch in SAMPLING_ARCHS
     if sampling:
         from lib_vram.sampling import attention_of
 
         att = attention_of(attention or "Automatic", backend=backend)
-        vae_weights = weights_bytes(reference_vae(arch, "decode"), dtype_of(vae_dtype)) + weights_bytes(
-            reference_vae(arch, "encode"), dtype_of(vae_dtype)
-        )
-        idle = [] if host_swaps else [("VAE", vae_weights), ("text encoders", a.text_encoder_bytes)]
+        vae_bytes = sum(vae_weights(arch, vae_dtype))
+        idle = [] if host_swaps else [("VAE", vae_bytes), ("text encoders", a.text_encoder_bytes)]
 
     def sample(stage: str, w: int, h: int) -> StagePlan:
         def at(on_card: int) -> StagePlan:
             return plan_sampling_stage(
-                stage, arch, w, h, free_bytes, margin, images=batch, attention=att,
-                resident_bytes=on_card, backend=backend, memory=memory,
-                controls=controls_of(controlnets, stage, controlnet_hires),
+                stage, arch, w, h, free_bytes, margin, images=batch, attention=att, resident_bytes=on_card,
+                backend=backend, controls=controls_of(controlnets, stage, controlnet_hires),
             )  # fmt: skip
 
-        on_card = sum(n for _, n in idle)
-        sp = at(on_card)
-        if sp.fits or not idle:
-            return sp
-        off = at(0)
-        return dataclasses.replace(off, moved_off=", ".join(name for name, _ in idle))
+        return _moving_off(at, sum(n for _, n in idle), idle)
 
     return job_stages(
         width, height, hires, upscaler, a.downscale, sample=sample if sampling else None, vae=vae,
         upscale=lambda stage, w, h: plan_upscale_stage(
-            stage, upscaler, w, h, free_bytes, margin, dtype=up_dtype, scale=upscale_scale,
-            resident_bytes=resident if stage == "hires_upscale" else 0, backend=backend, memory=memory),
+            stage, upscaler, w, h, free_bytes, margin, dtype=up_dtype,
+            resident_bytes=resident if stage == "hires_upscale" else 0, backend=backend),
     )  # fmt: skip
 
 
@@ -500,9 +447,8 @@ def predict_engine_vae(
     state_offload: str = "device",
 ) -> PeakPrediction:
     """Peak of :func:`lib_vram.vae.tiled_decode`/``tiled_encode`` on ``module`` (any layout the
-    engine supports: the WebUI's own VAE, ldm, diffusers, :mod:`lib_vram.planning.reference`), predicted by
-    running the engine itself on fake tensors (its finite-check guard off, its state kept on the
-    device). ``tile=None`` predicts the untiled pass the engine runs when everything fits."""
+    engine supports), predicted by running the engine itself on fake tensors. ``tile=None``: the
+    untiled pass the engine runs when everything fits."""
     if kind not in ("decode", "encode"):
         raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
     dt = dtype_of(dtype)
@@ -539,9 +485,8 @@ def predict_engine_upscale(
     backend: str = "cpu",
     overlap: int | None = None,
 ) -> PeakPrediction:
-    """Peak of :func:`lib_vram.upscale.upscale_tensor` with ``model`` (a ``torch.nn.Module``),
-    predicted by running the engine on fake tensors (finite check off, accumulator on the device;
-    ``overlap`` None: the engine's default for an uncalibrated model)."""
+    """Peak of :func:`lib_vram.upscale.upscale_tensor` with ``model``, predicted by running the
+    engine on fake tensors (``overlap`` None: the default for an uncalibrated model)."""
     net = getattr(model, "model", model)
     precision = dtype if isinstance(dtype, str) else str(dtype).replace("torch.float", "fp")
     loop = upscale_loop(max(input_shape[-2:]) if tile is None else tile, batch, scale, precision, overlap)

@@ -1,18 +1,9 @@
 """``python -m lib_vram upscale INPUT OUTPUT --model FILE``: tiled upscaling of your own images.
 
-File handling (docs/command-line.md, "`upscale`: your own images"):
-
-* An input is never overwritten: an output that is (or links to) an input is refused, also with
-  ``--overwrite``; a folder run refuses an output folder that is the input folder.
-* An existing output is left alone: a single-file run stops with an error, a folder run skips that
-  file with a note (so a rerun after Ctrl-C continues where it stopped). ``--overwrite`` replaces
-  them (a symlink at the output name is replaced, never written through).
-* Outputs are written to a temporary file in the destination folder and renamed into place: an
-  interrupted or failed write leaves no partial file.
-* In a folder, ``x.png`` and ``x.jpg`` would both become ``x.png``: such names become ``x_png.png`` and
-  ``x_jpg.png`` instead, and the run says so.
-* Every problem is one line naming the file and the reason; a folder run goes on with the next file,
-  ends with ``N done, M skipped, K failed`` and exits 1 if anything failed.
+File handling (docs/command-line.md, "`upscale`: your own images"): an input is never
+overwritten; an existing output is skipped (a folder run) or refused (one file) unless
+``--overwrite``; outputs are renamed into place from a temporary file, so no partial file is left;
+every problem is one line naming the file, and a folder run goes on with the next file.
 """
 
 from __future__ import annotations
@@ -40,7 +31,6 @@ from .common import (
     UsageError,
     bounded_float,
     bounded_int,
-    check_device,
 )
 
 logger = logging.getLogger(__name__)
@@ -128,7 +118,10 @@ class _Bar:
 
     def __init__(self, label: str, enabled: bool) -> None:
         self.label = label
-        self.enabled = bool(enabled) and _isatty(sys.stderr)
+        try:
+            self.enabled = bool(enabled) and sys.stderr.isatty()
+        except (AttributeError, OSError, ValueError):
+            self.enabled = False
         self.t0 = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
@@ -145,22 +138,12 @@ class _Bar:
         sys.stderr.flush()
 
 
-def _isatty(stream: object) -> bool:
-    isatty = getattr(stream, "isatty", None)
-    try:
-        return bool(isatty and isatty())
-    except (OSError, ValueError):
-        return False
-
-
 @dataclass
 class _Job:
     src: Path
     dst: Path
-    skip: str | None = None
-    """Why this file is not processed (a note), or None."""
-    error: str | None = None
-    """Why this file cannot be processed (counts as failed), or None."""
+    skip: str | None = None  # why this file is not processed (a note)
+    error: str | None = None  # why this file cannot be processed (counts as failed)
 
 
 @dataclass
@@ -184,12 +167,6 @@ def _ident(path: Path) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino)
 
 
-def _is_input(dst: Path, inputs: set[tuple[int, int]]) -> bool:
-    """True when writing ``dst`` would touch an input: same file (also via a link), or same path."""
-    ident = _ident(dst)
-    return ident is not None and ident in inputs
-
-
 def _output_format(dst: Path) -> str:
     fmt = OUTPUT_FORMATS.get(dst.suffix.lower())
     if fmt is None:
@@ -199,7 +176,7 @@ def _output_format(dst: Path) -> str:
     return fmt
 
 
-def _folder_jobs(src: Path, dst: Path, overwrite: bool, notes: list[str]) -> list[_Job]:
+def _folder_jobs(src: Path, dst: Path, notes: list[str]) -> list[_Job]:
     if dst.exists() and not dst.is_dir():
         raise UsageError(f"`output` must be a folder when `input` is a folder: {dst} is a file")
     if dst.exists() and os.path.samefile(src, dst) or os.path.realpath(src) == os.path.realpath(dst):
@@ -244,7 +221,7 @@ def _plan(args: argparse.Namespace, notes: list[str]) -> tuple[list[_Job], bool]
     """The jobs, and whether this is a folder run. Raises :class:`UsageError` before any work."""
     src, dst = args.input, args.output
     if src.is_dir():
-        jobs, folder = _folder_jobs(src, dst, args.overwrite, notes), True
+        jobs, folder = _folder_jobs(src, dst, notes), True
     else:
         if not src.exists():
             raise UsageError(f"`input` not found: {src}")
@@ -258,7 +235,8 @@ def _plan(args: argparse.Namespace, notes: list[str]) -> tuple[list[_Job], bool]
     for j in jobs:
         if j.error:
             continue
-        if _is_input(j.dst, inputs) or os.path.realpath(j.dst) == os.path.realpath(j.src):
+        # the same file (also through a link) or the same path
+        if _ident(j.dst) in inputs or os.path.realpath(j.dst) == os.path.realpath(j.src):
             j.error = f"output {j.dst} is an input file; it is never overwritten (choose another output)"
         elif os.path.lexists(j.dst) and not args.overwrite:
             j.skip = f"{j.dst} exists (--overwrite replaces it)"
@@ -271,14 +249,18 @@ def _plan(args: argparse.Namespace, notes: list[str]) -> tuple[list[_Job], bool]
     return jobs, folder
 
 
+def _passes(target: float, model_scale: float) -> int:
+    """Model passes to reach ``target``: at least one, at most :data:`MAX_PASSES`."""
+    passes = 1
+    while model_scale**passes < target and passes < MAX_PASSES:
+        passes += 1
+    return passes
+
+
 def largest_pass(w: int, h: int, target: float, model_scale: int) -> tuple[int, int]:
     """The largest image (w, h) an upscale of a ``w`` x ``h`` image to ``target`` makes: the last
-    model pass (``model_scale`` per pass, as :func:`_upscale_one` repeats them) or the final resize."""
-    passes, reached = 0, 1.0
-    while passes == 0 or (reached < target and passes < MAX_PASSES):
-        passes += 1
-        reached *= model_scale
-    k = max(reached, target)
+    model pass or the final resize."""
+    k = max(model_scale ** _passes(target, model_scale), target)
     return max(1, round(w * k)), max(1, round(h * k))
 
 
@@ -311,10 +293,8 @@ def _check_sizes(jobs: list[_Job], folder: bool, args: argparse.Namespace, model
 
 @contextmanager
 def _image_file(src: Path) -> Iterator:
-    """``Image.open(src)``, with Pillow's decompression-bomb *warning* (an image above
-    ``Image.MAX_IMAGE_PIXELS``, below twice that) raised as an error while the file is read: the
-    user gets the one-line refusal (:func:`_reason`), not Pillow's two-line warning before it. The
-    limit itself is left as it is."""
+    """``Image.open(src)``, Pillow's decompression-bomb *warning* raised as an error: the user gets
+    the one-line refusal (:func:`_reason`), not Pillow's two-line warning before it."""
     from PIL import Image
 
     with warnings.catch_warnings():
@@ -363,12 +343,8 @@ def _for_format(img, fmt: str, notes: list[str]):
 
 
 def save_atomic(img, dst: Path, fmt: str, *, overwrite: bool, **params) -> None:
-    """Write ``img`` to a temporary file beside ``dst``, then rename it into place
-    (:func:`lib_vram.core.files.write_atomic`).
-
-    Without ``overwrite`` an output that appeared meanwhile is not replaced (``FileExistsError``).
-    Whatever goes wrong (also Ctrl-C), the temporary file is removed and ``dst`` is untouched.
-    """
+    """Write ``img`` to ``dst`` atomically (:func:`lib_vram.core.files.write_atomic`); without
+    ``overwrite`` an output that appeared meanwhile is not replaced (``FileExistsError``)."""
 
     def fill(tmp: Path) -> None:
         with open(tmp, "wb") as f:
@@ -411,15 +387,11 @@ def _upscale_one(model, job: _Job, args, config, fmt: str, notes: list[str]) -> 
     icc = img.info.get("icc_profile")  # the colour profile travels with the pixels
     w0, h0 = img.size
     target = args.scale if args.scale is not None else float(model.scale)
-    passes, reached = 0, 1.0
     t0 = time.perf_counter()
-    rep = UpscaleReport()
-    while passes == 0 or (reached < target and passes < MAX_PASSES):
+    for n in range(1, _passes(target, model.scale) + 1):
         rep = UpscaleReport()
-        bar = _Bar(f"{job.src.name} pass {passes + 1}", not args.quiet)
+        bar = _Bar(f"{job.src.name} pass {n}", not args.quiet)
         img = upscale_image(model, img, config=config, alpha=args.alpha, progress=bar, report=rep)
-        passes += 1
-        reached *= model.scale
     size = (max(1, round(w0 * target)), max(1, round(h0 * target)))
     if img.size != size:
         img = img.resize(size, Image.LANCZOS)
@@ -436,7 +408,6 @@ def _upscale_one(model, job: _Job, args, config, fmt: str, notes: list[str]) -> 
 def run(args: argparse.Namespace) -> int:
     from lib_vram.upscale import UpscaleConfig, load_model
 
-    check_device(args.device)
     try:
         config = UpscaleConfig(
             tile=args.tile,
