@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import gc
+import importlib.util
 import logging
 import os
 from dataclasses import asdict, dataclass
@@ -52,16 +53,6 @@ def backend_of(device: torch.device | str | None = None) -> Backend:
     return Backend.CPU
 
 
-def _has_xpu() -> bool:
-    xpu = getattr(torch, "xpu", None)
-    return bool(xpu is not None and hasattr(xpu, "is_available") and xpu.is_available())
-
-
-def _has_mps() -> bool:
-    mps = getattr(torch.backends, "mps", None)
-    return bool(mps is not None and mps.is_available())
-
-
 def resolve_device(device: torch.device | str | None = None) -> torch.device:
     """Normalise ``device``; ``None`` picks CUDA/ROCm, then XPU, then MPS, then CPU."""
     if device is not None:
@@ -71,9 +62,11 @@ def resolve_device(device: torch.device | str | None = None) -> torch.device:
         return dev
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    if _has_xpu():
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and hasattr(xpu, "is_available") and xpu.is_available():
         return torch.device("xpu", 0)
-    if _has_mps():
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
 
@@ -146,23 +139,14 @@ def memory_info(device: torch.device | str | None = None) -> MemoryInfo:
     rss = process_rss()
     allocated = reserved = peak_alloc = peak_res = None
     total, free = int(vm.total), int(vm.available)
-    if backend in (Backend.CUDA, Backend.ROCM):
-        free, total = (int(v) for v in torch.cuda.mem_get_info(dev))
-        allocated = int(torch.cuda.memory_allocated(dev))
-        reserved = int(torch.cuda.memory_reserved(dev))
-        peak_alloc = int(torch.cuda.max_memory_allocated(dev))
-        peak_res = int(torch.cuda.max_memory_reserved(dev))
-    elif backend is Backend.XPU:
-        xpu = torch.xpu
-        props = xpu.get_device_properties(dev)
-        total = int(getattr(props, "total_memory", total))
-        allocated = int(xpu.memory_allocated(dev))
-        reserved = int(xpu.memory_reserved(dev))
-        peak_alloc = int(xpu.max_memory_allocated(dev))
-        peak_res = int(xpu.max_memory_reserved(dev))
-        if hasattr(xpu, "mem_get_info"):
-            free, total = (int(v) for v in xpu.mem_get_info(dev))
-        else:
+    if backend in (Backend.CUDA, Backend.ROCM, Backend.XPU):
+        api = torch.xpu if backend is Backend.XPU else torch.cuda
+        allocated, reserved = int(api.memory_allocated(dev)), int(api.memory_reserved(dev))
+        peak_alloc, peak_res = int(api.max_memory_allocated(dev)), int(api.max_memory_reserved(dev))
+        if hasattr(api, "mem_get_info"):
+            free, total = (int(v) for v in api.mem_get_info(dev))
+        else:  # (older XPU builds)
+            total = int(getattr(api.get_device_properties(dev), "total_memory", total))
             free = max(0, total - reserved)
     elif backend is Backend.MPS:
         mps = torch.mps
@@ -195,10 +179,8 @@ def free_bytes(device: torch.device | str | None = None) -> int:
     (the cache can be handed out again without asking the driver).
     """
     info = memory_info(device)
-    if info.emulated is not None:
-        return info.free
-    if info.reserved is not None and info.allocated is not None and info.backend in ("cuda", "rocm", "xpu"):
-        return info.free + max(0, info.reserved - info.allocated)
+    if info.emulated is None and info.backend in ("cuda", "rocm", "xpu"):
+        return info.free + max(0, (info.reserved or 0) - (info.allocated or 0))
     return info.free
 
 
@@ -240,9 +222,7 @@ def release(device: torch.device | str | None = None) -> ReleaseResult:
     collected = gc.collect()
     empty_cache(device)
     after = memory_info(device)
-    freed_dev = 0
-    if before.reserved is not None and after.reserved is not None:
-        freed_dev = max(0, before.reserved - after.reserved)
+    freed_dev = max(0, (before.reserved or 0) - (after.reserved or 0))
     result = ReleaseResult(
         collected_objects=collected,
         freed_device_bytes=freed_dev,
@@ -291,30 +271,20 @@ class Capabilities:
     hip_version: str | None
 
 
-def _xformers_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("xformers") is not None
-
-
 def capabilities(device: torch.device | str | None = None) -> Capabilities:
     """Probe precision and attention-kernel support of ``device``."""
     dev = resolve_device(device)
     backend = backend_of(dev)
-    name = "CPU"
-    fp16 = bf16 = False
+    # Every backend runs fp16; the CPU's kernels exist for both (bf16 usable, fp16 slow but works).
+    fp16 = bf16 = True
     if backend in (Backend.CUDA, Backend.ROCM):
         name = torch.cuda.get_device_name(dev)
         major, _minor = torch.cuda.get_device_capability(dev)
-        fp16 = True
         bf16 = bool(torch.cuda.is_bf16_supported()) and (major >= 8 or backend is Backend.ROCM)
     elif backend is Backend.XPU:
         name = torch.xpu.get_device_name(dev)
-        fp16 = True
-        bf16 = True
     elif backend is Backend.MPS:
         name = "Apple MPS"
-        fp16 = True
         bf16 = hasattr(torch.backends.mps, "is_macos_or_newer") and torch.backends.mps.is_macos_or_newer(
             14, 0
         )
@@ -322,9 +292,6 @@ def capabilities(device: torch.device | str | None = None) -> Capabilities:
         import platform
 
         name = platform.processor() or platform.machine() or "CPU"
-        # CPU kernels exist for both; bf16 is usable (and used by tests), fp16 is slow but works.
-        fp16 = True
-        bf16 = True
     return Capabilities(
         device=str(dev),
         backend=backend.value,
@@ -332,7 +299,7 @@ def capabilities(device: torch.device | str | None = None) -> Capabilities:
         fp16=fp16,
         bf16=bf16,
         sdpa=hasattr(torch.nn.functional, "scaled_dot_product_attention"),
-        xformers=_xformers_available(),
+        xformers=importlib.util.find_spec("xformers") is not None,
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,
         hip_version=getattr(torch.version, "hip", None),
