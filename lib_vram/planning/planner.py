@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import defaultdict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -90,10 +91,9 @@ def choose(candidates: Sequence[Candidate], free_bytes: int, safety_margin_bytes
     """
     if not candidates:
         raise ValueError("`candidates` must not be empty")
-    if free_bytes < 0:
-        raise ValueError(f"`free_bytes` must be >= 0, got {free_bytes}")
-    if safety_margin_bytes < 0:
-        raise ValueError(f"`safety_margin_bytes` must be >= 0, got {safety_margin_bytes}")
+    for name, value in (("free_bytes", free_bytes), ("safety_margin_bytes", safety_margin_bytes)):
+        if value < 0:
+            raise ValueError(f"`{name}` must be >= 0, got {value}")
     budget = free_bytes - safety_margin_bytes
     ranked = order(candidates)
     for cand in ranked:
@@ -190,35 +190,29 @@ class PlanMemory:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._oom_cap: dict[Hashable, int] = {}
-        self._failed: dict[Hashable, list[Candidate]] = {}
-        self._ok: dict[Hashable, list[int]] = {}
-        self._ok_sizes: dict[Hashable, list[Candidate]] = {}
         self._ratio: dict[Hashable, float] = {}
-        self._history: dict[Hashable, list[Outcome]] = {}
+        # per key, the last 32 of each: outcomes, failed and completed sizes, completed predictions
+        self._history: defaultdict[Hashable, deque[Outcome]] = defaultdict(lambda: deque(maxlen=32))
+        self._failed: defaultdict[Hashable, deque[Candidate]] = defaultdict(lambda: deque(maxlen=32))
+        self._ok_sizes: defaultdict[Hashable, deque[Candidate]] = defaultdict(lambda: deque(maxlen=32))
+        self._ok: defaultdict[Hashable, deque[int]] = defaultdict(lambda: deque(maxlen=32))
 
     def record(self, key: Hashable, outcome: Outcome) -> None:
         """Remember ``outcome`` for ``key``."""
         with self._lock:
-            self._history.setdefault(key, []).append(outcome)
-            del self._history[key][:-32]
+            self._history[key].append(outcome)
             p = outcome.predicted_peak_bytes
             if outcome.oom:
-                cap = self._oom_cap.get(key)
-                self._oom_cap[key] = p if cap is None else min(cap, p)
+                self._oom_cap[key] = min(self._oom_cap.get(key, p), p)
                 if outcome.candidate is not None:
-                    self._failed.setdefault(key, []).append(outcome.candidate)
-                    del self._failed[key][:-32]
+                    self._failed[key].append(outcome.candidate)
                 logger.info(
                     "plan %s ran out of memory for %s: plans predicted >= %s avoided", outcome.plan, key, p
                 )
                 return
-            oks = self._ok.setdefault(key, [])
-            oks.append(p)
-            del oks[:-32]
+            self._ok[key].append(p)
             if outcome.candidate is not None:
-                sizes = self._ok_sizes.setdefault(key, [])
-                sizes.append(outcome.candidate)
-                del sizes[:-32]
+                self._ok_sizes[key].append(outcome.candidate)
             if outcome.measured_peak_bytes is not None and p > 0:
                 ratio = outcome.measured_peak_bytes / p
                 if ratio > self._ratio.get(key, 1.0):
@@ -274,12 +268,8 @@ class PlanMemory:
 
     def clear(self) -> None:
         with self._lock:
-            self._oom_cap.clear()
-            self._failed.clear()
-            self._ok.clear()
-            self._ok_sizes.clear()
-            self._ratio.clear()
-            self._history.clear()
+            for d in (self._oom_cap, self._failed, self._ok, self._ok_sizes, self._ratio, self._history):
+                d.clear()
 
 
 MEMORY = PlanMemory()
