@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .livebytes import Ledger, LiveBytesCounter
+from .livebytes import Ledger, LiveBytesCounter, _storage_of, tensors_of
 
 logger = logging.getLogger(__name__)
 
@@ -70,18 +70,12 @@ def module_bytes(modules: Iterable[torch.nn.Module]) -> int:
     """Bytes of the distinct parameter/buffer storages of ``modules`` (weights "on the card")."""
     seen: set[int] = set()
     total = 0
-    for m in modules:
-        for t in list(m.parameters()) + list(m.buffers()):
-            if t.device.type == "meta":
-                continue
-            try:
-                st = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                continue
-            if st.data_ptr() in seen:
-                continue
-            seen.add(st.data_ptr())
-            total += int(st.nbytes())
+    for t in tensors_of(modules):
+        st = None if t.device.type == "meta" else _storage_of(t)
+        if st is None or st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        total += int(st.nbytes())
     return total
 
 
@@ -221,20 +215,15 @@ class EmulatedCard:
 
     def to_host(self, tensor: torch.Tensor) -> None:
         """``tensor`` is held in host memory from now on: stop counting it against the card."""
-        if self.device.type == "cpu":
-            try:
-                self.ledger.remove(tensor.untyped_storage())
-            except (RuntimeError, NotImplementedError):
-                pass
+        storage = _storage_of(tensor) if self.device.type == "cpu" else None
+        if storage is not None:
+            self.ledger.remove(storage)
 
     def to_device(self, tensor: torch.Tensor) -> None:
         """``tensor`` is back on the device: count it again (may raise the card's OOM)."""
-        if self.device.type == "cpu":
-            try:
-                self.ledger.add(tensor.untyped_storage())
-            except (RuntimeError, NotImplementedError) as exc:
-                if isinstance(exc, torch.OutOfMemoryError):
-                    raise
+        storage = _storage_of(tensor) if self.device.type == "cpu" else None
+        if storage is not None:
+            self.ledger.add(storage)
 
     # -- entering ---------------------------------------------------------------------------
     def __enter__(self) -> EmulatedCard:
@@ -247,10 +236,7 @@ class EmulatedCard:
                 WORKSPACE_TERMS.get("cpu") if self._workspace else None, ledger=self.ledger, real_only=True
             )
             mode.__enter__()
-            stack = getattr(self._local, "stack", None)
-            if stack is None:
-                stack = self._local.stack = []
-            stack.append(mode)
+            _thread_stack(self._local).append(mode)
         _push(self)
         return self
 
@@ -310,16 +296,21 @@ class EmulatedCard:
 # -- which card is active ------------------------------------------------------------------
 
 _tls = threading.local()
+
+
+def _thread_stack(local: threading.local) -> list:
+    if not hasattr(local, "stack"):
+        local.stack = []
+    return local.stack
+
+
 _ACTIVE: list[weakref.ref[EmulatedCard]] = []
 _ACTIVE_LOCK = threading.Lock()
 _INSTALLED: EmulatedCard | None = None
 
 
 def _push(card: EmulatedCard) -> None:
-    stack = getattr(_tls, "stack", None)
-    if stack is None:
-        stack = _tls.stack = []
-    stack.append(card)
+    _thread_stack(_tls).append(card)
     with _ACTIVE_LOCK:
         _ACTIVE.append(weakref.ref(card))
 
@@ -349,32 +340,23 @@ def installed() -> EmulatedCard | None:
     return _INSTALLED
 
 
+def _first(cards: Iterable[EmulatedCard | None], device: torch.device | str | None) -> EmulatedCard | None:
+    """The first of ``cards`` that stands for ``device`` (``None``: any)."""
+    dtype = None if device is None else torch.device(device).type
+    return next((c for c in cards if c is not None and (dtype is None or c.device.type == dtype)), None)
+
+
 def current(device: torch.device | str | None = None) -> EmulatedCard | None:
     """The emulated card that stands for ``device`` (``None``: any): the one entered by this thread,
     else one entered by another thread, else the installed one; ``None`` when there is none."""
-    dtype = None if device is None else torch.device(device).type
-
-    def ok(card: EmulatedCard | None) -> bool:
-        return card is not None and (dtype is None or card.device.type == dtype)
-
-    for card in reversed(getattr(_tls, "stack", [])):
-        if ok(card):
-            return card
     with _ACTIVE_LOCK:
         others = [r() for r in reversed(_ACTIVE)]
-    for card in others:
-        if ok(card):
-            return card
-    return _INSTALLED if ok(_INSTALLED) else None
+    return _first([*reversed(getattr(_tls, "stack", [])), *others, _INSTALLED], device)
 
 
 def running_here(device: torch.device | str | None = None) -> EmulatedCard | None:
     """The card this thread's operators are counted on now (entered in this thread), or ``None``."""
-    dtype = None if device is None else torch.device(device).type
-    for card in reversed(getattr(_tls, "stack", [])):
-        if dtype is None or card.device.type == dtype:
-            return card
-    return None
+    return _first(reversed(getattr(_tls, "stack", [])), device)
 
 
 def separate_host(device: torch.device | str) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -75,6 +75,18 @@ def itemsize(dtype: torch.dtype) -> int:
     return info.bits // 8
 
 
+def tensors_of(modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
+    """The parameters and buffers of ``modules``, each once."""
+    seen: set[int] = set()
+    out = []
+    for m in modules:
+        for t in (*m.parameters(), *m.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or isinstance(t, FakeTensor)
 
@@ -85,8 +97,6 @@ class Ledger:
     def __init__(self) -> None:
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.workspace_peak_bytes = 0
-        """The largest transient scratch added at one operator."""
         self._sizes: dict[int, int] = {}
         self._lock = threading.RLock()
 
@@ -135,7 +145,6 @@ class Ledger:
         """Scratch that lives while one operator runs, next to its output: a transient peak."""
         with self._lock:
             self.admit(nbytes, transient=True)
-            self.workspace_peak_bytes = max(self.workspace_peak_bytes, nbytes)
             self.peak_bytes = max(self.peak_bytes, self.live_bytes + nbytes)
 
     def reset_peak(self) -> None:
@@ -176,10 +185,6 @@ class LiveBytesCounter(TorchDispatchMode):
     @property
     def peak_bytes(self) -> int:
         return self.ledger.peak_bytes
-
-    @property
-    def workspace_peak_bytes(self) -> int:
-        return self.ledger.workspace_peak_bytes
 
     def track(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage (once) until it is freed."""

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .livebytes import LiveBytesCounter, WorkspaceTerm, itemsize
+from .livebytes import LiveBytesCounter, WorkspaceTerm, itemsize, tensors_of
 
 __all__ = ["LiveBytesCounter", "WorkspaceTerm"]  # re-exported: callers import them from here
 
@@ -125,17 +125,10 @@ def fake_call(module: torch.nn.Module, state: dict) -> Callable[..., object]:
 
 def weights_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
     """Bytes of ``module``'s parameters and buffers (floating ones counted at ``dtype`` if given)."""
-    total = 0
-    seen: set[int] = set()
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        size = t.element_size()
-        if dtype is not None and t.is_floating_point():
-            size = itemsize(dtype)
-        total += t.numel() * size
-    return total
+    return sum(
+        t.numel() * (itemsize(dtype) if dtype is not None and t.is_floating_point() else t.element_size())
+        for t in tensors_of([module])
+    )
 
 
 @dataclass(frozen=True)

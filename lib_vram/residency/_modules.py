@@ -20,18 +20,7 @@ from typing import Any
 import torch
 
 from lib_vram.core import emulate
-
-
-def tensors_of(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
-    """The parameters and buffers of ``modules``, each once."""
-    seen: set[int] = set()
-    out = []
-    for m in modules:
-        for t in (*m.parameters(), *m.buffers()):
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-    return out
+from lib_vram.core.livebytes import tensors_of  # (re-exported: the adapters import it from here)
 
 
 def nbytes_of(tensors: list[torch.Tensor]) -> int:
