@@ -12,7 +12,6 @@ other stage in the order seen).
 
 from __future__ import annotations
 
-import html
 import json
 import logging
 import os
@@ -21,7 +20,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .device import MemoryInfo
-from .timeline import legend_html, render_svg
+from .profiling import mib as _mib
+from .timeline import _e, format_bytes, legend_html, render_svg
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def _stages(records: Iterable[Any]) -> list[dict[str, Any]]:
         if entry is None:
             merged[sid] = {
                 "stage": sid,
-                "label": _LABELS.get(sid, sid.replace("_", " ").capitalize()),
+                "label": stage_label(sid),
                 "peak_bytes": peak,
                 "plan": None if plan is None else str(plan),
                 "seconds": float(rec.get("seconds") or 0.0),
@@ -141,12 +141,9 @@ def status_payload(
     cpu_only = memory.backend == "cpu"
     emulated = getattr(memory, "emulated", None)
     note_list = [str(n) for n in notes]
-    if emulated:
-        note = EMULATED_NOTE.format(label=emulated)
-        if note not in note_list:
-            note_list.insert(0, note)
-    elif cpu_only and CPU_ONLY_NOTE not in note_list:
-        note_list.insert(0, CPU_ONLY_NOTE)
+    first = EMULATED_NOTE.format(label=emulated) if emulated else CPU_ONLY_NOTE if cpu_only else None
+    if first is not None and first not in note_list:
+        note_list.insert(0, first)
     payload: dict[str, Any] = {
         "schema": SCHEMA,
         "device": memory.device,
@@ -172,22 +169,6 @@ def status_payload(
     }
     payload["html"] = render_readout_body(payload)
     return payload
-
-
-def format_bytes(n: int | float | None) -> str:
-    """``1536 MiB`` → ``"1.50 GiB"``; ``None`` → ``"n/a"``."""
-    if n is None:
-        return "n/a"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit in ("B", "KiB") else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def _where(model: Mapping[str, Any]) -> str:
@@ -308,10 +289,10 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def _tries_words(retries: Iterable[int]) -> str:
-    """VAE tiles that ran out of memory (latent px; 0 = untiled) in image pixels."""
-    tries = ["untiled" if t == 0 else f"with {t * 8}x{t * 8}-px tiles" for t in retries]
-    return " and ".join(tries)
+def _tiles_done(what: str, failed: str, tiles: int, size: str) -> str:
+    """``"The VAE decode was done in 6 tiles of up to {size}"`` ("then it was ..." after ``failed``)."""
+    plural = "s" if tiles != 1 else ""
+    return f"{'then it' if failed else _sentence(what)} was done in {tiles} tile{plural} of up to {size}"
 
 
 def vae_pass_note(
@@ -335,15 +316,14 @@ def vae_pass_note(
     retries, whole = list(retries), [w.removeprefix("out of memory ") for w in whole]
     failed = ""
     if retries or whole:
-        first = _tries_words(retries) if retries else "; ".join(whole)
+        tries = ["untiled" if t == 0 else f"with {t * 8}x{t * 8}-px tiles" for t in retries]
+        first = " and ".join(tries) if retries else "; ".join(whole)
         failed = f"{_sentence(what)} ran out of memory {first}; "
     if mode not in ("exact", "fast") or not tile or (tiles <= 1 and not failed):
         return f"{failed}it then ran untiled." if failed else None
     px = tile * 8
-    done = (
-        f"{'then it' if failed else _sentence(what)} was done in {tiles} tile{'s' if tiles != 1 else ''} "
-        f"of up to {px}x{px} px to fit in {size_words(budget_bytes)} (the free memory less a safety margin)"
-    )
+    done = _tiles_done(what, failed, tiles, f"{px}x{px} px to fit in {size_words(budget_bytes)}")
+    done += " (the free memory less a safety margin)"
     picture = (
         "exact tiles: the same picture as untiled."
         if mode == "exact"
@@ -369,9 +349,8 @@ def upscale_pass_note(
     failed = f"{_sentence(what)} ran out of memory {ooms} time{'s' if ooms != 1 else ''}; " if ooms else ""
     if not tiled:
         return f"{failed}it then ran on the whole image at once." if failed else None
-    done = (
-        f"{'then it' if failed else _sentence(what)} was done in {tiles} tile{'s' if tiles != 1 else ''} "
-        f"of up to {tile}x{tile} px, {batch} at a time, to fit in {size_words(budget_bytes)}"
+    done = _tiles_done(
+        what, failed, tiles, f"{tile}x{tile} px, {batch} at a time, to fit in {size_words(budget_bytes)}"
     )
     picture = (
         "the tiles blend into the untiled picture (within one 8-bit level)."
@@ -412,19 +391,9 @@ def render_readout_html(
 
 def placeholder_payload(memory: MemoryInfo | None = None, *, note: str | None = None) -> dict[str, Any]:
     """A payload for a readout shown before anything was measured (no stages)."""
-    if memory is None:
+    if memory is None:  # (nothing read: zeros, no allocator counters)
         memory = MemoryInfo(
-            device="?",
-            backend="unknown",
-            total=0,
-            free=0,
-            allocated=None,
-            reserved=None,
-            peak_allocated=None,
-            peak_reserved=None,
-            process_rss=0,
-            system_total=0,
-            system_available=0,
+            "?", "unknown", 0, 0, *[None] * 4, process_rss=0, system_total=0, system_available=0
         )
     notes = [note] if note else ["No job measured yet."]
     return status_payload(memory, [], job_running=False, notes=notes)
@@ -444,10 +413,6 @@ PROFILE_TOP = 3
 def file_url(path: str) -> str:
     """The WebUI's route for a file (``file=<absolute path>``, relative to the page)."""
     return "file=" + urllib.parse.quote(os.path.abspath(path), safe="/:\\")
-
-
-def _mib(n: Any) -> str:
-    return "-" if n is None else f"{int(n) / 2**20:.1f} MiB"
 
 
 def render_profile_section(state: Mapping[str, Any] | None) -> str:

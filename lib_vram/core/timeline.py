@@ -141,7 +141,7 @@ class Timeline:
             if b is None:
                 self._bucket = (t, used, reserved)
             else:
-                res = b[2] if reserved is None else reserved if b[2] is None else max(b[2], reserved)
+                res = _max_opt(b[2], reserved)
                 self._bucket = (t, used, res) if used > b[1] else (b[0], b[1], res)
             self._bucket_n += 1
             if self._bucket_n >= self._stride:
@@ -161,20 +161,10 @@ class Timeline:
     def _halve(self) -> None:
         """Merge neighbouring points pairwise (each keeps the higher one); double the stride."""
         t, u, r = self._t, self._used, self._res
-        nt: list[float] = []
-        nu: list[int] = []
-        nr: list[int | None] = []
-        for i in range(0, len(t) - 1, 2):
-            j = i if u[i] >= u[i + 1] else i + 1
-            nt.append(t[j])
-            nu.append(u[j])
-            a, b = r[i], r[i + 1]
-            nr.append(a if b is None else b if a is None else max(a, b))
-        if len(t) % 2:
-            nt.append(t[-1])
-            nu.append(u[-1])
-            nr.append(r[-1])
-        self._t, self._used, self._res = nt, nu, nr
+        pairs = range(0, len(t) - 1, 2)
+        keep = [i if u[i] >= u[i + 1] else i + 1 for i in pairs] + ([len(t) - 1] if len(t) % 2 else [])
+        self._res = [_max_opt(r[i], r[i + 1]) for i in pairs] + ([r[-1]] if len(t) % 2 else [])
+        self._t, self._used = [t[j] for j in keep], [u[j] for j in keep]
         self._stride *= 2
 
     def begin(self, stage: str, thread: int = 0) -> None:
@@ -258,6 +248,10 @@ class Timeline:
             }
 
 
+def _max_opt(a: int | None, b: int | None) -> int | None:
+    return a if b is None else b if a is None else max(a, b)
+
+
 def _stage_at(bands: list[_Band], t: float) -> str | None:
     for b in reversed(bands):
         if b.t0 <= t and (b.t1 is None or t <= b.t1):
@@ -278,15 +272,20 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _fmt(n: float | None) -> str:
+def format_bytes(n: float | None, mib_digits: int = 2) -> str:
+    """``1536 MiB`` → ``"1.50 GiB"``; ``None`` → ``"n/a"``."""
     if n is None:
         return "n/a"
     v = float(n)
     for unit in ("B", "KiB", "MiB"):
         if abs(v) < 1024:
-            return f"{v:.0f} {unit}" if unit != "MiB" else f"{v:.1f} {unit}"
+            return f"{v:.{mib_digits if unit == 'MiB' else 0}f} {unit}"
         v /= 1024
     return f"{v:.2f} GiB"
+
+
+def _fmt(n: float | None) -> str:
+    return format_bytes(n, mib_digits=1)
 
 
 def _nice_step(span: float, n: int) -> float:
@@ -382,10 +381,7 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
         t0 = float(b.get("t0") or 0.0)
         t1 = float(b["t1"]) if b.get("t1") is not None else t_end
         lane = next((k for k, end in enumerate(lanes) if end <= t0 + 1e-9), len(lanes))
-        if lane == len(lanes):
-            lanes.append(t1)
-        else:
-            lanes[lane] = t1
+        lanes[lane : lane + 1] = [t1]  # (the first free lane, else a new one)
         bx0, bx1 = X(t0), X(t1)
         name = label(str(b.get("stage")))
         plan = b.get("plan")
