@@ -52,10 +52,6 @@ PRESET_NAMES: tuple[str, ...] = ("Auto", "4GB", "6GB", "8GB", "12GB", "16GB", "2
 AUTO = "Auto"
 
 
-def _frozen_map(**kwargs: object) -> Mapping[str, object]:
-    return types.MappingProxyType(dict(kwargs))
-
-
 @dataclass(frozen=True)
 class Preset:
     """The memory settings of one card class (every field is explained in docs/how-it-works.md,
@@ -150,7 +146,9 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
             offload_text_encoder_during_vae=True,
             safety_margin_bytes=margin,
             safety_margin_fraction=fraction,
-            allocator=_frozen_map(garbage_collection_threshold=gc, expandable_segments=True),
+            allocator=types.MappingProxyType(
+                {"garbage_collection_threshold": gc, "expandable_segments": True}
+            ),
         )
         for name, gb, release_at, margin, fraction, gc, precision_vae in _TIERS
     }
@@ -183,10 +181,8 @@ def resolve_precision(policy: str, caps: object | None) -> str:
         if bf16:
             return "bf16"
         return "fp16" if fp16 else "fp32"
-    if policy == "fp16" and not fp16:
-        raise ValueError(f"`policy` fp16 is not supported on this {backend} device")
-    if policy == "bf16" and not bf16:
-        raise ValueError(f"`policy` bf16 is not supported on this {backend} device")
+    if (policy == "fp16" and not fp16) or (policy == "bf16" and not bf16):
+        raise ValueError(f"`policy` {policy} is not supported on this {backend} device")
     return policy
 
 
@@ -207,8 +203,7 @@ def resolve_preset(name: str, total_bytes: int | None = None, caps: object | Non
     base = PRESETS[tier_preset_name(total_bytes)]
     changes: dict = {"name": AUTO, "resolved_from": base.name}
     if caps is not None and not getattr(caps, "fp16", True) and not getattr(caps, "bf16", False):
-        changes["precision_vae"] = "fp32"
-        changes["precision_upscale"] = "fp32"
+        changes.update(precision_vae="fp32", precision_upscale="fp32")
     return replace(base, **changes)
 
 
