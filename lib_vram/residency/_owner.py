@@ -195,7 +195,7 @@ class Owner:
 
     def leave_group(self, group: Any) -> list[Model]:
         with self._lock:
-            gone = [m for m in self.models if m.group is group]
+            gone = self.of(group)
             for m in gone:
                 self.leave(m)
             return gone
@@ -203,9 +203,6 @@ class Owner:
     def of(self, group: Any) -> list[Model]:
         with self._lock:
             return [m for m in self.models if m.group is group]
-
-    def find(self, group: Any, role: str) -> Model | None:
-        return next((m for m in self.of(group) if m.role == role), None)
 
     @property
     def card_bytes(self) -> int:
@@ -436,24 +433,22 @@ class Owner:
             target = model.home if model.home != STREAMED else CARD
             if model.where == target or (model.home == STREAMED and model.where == STREAMED):
                 continue
-            try:
-                self._move(model, target, "", why, record=False, home=True)
-            except Exception as exc:
-                if target != CARD or not _is_oom(exc):
-                    raise
-                if self.release is not None:
-                    self.release()
+            for retry in (False, True):
                 try:
                     self._move(model, target, "", why, record=False, home=True)
-                except Exception as again:
-                    if not _is_oom(again):
+                    n += model.nbytes
+                    break
+                except Exception as exc:
+                    if target != CARD or not _is_oom(exc):
                         raise
-                    logger.warning(
-                        "VRAM Guard: the %s stay on the CPU until used: moving them back ran out of memory",
-                        model.name,
-                    )
-                    continue
-            n += model.nbytes
+                    if retry:
+                        logger.warning(
+                            "VRAM Guard: the %s stay on the CPU until used: moving them back ran out of "
+                            "memory",
+                            model.name,
+                        )
+                    elif self.release is not None:
+                        self.release()
         return n
 
 

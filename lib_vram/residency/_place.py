@@ -74,28 +74,15 @@ class CheckpointPlan:
     def stage_rows(self, stages: Sequence[tuple[str, str]] = STAGES) -> list[dict]:
         """Per stage ((stage, the parked part it uses) of ``stages``): which model is where, the
         MiB of it on the card and its MiB in all."""
-        unet_where = "streamed" if self.stream.streamed else "card"
+
+        def row(name: str, where: str, card_bytes: int, nbytes: int) -> dict:
+            return {"name": name, "where": where, "card_mib": card_bytes / MiB, "mib": nbytes / MiB}
+
+        where = "streamed" if self.stream.streamed else "card"
         rows = []
         for stage, uses in stages:
-            unet = self.stream.unet_bytes
-            models = [
-                {
-                    "name": "UNet",
-                    "where": unet_where,
-                    "card_mib": self.unet_resident_bytes / MiB,
-                    "mib": unet / MiB,
-                }
-            ]
-            for name, b in self.parked:
-                on = name == uses
-                models.append(
-                    {
-                        "name": name,
-                        "where": "card" if on else "host",
-                        "card_mib": b / MiB if on else 0.0,
-                        "mib": b / MiB,
-                    }
-                )
+            models = [row("UNet", where, self.unet_resident_bytes, self.stream.unet_bytes)]
+            models += [row(n, "card", b, b) if n == uses else row(n, "host", 0, b) for n, b in self.parked]
             rows.append({"stage": stage, "models": models})
         return rows
 

@@ -122,13 +122,10 @@ def whole_batch(p: Any, unet: Any) -> str | None:
 def distinct(found: Iterable[Unit]) -> list[Unit]:
     """One unit per model (units of one cached model share its weights; the plan counts them once
     and each forward's activations as one: they run one after the other)."""
-    seen: set[int] = set()
-    out = []
+    first: dict[int, Unit] = {}
     for unit in found:
-        if _key(unit.module) not in seen:
-            seen.add(_key(unit.module))
-            out.append(unit)
-    return out
+        first.setdefault(_key(unit.module), unit)
+    return list(first.values())
 
 
 class Controls:
@@ -144,25 +141,17 @@ class Controls:
 
     def join(self, found: Iterable[Unit]) -> list[Model]:
         """Each unit's model in the owner (once per job), in host memory until a pass wakes it."""
-        out = []
+        found = list(found)
         for unit in found:
             key = _key(unit.module)  # (units of one cached model share its weights: one model)
-            model = self.models.get(key)
-            if model is None:
-                model = self._join(unit)
-                self.models[key] = model
-            if model not in out:
-                out.append(model)
-        return out
+            if key not in self.models:
+                self.models[key] = self._join(unit)
+        return self.of(found)
 
     def of(self, found: Iterable[Unit]) -> list[Model]:
         """The owner's models of these units (each once)."""
-        out: list[Model] = []
-        for unit in found:
-            model = self.models.get(_key(unit.module))
-            if model is not None and model not in out:
-                out.append(model)
-        return out
+        models = (self.models.get(_key(unit.module)) for unit in found)
+        return list(dict.fromkeys(m for m in models if m is not None))
 
     def _join(self, unit: Unit) -> Model:
         cards = self.cards
@@ -222,10 +211,8 @@ class Controls:
         for unit in found:
             module = unit.module
             d = module.__dict__
-            saved = {k: d[k] for k in ("disable_memory_management", "to", "_vram_guard") if k in d}
-            d["disable_memory_management"] = True
-            d["_vram_guard"] = True
-            d["to"] = _held(module)
+            saved = {k: d[k] for k in _HELD if k in d}
+            d.update(disable_memory_management=True, _vram_guard=True, to=_held(module))
             stack.callback(_restore, module, saved)
 
     def release(self) -> None:
@@ -251,6 +238,10 @@ def while_running(owner: Any, models: list[Model], forward: Any) -> Any:
     return run
 
 
+_HELD = ("disable_memory_management", "to", "_vram_guard")
+"""The attributes :meth:`Controls.hold` sets on a control model (and puts back)."""
+
+
 def _held(module: torch.nn.Module) -> Any:
     def to(*args: Any, **kwargs: Any) -> torch.nn.Module:
         """ControlNet's move of a model VRAM Guard places: a no-op for the pass (a dtype change
@@ -266,7 +257,7 @@ def _held(module: torch.nn.Module) -> Any:
 
 def _restore(module: torch.nn.Module, saved: dict) -> None:
     d = module.__dict__
-    for k in ("disable_memory_management", "to", "_vram_guard"):
+    for k in _HELD:
         d.pop(k, None)
     d.update(saved)
 
