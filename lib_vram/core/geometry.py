@@ -47,14 +47,10 @@ def split_axis(length: int, tile: int, halo: int = 0, *, align: int = 1) -> list
     Core boundaries fall on multiples of ``align`` (except the image end). The number of cores is
     the smallest that keeps every core within ``tile``; their sizes differ by at most ``align``.
     """
-    if length < 1:
-        raise ValueError(f"`length` must be >= 1, got {length}")
-    if tile < 1:
-        raise ValueError(f"`tile` must be >= 1, got {tile}")
-    if halo < 0:
-        raise ValueError(f"`halo` must be >= 0, got {halo}")
-    if align < 1:
-        raise ValueError(f"`align` must be >= 1, got {align}")
+    checks = (("length", length, 1), ("tile", tile, 1), ("halo", halo, 0), ("align", align, 1))
+    for name, value, low in checks:
+        if value < low:
+            raise ValueError(f"`{name}` must be >= {low}, got {value}")
     if tile % align:
         raise ValueError(f"`tile` ({tile}) must be a multiple of `align` ({align})")
     units = math.ceil(length / align)
@@ -62,10 +58,10 @@ def split_axis(length: int, tile: int, halo: int = 0, *, align: int = 1) -> list
     n = math.ceil(units / tile_units)
     # Balanced split of `units` into n parts.
     bounds = [min(length, (i * units // n) * align) for i in range(n)] + [length]
-    spans = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        spans.append(Span(start=max(0, a - halo), end=min(length, b + halo), core_start=a, core_end=b))
-    return spans
+    return [
+        Span(start=max(0, a - halo), end=min(length, b + halo), core_start=a, core_end=b)
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
 
 
 def grid(

@@ -78,12 +78,6 @@ class HookRegistry:
     def names(self) -> tuple[str, ...]:
         return tuple(e.name for e in self._hooks)
 
-    def __contains__(self, name: str) -> bool:
-        return any(e.name == name for e in self._hooks)
-
-    def __len__(self) -> int:
-        return len(self._hooks)
-
     def __repr__(self) -> str:
         module = self._module_ref()
         kind = type(module).__name__ if module is not None else "<dead>"
@@ -124,11 +118,6 @@ class HookRegistry:
             if not hooks:
                 self._uninstall()
             return True
-
-    def clear(self) -> None:
-        with self._lock:
-            self._hooks = ()
-            self._uninstall()
 
     # -- internals ---------------------------------------------------------------------------
     def _install(self) -> None:

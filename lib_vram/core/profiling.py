@@ -131,35 +131,16 @@ def _shapes_text(shapes: list) -> str:
 # -- reading the profiler's events (names changed between torch 2.1 and now) ------------------
 
 
-def _ns(evt: Any, what: str) -> int:
-    """``start``/``end`` of a raw kineto event in ns (``start_ns`` now, ``start_us`` in torch 2.1)."""
-    fn = getattr(evt, f"{what}_ns", None)
-    if fn is not None:
-        return int(fn())
-    if what == "start":
-        return int(evt.start_us()) * 1000
-    return (int(evt.start_us()) + int(evt.duration_us())) * 1000
+def _ns(obj: Any, what: str) -> int:
+    """``<what>_ns()`` of a kineto event or result (``<what>_us()`` in torch 2.1)."""
+    fn = getattr(obj, f"{what}_ns", None)
+    return int(fn()) if fn is not None else int(getattr(obj, f"{what}_us")()) * 1000
 
 
-def _trace_start_ns(results: Any) -> int:
-    fn = getattr(results, "trace_start_ns", None)
-    return int(fn()) if fn is not None else int(results.trace_start_us()) * 1000
-
-
-def _device_ms(evt: Any) -> float:
-    us = getattr(evt, "device_time_total", None)
-    if us is None:
-        us = getattr(evt, "cuda_time_total", 0)
-    return float(us or 0) / 1000
-
-
-def _net_bytes(evt: Any, accel: bool) -> int:
-    if not accel:
-        return int(evt.cpu_memory_usage or 0)
-    n = getattr(evt, "device_memory_usage", None)
-    if n is None:
-        n = getattr(evt, "cuda_memory_usage", 0)
-    return int(n or 0)
+def _device_attr(evt: Any, what: str) -> float:
+    """An event's ``device_<what>`` (``cuda_<what>`` in torch 2.1), 0 where it has none."""
+    value = getattr(evt, f"device_{what}", None)
+    return (getattr(evt, f"cuda_{what}", 0) if value is None else value) or 0
 
 
 def _is_device_record(device_type: Any) -> bool:
@@ -199,15 +180,15 @@ def summarize(prof: Any, *, stage: str, device: torch.device) -> ProfileSummary:
     for evt in tops:
         st = stats.setdefault(evt.name, OpStat(evt.name))
         st.calls += 1
-        st.net_bytes += _net_bytes(evt, accel)
+        st.net_bytes += int(_device_attr(evt, "memory_usage") if accel else evt.cpu_memory_usage or 0)
         st.cpu_ms += (evt.time_range.end - evt.time_range.start) / 1000
-        st.device_ms += _device_ms(evt)
+        st.device_ms += float(_device_attr(evt, "time_total")) / 1000
     peak: int | None = None
     total = 0
     outside = 0
     try:
         results = prof.profiler.kineto_results
-        t0 = _trace_start_ns(results)
+        t0 = _ns(results, "trace_start")
         records = sorted(
             (_ns(e, "start"), int(e.nbytes()))
             for e in results.events()

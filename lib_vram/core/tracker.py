@@ -273,8 +273,7 @@ class StageTracker:
             if not self._open and timeline is None:
                 return
             cur = self._counter.current()
-            for op in self._open:
-                op.folded = max(op.folded, cur)
+            self._fold(cur)
             if timeline is not None:
                 timeline.add(cur, self._counter.reserved(), kind)
 
@@ -299,13 +298,12 @@ class StageTracker:
                 rec.plan = plan
             rec.notes.update(notes)
 
-    def _fold_counter(self) -> None:
-        """Fold the backend's high-water mark into every open stage (before a reset)."""
-        peak = self._counter.peak()
-        if peak is None:
-            return
-        for op in self._open:
-            op.folded = max(op.folded, peak)
+    def _fold(self, nbytes: int | None) -> None:
+        """Fold ``nbytes`` (a sample, the backend's high-water mark before a reset) into every open
+        stage's peak."""
+        if nbytes is not None:
+            for op in self._open:
+                op.folded = max(op.folded, nbytes)
 
     @contextlib.contextmanager
     def stage(self, name: str, *, plan: str | None = None) -> Iterator[StageRecord]:
@@ -317,7 +315,7 @@ class StageTracker:
             parent = stack[-1].record.name if stack else None
             cur = self._counter.current()
             if self._counter.resettable:
-                self._fold_counter()
+                self._fold(self._counter.peak())
                 self._counter.reset()
                 peak0 = None
             else:
@@ -374,8 +372,7 @@ class StageTracker:
             # Pop this stage (normally the innermost one) and propagate its peak outwards.
             if op in self._open:
                 self._open.remove(op)
-            for outer in self._open:
-                outer.folded = max(outer.folded, op.folded)
+            self._fold(op.folded)
             self._records.append(rec)
             del self._records[: -self._keep]
             timeline = self.timeline
