@@ -26,6 +26,7 @@ values (``<title>`` elements) per column, per band and per event.
 
 from __future__ import annotations
 
+import bisect
 import html
 import math
 import threading
@@ -227,7 +228,11 @@ class Timeline:
             peak = None
             if self._peak is not None:
                 pt, pb = self._peak
-                peak = {"t": round(pt, 4), "bytes": pb, "stage": _stage_at(self._bands, pt)}
+                peak = {
+                    "t": round(pt, 4),
+                    "bytes": pb,
+                    "stage": _stage_at([(b.t0, b.t1, b.stage) for b in self._bands], pt),
+                }
             return {
                 "measure": self.measure,
                 "total_bytes": self.total_bytes,
@@ -252,11 +257,9 @@ def _max_opt(a: int | None, b: int | None) -> int | None:
     return a if b is None else b if a is None else max(a, b)
 
 
-def _stage_at(bands: list[_Band], t: float) -> str | None:
-    for b in reversed(bands):
-        if b.t0 <= t and (b.t1 is None or t <= b.t1):
-            return b.stage
-    return None
+def _stage_at(spans: list[tuple[float, float | None, str]], t: float) -> str | None:
+    """The stage of the latest band (t0, t1 or None while open, stage) that holds time ``t``."""
+    return next((s for t0, t1, s in reversed(spans) if t0 <= t and (t1 is None or t <= t1)), None)
 
 
 # -- SVG ---------------------------------------------------------------------------------------
@@ -495,20 +498,22 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
         )
     # hover columns: the highest values in each slice of time
     n_cols = min(COLUMNS, len(ts))
+    spans = [
+        (float(b.get("t0") or 0), None if b.get("t1") is None else float(b["t1"]), str(b.get("stage")))
+        for b in bands
+    ]
     width = (x1 - x0) / n_cols
     j = 0
     for c in range(n_cols):
         c_t1 = t_end * (c + 1) / n_cols
-        best_u = best_r = None
-        while j < len(ts) and ts[j] <= c_t1:
-            best_u = used[j] if best_u is None else max(best_u, used[j])
-            if res is not None:
-                best_r = res[j] if best_r is None else max(best_r, res[j])
-            j += 1
-        if best_u is None:
+        k = bisect.bisect_right(ts, c_t1, lo=j)  # (the points are in time order)
+        if k == j:
             continue
+        best_u, best_r = max(used[j:k]), None if res is None else max(res[j:k])
+        j = k
         mid = t_end * (c + 0.5) / n_cols
-        stage = _band_label(bands, mid, label)
+        stage = _stage_at(spans, mid)
+        stage = None if stage is None else label(stage)
         tip = f"{t_end * c / n_cols:.1f}-{c_t1:.1f} s" + (f" {stage}" if stage else "")
         tip += f": {used_word} {_fmt(best_u)}"
         if best_r is not None and res_word:
@@ -519,14 +524,6 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
         )
     out.append("</svg>")
     return "".join(out)
-
-
-def _band_label(bands: list, t: float, label: Callable[[str], str]) -> str | None:
-    for b in reversed(bands):
-        t1 = b.get("t1")
-        if float(b.get("t0") or 0) <= t and (t1 is None or t <= float(t1)):
-            return label(str(b.get("stage")))
-    return None
 
 
 def legend_html(data: Mapping[str, Any]) -> str:
