@@ -153,10 +153,8 @@ def memory_info(device: torch.device | str | None = None) -> MemoryInfo:
         allocated = int(mps.current_allocated_memory())
         reserved = int(mps.driver_allocated_memory())
         # Unified memory: the device shares system RAM; what is free is what the OS has free.
-        total = int(vm.total)
         recommended = getattr(mps, "recommended_max_memory", None)
-        if recommended is not None:
-            total = int(recommended())
+        total = int(recommended()) if recommended is not None else total
         free = max(0, min(int(vm.available), total - reserved))
     card = emulate.current(dev)
     if card is not None:

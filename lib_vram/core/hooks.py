@@ -96,16 +96,13 @@ class HookRegistry:
         if not callable(fn):
             raise TypeError(f"`fn` must be callable, got {type(fn).__name__}")
         with self._lock:
-            hooks = list(self._hooks)
-            for i, entry in enumerate(hooks):
-                if entry.name == name:
-                    if not replace:
-                        raise ValueError(f"hook `name`={name!r} is already registered on this module")
-                    hooks[i] = _Entry(name, fn)
-                    break
+            new = _Entry(name, fn)
+            if name not in self.names:
+                self._hooks = (*self._hooks, new)
+            elif replace:
+                self._hooks = tuple(new if e.name == name else e for e in self._hooks)
             else:
-                hooks.append(_Entry(name, fn))
-            self._hooks = tuple(hooks)
+                raise ValueError(f"hook `name`={name!r} is already registered on this module")
             self._install()
 
     def remove(self, name: str) -> bool:
@@ -124,12 +121,10 @@ class HookRegistry:
         module = self._module_ref()
         if module is None:
             return
-        if self._trampoline is not None:
-            if "forward" in module.__dict__:
-                return  # ours, or a wrapper on top of ours
-            # The wrapper that sat on top of ours was removed without putting ours back.
-            self._trampoline = None
-            self._previous = None
+        if self._trampoline is not None and "forward" in module.__dict__:
+            return  # ours, or a wrapper on top of ours
+        # (else none yet, or the wrapper that sat on top of ours was removed without putting ours
+        # back: a new trampoline over what is there now)
         self._previous = module.__dict__.get("forward")
         ref = weakref.ref(self)
         module_ref = self._module_ref

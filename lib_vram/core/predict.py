@@ -16,6 +16,7 @@ tensors only for the fake run (the module itself is not touched, nothing is allo
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -41,10 +42,7 @@ def dtype_of(name: str | torch.dtype) -> torch.dtype:
 
 
 def _nbytes(shape: tuple[int, ...] | torch.Size, elem: int) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * elem
+    return math.prod(int(d) for d in shape) * elem
 
 
 def cpu_conv_workspace_bytes(
@@ -160,9 +158,8 @@ CALIBRATIONS: dict[str, Calibration] = {
     # allocations to 512 B (negligible here); cuDNN workspaces are not modelled.
     "cuda": Calibration(1.0, 0, "uncalibrated: no GPU measurement yet"),
     "rocm": Calibration(1.0, 0, "uncalibrated: no GPU measurement yet"),
-    "mps": Calibration(1.0, 0, "uncalibrated"),
-    "xpu": Calibration(1.0, 0, "uncalibrated"),
 }
+"""Per-backend calibrations; other backends (MPS, XPU) get the uncalibrated default."""
 
 
 @dataclass(frozen=True)

@@ -173,8 +173,7 @@ except ImportError:  # pragma: no cover - every supported torch has it
 def summarize(prof: Any, *, stage: str, device: torch.device) -> ProfileSummary:
     """Operators and peak of a finished ``torch.profiler.profile`` (see the module docstring)."""
     accel = device.type != "cpu"
-    events = list(prof.events())
-    tops = sorted(_top_level(events), key=lambda e: e.time_range.start)
+    tops = sorted(_top_level(list(prof.events())), key=lambda e: e.time_range.start)
     stats: dict[str, OpStat] = {}
     per_call: dict[int, int] = {}
     for evt in tops:

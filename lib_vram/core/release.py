@@ -155,14 +155,11 @@ class LeakCheck:
             self._watched.append((name, weakref.ref(obj)))
         return obj
 
-    def _in_use(self) -> int:
-        info = memory_info(self.device)
-        return info.allocated if info.allocated is not None else info.process_rss
-
     def job_done(self) -> int:
         """Call after each job: collects garbage, records and returns the baseline."""
         gc.collect()
-        base = self._in_use()
+        info = memory_info(self.device)
+        base = info.allocated if info.allocated is not None else info.process_rss
         with self._lock:
             self._baselines.append(base)
         return base

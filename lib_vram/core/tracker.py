@@ -181,10 +181,8 @@ class _Counter:
             card.reset_peak()
         elif self._measure == "rss":
             _reset_vm_hwm()
-        elif self.backend in (Backend.CUDA, Backend.ROCM):
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.backend is Backend.XPU:
-            torch.xpu.reset_peak_memory_stats(self.device)
+        else:  # (resettable: an accelerator with an allocator, CUDA/ROCm/XPU)
+            (torch.xpu if self.backend is Backend.XPU else torch.cuda).reset_peak_memory_stats(self.device)
 
 
 @dataclass
@@ -255,10 +253,7 @@ class StageTracker:
 
     def last(self, name: str) -> StageRecord | None:
         with self._lock:
-            for rec in reversed(self._records):
-                if rec.name == name:
-                    return rec
-        return None
+            return next((rec for rec in reversed(self._records) if rec.name == name), None)
 
     def summary(self) -> list[dict]:
         return [r.to_dict() for r in self.records]
