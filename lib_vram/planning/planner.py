@@ -1,16 +1,12 @@
-"""Plan choice: a pure function of numbers.
-
-Inputs: the free memory, the safety margin, and candidate plans (untiled, tile sizes, batches),
-each with its predicted peak. Output: the chosen plan, whether it fits, and a warning when even the
-smallest plan does not. No torch, no device: table-driven tests cover it.
+"""Plan choice: a pure function of numbers (no torch, no device: table-driven tests cover it).
 
 Policy
 ------
-``budget = free_bytes - safety_margin_bytes``. Candidates are ordered by preference: untiled
-first, then larger tiles before smaller, then larger batches before smaller (fewer passes, less
-halo overhead). The first candidate whose predicted peak is within the budget is chosen. If none
-is, the candidate with the smallest predicted peak is chosen with ``fits=False`` and a warning, so
-the caller can say so *before* the run.
+Candidate plans (untiled, tile sizes, batches; each with its predicted peak) are ordered by
+preference: untiled first, then larger tiles before smaller, then larger batches before smaller
+(fewer passes, less halo overhead). The first whose predicted peak is within
+``budget = free_bytes - safety_margin_bytes`` is chosen; if none is, the one with the smallest
+predicted peak, with ``fits=False`` and a warning, so the caller can say so *before* the run.
 
 Because more memory only ever adds candidates that fit, more memory never gives a less preferred
 plan (and never a smaller tile): ``tests/test_planner.py`` checks it with hypothesis.

@@ -107,8 +107,7 @@ _MINIMAL_RELEASES = frozenset({"job_end", "failure"})
 
 
 # The table. One row per tier; the reasons for each value are in the comments and in
-# docs/how-it-works.md's "Memory presets" table. Tile sizes and batches are not here: the engines
-# choose them from the budget. Every tier:
+# docs/how-it-works.md's "Memory presets" table. Every tier:
 # - vae_mode "auto": exact tiling whenever the untiled decode does not fit; fast only as the last
 #   resort;
 # - precision "auto" (half precision halves activations; the guard recomputes overflowing tiles

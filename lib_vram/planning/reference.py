@@ -396,12 +396,8 @@ def build_upscaler(kind: str, scale: int = 4, *, num_filters: int = 64, num_bloc
 
     Call inside a fake mode or on the meta device to build it without weight memory.
     """
-    if kind == "rrdb":
-        return RRDBNet(
-            num_filters=num_filters, num_blocks=23 if num_blocks is None else num_blocks, scale=scale
-        )
+    if kind == "rrdb":  # (filters, blocks, scale)
+        return RRDBNet(num_filters, 23 if num_blocks is None else num_blocks, scale)
     if kind == "compact":
-        return SRVGGNetCompact(
-            num_feat=num_filters, num_conv=16 if num_blocks is None else num_blocks, upscale=scale
-        )
+        return SRVGGNetCompact(num_filters, 16 if num_blocks is None else num_blocks, scale)
     raise ValueError(f"`upscaler` must be one of {UPSCALERS}, got {kind!r}")

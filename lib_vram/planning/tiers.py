@@ -23,11 +23,7 @@ def tier_for_total(total_bytes: int) -> int:
     """
     if total_bytes < 0:
         raise ValueError(f"`total_bytes` must be >= 0, got {total_bytes}")
-    chosen = TIERS_GB[0]
-    for gb in TIERS_GB:
-        if total_bytes >= TIER_TOLERANCE * gb * GiB:
-            chosen = gb
-    return chosen
+    return max((gb for gb in TIERS_GB if total_bytes >= TIER_TOLERANCE * gb * GiB), default=TIERS_GB[0])
 
 
 def tier_label(tier_gb: int) -> str:

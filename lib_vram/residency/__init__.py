@@ -1,14 +1,6 @@
-"""Residency: the one owner of the card (which model is where, and every move) and the placed plan
-of a checkpoint that does not fit it.
-
-Public API:
-
-* :class:`Owner`, :class:`Model`, :class:`Mover`, :class:`Room`, :class:`Move` (``_owner.py``):
-  every model of the session with its bytes, home and place; each stage's room; the moves.
-* :func:`plan_checkpoint` -> :class:`CheckpointPlan` (``_place.py``): the UNet's resident and
-  streamed parts, the parked parts, the host memory it takes.
-* :mod:`.controlnet`: sd-webui-controlnet's control models in the owner (duck-typed), and its
-  moves on the emulated card.
+"""Residency: the one owner of the card (:class:`Owner`, ``_owner.py``: which model is where, and
+every move), the placed plan of a checkpoint that does not fit it (:func:`plan_checkpoint`,
+``_place.py``) and sd-webui-controlnet's control models in the owner (:mod:`.controlnet`).
 
 Host-free: the package imports torch, the core and the sampling engine, never the WebUI.
 """

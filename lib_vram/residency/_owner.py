@@ -96,9 +96,7 @@ class Model:
     @property
     def host_bytes(self) -> int:
         """Its weights held in host memory (a streamed model: the copies of its streamed part)."""
-        if self.where == HOST:
-            return self.nbytes
-        return self.nbytes - self.resident_bytes if self.where == STREAMED else 0
+        return self.nbytes - self.card_bytes
 
     def describe(self) -> str:
         if self.where == STREAMED:
@@ -281,13 +279,11 @@ class Owner:
                 if not best_effort:
                     return Room(stage, False)
                 chosen = list(cands)
-            moved = []
             if stage:
                 self._stages.setdefault(stage, [])  # (undone by end(stage), begun or not)
             for m in chosen:
                 self._move(m, HOST, stage, why or f"{stage.replace('_', ' ')} needs the room")
-                moved.append(m)
-            return Room(stage, ok, moved)
+            return Room(stage, ok, list(chosen))
 
     def use(self, model: Model, stage: str = "", *, why: str = "") -> None:
         """``model`` is needed on the card now (room is made for it first). An out-of-memory error
