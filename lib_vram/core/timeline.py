@@ -111,10 +111,8 @@ class Timeline:
         self._t0 = clock()
         self._t_end: float | None = None
         self._lock = threading.Lock()
-        # points: parallel lists (t, used, reserved); reserved is None where there is no allocator
-        self._t: list[float] = []
-        self._used: list[int] = []
-        self._res: list[int | None] = []
+        self._points: list[tuple[float, int, int | None]] = []
+        """(t, used, reserved) per point; reserved is None where there is no allocator."""
         self._stride = 1
         self._bucket: tuple[float, int, int | None] | None = None
         self._bucket_n = 0
@@ -138,12 +136,8 @@ class Timeline:
                 band.samples += 1
             if self._peak is None or used > self._peak[1]:
                 self._peak = (t, used)
-            b = self._bucket
-            if b is None:
-                self._bucket = (t, used, reserved)
-            else:
-                res = _max_opt(b[2], reserved)
-                self._bucket = (t, used, res) if used > b[1] else (b[0], b[1], res)
+            new = (t, used, reserved)
+            self._bucket = new if self._bucket is None else _merge(self._bucket, new)
             self._bucket_n += 1
             if self._bucket_n >= self._stride:
                 self._flush()
@@ -153,19 +147,15 @@ class Timeline:
         if b is None:
             return
         self._bucket, self._bucket_n = None, 0
-        self._t.append(b[0])
-        self._used.append(b[1])
-        self._res.append(b[2])
-        if len(self._t) >= self.max_points:
+        self._points.append(b)
+        if len(self._points) >= self.max_points:
             self._halve()
 
     def _halve(self) -> None:
         """Merge neighbouring points pairwise (each keeps the higher one); double the stride."""
-        t, u, r = self._t, self._used, self._res
-        pairs = range(0, len(t) - 1, 2)
-        keep = [i if u[i] >= u[i + 1] else i + 1 for i in pairs] + ([len(t) - 1] if len(t) % 2 else [])
-        self._res = [_max_opt(r[i], r[i + 1]) for i in pairs] + ([r[-1]] if len(t) % 2 else [])
-        self._t, self._used = [t[j] for j in keep], [u[j] for j in keep]
+        p = self._points
+        merged = [_merge(a, b) for a, b in zip(p[::2], p[1::2])]
+        self._points = merged + p[2 * len(merged) :]  # (an odd last point stays as it is)
         self._stride *= 2
 
     def begin(self, stage: str, thread: int = 0) -> None:
@@ -218,13 +208,9 @@ class Timeline:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready snapshot (keys in docs/api.md, "The `timeline` key"; bounded by the caps)."""
         with self._lock:
-            t, u, r = list(self._t), list(self._used), list(self._res)
-            if self._bucket is not None:
-                t.append(self._bucket[0])
-                u.append(self._bucket[1])
-                r.append(self._bucket[2])
+            pts = self._points + ([] if self._bucket is None else [self._bucket])
             end = self._t_end if self._t_end is not None else self.now()
-            has_res = any(v is not None for v in r)
+            has_res = any(p[2] is not None for p in pts)
             peak = None
             if self._peak is not None:
                 pt, pb = self._peak
@@ -242,9 +228,9 @@ class Timeline:
                 "max_points": self.max_points,
                 "samples": {k: v for k, v in self.counts.items() if v},
                 "points": {
-                    "t": [round(x, 4) for x in t],
-                    "used": u,
-                    "reserved": [0 if v is None else v for v in r] if has_res else None,
+                    "t": [round(p[0], 4) for p in pts],
+                    "used": [p[1] for p in pts],
+                    "reserved": [p[2] or 0 for p in pts] if has_res else None,
                 },
                 "peak": peak,
                 "bands": [b.to_dict() for b in self._bands],
@@ -253,8 +239,13 @@ class Timeline:
             }
 
 
-def _max_opt(a: int | None, b: int | None) -> int | None:
-    return a if b is None else b if a is None else max(a, b)
+def _merge(
+    a: tuple[float, int, int | None], b: tuple[float, int, int | None]
+) -> tuple[float, int, int | None]:
+    """Two points as one: the higher ``used`` (the earlier one on a tie) at its time, and the
+    higher ``reserved``."""
+    hi = a if a[1] >= b[1] else b
+    return hi[0], hi[1], a[2] if b[2] is None else b[2] if a[2] is None else max(a[2], b[2])
 
 
 def _stage_at(spans: list[tuple[float, float | None, str]], t: float) -> str | None:
