@@ -23,8 +23,6 @@ from . import emulate
 
 logger = logging.getLogger(__name__)
 
-GiB = 1024**3
-
 
 class Backend(str, enum.Enum):
     """The kind of compute device."""

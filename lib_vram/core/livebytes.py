@@ -14,6 +14,7 @@ ledger is thread-safe, so one ledger can be fed by modes in several threads.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -39,11 +40,11 @@ CONV_OPS = frozenset(
     }
 )
 
-_ALIAS_CACHE: dict = {}
-"""operator overload -> whether all its results alias an input (views, in-place operators)."""
 
-
+# Both per operator overload, cached: they run for every operator (``func.name()`` costs a call).
+@functools.cache
 def _returns_alias(func) -> bool:  # noqa: ANN001
+    """Whether all of ``func``'s results alias an input (views, in-place operators)."""
     schema = getattr(func, "_schema", None)
     returns = getattr(schema, "returns", None)
     if not returns:
@@ -51,8 +52,10 @@ def _returns_alias(func) -> bool:  # noqa: ANN001
     return all(getattr(r, "alias_info", None) is not None for r in returns)
 
 
-_CONV_CACHE: dict = {}
-"""operator overload -> whether it is a convolution (``func.name()`` costs a call per operator)."""
+@functools.cache
+def _is_conv(func) -> bool:  # noqa: ANN001
+    return func.name() in CONV_OPS
+
 
 WorkspaceTerm = Callable[[tuple, tuple, tuple, int, bool], int]
 """``(input_shape, weight_shape, output_shape, element_size, input_contiguous) -> bytes``."""
@@ -200,10 +203,7 @@ class LiveBytesCounter(TorchDispatchMode):
         self.ops += 1
         if self.paused:
             return out
-        aliasing = _ALIAS_CACHE.get(func)
-        if aliasing is None:
-            aliasing = _ALIAS_CACHE[func] = _returns_alias(func)
-        if aliasing:
+        if _returns_alias(func):
             # views and in-place results share an input's storage: nothing was allocated (also for
             # storages created before the count started: weights, inputs, host-side tensors)
             return out
@@ -218,10 +218,7 @@ class LiveBytesCounter(TorchDispatchMode):
             self.track(t)
         if self.workspace is None or not outs or not isinstance(out, torch.Tensor):
             return out
-        is_conv = _CONV_CACHE.get(func)
-        if is_conv is None:
-            is_conv = _CONV_CACHE[func] = func.name() in CONV_OPS
-        if is_conv:
+        if _is_conv(func):
             inp, weight = args[0], args[1]
             contiguous = inp.is_contiguous() or inp.is_contiguous(memory_format=torch.channels_last)
             scratch = self.workspace(

@@ -13,7 +13,6 @@ other stage in the order seen).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -22,8 +21,6 @@ from typing import Any
 from .device import MemoryInfo
 from .profiling import mib as _mib
 from .timeline import _e, format_bytes, legend_html, render_svg
-
-logger = logging.getLogger(__name__)
 
 SCHEMA = 1
 STATUS_ROUTE = "/vram-guard/v1/status"

@@ -18,7 +18,6 @@ a GPU would see them.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Iterable
 from contextlib import ExitStack
@@ -30,10 +29,6 @@ import torch
 from lib_vram.core import emulate
 from lib_vram.residency import CARD, HOST, Model
 from lib_vram.residency._modules import ModuleMover, admit, nbytes_of, tensors_of
-
-logger = logging.getLogger(__name__)
-
-MiB = 1 << 20
 
 
 @dataclass
