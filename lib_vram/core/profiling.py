@@ -341,17 +341,15 @@ class StageProfiler:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         paths = self.outputs(folder, stem)
-        written: dict[str, Path] = {}
         write_atomic(paths["trace"], lambda tmp: self.prof.export_chrome_trace(str(tmp)), overwrite=overwrite)
-        written["trace"] = paths["trace"]
+        written = {"trace": paths["trace"]}
         if "snapshot" in paths and self.snapshot is not None:
             write_atomic(paths["snapshot"], lambda tmp: _pickle(self.snapshot, tmp), overwrite=overwrite)
             written["snapshot"] = paths["snapshot"]
+        written["summary"] = paths["summary"]  # (listed in the summary it is about to be written to)
         self.summary.files = {k: str(v) for k, v in written.items()}
-        self.summary.files["summary"] = str(paths["summary"])
         text = json.dumps(self.summary.to_dict(top=top), indent=1)
         write_atomic(paths["summary"], lambda tmp: tmp.write_text(text), overwrite=overwrite)
-        written["summary"] = paths["summary"]
         return written
 
 

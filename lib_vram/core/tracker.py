@@ -247,16 +247,9 @@ class StageTracker:
         with self._lock:
             return list(self._records)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._records.clear()
-
     def last(self, name: str) -> StageRecord | None:
         with self._lock:
             return next((rec for rec in reversed(self._records) if rec.name == name), None)
-
-    def summary(self) -> list[dict]:
-        return [r.to_dict() for r in self.records]
 
     # -- measuring -------------------------------------------------------------------------
     def sample(self, kind: str = "tile") -> None:

@@ -54,10 +54,6 @@ class CheckpointPlan:
         return self.stream.fits and self.largest_parked_bytes <= room
 
     @property
-    def checkpoint_bytes(self) -> int:
-        return self.leftover_bytes + self.stream.unet_bytes + sum(b for _, b in self.parked)
-
-    @property
     def unet_resident_bytes(self) -> int:
         return self.stream.resident_bytes if self.stream.streamed else self.stream.unet_bytes
 
