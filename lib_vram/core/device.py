@@ -44,11 +44,7 @@ def backend_of(device: torch.device | str | None = None) -> Backend:
     dev = resolve_device(device)
     if dev.type == "cuda":
         return Backend.ROCM if getattr(torch.version, "hip", None) else Backend.CUDA
-    if dev.type == "mps":
-        return Backend.MPS
-    if dev.type == "xpu":
-        return Backend.XPU
-    return Backend.CPU
+    return {"mps": Backend.MPS, "xpu": Backend.XPU}.get(dev.type, Backend.CPU)
 
 
 def resolve_device(device: torch.device | str | None = None) -> torch.device:
@@ -243,12 +239,11 @@ def is_oom_error(exc: BaseException) -> bool:
     ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory``.
     """
     oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
+    if isinstance(exc, MemoryError) or (oom_type is not None and isinstance(exc, oom_type)):
         return True
-    if isinstance(exc, (RuntimeError, MemoryError)):
-        msg = str(exc).lower()
-        return "out of memory" in msg or "can't allocate memory" in msg or isinstance(exc, MemoryError)
-    return False
+    return isinstance(exc, RuntimeError) and any(
+        s in str(exc).lower() for s in ("out of memory", "can't allocate memory")
+    )
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,7 @@ def _returns_alias(func) -> bool:  # noqa: ANN001
     """Whether all of ``func``'s results alias an input (views, in-place operators)."""
     schema = getattr(func, "_schema", None)
     returns = getattr(schema, "returns", None)
-    if not returns:
-        return False
-    return all(getattr(r, "alias_info", None) is not None for r in returns)
+    return bool(returns) and all(getattr(r, "alias_info", None) is not None for r in returns)
 
 
 @functools.cache

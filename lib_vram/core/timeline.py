@@ -139,17 +139,11 @@ class Timeline:
             new = (t, used, reserved)
             self._bucket = new if self._bucket is None else _merge(self._bucket, new)
             self._bucket_n += 1
-            if self._bucket_n >= self._stride:
-                self._flush()
-
-    def _flush(self) -> None:
-        b = self._bucket
-        if b is None:
-            return
-        self._bucket, self._bucket_n = None, 0
-        self._points.append(b)
-        if len(self._points) >= self.max_points:
-            self._halve()
+            if self._bucket_n >= self._stride:  # (the bucket is full: one more point)
+                self._points.append(self._bucket)
+                self._bucket, self._bucket_n = None, 0
+                if len(self._points) >= self.max_points:
+                    self._halve()
 
     def _halve(self) -> None:
         """Merge neighbouring points pairwise (each keeps the higher one); double the stride."""
@@ -343,8 +337,7 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
     pts = data.get("points") or {}
     ts = list(pts.get("t") or [])
     used = list(pts.get("used") or [])
-    res = pts.get("reserved")
-    res = list(res) if res else None
+    res = list(pts.get("reserved") or []) or None
     if not ts or len(ts) != len(used):
         return ""
     bands = list(data.get("bands") or [])

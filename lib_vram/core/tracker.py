@@ -169,9 +169,8 @@ class _Counter:
         return None
 
     def peak_reserved(self) -> int | None:
-        if self.backend in (Backend.CUDA, Backend.ROCM):
-            return int(torch.cuda.max_memory_reserved(self.device))
-        return None
+        cuda = self.backend in (Backend.CUDA, Backend.ROCM)
+        return int(torch.cuda.max_memory_reserved(self.device)) if cuda else None
 
     def reset(self) -> None:
         if not self.resettable:

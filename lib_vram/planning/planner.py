@@ -142,11 +142,7 @@ then the smallest of them)."""
 
 def _dominates(failed: Candidate, c: Candidate) -> bool:
     """True if ``c`` is at least as large as ``failed`` in tile (untiled = largest) and batch."""
-    if c.batch < failed.batch:
-        return False
-    if c.tile is None:
-        return True
-    return failed.tile is not None and c.tile >= failed.tile
+    return c.batch >= failed.batch and (c.tile is None or (failed.tile is not None and c.tile >= failed.tile))
 
 
 def learnable_peak(record: object, input_bytes: int = 0) -> int | None:

@@ -175,11 +175,7 @@ def resolve_precision(policy: str, caps: object | None) -> str:
     fp16 = bool(getattr(caps, "fp16", True))
     bf16 = bool(getattr(caps, "bf16", False))
     if policy == "auto":
-        if backend == "cpu":
-            return "fp32"
-        if bf16:
-            return "bf16"
-        return "fp16" if fp16 else "fp32"
+        return "fp32" if backend == "cpu" else "bf16" if bf16 else "fp16" if fp16 else "fp32"
     if (policy == "fp16" and not fp16) or (policy == "bf16" and not bf16):
         raise ValueError(f"`policy` {policy} is not supported on this {backend} device")
     return policy
