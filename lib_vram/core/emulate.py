@@ -185,7 +185,7 @@ class EmulatedCard:
         (a use the card never had: above its capacity, which it refuses)."""
         new = resident if isinstance(resident, int) else module_bytes(resident)
         if self.device.type != "cuda":
-            self.peak_used_bytes = max(self.peak_used_bytes, self.resident_bytes + self.ledger.peak_bytes)
+            self.peak_used_bytes = self.peak_bytes
             self.ledger.reset_peak()
         self.resident_bytes = new
 
@@ -245,10 +245,8 @@ class EmulatedCard:
         if self.device.type == "cuda":
             self._exit_cuda()
             return
-        stack = self._local.stack
-        mode = stack.pop()
-        mode.__exit__(None, None, None)
-        self.peak_used_bytes = max(self.peak_used_bytes, self.resident_bytes + self.ledger.peak_bytes)
+        self._local.stack.pop().__exit__(None, None, None)
+        self.peak_used_bytes = self.peak_bytes
 
     @property
     def active_here(self) -> bool:
@@ -319,11 +317,10 @@ def _pop(card: EmulatedCard) -> None:
     stack = getattr(_tls, "stack", [])
     if stack and stack[-1] is card:
         stack.pop()
-    with _ACTIVE_LOCK:
-        for i in range(len(_ACTIVE) - 1, -1, -1):
-            if _ACTIVE[i]() is card:
-                del _ACTIVE[i]
-                break
+    with _ACTIVE_LOCK:  # (its latest entry: a card may be entered again, nested)
+        i = next((i for i in reversed(range(len(_ACTIVE))) if _ACTIVE[i]() is card), None)
+        if i is not None:
+            del _ACTIVE[i]
 
 
 def install(card: EmulatedCard | None) -> EmulatedCard | None:

@@ -182,9 +182,7 @@ class PeakPrediction:
         return self.weights_bytes + self.input_bytes + self.activation_bytes
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["total_bytes"] = self.total_bytes
-        return d
+        return {**asdict(self), "total_bytes": self.total_bytes}
 
 
 def count_peak(

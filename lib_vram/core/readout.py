@@ -359,9 +359,7 @@ def upscale_pass_note(
 
 def render_timeline_html(timeline: Mapping[str, Any] | None) -> str:
     """The memory timeline's plot and legend (``""`` without one), see :mod:`lib_vram.core.timeline`."""
-    if not timeline:
-        return ""
-    svg = render_svg(timeline, label=stage_label)
+    svg = render_svg(timeline, label=stage_label) if timeline else ""
     if not svg:
         return ""
     state = "running" if timeline.get("running") else "done"

@@ -98,9 +98,7 @@ class StageRecord:
         return max(0, self.peak_bytes - self.start_bytes)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["delta_peak_bytes"] = self.delta_peak_bytes
-        return d
+        return {**asdict(self), "delta_peak_bytes": self.delta_peak_bytes}
 
 
 class _Counter:

@@ -234,8 +234,7 @@ class PlanMemory:
         cap = self._oom_cap.get(key)
         if cap is None:
             return None
-        below = [p for p in self._ok.get(key, ()) if p < cap]
-        return max(below) if below else cap - 1
+        return max((p for p in self._ok.get(key, ()) if p < cap), default=cap - 1)
 
     def adjust(self, key: Hashable, candidates: Sequence[Candidate]) -> list[Candidate]:
         """``candidates`` with learned corrections: peaks scaled by the worst measured/predicted

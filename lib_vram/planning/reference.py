@@ -81,9 +81,7 @@ ATTN_CHUNK_BYTES = 64 * 2**20
 
 
 def _act(x: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "silu":
-        return F.silu(x)
-    return x * torch.sigmoid(x)
+    return F.silu(x) if kind == "silu" else x * torch.sigmoid(x)
 
 
 def _norm(c: int) -> nn.GroupNorm:
