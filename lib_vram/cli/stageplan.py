@@ -226,42 +226,8 @@ def plan_upscale_stage(
     )  # fmt: skip
 
 
-SAMPLING_ARCHS = {"sd15": "sd15", "sdxl": "sdxl"}
+SAMPLING_ARCHS = ("sd15", "sdxl")
 """Archs whose UNet the sampling estimate knows (:func:`lib_vram.sampling.reference_spec`)."""
-
-
-def plan_sampling_stage(
-    stage: str,
-    arch: str,
-    width: int,
-    height: int,
-    free_bytes: int,
-    safety_margin_bytes: int,
-    *,
-    images: int = 1,
-    attention: str = "doggettx",
-    dtype: str = "fp16",
-    resident_bytes: int = 0,
-    backend: str = "cuda",
-    controls: tuple = (),
-) -> StagePlan:
-    """``stage`` as :func:`lib_vram.sampling.plan_sampling` plans it: the reference UNet of ``arch``,
-    one forward of ``2 x images`` samples (the WebUI batches cond and uncond)."""
-    from lib_vram.sampling import plan_sampling, reference_spec
-
-    spec = reference_spec(SAMPLING_ARCHS[arch])
-    a = reference.vae_arch(arch)
-    dt = dtype_of(dtype)
-    budget = max(0, free_bytes - safety_margin_bytes)
-    batch = 2 * images
-    p = plan_sampling(
-        spec, batch=batch, latent_hw=(height // a.downscale, width // a.downscale),
-        context_tokens=77, attention=attention, dtype=dt, budget_bytes=budget,
-        resident_bytes=resident_bytes, backend=backend, controls=controls,
-    )  # fmt: skip
-    return sampling_stage(
-        stage, p, budget, safety_margin_bytes, resident_bytes=resident_bytes, dtype=dtype, attention=attention
-    )
 
 
 def sampling_stage(
@@ -285,15 +251,23 @@ CONTROLNET_HIRES = ("both", "lowres", "highres")
 """Which passes of a hires job the ControlNet units run in (ControlNet's "Hires-fix option")."""
 
 
-def controls_of(controlnets: tuple[str, ...], stage: str, hires_option: str = "both") -> tuple:
-    """The ControlNets of a sampling stage: one reference spec per unit (``controlnets``: their
-    archs), none in the hires pass with ``lowres`` or in the first pass with ``highres``."""
-    from lib_vram.sampling import reference_control
+def sampling_pass(
+    arch: str, stage: str, w: int, h: int, batch: int, controlnets: tuple[str, ...], hires_option: str, **kw
+) -> object:
+    """:func:`lib_vram.sampling.plan_sampling` of one forward of the reference UNet of ``arch`` over
+    ``2 x batch`` samples (the WebUI batches cond and uncond), 77 tokens, FP16; one reference spec per
+    ControlNet unit, none in the hires pass with ``lowres`` or in the first pass with ``highres``.
+    ``kw``: ``attention``, ``budget_bytes``, ``backend``, ``resident_bytes``."""
+    from lib_vram.sampling import plan_sampling, reference_control, reference_spec
 
     skipped = {"lowres": "sample_hires", "highres": "sample"}.get(hires_option)
-    if stage == skipped:
-        return ()
-    return tuple(reference_control(c) for c in controlnets)
+    controls = () if stage == skipped else tuple(reference_control(c) for c in controlnets)
+    down = reference.vae_arch(arch).downscale
+    hw = (h // down, w // down)
+    return plan_sampling(
+        reference_spec(arch), batch=2 * batch, latent_hw=hw, context_tokens=77, dtype=dtype_of("fp16"),
+        controls=controls, **kw,
+    )  # fmt: skip
 
 
 def vae_weights(arch: str, dtype: str) -> tuple[int, int]:
@@ -374,13 +348,17 @@ def plan_job(
         att = attention_of(attention or "Automatic", backend=backend)
         vae_bytes = sum(vae_weights(arch, vae_dtype))
         idle = [] if host_swaps else [("VAE", vae_bytes), ("text encoders", a.text_encoder_bytes)]
+        budget = max(0, free_bytes - margin)
 
     def sample(stage: str, w: int, h: int) -> StagePlan:
         def at(on_card: int) -> StagePlan:
-            return plan_sampling_stage(
-                stage, arch, w, h, free_bytes, margin, images=batch, attention=att, resident_bytes=on_card,
-                backend=backend, controls=controls_of(controlnets, stage, controlnet_hires),
+            p = sampling_pass(
+                arch, stage, w, h, batch, controlnets, controlnet_hires, attention=att, budget_bytes=budget,
+                resident_bytes=on_card, backend=backend,
             )  # fmt: skip
+            return sampling_stage(
+                stage, p, budget, margin, resident_bytes=on_card, dtype="fp16", attention=att
+            )
 
         return _moving_off(at, sum(n for _, n in idle), idle)
 
