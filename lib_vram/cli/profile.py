@@ -192,6 +192,8 @@ def _checkpoint_vae(kind: str, path: Path):
     """An ldm ``Decoder``/``Encoder`` with the weights of ``path`` (its shape read from them)."""
     import torch
 
+    from lib_vram.cli.bench.vae import SD_VAE
+
     if not path.is_file():
         raise UsageError(f"`--checkpoint` not found: {path}")
     part = "decoder." if kind == "decode" else "encoder."
@@ -218,17 +220,13 @@ def _checkpoint_vae(kind: str, path: Path):
     blocks = {int(k.split(".")[3]) for k in sub if k.startswith(f"{group}.0.block.")}
     widths = [int(sub[f"{group}.{i}.block.0.conv2.weight"].shape[0]) for i in levels]
     ch = widths[0]
+    z = sub["conv_in.weight"].shape[1] if kind == "decode" else sub["conv_out.weight"].shape[0] // 2
     cfg = {
+        **SD_VAE,
         "ch": ch,
-        "out_ch": 3,
         "ch_mult": tuple(w // ch for w in widths),
         "num_res_blocks": len(blocks) - (1 if kind == "decode" else 0),
-        "attn_resolutions": [],
-        "in_channels": 3,
-        "resolution": 256,
-        "z_channels": int(
-            sub["conv_in.weight"].shape[1] if kind == "decode" else sub["conv_out.weight"].shape[0] // 2
-        ),
+        "z_channels": int(z),
     }
     with _quiet():
         module = _ldm_class(kind)(**cfg).eval()
@@ -348,7 +346,6 @@ def _run_upscale(args: argparse.Namespace) -> int:
     def call(tracker: Any):
         return upscale_tensor(model, x, config=config, tracker=tracker, report=report)
 
-    scale = getattr(model, "scale", "?")
     head = f"upscale {args.size}x{args.size} ({args.model.name}, x{scale}, {args.precision}, {device})"
     return _profile(args, "upscale", device, call, head, paths, stem, lambda: report.plan)
 
