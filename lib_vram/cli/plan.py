@@ -110,44 +110,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON: one record per stage")
 
 
-def _placement(
-    args: argparse.Namespace, total: int, caps: object, margin: int | None, preset: object, crowded: bool
-) -> tuple[object | None, str | None]:
-    """(the placed plan, or None; a one-line note why a checkpoint is not placed, or None).
-    ``crowded``: the UNet and text encoders alone leave no room on the card."""
+def collect(args: argparse.Namespace) -> dict:
     from lib_vram.sampling import attention_of
 
-    from .placed import place_checkpoint
-    from .stageplan import SAMPLING_ARCHS
-
-    if args.place is False or args.medvram:
-        return None, None
-    if args.arch not in SAMPLING_ARCHS:
-        if args.place or crowded:
-            return None, (
-                f"{args.arch}: not placed: the checkpoint placement plans the ldm/sgm UNets (sd15, sdxl), "
-                f"not {args.arch}'s; the plain plan follows"
-            )
-        return None, None
-
-    def margin_of(t: int) -> int:
-        return margin if margin is not None else resolve_preset(args.preset, t, caps).safety_margin(t)
-
-    backend = getattr(caps, "backend", "cuda")
-    return place_checkpoint(
-        args.arch,
-        total,
-        margin_of,
-        vae_dtype=resolve_precision(preset.precision_vae, caps),
-        attention=attention_of(args.attention or "Automatic", backend=backend),
-        backend=backend,
-        force=bool(args.place),
-    ), None
-
-
-def collect(args: argparse.Namespace) -> dict:
-    from .placed import plan_placed_job
-    from .stageplan import plan_job
+    from .placed import place_checkpoint, plan_placed_job
+    from .stageplan import SAMPLING_ARCHS, plan_job
 
     dev = resolve_device(args.device)
     caps = capabilities(dev)
@@ -184,7 +151,28 @@ def collect(args: argparse.Namespace) -> dict:
         controlnets=tuple(args.controlnet),
         controlnet_hires=args.controlnet_hires,
     )
-    placed, note = _placement(args, total, caps, margin, preset, models >= total - safety)
+    placed = note = None
+    placing = args.place is not False and not args.medvram
+    if placing and args.arch not in SAMPLING_ARCHS and (args.place or models >= total - safety):
+        note = (
+            f"{args.arch}: not placed: the checkpoint placement plans the ldm/sgm UNets (sd15, sdxl), "
+            f"not {args.arch}'s; the plain plan follows"
+        )
+    elif placing and args.arch in SAMPLING_ARCHS:
+
+        def margin_of(t: int) -> int:
+            return margin if margin is not None else resolve_preset(args.preset, t, caps).safety_margin(t)
+
+        backend = getattr(caps, "backend", "cuda")
+        placed = place_checkpoint(
+            args.arch,
+            total,
+            margin_of,
+            vae_dtype=resolve_precision(preset.precision_vae, caps),
+            attention=attention_of(args.attention or "Automatic", backend=backend),
+            backend=backend,
+            force=bool(args.place),
+        )
     extra: dict = {}
     if placed is not None:
         swaps = ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,8 +29,6 @@ from lib_vram.core.predict import (
 )
 from lib_vram.planning import planner, reference
 from lib_vram.planning.presets import Preset, resolve_precision
-
-logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
@@ -173,13 +171,10 @@ def plan_vae_stage(
     a = reference.vae_arch(arch)
     module = reference_vae(arch, kind)
     dt = dtype_of(dtype)
-    shape = (
-        (1, a.z_channels, height // a.downscale, width // a.downscale)
-        if kind == "decode"
-        else (1, 3, height, width)
-    )
+    latent = (height // a.downscale, width // a.downscale)
+    shape = (1, a.z_channels, *latent) if kind == "decode" else (1, 3, height, width)
     weights = weights_bytes(module, dt)
-    input_bytes = shape[0] * shape[1] * shape[2] * shape[3] * dt.itemsize
+    input_bytes = math.prod(shape) * dt.itemsize
     budget = max(0, free_bytes - safety_margin_bytes - weights - resident_bytes)
     if preset.vae_mode == "off":  # the WebUI's own forward, untiled
         peak = estimate_peak_bytes(module, shape, dt, tile=None, mode="untiled", backend=backend)
@@ -202,14 +197,14 @@ def plan_upscale_stage(
     safety_margin_bytes: int,
     *,
     dtype: str,
-    scale: int = 4,
     resident_bytes: int = 0,
     backend: str = "cuda",
 ) -> StagePlan:
     """``stage`` as the upscale engine plans it (:func:`lib_vram.upscale.plan_upscale`) for the
-    reference upscaler ``kind`` (``"rrdb"``/``"compact"``), within what is left of ``free_bytes``."""
+    reference 4x upscaler ``kind`` (``"rrdb"``/``"compact"``), within what is left of ``free_bytes``."""
     from lib_vram.upscale import plan_upscale
 
+    scale = 4
     module = reference_upscaler(kind, scale)
     dt = dtype_of(dtype)
     shape = (1, 3, height, width)
@@ -422,7 +417,6 @@ def predict_engine_vae(
     tile: int | None = None,
     mode: str = "exact",
     backend: str = "cpu",
-    state_offload: str = "device",
 ) -> PeakPrediction:
     """Peak of :func:`lib_vram.vae.tiled_decode`/``tiled_encode`` on ``module`` (any layout the
     engine supports), predicted by running the engine itself on fake tensors. ``tile=None``: the
@@ -430,17 +424,17 @@ def predict_engine_vae(
     if kind not in ("decode", "encode"):
         raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
     dt = dtype_of(dtype)
-    loop = vae_loop(kind, tile, mode, dt, state_offload)
+    loop = vae_loop(kind, tile, mode, dt)
     return _predict_loop(module, loop, input_shape, dt, backend, new_fake_mode())
 
 
-def vae_loop(kind: str, tile: int | None, mode: str, dt: torch.dtype, state_offload: str = "device"):  # noqa: ANN201
+def vae_loop(kind: str, tile: int | None, mode: str, dt: torch.dtype):  # noqa: ANN201
     """``loop(module, x)``: the tiled VAE engine as the predictions run it (unbounded budget, the
     finite-check guard off; ``tile=None``: auto, the untiled pass when everything fits)."""
     from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
 
     cfg = TiledVAEConfig(mode="auto" if tile is None else mode, tile=tile, budget_bytes=2**50, dtype=dt,
-                         guard=False, state_offload=state_offload)  # fmt: skip
+                         guard=False, state_offload="device")  # fmt: skip
     run = tiled_decode if kind == "decode" else tiled_encode
     return lambda m, x: run(m, x, config=cfg)
 
