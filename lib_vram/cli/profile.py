@@ -241,7 +241,7 @@ def _checkpoint_vae(kind: str, path: Path):
 
 
 def _run_vae(args: argparse.Namespace) -> int:
-    import torch
+    from lib_vram.core.predict import dtype_of
 
     if args.mode == "untiled" and args.tile is not None:
         raise UsageError("`--tile` is for --mode exact or fast, not untiled")
@@ -253,17 +253,15 @@ def _run_vae(args: argparse.Namespace) -> int:
     stage = f"vae_{kind}"
     stem = f"{stage}-{args.size}-{args.mode}"
     paths = _check_out(args, stem, device.type == "cuda")
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    dtype = dtype_of(args.dtype)
     if args.checkpoint is not None:
         module = _checkpoint_vae(kind, args.checkpoint)
-        what = f"{args.checkpoint.name}"
+        what = args.checkpoint.name
     else:
         module = _random_vae(kind, layout, args.family)
         what = f"{args.family} {layout} layout, random weights"
-    z_channels = module.conv_in.in_channels if kind == "decode" else 3
-    shape = (
-        (1, z_channels, args.size // 8, args.size // 8) if kind == "decode" else (1, 3, args.size, args.size)
-    )
+    side = args.size
+    shape = (1, module.conv_in.in_channels, side // 8, side // 8) if kind == "decode" else (1, 3, side, side)
     _check_memory(module, shape, dtype, device, args)
     from lib_vram.cli.bench._synthetic import image_like
 
