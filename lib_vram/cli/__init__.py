@@ -54,8 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"VRAM Guard {__version__}")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
     _add_debug(parser, False)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMANDS:
         module = importlib.import_module(module_name)
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)

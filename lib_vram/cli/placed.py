@@ -169,11 +169,9 @@ def place_checkpoint(
     ckpt = LEFTOVER_BYTES + spec.params * dt.itemsize + sum(b for _, b in parked)
 
     ib = input_bytes(spec, DEFAULT_BATCH, hw, CONTEXT_TOKENS, dt)
-
-    def working_margin(total: int) -> int:
-        # as the WebUI's placement decides with (placement.Placement.need)
-        est = estimate_sampling(spec, free_bytes=total, **step)
-        return int(margin_of(total)) + est.activation_bytes + ib
+    # the working margin, as the WebUI's placement decides with (placement.Placement.need)
+    est = estimate_sampling(spec, free_bytes=total_bytes, **step)
+    margin = int(margin_of(total_bytes)) + est.activation_bytes + ib
 
     def at(total: int) -> object:
         return plan_checkpoint(
@@ -181,7 +179,6 @@ def place_checkpoint(
             parked=parked, **step,
         )  # fmt: skip
 
-    margin = working_margin(total_bytes)
     if not force and ckpt + margin <= total_bytes:
         return None
     units = reference_units(arch, dt.itemsize)
@@ -195,10 +192,7 @@ def place_checkpoint(
             hi *= 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if _fits(at(mid * step_bytes)):
-                hi = mid
-            else:
-                lo = mid
+            lo, hi = (lo, mid) if _fits(at(mid * step_bytes)) else (mid, hi)
         smallest = hi * step_bytes
     return PlacedCheckpoint(arch, cp, ckpt, margin, side, attention, ib, smallest)
 

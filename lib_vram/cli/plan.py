@@ -238,18 +238,16 @@ def format_table(report: dict) -> str:
         + (" (emulated)" if report["emulated"] else "")
     )
     rows = [("stage", "plan", "dtype", "predicted peak", "activations", "budget", "fits")]
-    for s in report["stages"]:
-        rows.append(
-            (
-                s["stage"],
-                s["plan"] + (f" ({s['attention']})" if s.get("attention") else ""),
-                s["dtype"],
-                _gib(s["predicted_peak_bytes"]),
-                _gib(s["activation_bytes"]),
-                _gib(s["budget_bytes"]),
-                "yes" if s["fits"] else "NO",
-            )
+    rows += [
+        (
+            s["stage"],
+            s["plan"] + (f" ({s['attention']})" if s.get("attention") else ""),
+            s["dtype"],
+            *(_gib(s[k]) for k in ("predicted_peak_bytes", "activation_bytes", "budget_bytes")),
+            "yes" if s["fits"] else "NO",
         )
+        for s in report["stages"]
+    ]
     lines = [head]
     if report.get("placement"):
         lines += _placement_lines(report)

@@ -64,8 +64,7 @@ def _common(p: argparse.ArgumentParser, size_help: str, default_size: int, multi
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="target", metavar="vae|upscale")
-    sub.required = True
+    sub = parser.add_subparsers(dest="target", metavar="vae|upscale", required=True)
     v = sub.add_parser(
         "vae", help="a VAE decode (or --encode)", description="Profile a VAE decode or encode."
     )
@@ -322,10 +321,8 @@ def _run_upscale(args: argparse.Namespace) -> int:
         raise UsageError(f"`model` not found: {args.model}")
     stem = f"upscale-{args.size}"
     paths = _check_out(args, stem, device.type == "cuda")
-    try:
-        config = UpscaleConfig(tile=args.tile, batch=args.batch, precision=args.precision, device=str(device))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    # (a ValueError here is a usage error, exit 2, as UsageError is)
+    config = UpscaleConfig(tile=args.tile, batch=args.batch, precision=args.precision, device=str(device))
     try:
         model = load_model(args.model, device=device)
     except UpscaleError as exc:
