@@ -115,17 +115,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     u.set_defaults(_profile=_run_upscale)
 
 
-def _check_out(args: argparse.Namespace, stem: str, history: bool) -> dict[str, Path]:
-    if args.out is None:
-        return {}
-    out: Path = args.out
+def _check_out(args: argparse.Namespace, stem: str, history: bool) -> None:
+    """``--out``: a folder this run can write, without files of an earlier run unless ``--overwrite``."""
+    out: Path | None = args.out
+    if out is None:
+        return
     if out.exists() and not out.is_dir():
         raise UsageError(f"`--out` {out} is a file; give a folder")
-    names = {"trace": f"{stem}.trace.json", "summary": f"{stem}.summary.json"}
-    if history:
-        names["snapshot"] = f"{stem}.snapshot.pickle"
-    paths = {k: out / v for k, v in names.items()}
-    there = [str(p) for p in paths.values() if p.exists() or p.is_symlink()]
+    names = [f"{stem}.trace.json", f"{stem}.summary.json", *([f"{stem}.snapshot.pickle"] if history else [])]
+    there = [out / n for n in names if (out / n).exists() or (out / n).is_symlink()]
     if there and not args.overwrite:
         raise UsageError(f"`--out`: {there[0]} exists; pass --overwrite to replace it")
     import tempfile
@@ -137,7 +135,6 @@ def _check_out(args: argparse.Namespace, stem: str, history: bool) -> dict[str, 
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise UsageError(f"`--out` {out}: cannot write there ({reason})") from None
-    return paths
 
 
 def _quiet():
@@ -251,7 +248,7 @@ def _run_vae(args: argparse.Namespace) -> int:
     layout = args.layout or ("small" if device.type == "cpu" else "sd")
     stage = f"vae_{kind}"
     stem = f"{stage}-{args.size}-{args.mode}"
-    paths = _check_out(args, stem, device.type == "cuda")
+    _check_out(args, stem, device.type == "cuda")
     dtype = dtype_of(args.dtype)
     if args.checkpoint is not None:
         module = _checkpoint_vae(kind, args.checkpoint)
@@ -289,7 +286,7 @@ def _run_vae(args: argparse.Namespace) -> int:
             return fn(module, x, config=config, tracker=tracker, report=report)
 
     head = f"VAE {kind} {args.size}x{args.size} ({what}, {args.dtype}, {device})"
-    return _profile(args, stage, device, call, head, paths, stem, lambda: report.plan or args.mode)
+    return _profile(args, stage, device, call, head, stem, lambda: report.plan or args.mode)
 
 
 def _check_memory(module, shape: tuple, dtype, device, args: argparse.Namespace) -> None:
@@ -320,7 +317,7 @@ def _run_upscale(args: argparse.Namespace) -> int:
     if not args.model.exists():
         raise UsageError(f"`model` not found: {args.model}")
     stem = f"upscale-{args.size}"
-    paths = _check_out(args, stem, device.type == "cuda")
+    _check_out(args, stem, device.type == "cuda")
     # (a ValueError here is a usage error, exit 2, as UsageError is)
     config = UpscaleConfig(tile=args.tile, batch=args.batch, precision=args.precision, device=str(device))
     try:
@@ -342,10 +339,10 @@ def _run_upscale(args: argparse.Namespace) -> int:
         return upscale_tensor(model, x, config=config, tracker=tracker, report=report)
 
     head = f"upscale {args.size}x{args.size} ({args.model.name}, x{scale}, {args.precision}, {device})"
-    return _profile(args, "upscale", device, call, head, paths, stem, lambda: report.plan)
+    return _profile(args, "upscale", device, call, head, stem, lambda: report.plan)
 
 
-def _profile(args, stage: str, device, call, head: str, paths: dict, stem: str, plan) -> int:
+def _profile(args, stage: str, device, call, head: str, stem: str, plan) -> int:
     import torch
 
     from lib_vram.core.profiling import VIEW_HINTS, StageProfiler, mib
@@ -355,12 +352,11 @@ def _profile(args, stage: str, device, call, head: str, paths: dict, stem: str, 
     prof = StageProfiler(stage, device)
     with native_stderr_filtered():  # the profiler's own start/stop lines and, on a CPU, its device count
         with torch.no_grad(), prof, tracker.stage(f"profile:{stage}") as rec:
-            out = call(tracker)
-            del out
+            call(tracker)  # (its output freed within the stage)
         summary = prof.summary
-        written = {}
-        if paths:
-            written = prof.save(args.out, stem, overwrite=args.overwrite, top=max(args.top, 20))
+        written = (
+            prof.save(args.out, stem, overwrite=args.overwrite, top=max(args.top, 20)) if args.out else {}
+        )
     record = {
         "schema": SCHEMA,
         "stage": stage,

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -192,12 +193,10 @@ def _folder_jobs(src: Path, dst: Path, notes: list[str]) -> list[_Job]:
     if ignored:
         shown = ", ".join(ignored[:5]) + (", ..." if len(ignored) > 5 else "")
         notes.append(f"{len(ignored)} file(s) in {src} ignored, not images by their ending: {shown}")
-    by_stem: dict[str, list[Path]] = {}
-    for p in files:
-        by_stem.setdefault(p.stem.casefold(), []).append(p)
+    stems = Counter(p.stem.casefold() for p in files)
     jobs = []
     for p in files:
-        twin = len(by_stem[p.stem.casefold()]) > 1  # another type of the same name: the type joins it
+        twin = stems[p.stem.casefold()] > 1  # another type of the same name: the type joins it
         jobs.append(_Job(p, dst / (f"{p.stem}_{p.suffix[1:].lower()}.png" if twin else f"{p.stem}.png")))
     renamed = [j for j in jobs if j.dst.stem != j.src.stem]
     if renamed:
@@ -324,7 +323,6 @@ def _open(src: Path, notes: list[str]):
 def _for_format(img, fmt: str, notes: list[str]):
     """Convert modes the output format cannot store (JPEG: no alpha, 8 bits)."""
     if fmt == "JPEG" and img.mode not in ("RGB", "L"):
-        grey = img.mode in ("L", "LA", "I;16", "I", "F")
         if "A" in img.mode:
             notes.append("alpha dropped (JPEG has none)")
         if img.mode in ("I;16", "I", "F"):
@@ -335,7 +333,7 @@ def _for_format(img, fmt: str, notes: list[str]):
             scale = 1 / 257 if img.mode != "F" else 255
             arr = np.clip(np.asarray(img, dtype=np.float64) * scale, 0, 255).round().astype(np.uint8)
             return Image.fromarray(arr, "L")
-        return img.convert("L" if grey else "RGB")
+        return img.convert("L" if img.mode == "LA" else "RGB")  # (L, I;16, I, F: handled above)
     return img
 
 
@@ -395,7 +393,7 @@ def _upscale_one(model, job: _Job, args, config, fmt: str, notes: list[str]) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from lib_vram.upscale import UpscaleConfig, load_model
+    from lib_vram.upscale import UpscaleConfig, UpscaleError, load_model
 
     try:
         config = UpscaleConfig(
@@ -417,8 +415,6 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"`output` folder {args.output}: cannot create it ({_reason(exc)})") from None
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    from lib_vram.upscale import UpscaleError
-
     try:
         model = load_model(args.model, device=args.device)
     except UpscaleError as exc:
