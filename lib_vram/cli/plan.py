@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 from lib_vram.core.device import capabilities, free_bytes, memory_info, resolve_device
 from lib_vram.planning.presets import PRESET_NAMES, resolve_precision, resolve_preset
@@ -131,8 +132,6 @@ def collect(args: argparse.Namespace) -> dict:
     if vram is not None:
         total = free = vram
         # A generic card of that size: half precision, bf16 unknown -> assume fp16 only.
-        from types import SimpleNamespace
-
         caps = SimpleNamespace(backend="cuda", fp16=True, bf16=False)
     else:
         total = memory_info(dev).total
