@@ -20,6 +20,8 @@ import traceback
 from lib_vram import __version__
 from lib_vram.core.log import configure as configure_logging
 
+from .common import card_size, check_device, warnings_filtered
+
 COMMANDS: tuple[str, ...] = (
     "lib_vram.cli.doctor",
     "lib_vram.cli.plan",
@@ -54,8 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"VRAM Guard {__version__}")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
     _add_debug(parser, False)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMANDS:
         module = importlib.import_module(module_name)
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
@@ -96,8 +97,6 @@ def emulated_card(args: argparse.Namespace):  # noqa: ANN201
 
     from lib_vram.core.emulate import EmulatedCard
 
-    from .common import card_size
-
     capacity = card_size(size, "--emulate-vram")
     device = getattr(args, "device", None)
     kind = torch.device(device).type if device else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,16 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     debug = bool(getattr(args, "debug", False))
     log = logging.getLogger("lib_vram")
-    from .common import warnings_filtered
-
     with warnings_filtered():
         return _main(args, debug, log)
 
 
 def _main(args: argparse.Namespace, debug: bool, log: logging.Logger) -> int:
     try:
-        from .common import check_device
-
         check_device(getattr(args, "device", None))  # before anything uses it (also --emulate-vram)
         env_before = os.environ.get(EMULATE_ENV)
         card = emulated_card(args)

@@ -82,22 +82,20 @@ def _yes(b: bool) -> str:
 def format_table(report: dict) -> str:
     m = report["memory"]
     t = report["torch"]
+
+    def pair(a: str, b: str) -> str:
+        return f"{_gib(m[a])} / {_gib(m[b])}"
+
     rows = [
         ("VRAM Guard", report["vram_guard_version"]),
         ("device", f"{report['device']} ({report['name']})"),
         ("backend", report["backend"]),
         (f"total ({m['basis']})", _gib(m["total_bytes"])),
         ("free", _gib(m["free_bytes"])),
-        ("allocated / reserved", f"{_gib(m['allocated_bytes'])} / {_gib(m['reserved_bytes'])}"),
-        (
-            "peak allocated / reserved",
-            f"{_gib(m['peak_allocated_bytes'])} / {_gib(m['peak_reserved_bytes'])}",
-        ),
+        ("allocated / reserved", pair("allocated_bytes", "reserved_bytes")),
+        ("peak allocated / reserved", pair("peak_allocated_bytes", "peak_reserved_bytes")),
         ("process RSS", _gib(m["process_rss_bytes"])),
-        (
-            "system RAM (available/total)",
-            f"{_gib(m['system_available_bytes'])} / {_gib(m['system_total_bytes'])}",
-        ),
+        ("system RAM (available/total)", pair("system_available_bytes", "system_total_bytes")),
         ("torch", t["version"]),
         ("CUDA / HIP", f"{t['cuda'] or '-'} / {t['hip'] or '-'}"),
         ("SDPA attention", _yes(t["sdpa"])),
@@ -114,8 +112,5 @@ def format_table(report: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     report = collect(args.device)
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True))
-    else:
-        print(format_table(report))
+    print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_table(report))
     return 0

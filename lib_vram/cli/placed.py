@@ -14,13 +14,12 @@ from lib_vram.planning import reference
 from lib_vram.planning.presets import Preset, resolve_precision
 
 from .stageplan import (
-    SAMPLING_ARCHS,
     MiB,
     StagePlan,
-    controls_of,
     job_stages,
     plan_upscale_stage,
     plan_vae_stage,
+    sampling_pass,
     sampling_stage,
     vae_weights,
 )
@@ -155,7 +154,7 @@ def place_checkpoint(
 
     from .refunet import reference_units
 
-    spec = reference_spec(SAMPLING_ARCHS[arch])
+    spec = reference_spec(arch)
     a = reference.vae_arch(arch)
     dt = dtype_of(UNET_DTYPE)
     dec, enc = vae_weights(arch, vae_dtype)
@@ -170,11 +169,9 @@ def place_checkpoint(
     ckpt = LEFTOVER_BYTES + spec.params * dt.itemsize + sum(b for _, b in parked)
 
     ib = input_bytes(spec, DEFAULT_BATCH, hw, CONTEXT_TOKENS, dt)
-
-    def working_margin(total: int) -> int:
-        # as the WebUI's placement decides with (placement.Placement.need)
-        est = estimate_sampling(spec, free_bytes=total, **step)
-        return int(margin_of(total)) + est.activation_bytes + ib
+    # the working margin, as the WebUI's placement decides with (placement.Placement.need)
+    est = estimate_sampling(spec, free_bytes=total_bytes, **step)
+    margin = int(margin_of(total_bytes)) + est.activation_bytes + ib
 
     def at(total: int) -> object:
         return plan_checkpoint(
@@ -182,7 +179,6 @@ def place_checkpoint(
             parked=parked, **step,
         )  # fmt: skip
 
-    margin = working_margin(total_bytes)
     if not force and ckpt + margin <= total_bytes:
         return None
     units = reference_units(arch, dt.itemsize)
@@ -196,10 +192,7 @@ def place_checkpoint(
             hi *= 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if _fits(at(mid * step_bytes)):
-                hi = mid
-            else:
-                lo = mid
+            lo, hi = (lo, mid) if _fits(at(mid * step_bytes)) else (mid, hi)
         smallest = hi * step_bytes
     return PlacedCheckpoint(arch, cp, ckpt, margin, side, attention, ib, smallest)
 
@@ -237,8 +230,6 @@ def plan_placed_job(
     (the text encoders' activations not modelled); sampling as :mod:`lib_vram.webui.sampling`
     plans a placed pass, its bytes moved per step (streamed bytes x forwards) against
     ``--lowvram``'s. Budgets are ``free_bytes - safety_margin_bytes`` as in :func:`plan_job`."""
-    from lib_vram.sampling import plan_sampling, reference_spec
-
     cp = placed.plan
     arch = placed.arch
     st = cp.stream
@@ -248,7 +239,6 @@ def plan_placed_job(
     vae_dtype = resolve_precision(preset.precision_vae, caps)
     up_dtype = resolve_precision(preset.precision_upscale, caps)
     dec_w, enc_w = vae_weights(arch, vae_dtype)
-    spec = reference_spec(SAMPLING_ARCHS[arch])
     unet_res = cp.unet_resident_bytes
     buffer = st.buffer_bytes if st.streamed else 0
     streamed = st.unet_bytes - unet_res
@@ -257,40 +247,30 @@ def plan_placed_job(
     itemsize = dtype_of(vae_dtype).itemsize
     rows = {r["stage"]: r["models"] for r in cp.stage_rows(tuple(PLACED_STAGES.items()))}
 
-    def with_models(sp: StagePlan, **kw: object) -> StagePlan:
-        models = tuple(rows[sp.stage])
-        on_card = base + sum(b for n, b in cp.parked if n == PLACED_STAGES[sp.stage])
-        return dataclasses.replace(sp, models=models, card_bytes=on_card, streamed_bytes=streamed, **kw)
-
-    def conditioning() -> StagePlan:
-        te = a.text_encoder_bytes
-        peak = base + te
-        fits = peak <= budget and placed.fits
-        warning = None
-        if not placed.fits:
-            warning = placed.line
-        elif not fits:
-            warning = (
-                f"the text encoders ({te / MiB:.0f} MiB) beside the UNet's resident part need "
-                f"{peak / MiB:.0f} MiB, the card offers {budget / MiB:.0f} MiB: a larger card would fit"
-            )
-        sp = StagePlan(
-            stage="conditioning", plan="text encoders on the card", predicted_peak_bytes=peak, fits=fits,
-            budget_bytes=budget, safety_margin_bytes=margin, resident_bytes=base, weights_bytes=te,
-            input_bytes=0, activation_bytes=0, tile=None, batch=1, dtype=UNET_DTYPE, warning=warning,
-        )  # fmt: skip
-        return with_models(sp)
+    te = a.text_encoder_bytes
+    warning = None
+    if not placed.fits:
+        warning = placed.line
+    elif base + te > budget:
+        warning = (
+            f"the text encoders ({te / MiB:.0f} MiB) beside the UNet's resident part need "
+            f"{(base + te) / MiB:.0f} MiB, the card offers {budget / MiB:.0f} MiB: a larger card would fit"
+        )
+    conditioning = StagePlan(
+        stage="conditioning", plan="text encoders on the card", predicted_peak_bytes=base + te,
+        fits=base + te <= budget and placed.fits, budget_bytes=budget, safety_margin_bytes=margin,
+        resident_bytes=base, weights_bytes=te, input_bytes=0, activation_bytes=0, tile=None, batch=1,
+        dtype=UNET_DTYPE, warning=warning,
+    )  # fmt: skip
 
     def sample(stage: str, w: int, h: int) -> StagePlan:
         # the WebUI's plan of a placed checkpoint's pass (lib_vram.webui.sampling): the budget less
         # the checkpoint's buffers, raised by what the UNet does not keep on the card (the plans
         # count the whole UNet), the peak lowered by as much
         inflate = max(0, st.unet_bytes - unet_res - buffer)
-        p = plan_sampling(
-            spec, batch=2 * batch, latent_hw=(h // a.downscale, w // a.downscale),
-            context_tokens=CONTEXT_TOKENS, attention=placed.attention, dtype=dtype_of(UNET_DTYPE),
+        p = sampling_pass(
+            arch, stage, w, h, batch, controlnets, controlnet_hires, attention=placed.attention,
             budget_bytes=max(0, budget - cp.leftover_bytes) + inflate, backend=backend,
-            controls=controls_of(controlnets, stage, controlnet_hires),
         )  # fmt: skip
         peak = p.predicted_peak_bytes - inflate + cp.leftover_bytes
         fits = p.fits and placed.fits
@@ -304,29 +284,34 @@ def plan_placed_job(
                 f"sampling {w}x{h} px with the checkpoint placed needs {peak / MiB:.0f} MiB, the card "
                 f"offers {budget / MiB:.0f} MiB: {rest or 'a smaller image or batch may fit'}"
             )
-        sp = sampling_stage(
+        return sampling_stage(
             stage, p, budget, margin, shift=cp.leftover_bytes - inflate, resident_bytes=cp.leftover_bytes,
             dtype=UNET_DTYPE, attention=placed.attention, fits=fits, weights_bytes=unet_res + buffer,
-            warning=suggestion, suggestion=suggestion,
+            warning=suggestion, suggestion=suggestion, bytes_moved_per_step=streamed * forwards,
+            lowvram_bytes_per_step=st.lowvram_bytes_per_step,
         )  # fmt: skip
-        return with_models(
-            sp, bytes_moved_per_step=streamed * forwards, lowvram_bytes_per_step=st.lowvram_bytes_per_step
-        )
 
     def vae(stage: str, kind: str, w: int, h: int) -> StagePlan:
         other = enc_w if kind == "decode" else dec_w  # the VAE wakes whole: its other half is there
         waiting = (batch - 1) * 3 * w * h * itemsize
-        sp = plan_vae_stage(
+        return plan_vae_stage(
             stage, kind, arch, w, h, preset, free_bytes, margin, dtype=vae_dtype,
             resident_bytes=base + other + waiting, backend=backend
         )  # fmt: skip
-        return with_models(sp)
 
     def upscale(stage: str, w: int, h: int) -> StagePlan:
-        sp = plan_upscale_stage(
+        return plan_upscale_stage(
             stage, upscaler, w, h, free_bytes, margin, dtype=up_dtype, resident_bytes=base, backend=backend
         )  # fmt: skip
-        return with_models(sp)
 
-    return [conditioning(), *job_stages(width, height, hires, upscaler, a.downscale, sample=sample, vae=vae,
-                                        upscale=upscale)]  # fmt: skip
+    stages = job_stages(width, height, hires, upscaler, a.downscale, sample=sample, vae=vae, upscale=upscale)
+    # each stage with where the checkpoint's models are during it
+    return [
+        dataclasses.replace(
+            sp,
+            models=tuple(rows[sp.stage]),
+            card_bytes=base + sum(b for n, b in cp.parked if n == PLACED_STAGES[sp.stage]),
+            streamed_bytes=streamed,
+        )
+        for sp in (conditioning, *stages)
+    ]

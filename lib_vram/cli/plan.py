@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from types import SimpleNamespace
 
 from lib_vram.core.device import capabilities, free_bytes, memory_info, resolve_device
 from lib_vram.planning.presets import PRESET_NAMES, resolve_precision, resolve_preset
@@ -108,47 +111,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON: one record per stage")
 
 
-def _placement(
-    args: argparse.Namespace, total: int, caps: object, margin: int | None, preset: object
-) -> tuple[object | None, str | None]:
-    """(the placed plan, or None; a one-line note why a checkpoint is not placed, or None)."""
+def collect(args: argparse.Namespace) -> dict:
     from lib_vram.sampling import attention_of
 
-    from .placed import place_checkpoint
-    from .stageplan import SAMPLING_ARCHS
-
-    if args.place is False or args.medvram:
-        return None, None
-    if args.arch not in SAMPLING_ARCHS:
-        a = vae_arch(args.arch)
-        room = total - (preset.safety_margin(total) if margin is None else margin)
-        if args.place or a.unet_bytes + a.text_encoder_bytes >= room:
-            return None, (
-                f"{args.arch}: not placed: the checkpoint placement plans the ldm/sgm UNets (sd15, sdxl), "
-                f"not {args.arch}'s; the plain plan follows"
-            )
-        return None, None
-
-    def margin_of(t: int) -> int:
-        if margin is not None:
-            return margin
-        return resolve_preset(args.preset, t, caps).safety_margin(t)
-
-    backend = getattr(caps, "backend", "cuda")
-    return place_checkpoint(
-        args.arch,
-        total,
-        margin_of,
-        vae_dtype=resolve_precision(preset.precision_vae, caps),
-        attention=attention_of(args.attention or "Automatic", backend=backend),
-        backend=backend,
-        force=bool(args.place),
-    ), None
-
-
-def collect(args: argparse.Namespace) -> dict:
-    from .placed import plan_placed_job
-    from .stageplan import plan_job
+    from .placed import place_checkpoint, plan_placed_job
+    from .stageplan import SAMPLING_ARCHS, plan_job
 
     dev = resolve_device(args.device)
     caps = capabilities(dev)
@@ -165,8 +132,6 @@ def collect(args: argparse.Namespace) -> dict:
     if vram is not None:
         total = free = vram
         # A generic card of that size: half precision, bf16 unknown -> assume fp16 only.
-        from types import SimpleNamespace
-
         caps = SimpleNamespace(backend="cuda", fp16=True, bf16=False)
     else:
         total = memory_info(dev).total
@@ -185,7 +150,28 @@ def collect(args: argparse.Namespace) -> dict:
         controlnets=tuple(args.controlnet),
         controlnet_hires=args.controlnet_hires,
     )
-    placed, note = _placement(args, total, caps, margin, preset)
+    placed = note = None
+    placing = args.place is not False and not args.medvram
+    if placing and args.arch not in SAMPLING_ARCHS and (args.place or models >= total - safety):
+        note = (
+            f"{args.arch}: not placed: the checkpoint placement plans the ldm/sgm UNets (sd15, sdxl), "
+            f"not {args.arch}'s; the plain plan follows"
+        )
+    elif placing and args.arch in SAMPLING_ARCHS:
+
+        def margin_of(t: int) -> int:
+            return margin if margin is not None else resolve_preset(args.preset, t, caps).safety_margin(t)
+
+        backend = getattr(caps, "backend", "cuda")
+        placed = place_checkpoint(
+            args.arch,
+            total,
+            margin_of,
+            vae_dtype=resolve_precision(preset.precision_vae, caps),
+            attention=attention_of(args.attention or "Automatic", backend=backend),
+            backend=backend,
+            force=bool(args.place),
+        )
     extra: dict = {}
     if placed is not None:
         swaps = ""
@@ -251,18 +237,16 @@ def format_table(report: dict) -> str:
         + (" (emulated)" if report["emulated"] else "")
     )
     rows = [("stage", "plan", "dtype", "predicted peak", "activations", "budget", "fits")]
-    for s in report["stages"]:
-        rows.append(
-            (
-                s["stage"],
-                s["plan"] + (f" ({s['attention']})" if s.get("attention") else ""),
-                s["dtype"],
-                _gib(s["predicted_peak_bytes"]),
-                _gib(s["activation_bytes"]),
-                _gib(s["budget_bytes"]),
-                "yes" if s["fits"] else "NO",
-            )
+    rows += [
+        (
+            s["stage"],
+            s["plan"] + (f" ({s['attention']})" if s.get("attention") else ""),
+            s["dtype"],
+            *(_gib(s[k]) for k in ("predicted_peak_bytes", "activation_bytes", "budget_bytes")),
+            "yes" if s["fits"] else "NO",
         )
+        for s in report["stages"]
+    ]
     lines = [head]
     if report.get("placement"):
         lines += _placement_lines(report)
@@ -400,14 +384,15 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(
             f"`--controlnet` at most {MAX_CONTROLNETS} times (ControlNet's units), got {len(units)}"
         )
-    family = SAMPLING_ARCHS.get(args.arch)
     for unit in units:
-        if family is None:
+        if args.arch not in SAMPLING_ARCHS:
             raise UsageError(
                 f"`--controlnet {unit}`: the sampling plan knows the sd15 and sdxl UNets, not {args.arch}'s"
             )
-        if unit != family:
-            raise UsageError(f"`--controlnet {unit}` is not a ControlNet for `--arch {args.arch}` ({family})")
+        if unit != args.arch:
+            raise UsageError(
+                f"`--controlnet {unit}` is not a ControlNet for `--arch {args.arch}` ({args.arch})"
+            )
     if args.place and args.medvram:
         raise UsageError(
             "`--place` and `--medvram` exclude each other: the WebUI does not place a checkpoint with "
@@ -419,49 +404,40 @@ PROGRESS_AFTER_S = 2.0
 """A plan that takes longer than this shows that it is working (large sizes take a while)."""
 
 
-class _Progress:
+@contextlib.contextmanager
+def _progress(label: str) -> Iterator[None]:
     """Elapsed-time progress on stderr while planning, from ``PROGRESS_AFTER_S`` on: a line that
     updates every second on a terminal; one line (no ``\\r``) into pipes and logs."""
+    stop, wrote = threading.Event(), threading.Event()
 
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="vram-guard-plan-progress", daemon=True)
-        self.wrote = False
-
-    def _run(self) -> None:
+    def show() -> None:
         t0 = time.perf_counter()
-        if self.stop.wait(PROGRESS_AFTER_S):
+        if stop.wait(PROGRESS_AFTER_S):
             return
         if not getattr(sys.stderr, "isatty", lambda: False)():
-            sys.stderr.write(f"planning {self.label} (large sizes take a while)...\n")
+            sys.stderr.write(f"planning {label} (large sizes take a while)...\n")
             sys.stderr.flush()
             return
-        while True:
-            sys.stderr.write(f"\rplanning {self.label}: {time.perf_counter() - t0:.0f} s")
+        while not wrote.is_set() or not stop.wait(1.0):
+            sys.stderr.write(f"\rplanning {label}: {time.perf_counter() - t0:.0f} s")
             sys.stderr.flush()
-            self.wrote = True
-            if self.stop.wait(1.0):
-                return
+            wrote.set()
 
-    def __enter__(self) -> _Progress:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-        if self.wrote:
+    thread = threading.Thread(target=show, name="vram-guard-plan-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        if wrote.is_set():
             sys.stderr.write("\n")
             sys.stderr.flush()
 
 
 def run(args: argparse.Namespace) -> int:
     check_options(args)
-    with _Progress(f"{args.arch} {args.width}x{args.height}"):
+    with _progress(f"{args.arch} {args.width}x{args.height}"):
         report = collect(args)
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True))
-    else:
-        print(format_table(report))
+    print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_table(report))
     return 0 if all(s["fits"] for s in report["stages"]) else 3

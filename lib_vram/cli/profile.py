@@ -64,8 +64,7 @@ def _common(p: argparse.ArgumentParser, size_help: str, default_size: int, multi
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="target", metavar="vae|upscale")
-    sub.required = True
+    sub = parser.add_subparsers(dest="target", metavar="vae|upscale", required=True)
     v = sub.add_parser(
         "vae", help="a VAE decode (or --encode)", description="Profile a VAE decode or encode."
     )
@@ -116,17 +115,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     u.set_defaults(_profile=_run_upscale)
 
 
-def _check_out(args: argparse.Namespace, stem: str, history: bool) -> dict[str, Path]:
-    if args.out is None:
-        return {}
-    out: Path = args.out
+def _check_out(args: argparse.Namespace, stem: str, history: bool) -> None:
+    """``--out``: a folder this run can write, without files of an earlier run unless ``--overwrite``."""
+    out: Path | None = args.out
+    if out is None:
+        return
     if out.exists() and not out.is_dir():
         raise UsageError(f"`--out` {out} is a file; give a folder")
-    names = {"trace": f"{stem}.trace.json", "summary": f"{stem}.summary.json"}
-    if history:
-        names["snapshot"] = f"{stem}.snapshot.pickle"
-    paths = {k: out / v for k, v in names.items()}
-    there = [str(p) for p in paths.values() if p.exists() or p.is_symlink()]
+    names = [f"{stem}.trace.json", f"{stem}.summary.json", *([f"{stem}.snapshot.pickle"] if history else [])]
+    there = [out / n for n in names if (out / n).exists() or (out / n).is_symlink()]
     if there and not args.overwrite:
         raise UsageError(f"`--out`: {there[0]} exists; pass --overwrite to replace it")
     import tempfile
@@ -138,7 +135,6 @@ def _check_out(args: argparse.Namespace, stem: str, history: bool) -> dict[str, 
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise UsageError(f"`--out` {out}: cannot write there ({reason})") from None
-    return paths
 
 
 def _quiet():
@@ -192,6 +188,8 @@ def _checkpoint_vae(kind: str, path: Path):
     """An ldm ``Decoder``/``Encoder`` with the weights of ``path`` (its shape read from them)."""
     import torch
 
+    from lib_vram.cli.bench.vae import SD_VAE
+
     if not path.is_file():
         raise UsageError(f"`--checkpoint` not found: {path}")
     part = "decoder." if kind == "decode" else "encoder."
@@ -218,17 +216,13 @@ def _checkpoint_vae(kind: str, path: Path):
     blocks = {int(k.split(".")[3]) for k in sub if k.startswith(f"{group}.0.block.")}
     widths = [int(sub[f"{group}.{i}.block.0.conv2.weight"].shape[0]) for i in levels]
     ch = widths[0]
+    z = sub["conv_in.weight"].shape[1] if kind == "decode" else sub["conv_out.weight"].shape[0] // 2
     cfg = {
+        **SD_VAE,
         "ch": ch,
-        "out_ch": 3,
         "ch_mult": tuple(w // ch for w in widths),
         "num_res_blocks": len(blocks) - (1 if kind == "decode" else 0),
-        "attn_resolutions": [],
-        "in_channels": 3,
-        "resolution": 256,
-        "z_channels": int(
-            sub["conv_in.weight"].shape[1] if kind == "decode" else sub["conv_out.weight"].shape[0] // 2
-        ),
+        "z_channels": int(z),
     }
     with _quiet():
         module = _ldm_class(kind)(**cfg).eval()
@@ -243,7 +237,7 @@ def _checkpoint_vae(kind: str, path: Path):
 
 
 def _run_vae(args: argparse.Namespace) -> int:
-    import torch
+    from lib_vram.core.predict import dtype_of
 
     if args.mode == "untiled" and args.tile is not None:
         raise UsageError("`--tile` is for --mode exact or fast, not untiled")
@@ -254,18 +248,16 @@ def _run_vae(args: argparse.Namespace) -> int:
     layout = args.layout or ("small" if device.type == "cpu" else "sd")
     stage = f"vae_{kind}"
     stem = f"{stage}-{args.size}-{args.mode}"
-    paths = _check_out(args, stem, device.type == "cuda")
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    _check_out(args, stem, device.type == "cuda")
+    dtype = dtype_of(args.dtype)
     if args.checkpoint is not None:
         module = _checkpoint_vae(kind, args.checkpoint)
-        what = f"{args.checkpoint.name}"
+        what = args.checkpoint.name
     else:
         module = _random_vae(kind, layout, args.family)
         what = f"{args.family} {layout} layout, random weights"
-    z_channels = module.conv_in.in_channels if kind == "decode" else 3
-    shape = (
-        (1, z_channels, args.size // 8, args.size // 8) if kind == "decode" else (1, 3, args.size, args.size)
-    )
+    side = args.size
+    shape = (1, module.conv_in.in_channels, side // 8, side // 8) if kind == "decode" else (1, 3, side, side)
     _check_memory(module, shape, dtype, device, args)
     from lib_vram.cli.bench._synthetic import image_like
 
@@ -294,7 +286,7 @@ def _run_vae(args: argparse.Namespace) -> int:
             return fn(module, x, config=config, tracker=tracker, report=report)
 
     head = f"VAE {kind} {args.size}x{args.size} ({what}, {args.dtype}, {device})"
-    return _profile(args, stage, device, call, head, paths, stem, lambda: report.plan or args.mode)
+    return _profile(args, stage, device, call, head, stem, lambda: report.plan or args.mode)
 
 
 def _check_memory(module, shape: tuple, dtype, device, args: argparse.Namespace) -> None:
@@ -325,11 +317,9 @@ def _run_upscale(args: argparse.Namespace) -> int:
     if not args.model.exists():
         raise UsageError(f"`model` not found: {args.model}")
     stem = f"upscale-{args.size}"
-    paths = _check_out(args, stem, device.type == "cuda")
-    try:
-        config = UpscaleConfig(tile=args.tile, batch=args.batch, precision=args.precision, device=str(device))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    _check_out(args, stem, device.type == "cuda")
+    # (a ValueError here is a usage error, exit 2, as UsageError is)
+    config = UpscaleConfig(tile=args.tile, batch=args.batch, precision=args.precision, device=str(device))
     try:
         model = load_model(args.model, device=device)
     except UpscaleError as exc:
@@ -348,12 +338,11 @@ def _run_upscale(args: argparse.Namespace) -> int:
     def call(tracker: Any):
         return upscale_tensor(model, x, config=config, tracker=tracker, report=report)
 
-    scale = getattr(model, "scale", "?")
     head = f"upscale {args.size}x{args.size} ({args.model.name}, x{scale}, {args.precision}, {device})"
-    return _profile(args, "upscale", device, call, head, paths, stem, lambda: report.plan)
+    return _profile(args, "upscale", device, call, head, stem, lambda: report.plan)
 
 
-def _profile(args, stage: str, device, call, head: str, paths: dict, stem: str, plan) -> int:
+def _profile(args, stage: str, device, call, head: str, stem: str, plan) -> int:
     import torch
 
     from lib_vram.core.profiling import VIEW_HINTS, StageProfiler, mib
@@ -363,12 +352,11 @@ def _profile(args, stage: str, device, call, head: str, paths: dict, stem: str, 
     prof = StageProfiler(stage, device)
     with native_stderr_filtered():  # the profiler's own start/stop lines and, on a CPU, its device count
         with torch.no_grad(), prof, tracker.stage(f"profile:{stage}") as rec:
-            out = call(tracker)
-            del out
+            call(tracker)  # (its output freed within the stage)
         summary = prof.summary
-        written = {}
-        if paths:
-            written = prof.save(args.out, stem, overwrite=args.overwrite, top=max(args.top, 20))
+        written = (
+            prof.save(args.out, stem, overwrite=args.overwrite, top=max(args.top, 20)) if args.out else {}
+        )
     record = {
         "schema": SCHEMA,
         "stage": stage,

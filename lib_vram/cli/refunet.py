@@ -75,6 +75,12 @@ def _build(spec: UNetSpec) -> nn.Module:
     mc = spec.model_channels
     emb = 4 * mc
     ctx = spec.context_dim
+
+    def level(cin: int, cout: int, depth: int) -> list[nn.Module]:
+        """A ResBlock from ``cin`` to ``cout`` channels, then a transformer of ``depth`` blocks if any."""
+        layers = [_resblock(cin, cout, emb)]
+        return (layers + [_transformer(cout, depth, ctx, spec.use_linear)]) if depth else layers
+
     unet = nn.Module()
     unet.time_embed = nn.Sequential(nn.Linear(mc, emb), nn.SiLU(), nn.Linear(emb, emb))
     if spec.adm_in_channels:
@@ -86,27 +92,19 @@ def _build(spec: UNetSpec) -> nn.Module:
     ch = mc
     for lv in range(spec.levels):
         for _ in range(spec.num_res_blocks[lv]):
-            layers = [_resblock(ch, spec.channels(lv), emb)]
+            blocks.append(nn.Sequential(*level(ch, spec.channels(lv), spec.depth[lv])))
             ch = spec.channels(lv)
-            if spec.depth[lv]:
-                layers.append(_transformer(ch, spec.depth[lv], ctx, spec.use_linear))
-            blocks.append(nn.Sequential(*layers))
             chans.append(ch)
         if lv != spec.levels - 1:
             blocks.append(nn.Sequential(_conv_block(ch, ch, down=True)))
             chans.append(ch)
     unet.input_blocks = nn.ModuleList(blocks)
-    middle = [_resblock(ch, ch, emb)]
-    if spec.depth_middle:
-        middle.append(_transformer(ch, spec.depth_middle, ctx, spec.use_linear))
-    unet.middle_block = nn.Sequential(*middle, _resblock(ch, ch, emb))
+    unet.middle_block = nn.Sequential(*level(ch, ch, spec.depth_middle), _resblock(ch, ch, emb))
     out_blocks = []
     for lv in reversed(range(spec.levels)):
         for i in range(spec.num_res_blocks[lv] + 1):
-            layers = [_resblock(ch + chans.pop(), spec.channels(lv), emb)]
+            layers = level(ch + chans.pop(), spec.channels(lv), spec.depth[lv])
             ch = spec.channels(lv)
-            if spec.depth[lv]:
-                layers.append(_transformer(ch, spec.depth[lv], ctx, spec.use_linear))
             if lv and i == spec.num_res_blocks[lv]:
                 layers.append(_conv_block(ch, ch))
             out_blocks.append(nn.Sequential(*layers))

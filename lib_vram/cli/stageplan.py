@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,8 +29,6 @@ from lib_vram.core.predict import (
 )
 from lib_vram.planning import planner, reference
 from lib_vram.planning.presets import Preset, resolve_precision
-
-logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
@@ -173,13 +171,10 @@ def plan_vae_stage(
     a = reference.vae_arch(arch)
     module = reference_vae(arch, kind)
     dt = dtype_of(dtype)
-    shape = (
-        (1, a.z_channels, height // a.downscale, width // a.downscale)
-        if kind == "decode"
-        else (1, 3, height, width)
-    )
+    latent = (height // a.downscale, width // a.downscale)
+    shape = (1, a.z_channels, *latent) if kind == "decode" else (1, 3, height, width)
     weights = weights_bytes(module, dt)
-    input_bytes = shape[0] * shape[1] * shape[2] * shape[3] * dt.itemsize
+    input_bytes = math.prod(shape) * dt.itemsize
     budget = max(0, free_bytes - safety_margin_bytes - weights - resident_bytes)
     if preset.vae_mode == "off":  # the WebUI's own forward, untiled
         peak = estimate_peak_bytes(module, shape, dt, tile=None, mode="untiled", backend=backend)
@@ -202,14 +197,14 @@ def plan_upscale_stage(
     safety_margin_bytes: int,
     *,
     dtype: str,
-    scale: int = 4,
     resident_bytes: int = 0,
     backend: str = "cuda",
 ) -> StagePlan:
     """``stage`` as the upscale engine plans it (:func:`lib_vram.upscale.plan_upscale`) for the
-    reference upscaler ``kind`` (``"rrdb"``/``"compact"``), within what is left of ``free_bytes``."""
+    reference 4x upscaler ``kind`` (``"rrdb"``/``"compact"``), within what is left of ``free_bytes``."""
     from lib_vram.upscale import plan_upscale
 
+    scale = 4
     module = reference_upscaler(kind, scale)
     dt = dtype_of(dtype)
     shape = (1, 3, height, width)
@@ -226,42 +221,8 @@ def plan_upscale_stage(
     )  # fmt: skip
 
 
-SAMPLING_ARCHS = {"sd15": "sd15", "sdxl": "sdxl"}
+SAMPLING_ARCHS = ("sd15", "sdxl")
 """Archs whose UNet the sampling estimate knows (:func:`lib_vram.sampling.reference_spec`)."""
-
-
-def plan_sampling_stage(
-    stage: str,
-    arch: str,
-    width: int,
-    height: int,
-    free_bytes: int,
-    safety_margin_bytes: int,
-    *,
-    images: int = 1,
-    attention: str = "doggettx",
-    dtype: str = "fp16",
-    resident_bytes: int = 0,
-    backend: str = "cuda",
-    controls: tuple = (),
-) -> StagePlan:
-    """``stage`` as :func:`lib_vram.sampling.plan_sampling` plans it: the reference UNet of ``arch``,
-    one forward of ``2 x images`` samples (the WebUI batches cond and uncond)."""
-    from lib_vram.sampling import plan_sampling, reference_spec
-
-    spec = reference_spec(SAMPLING_ARCHS[arch])
-    a = reference.vae_arch(arch)
-    dt = dtype_of(dtype)
-    budget = max(0, free_bytes - safety_margin_bytes)
-    batch = 2 * images
-    p = plan_sampling(
-        spec, batch=batch, latent_hw=(height // a.downscale, width // a.downscale),
-        context_tokens=77, attention=attention, dtype=dt, budget_bytes=budget,
-        resident_bytes=resident_bytes, backend=backend, controls=controls,
-    )  # fmt: skip
-    return sampling_stage(
-        stage, p, budget, safety_margin_bytes, resident_bytes=resident_bytes, dtype=dtype, attention=attention
-    )
 
 
 def sampling_stage(
@@ -285,15 +246,23 @@ CONTROLNET_HIRES = ("both", "lowres", "highres")
 """Which passes of a hires job the ControlNet units run in (ControlNet's "Hires-fix option")."""
 
 
-def controls_of(controlnets: tuple[str, ...], stage: str, hires_option: str = "both") -> tuple:
-    """The ControlNets of a sampling stage: one reference spec per unit (``controlnets``: their
-    archs), none in the hires pass with ``lowres`` or in the first pass with ``highres``."""
-    from lib_vram.sampling import reference_control
+def sampling_pass(
+    arch: str, stage: str, w: int, h: int, batch: int, controlnets: tuple[str, ...], hires_option: str, **kw
+) -> object:
+    """:func:`lib_vram.sampling.plan_sampling` of one forward of the reference UNet of ``arch`` over
+    ``2 x batch`` samples (the WebUI batches cond and uncond), 77 tokens, FP16; one reference spec per
+    ControlNet unit, none in the hires pass with ``lowres`` or in the first pass with ``highres``.
+    ``kw``: ``attention``, ``budget_bytes``, ``backend``, ``resident_bytes``."""
+    from lib_vram.sampling import plan_sampling, reference_control, reference_spec
 
     skipped = {"lowres": "sample_hires", "highres": "sample"}.get(hires_option)
-    if stage == skipped:
-        return ()
-    return tuple(reference_control(c) for c in controlnets)
+    controls = () if stage == skipped else tuple(reference_control(c) for c in controlnets)
+    down = reference.vae_arch(arch).downscale
+    hw = (h // down, w // down)
+    return plan_sampling(
+        reference_spec(arch), batch=2 * batch, latent_hw=hw, context_tokens=77, dtype=dtype_of("fp16"),
+        controls=controls, **kw,
+    )  # fmt: skip
 
 
 def vae_weights(arch: str, dtype: str) -> tuple[int, int]:
@@ -374,13 +343,17 @@ def plan_job(
         att = attention_of(attention or "Automatic", backend=backend)
         vae_bytes = sum(vae_weights(arch, vae_dtype))
         idle = [] if host_swaps else [("VAE", vae_bytes), ("text encoders", a.text_encoder_bytes)]
+        budget = max(0, free_bytes - margin)
 
     def sample(stage: str, w: int, h: int) -> StagePlan:
         def at(on_card: int) -> StagePlan:
-            return plan_sampling_stage(
-                stage, arch, w, h, free_bytes, margin, images=batch, attention=att, resident_bytes=on_card,
-                backend=backend, controls=controls_of(controlnets, stage, controlnet_hires),
+            p = sampling_pass(
+                arch, stage, w, h, batch, controlnets, controlnet_hires, attention=att, budget_bytes=budget,
+                resident_bytes=on_card, backend=backend,
             )  # fmt: skip
+            return sampling_stage(
+                stage, p, budget, margin, resident_bytes=on_card, dtype="fp16", attention=att
+            )
 
         return _moving_off(at, sum(n for _, n in idle), idle)
 
@@ -444,7 +417,6 @@ def predict_engine_vae(
     tile: int | None = None,
     mode: str = "exact",
     backend: str = "cpu",
-    state_offload: str = "device",
 ) -> PeakPrediction:
     """Peak of :func:`lib_vram.vae.tiled_decode`/``tiled_encode`` on ``module`` (any layout the
     engine supports), predicted by running the engine itself on fake tensors. ``tile=None``: the
@@ -452,17 +424,17 @@ def predict_engine_vae(
     if kind not in ("decode", "encode"):
         raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
     dt = dtype_of(dtype)
-    loop = vae_loop(kind, tile, mode, dt, state_offload)
+    loop = vae_loop(kind, tile, mode, dt)
     return _predict_loop(module, loop, input_shape, dt, backend, new_fake_mode())
 
 
-def vae_loop(kind: str, tile: int | None, mode: str, dt: torch.dtype, state_offload: str = "device"):  # noqa: ANN201
+def vae_loop(kind: str, tile: int | None, mode: str, dt: torch.dtype):  # noqa: ANN201
     """``loop(module, x)``: the tiled VAE engine as the predictions run it (unbounded budget, the
     finite-check guard off; ``tile=None``: auto, the untiled pass when everything fits)."""
     from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
 
     cfg = TiledVAEConfig(mode="auto" if tile is None else mode, tile=tile, budget_bytes=2**50, dtype=dt,
-                         guard=False, state_offload=state_offload)  # fmt: skip
+                         guard=False, state_offload="device")  # fmt: skip
     run = tiled_decode if kind == "decode" else tiled_encode
     return lambda m, x: run(m, x, config=cfg)
 

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -192,16 +193,11 @@ def _folder_jobs(src: Path, dst: Path, notes: list[str]) -> list[_Job]:
     if ignored:
         shown = ", ".join(ignored[:5]) + (", ..." if len(ignored) > 5 else "")
         notes.append(f"{len(ignored)} file(s) in {src} ignored, not images by their ending: {shown}")
-    by_stem: dict[str, list[Path]] = {}
+    stems = Counter(p.stem.casefold() for p in files)
+    jobs = []
     for p in files:
-        by_stem.setdefault(p.stem.casefold(), []).append(p)
-    jobs: list[_Job] = []
-    for p in files:
-        if len(by_stem[p.stem.casefold()]) > 1:
-            name = f"{p.stem}_{p.suffix[1:].lower()}.png"
-        else:
-            name = p.stem + ".png"
-        jobs.append(_Job(p, dst / name))
+        twin = stems[p.stem.casefold()] > 1  # another type of the same name: the type joins it
+        jobs.append(_Job(p, dst / (f"{p.stem}_{p.suffix[1:].lower()}.png" if twin else f"{p.stem}.png")))
     renamed = [j for j in jobs if j.dst.stem != j.src.stem]
     if renamed:
         notes.append(
@@ -327,7 +323,6 @@ def _open(src: Path, notes: list[str]):
 def _for_format(img, fmt: str, notes: list[str]):
     """Convert modes the output format cannot store (JPEG: no alpha, 8 bits)."""
     if fmt == "JPEG" and img.mode not in ("RGB", "L"):
-        grey = img.mode in ("L", "LA", "I;16", "I", "F")
         if "A" in img.mode:
             notes.append("alpha dropped (JPEG has none)")
         if img.mode in ("I;16", "I", "F"):
@@ -338,22 +333,8 @@ def _for_format(img, fmt: str, notes: list[str]):
             scale = 1 / 257 if img.mode != "F" else 255
             arr = np.clip(np.asarray(img, dtype=np.float64) * scale, 0, 255).round().astype(np.uint8)
             return Image.fromarray(arr, "L")
-        return img.convert("L" if grey else "RGB")
+        return img.convert("L" if img.mode == "LA" else "RGB")  # (L, I;16, I, F: handled above)
     return img
-
-
-def save_atomic(img, dst: Path, fmt: str, *, overwrite: bool, **params) -> None:
-    """Write ``img`` to ``dst`` atomically (:func:`lib_vram.core.files.write_atomic`); without
-    ``overwrite`` an output that appeared meanwhile is not replaced (``FileExistsError``)."""
-
-    def fill(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            img.save(f, format=fmt, **params)
-
-    try:
-        write_atomic(dst, fill, overwrite=overwrite)
-    except FileExistsError:
-        raise FileExistsError(f"{dst} appeared while upscaling; left as it is") from None
 
 
 def _reason(exc: BaseException) -> str:
@@ -397,16 +378,22 @@ def _upscale_one(model, job: _Job, args, config, fmt: str, notes: list[str]) -> 
         img = img.resize(size, Image.LANCZOS)
     img = _for_format(img, fmt, notes)
     job.dst.parent.mkdir(parents=True, exist_ok=True)
-    params = {}
-    if icc and fmt in ("PNG", "JPEG", "WEBP", "TIFF"):
-        params["icc_profile"] = icc
-    save_atomic(img, job.dst, fmt, overwrite=args.overwrite, **params)
+    params = {"icc_profile": icc} if icc and fmt in ("PNG", "JPEG", "WEBP", "TIFF") else {}
+
+    def fill(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            img.save(f, format=fmt, **params)
+
+    try:  # atomic; without --overwrite an output that appeared meanwhile is not replaced
+        write_atomic(job.dst, fill, overwrite=args.overwrite)
+    except FileExistsError:
+        raise FileExistsError(f"{job.dst} appeared while upscaling; left as it is") from None
     secs = time.perf_counter() - t0
     return f"{job.src.name} -> {job.dst} ({w0}x{h0} -> {size[0]}x{size[1]}, {rep.plan}, {secs:.1f}s)"
 
 
 def run(args: argparse.Namespace) -> int:
-    from lib_vram.upscale import UpscaleConfig, load_model
+    from lib_vram.upscale import UpscaleConfig, UpscaleError, load_model
 
     try:
         config = UpscaleConfig(
@@ -428,8 +415,6 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"`output` folder {args.output}: cannot create it ({_reason(exc)})") from None
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    from lib_vram.upscale import UpscaleError
-
     try:
         model = load_model(args.model, device=args.device)
     except UpscaleError as exc:
@@ -439,33 +424,31 @@ def run(args: argparse.Namespace) -> int:
     debug = getattr(args, "debug", False)
     try:
         for job in jobs:
-            if job.error:
-                print(f"error: {job.src.name}: {job.error}", file=sys.stderr)
-                tally.failed.append(job.src.name)
-                continue
-            if job.skip:
+            if job.skip and not job.error:
                 print(f"skipped {job.src.name}: {job.skip}", file=sys.stderr)
                 tally.skipped.append(job.src.name)
                 continue
             file_notes: list[str] = []
-            fmt = "PNG" if folder else _output_format(job.dst)
-            try:
-                line = _upscale_one(model, job, args, config, fmt, file_notes)
-            except Exception as exc:  # one line per file; the run goes on with the next file
-                logger.debug("%s failed", job.src, exc_info=True)
-                if debug:
-                    import traceback
+            error = job.error
+            if not error:
+                fmt = "PNG" if folder else _output_format(job.dst)
+                try:
+                    line = _upscale_one(model, job, args, config, fmt, file_notes)
+                except Exception as exc:  # one line per file; the run goes on with the next file
+                    logger.debug("%s failed", job.src, exc_info=True)
+                    if debug:
+                        import traceback
 
-                    traceback.print_exc()
-                for note in file_notes:
-                    print(f"note: {job.src.name}: {note}", file=sys.stderr)
-                print(f"error: {job.src.name}: {_reason(exc)}", file=sys.stderr)
-                tally.failed.append(job.src.name)
-                continue
+                        traceback.print_exc()
+                    error = _reason(exc)
             for note in file_notes:
                 print(f"note: {job.src.name}: {note}", file=sys.stderr)
-            print(line)
-            tally.done += 1
+            if error:
+                print(f"error: {job.src.name}: {error}", file=sys.stderr)
+                tally.failed.append(job.src.name)
+            else:
+                print(line)
+                tally.done += 1
     except KeyboardInterrupt:
         if not folder:
             raise
