@@ -438,21 +438,12 @@ _INT_WORD = re.compile(r"^([tb])(\d+)$")
 
 def summary(opts: VRAMGuardOptions) -> str:
     """The value of the ``VRAM Guard`` infotext entry (see the module docstring)."""
-    parts = [f"preset {opts.preset}"]
-    vae = ["VAE", opts.vae_tiling.lower(), opts.vae_mode]
-    if opts.vae_tile:
-        vae.append(f"t{opts.vae_tile}")
-    if opts.precision_vae != "Auto":
-        vae.append(opts.precision_vae.lower())
-    parts.append(" ".join(vae))
-    up = ["upscale", "on" if opts.upscale_tiling else "off"]
-    if opts.upscale_tile:
-        up.append(f"t{opts.upscale_tile}")
-    if opts.upscale_batch:
-        up.append(f"b{opts.upscale_batch}")
-    if opts.precision_upscale != "Auto":
-        up.append(opts.precision_upscale.lower())
-    parts.append(" ".join(up))
+    up = "on" if opts.upscale_tiling else "off"
+    parts = [
+        f"preset {opts.preset}",
+        _segment(["VAE", opts.vae_tiling.lower(), opts.vae_mode], opts.vae_tile, 0, opts.precision_vae),
+        _segment(["upscale", up], opts.upscale_tile, opts.upscale_batch, opts.precision_upscale),
+    ]
     if opts.unet_fp16:
         parts.append("UNet fp16")
     if not opts.release_between_stages:
@@ -460,6 +451,12 @@ def summary(opts: VRAMGuardOptions) -> str:
     if not opts.guard_sampling:
         parts.append("sampling off")
     return ", ".join(parts)
+
+
+def _segment(head: list[str], tile: int, batch: int, precision: str) -> str:
+    """A VAE/upscale segment: the words of ``head``, then only what is not Auto."""
+    tail = [f"t{tile}" if tile else "", f"b{batch}" if batch else "", precision.lower()]
+    return " ".join(head + [w for w in tail if w and w != "auto"])
 
 
 _STAGE_LABELS = {
@@ -521,16 +518,12 @@ def from_infotext(params: Mapping[str, Any]) -> dict[str, Any]:
         group, rest = words[0], words[1:]
         if group == "preset" and len(rest) == 1 and rest[0] in PRESET_CHOICES:
             out["preset"] = rest[0]
-        elif group == "VAE":
-            _parse_vae(rest, out, bad)
-        elif group == "upscale":
-            _parse_upscale(rest, out, bad)
+        elif group in ("VAE", "upscale"):
+            _parse_group(group, rest, out, bad)
         elif group == "UNet" and rest == ["fp16"]:
             out["unet_fp16"] = True
-        elif group == "release" and len(rest) == 1 and rest[0] in ("on", "off"):
-            out["release_between_stages"] = rest[0] == "on"
-        elif group == "sampling" and len(rest) == 1 and rest[0] in ("on", "off"):
-            out["guard_sampling"] = rest[0] == "on"
+        elif group in _SWITCHES and len(rest) == 1 and rest[0] in ("on", "off"):
+            out[_SWITCHES[group]] = rest[0] == "on"
         else:
             bad.append(segment.strip())
     out.setdefault("unet_fp16", False)
@@ -541,44 +534,34 @@ def from_infotext(params: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _set_int(out: dict[str, Any], name: str, number: str, bad: list[str], word: str) -> None:
-    try:
-        out[name] = FIELDS_BY_NAME[name].coerce(int(number))
-    except ValueError:
-        bad.append(word)
+_SWITCHES = {"release": "release_between_stages", "sampling": "guard_sampling"}
+_INTS = {"VAE": {"t": "vae_tile"}, "upscale": {"t": "upscale_tile", "b": "upscale_batch"}}
 
 
-def _parse_vae(words: list[str], out: dict[str, Any], bad: list[str]) -> None:
-    out.setdefault("vae_tile", 0)
-    out.setdefault("precision_vae", "Auto")
+def _parse_group(group: str, words: list[str], out: dict[str, Any], bad: list[str]) -> None:
+    """The words of a ``VAE`` or ``upscale`` segment into ``out`` (a missing int or precision: Auto)."""
+    ints = _INTS[group]
+    precision = "precision_vae" if group == "VAE" else "precision_upscale"
+    for name in ints.values():
+        out.setdefault(name, 0)
+    out.setdefault(precision, "Auto")
     for word in words:
         m = _INT_WORD.match(word)
-        if word in ("auto", "always", "off"):
+        if group == "VAE" and word in ("auto", "always", "off"):
             out["vae_tiling"] = word.capitalize()
-        elif word in VAE_MODE_CHOICES:
+        elif group == "VAE" and word in VAE_MODE_CHOICES:
             out["vae_mode"] = word
-        elif word in _PRECISION_WORDS:
-            out["precision_vae"] = _PRECISION_WORDS[word]
-        elif m and m.group(1) == "t":
-            _set_int(out, "vae_tile", m.group(2), bad, word)
-        else:
-            bad.append(f"VAE {word}")
-
-
-def _parse_upscale(words: list[str], out: dict[str, Any], bad: list[str]) -> None:
-    out.setdefault("upscale_tile", 0)
-    out.setdefault("upscale_batch", 0)
-    out.setdefault("precision_upscale", "Auto")
-    for word in words:
-        m = _INT_WORD.match(word)
-        if word in ("on", "off"):
+        elif group == "upscale" and word in ("on", "off"):
             out["upscale_tiling"] = word == "on"
         elif word in _PRECISION_WORDS:
-            out["precision_upscale"] = _PRECISION_WORDS[word]
-        elif m:
-            _set_int(out, "upscale_tile" if m.group(1) == "t" else "upscale_batch", m.group(2), bad, word)
+            out[precision] = _PRECISION_WORDS[word]
+        elif m and m.group(1) in ints:
+            try:
+                out[ints[m.group(1)]] = FIELDS_BY_NAME[ints[m.group(1)]].coerce(int(m.group(2)))
+            except ValueError:
+                bad.append(word)
         else:
-            bad.append(f"upscale {word}")
+            bad.append(f"{group} {word}")
 
 
 def infotext_getter(name: str) -> Callable[[Mapping[str, Any]], Any]:
