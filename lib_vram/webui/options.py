@@ -357,7 +357,12 @@ class VRAMGuardOptions:
 
     def replace(self, **changes: Any) -> VRAMGuardOptions:
         """A copy with ``changes`` applied (coerced like API values, then validated)."""
-        return dataclasses.replace(self, **_coerce_all(changes))
+        for key, value in changes.items():
+            field = FIELDS_BY_NAME.get(key)
+            if field is None:
+                raise ValueError(f"unknown VRAM Guard option `{key}`; known: {list(API_ARG_ORDER)}")
+            changes[key] = field.coerce(value)
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in FIELDS}
@@ -365,16 +370,6 @@ class VRAMGuardOptions:
     def args(self) -> list[Any]:
         """Positional script args in :data:`API_ARG_ORDER`."""
         return [getattr(self, name) for name in API_ARG_ORDER]
-
-
-def _coerce_all(values: Mapping[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in values.items():
-        field = FIELDS_BY_NAME.get(key)
-        if field is None:
-            raise ValueError(f"unknown VRAM Guard option `{key}`; known: {list(API_ARG_ORDER)}")
-        out[key] = field.coerce(value)
-    return out
 
 
 def from_args(args: Sequence[Any] | None, *, defaults: VRAMGuardOptions | None = None) -> VRAMGuardOptions:
@@ -471,11 +466,6 @@ _STAGE_LABELS = {
 }
 
 
-def _clean(text: str) -> str:
-    # A newline would end the infotext's parameter line; keep the entry on one line.
-    return " ".join(str(text).split())
-
-
 def to_infotext(opts: VRAMGuardOptions, *, plans: Mapping[str, str] | None = None) -> dict[str, str]:
     """Infotext entries for ``p.extra_generation_params`` (empty when disabled).
 
@@ -486,8 +476,8 @@ def to_infotext(opts: VRAMGuardOptions, *, plans: Mapping[str, str] | None = Non
         return {}
     out = {INFOTEXT_KEY: summary(opts)}
     if plans:
-        items = [
-            f"{_STAGE_LABELS.get(stage, stage.replace('_', ' '))} {_clean(plan)}"
+        items = [  # (on one line: a newline would end the infotext's parameter line)
+            f"{_STAGE_LABELS.get(stage, stage.replace('_', ' '))} {' '.join(str(plan).split())}"
             for stage, plan in plans.items()
             if plan
         ]
