@@ -180,7 +180,7 @@ def upscale(
         moved = ""
         try:
             with job.owned_stage(stage):
-                failed = None
+                failed = out = None
                 if job.may_make_room(stage) and not smallest_plan_fits(engine, model, bgr, config):
                     moved = job.make_room(
                         stage, "the upscaler's model and its smallest plan do not fit with them there"
@@ -192,10 +192,7 @@ def upscale(
                         raise
                     failed = exc if not isinstance(exc, torch.OutOfMemoryError) else None
                     logger.info("VRAM Guard: %s: %s", stage.replace("_", " "), exc)
-                    retry = True
-                else:
-                    retry = False
-                if retry:  # out of the except block (its traceback holds the failed upscale)
+                if out is None:  # out of the except block (its traceback holds the failed upscale)
                     report = engine.UpscaleReport()
                     moved = job.make_room(
                         stage, "it ran out of memory with them there, even with the smallest tile"
