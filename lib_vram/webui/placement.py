@@ -66,10 +66,8 @@ def native_latent_hw(sd_model: Any) -> tuple[int, int]:
 
 def _parts(sd_model: Any) -> tuple[torch.nn.Module | None, list[tuple[str, torch.nn.Module]]]:
     """(the UNet's ``diffusion_model``, [(name, module)] of the text encoders and the VAE)."""
-    wrapper = getattr(sd_model, "model", None)
-    dm = getattr(wrapper, "diffusion_model", None)
-    parts = checkpoint_parts(sd_model, unet=False)
-    return (dm if isinstance(dm, torch.nn.Module) else None), parts
+    dm = getattr(getattr(sd_model, "model", None), "diffusion_model", None)
+    return (dm if isinstance(dm, torch.nn.Module) else None), checkpoint_parts(sd_model, unet=False)
 
 
 def _all_tensors(sd_model: Any) -> list[torch.Tensor]:
@@ -160,11 +158,7 @@ class Placement:
         had come: the WebUI decodes one whenever a progress poll arrives while the task is still
         current, also after the job's last decode, so its VAE wake was left on the card until the
         next job (seen in the real WebUI, issue 29 Run 7)."""
-        get = getattr(self.host, "job_entry_points", None)
-        try:
-            points = get() if callable(get) else {}
-        except (ImportError, AttributeError):
-            points = {}
+        points = _call(self.host, "job_entry_points", {})
         wrappers = {
             "begin": self._job_begins,
             "end": self._job_done,

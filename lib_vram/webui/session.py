@@ -27,6 +27,7 @@ from .job import Job
 from .options import INFOTEXT_PLAN_KEY, to_infotext
 from .patching import foreign_vae_wrapper, patch_attr
 from .profiling import ProfileSwitch
+from .sampling import _call
 from .settings import resolve
 
 logger = logging.getLogger(__name__)
@@ -190,10 +191,7 @@ class Session:
     # -- precision watch ---------------------------------------------------------------------
     def check_dtype_vae(self, job: Job | None = None) -> None:
         """Tell the user (log + readout + ``p.comment``) when the WebUI widened its VAE dtype."""
-        try:
-            now = self.host.dtype_vae()
-        except (ImportError, AttributeError):
-            return
+        now = _call(self.host, "dtype_vae", None)
         if now is None:
             return
         before = self._dtype_seen
@@ -281,10 +279,7 @@ class Session:
         return render_readout_html(self.free())
 
     def _device(self) -> torch.device:
-        try:
-            return self.host.device()
-        except (ImportError, AttributeError):
-            return torch.device("cpu")
+        return _call(self.host, "device", torch.device("cpu"))
 
 
 _WIDTH = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
