@@ -91,13 +91,10 @@ def patch_upscalers(job: Any, scalers: list[Any], *, device: Any, cache: Callabl
 
     ``cache()`` returns the model cache (called at the first upscale, so nothing is imported or
     allocated for jobs that never upscale)."""
-    n = 0
-    for scaler in scalers:
-        if type(scaler).__name__ not in FAMILY:
-            continue
+    ours = [s for s in scalers if type(s).__name__ in FAMILY]
+    for scaler in ours:
         patch_attr(scaler, "do_upscale", _make(job, scaler, device=device, cache=cache), job.stack)
-        n += 1
-    return n
+    return len(ours)
 
 
 def _make(job: Any, scaler: Any, *, device: Any, cache: Any) -> Callable[..., Any]:
