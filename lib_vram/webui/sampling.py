@@ -103,13 +103,9 @@ def _tokens(obj: Any, depth: int) -> int | None:
     if isinstance(obj, torch.Tensor):
         return int(obj.shape[-2]) if obj.dim() >= 2 else None
     if isinstance(obj, dict):
-        if "crossattn" in obj:
-            return _tokens(obj["crossattn"], depth + 1)
-        return None
+        return _tokens(obj.get("crossattn"), depth + 1)
     if isinstance(obj, (list, tuple)):
-        found = [_tokens(o, depth + 1) for o in obj[:8]]
-        found = [n for n in found if n]
-        return max(found) if found else None
+        return max((n for o in obj[:8] if (n := _tokens(o, depth + 1))), default=None)
     for attr in ("batch", "schedules", "cond"):
         if hasattr(obj, attr):
             return _tokens(getattr(obj, attr), depth + 1)
@@ -558,8 +554,7 @@ def _placed_error(stage: str, plan: Any, placed: Any, budget: int, idle: Any, wh
 def dm_device(dm: Any) -> torch.device:
     """Where the UNet computes: its first weight off the CPU (a placed checkpoint's streamed blocks
     are in host memory between forwards), else the CPU."""
-    first = next((t for t in dm.parameters() if t.device.type != "cpu"), None)
-    return first.device if first is not None else torch.device("cpu")
+    return next((t.device for t in dm.parameters() if t.device.type != "cpu"), torch.device("cpu"))
 
 
 def _call(host: Any, name: str, default: Any, *args: Any) -> Any:
@@ -608,11 +603,9 @@ def _latent_of(p: Any, x: Any) -> tuple[int, tuple[int, int]]:
     if isinstance(x, torch.Tensor) and x.dim() == 4:
         return int(x.shape[0]), (int(x.shape[-2]), int(x.shape[-1]))
     images = int(getattr(p, "batch_size", 1) or 1)
-    if getattr(p, "is_hr_pass", False):
-        h = int(getattr(p, "hr_upscale_to_y", 0) or getattr(p, "height", 512))
-        w = int(getattr(p, "hr_upscale_to_x", 0) or getattr(p, "width", 512))
-    else:
-        h, w = int(getattr(p, "height", 512)), int(getattr(p, "width", 512))
+    hr = getattr(p, "is_hr_pass", False)  # (the hires pass: its target size where set)
+    h = int((hr and getattr(p, "hr_upscale_to_y", 0)) or getattr(p, "height", 512))
+    w = int((hr and getattr(p, "hr_upscale_to_x", 0)) or getattr(p, "width", 512))
     return images, (max(1, h // 8), max(1, w // 8))
 
 
