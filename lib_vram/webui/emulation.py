@@ -56,10 +56,7 @@ def _weight_modules(model: Any, depth: int = 3) -> list[torch.nn.Module]:
         values = list(vars(model).values())
     except TypeError:
         return []
-    out: list[torch.nn.Module] = []
-    for value in values:
-        out.extend(_weight_modules(value, depth - 1))
-    return out
+    return [m for value in values for m in _weight_modules(value, depth - 1)]
 
 
 class WebUICard:
