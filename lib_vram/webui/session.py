@@ -311,8 +311,7 @@ class ScriptJobs:
 
         The WebUI gives scripts no way to fail the request: it catches every exception raised in
         ``setup``/``process`` and only prints it."""
-        if self.job is not None:
-            self.close()
+        self.close()
         if self._reported is p:
             return
         self._reported = p
@@ -343,10 +342,8 @@ class ScriptJobs:
         self.session.refresh_placement()
         dev = self.host.device()
         info = memory_info(dev)
-        caps = capabilities(dev)
-        settings = resolve(
-            options, total_bytes=info.total, caps=caps, preset_override=self.host.cmd_opt("vram_guard_preset")
-        )
+        override = self.host.cmd_opt("vram_guard_preset")
+        settings = resolve(options, total_bytes=info.total, caps=capabilities(dev), preset_override=override)
         job = Job(
             settings,
             kind=self.kind,
