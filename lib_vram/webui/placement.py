@@ -151,13 +151,11 @@ class Placement:
 
     def _patch_job_end(self) -> None:
         """A job's end sends the parked parts it woke outside any stage home (``state.end`` and
-        ``progress.finish_task``, the job's own thread: the API routes call ``finish_task`` by their
-        own imported name and then ``state.end()`` in a ``finally``, the UI wrapper ``state.end()``
-        and then ``finish_task`` in a ``finally``), and so does a live preview
-        (``state.do_set_current_image``, the progress request's thread) that decoded after that end
-        had come: the WebUI decodes one whenever a progress poll arrives while the task is still
-        current, also after the job's last decode, so its VAE wake was left on the card until the
-        next job (seen in the real WebUI, issue 29 Run 7)."""
+        ``progress.finish_task``, both: the API routes call ``finish_task`` by their own imported
+        name, see :func:`~lib_vram.webui.host.job_entry_points`), and so does a live preview that
+        decoded after that end: the WebUI decodes one whenever a progress poll arrives while the
+        task is still current, also after the job's last decode, so its VAE wake was left on the
+        card until the next job (seen in the real WebUI, issue 29 Run 7)."""
         points = _call(self.host, "job_entry_points", {})
         wrappers = {
             "begin": self._job_begins,
