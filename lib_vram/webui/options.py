@@ -71,19 +71,16 @@ class OptionField:
     choices: tuple[str, ...] | None = None
     """Allowed values of a ``"choice"``."""
     range: tuple[int, int, int] | None = None
-    """``(minimum, maximum, step)`` of an ``"int"``; values must lie on the step grid from minimum.
-    0 means Auto where :attr:`auto_zero` is set."""
+    """``(minimum, maximum, step)`` of an ``"int"``; values must lie on the step grid from minimum."""
     auto_zero: bool = False
     """For ints: 0 means "Auto" (chosen by the planner)."""
     infotext: str = ""
     """Infotext group word of the summary entry (see the module docstring); ``"VRAM Guard"`` for
     the enable switch, whose presence is the key itself."""
     tooltip: str = ""
-    """The control's explanation, shown when hovering it (the WebUI's way: short label, hint on
-    hover): what it does and when to change it."""
+    """The control's hover hint (the WebUI's way: short label, hint on hover): what it does and when."""
     info: str = ""
-    """One line in the user's terms, shown under the option's label on the Settings page (the
-    WebUI's convention there): what it changes and when to use it."""
+    """One line in the user's terms under the option's label on the Settings page: what and when."""
 
     @property
     def kind(self) -> str:

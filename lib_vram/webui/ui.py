@@ -249,14 +249,11 @@ def build_ui(
             free_id = elem_id(elem_prefix, tab, "free")
             profile_id = elem_id(elem_prefix, tab, "profile")
             advanced_id = elem_id(elem_prefix, tab, "advanced")
-            folded = [name for row in ADVANCED for name in row]
+            folded = [FIELDS_BY_NAME[name] for row in ADVANCED for name in row]
             tips = tooltips_for(
                 controls,
                 {
-                    **{
-                        elem_id(elem_prefix, tab, n): (FIELDS_BY_NAME[n].label, FIELDS_BY_NAME[n].tooltip)
-                        for n in folded
-                    },
+                    **{elem_id(elem_prefix, tab, f.name): (f.label, f.tooltip) for f in folded},
                     free_id: ("Free memory now", FREE_TOOLTIP),
                     profile_id: (PROFILE_BUTTON, BUTTON_TOOLTIP),
                     advanced_id: ("", ADVANCED_TOOLTIP),  # ("": not for hints.js's titles[])
