@@ -40,12 +40,14 @@ from lib_vram.core.tracker import StageTracker
 
 from . import host as default_host
 from .options import INFOTEXT_PLAN_KEY, to_infotext
+from .sampling import _call
 from .settings import JobSettings
 
 logger = logging.getLogger(__name__)
 
 HOOK_NAME = "vram_guard"
 """Name of our hook in a module's hook registry."""
+_UNREADABLE = object()  # the job token when the host cannot tell it (equal to no job's)
 
 
 class Job:
@@ -114,12 +116,7 @@ class Job:
 
     def current(self) -> bool:
         """True while this job is open and the WebUI is still running the job that opened it."""
-        if self.closed:
-            return False
-        try:
-            return self.host.job_token() == self.token
-        except (ImportError, AttributeError):
-            return False
+        return not self.closed and _call(self.host, "job_token", _UNREADABLE) == self.token
 
     def note(self, text: str, level: int = logging.INFO, *, log: bool = True) -> None:
         """A note for the readout (and the log, unless it was logged already: the owner logs moves)."""
