@@ -117,9 +117,7 @@ class Placement:
         why = self.skip_reason()
         if why is None:
             self.install()
-            model = _call(self.host, "loaded_sd_model", None)
-            if model is not None and id(model) not in self.placed:
-                self.place_if_needed(model)
+            self.place_if_needed(_call(self.host, "loaded_sd_model", None))
         elif self.installed:
             logger.info("VRAM Guard: checkpoint placement %s: undoing it", why)
             self.close()
@@ -569,8 +567,7 @@ class Placement:
 
     def status_line(self) -> str:
         """The status route's line."""
-        model = _call(self.host, "loaded_sd_model", None)
-        placed = self.placed_for(model)
+        placed = self.placed_for(_call(self.host, "loaded_sd_model", None))
         if placed is not None:
             return placed.label
         if self.last_error:
