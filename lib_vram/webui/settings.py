@@ -101,10 +101,9 @@ def resolve(
     if up_precision == "auto" and preset is not None:
         up_precision = preset.precision_upscale
 
+    release_at = frozenset({"failure"})
     if options.release_between_stages:  # type: ignore[attr-defined]
-        release_at = frozenset(preset.release_at) if preset is not None else frozenset(RELEASE_POINTS)
-    else:
-        release_at = frozenset({"failure"})
+        release_at = frozenset(preset.release_at if preset is not None else RELEASE_POINTS)
 
     return JobSettings(
         preset=label,
