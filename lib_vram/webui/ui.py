@@ -130,17 +130,11 @@ def with_hint(comp: Any, tooltip: str) -> Any:
 
 def _component(f: OptionField, value: Any, eid: str) -> Any:
     """The control of ``f``: its short label, its explanation as the hover hint (no text under it)."""
-    common = {"label": f.label, "elem_id": eid}
-    if f.kind == "bool":
-        comp = gr.Checkbox(value=value, **common)
-    elif f.kind == "int":
-        lo, hi, step = f.range or (0, 0, 1)
-        comp = gr.Slider(minimum=lo, maximum=hi, step=step, value=value, **common)
-    elif f.name in DROPDOWNS:
-        comp = gr.Dropdown(choices=list(f.choices or ()), value=value, **common)
-    else:
-        comp = gr.Radio(choices=list(f.choices or ()), value=value, **common)
-    return with_hint(comp, f.tooltip)
+    cls = {"bool": gr.Checkbox, "int": gr.Slider}.get(
+        f.kind, gr.Dropdown if f.name in DROPDOWNS else gr.Radio
+    )
+    # (component_args: a slider's range, a choice's choices: the Settings page's arguments)
+    return with_hint(cls(value=value, label=f.label, elem_id=eid, **f.component_args()), f.tooltip)
 
 
 def _rows(
