@@ -67,33 +67,24 @@ class VRAMGuardScript(scripts.Script):
 
     def process(self, p, *args):
         options = self._options(p, args)
-        if options is None:
-            return
-        if not options.enabled:
-            if self.jobs.job is not None:
-                self.jobs.close()  # a crashed run's leftovers; nothing else when disabled
-            return
-        self.jobs.process(p, options)
+        if options is not None:
+            self.jobs.process(p, options)  # (disabled: a crashed run's leftovers closed, nothing else)
 
+    # (each of these does nothing while no job is open)
     def process_before_every_sampling(self, p, *args, **kwargs):
-        if self.jobs.job is not None:
-            self.jobs.before_sampling(p, x=kwargs.get("x"), c=kwargs.get("c"), uc=kwargs.get("uc"))
+        self.jobs.before_sampling(p, x=kwargs.get("x"), c=kwargs.get("c"), uc=kwargs.get("uc"))
 
     def before_hr(self, p, *args):
-        if self.jobs.job is not None:
-            self.jobs.before_hr(p)
+        self.jobs.before_hr(p)
 
     def post_sample(self, p, ps, *args):
-        if self.jobs.job is not None:
-            self.jobs.post_sample(p)
+        self.jobs.post_sample(p)
 
     def postprocess_batch(self, p, *args, **kwargs):
-        if self.jobs.job is not None:
-            self.jobs.postprocess_batch(p)
+        self.jobs.postprocess_batch(p)
 
     def postprocess(self, p, processed, *args):
-        if self.jobs.job is not None:
-            self.jobs.postprocess(p)
+        self.jobs.postprocess(p)
 
 
 class VRAMGuardExtras(scripts_postprocessing.ScriptPostprocessing):

@@ -5,12 +5,10 @@ machine without a (small) GPU shows what the plain WebUI does on a small card (a
 error where the card runs out) and what VRAM Guard does there — with the accordion on or off.
 
 * **Which threads run on it.** Dispatch modes are per thread. The card is entered in the job's own
-  thread when the job starts (``shared.state.begin``: the UI wrapper, the txt2img/img2img API
-  routes, the Extras runner all call it there) and left when it ends, in every case: at
-  ``shared.state.end``, at ``progress.finish_task`` (the UI wrapper calls it in a ``finally``; its
-  ``state.end()`` is skipped when the job raised) and when ``postprocessing.run_postprocessing``
-  returns or raises (Extras through the API: same gap). A job that still left the card entered in
-  its thread (a host path we do not know) is left at that thread's next ``state.begin``.
+  thread when the job starts (``shared.state.begin``) and left when it ends, at each of the ends of
+  :func:`~lib_vram.webui.host.job_entry_points` (the UI wrapper, the API routes, the Extras runner:
+  one of them runs even when the job raised). A job that still left the card entered in its thread
+  (a host path we do not know) is left at that thread's next ``state.begin``.
 * **Live previews** decode in the thread of the progress request (``state.do_set_current_image``):
   they run on the card too, the plain WebUI's (an out-of-memory error there is swallowed by the
   WebUI: the preview is skipped) and VRAM Guard's (tiled when needed).
@@ -32,13 +30,13 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
 import torch
 
 from lib_vram.core import emulate
+from lib_vram.residency._modules import tensors_of
 
 from .patching import patch_attr
 
@@ -58,16 +56,7 @@ def _weight_modules(model: Any, depth: int = 3) -> list[torch.nn.Module]:
         values = list(vars(model).values())
     except TypeError:
         return []
-    out: list[torch.nn.Module] = []
-    for value in values:
-        out.extend(_weight_modules(value, depth - 1))
-    return out
-
-
-def _tensors(modules: list[torch.nn.Module]) -> Iterator[torch.Tensor]:
-    for m in modules:
-        yield from m.parameters()
-        yield from m.buffers()
+    return [m for value in values for m in _weight_modules(value, depth - 1)]
 
 
 class WebUICard:
@@ -198,7 +187,7 @@ class WebUICard:
         if not modules:
             return
         if self.card.device.type == "cpu":
-            for t in _tensors(modules):
+            for t in tensors_of(modules):
                 # resident: counted in resident_bytes, not as live tensors (loaded inside a job, they
                 # were until now), and their views (a Linear's weight.t()) are no new allocations
                 try:

@@ -8,6 +8,7 @@ matter.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Callable
@@ -77,20 +78,13 @@ def job_entry_points() -> dict[str, tuple[Any, str]]:
     for role, name in (("begin", "begin"), ("end", "end"), ("preview", "do_set_current_image")):
         if callable(getattr(state, name, None)):
             points[role] = (state, name)
-    try:
-        from modules import progress
-
-        if callable(getattr(progress, "finish_task", None)):
-            points["finish_task"] = (progress, "finish_task")
-    except ImportError:
-        pass
-    try:
-        from modules import postprocessing
-
-        if callable(getattr(postprocessing, "run_postprocessing", None)):
-            points["run_postprocessing"] = (postprocessing, "run_postprocessing")
-    except ImportError:
-        pass
+    for module, name in (("progress", "finish_task"), ("postprocessing", "run_postprocessing")):
+        try:
+            mod = importlib.import_module(f"modules.{module}")
+        except ImportError:
+            continue
+        if callable(getattr(mod, name, None)):
+            points[name] = (mod, name)
     return points
 
 
@@ -144,14 +138,8 @@ def vae_of(model: Any) -> VAEHandle | None:
         return None
     fsm = getattr(model, "first_stage_model", None)
     if fsm is not None:
-        dec = getattr(fsm, "decoder", None)
-        enc = getattr(fsm, "encoder", None)
-        return VAEHandle(
-            "ldm",
-            fsm,
-            dec if isinstance(dec, torch.nn.Module) else None,
-            enc if isinstance(enc, torch.nn.Module) else None,
-        )
+        modules = [getattr(fsm, n, None) for n in ("decoder", "encoder")]
+        return VAEHandle("ldm", fsm, *(m if isinstance(m, torch.nn.Module) else None for m in modules))
     forge_objects = getattr(model, "forge_objects", None)
     vae = getattr(forge_objects, "vae", None) if forge_objects is not None else None
     if vae is not None and getattr(vae, "patcher", None) is not None:
@@ -360,12 +348,8 @@ def add_options(section: tuple[str, str, str], options: list[tuple[str, dict]]) 
         if spec["kind"] == "html":
             info = shared.OptionHTML(spec["label"])
         else:
-            info = shared.OptionInfo(
-                spec["default"],
-                spec["label"],
-                components[spec["kind"]],
-                spec.get("component_args") or None,
-            )
+            args = spec.get("component_args") or None
+            info = shared.OptionInfo(spec["default"], spec["label"], components[spec["kind"]], args)
             if spec.get("info"):
                 info = info.info(spec["info"])
         info.section = (section_id, label)

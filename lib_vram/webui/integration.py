@@ -11,6 +11,8 @@ import logging
 from typing import Any
 
 from . import host as default_host
+from .options import FIELDS, defaults_from_settings
+from .session import TILED_VAE_NOTE
 
 logger = logging.getLogger(__name__)
 
@@ -22,24 +24,12 @@ FREE_ROUTE = "/vram-guard/v1/free"
 
 def settings_options() -> list[tuple[str, dict]]:
     """The Settings page: the preset table, then a default for every accordion control."""
-    from .options import FIELDS
-
     out: list[tuple[str, dict]] = [
         ("vram_guard_presets_table", {"kind": "html", "default": None, "label": presets_table_html()})
     ]
     for f in FIELDS:
-        out.append(
-            (
-                f.settings_key,
-                {
-                    "default": f.default,
-                    "label": f.settings_label,
-                    "kind": f.kind,
-                    "component_args": f.component_args(),
-                    "info": f.info,
-                },
-            )
-        )
+        spec = {"default": f.default, "label": f.settings_label, "kind": f.kind, "info": f.info}
+        out.append((f.settings_key, {**spec, "component_args": f.component_args()}))
     from .placement import SETTING, SETTING_INFO, SETTING_LABEL
 
     # session-wide, not an accordion control: the checkpoint placement (issue 22 item 2)
@@ -59,22 +49,9 @@ def presets_table_html() -> str:
     rows = []
     for name, p in PRESETS.items():
         release = ", ".join(r for r in RELEASE_POINTS if r in p.release_at)
-        rows.append(
-            "<tr>"
-            + "".join(
-                f"<td>{html.escape(str(v))}</td>"
-                for v in (
-                    name,
-                    p.vae_mode,
-                    p.precision_vae,
-                    p.precision_upscale,
-                    offload(p),
-                    f"max({p.safety_margin_bytes // 2**20} MiB, {p.safety_margin_fraction:.0%})",
-                    release,
-                )
-            )
-            + "</tr>"
-        )
+        margin = f"max({p.safety_margin_bytes // 2**20} MiB, {p.safety_margin_fraction:.0%})"
+        cells = (name, p.vae_mode, p.precision_vae, p.precision_upscale, offload(p), margin, release)
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in cells) + "</tr>")
     head = "".join(
         f"<th>{h}</th>"
         for h in (
@@ -97,20 +74,21 @@ def presets_table_html() -> str:
 
 
 def register_settings(host: Any = None) -> None:
-    host = host if host is not None else default_host
-    host.add_options(SECTION, settings_options())
+    (host or default_host).add_options(SECTION, settings_options())
 
 
 def defaults(host: Any = None) -> Any:
     """The accordion's defaults from the Settings page (``VRAMGuardOptions``)."""
-    from .options import defaults_from_settings
-
-    host = host if host is not None else default_host
-    return defaults_from_settings(host.opts_get)
+    return defaults_from_settings((host or default_host).opts_get)
 
 
 API_PROBE_ROUTE = "/sdapi/v1/txt2img"
 """The WebUI API route whose access control (``--api-auth``) the extension's API routes copy."""
+
+
+def _api_probe(app: Any) -> Any:
+    """The app's :data:`API_PROBE_ROUTE` (the one FastAPI serves: the first), or None."""
+    return next((r for r in getattr(app, "routes", []) if getattr(r, "path", None) == API_PROBE_ROUTE), None)
 
 
 def api_dependencies(app: Any, host: Any = None) -> list:
@@ -120,11 +98,10 @@ def api_dependencies(app: Any, host: Any = None) -> list:
     ``--api-auth`` is set: copy that route's dependencies (whatever the WebUI applies there). Without
     ``--api`` but with ``--api-auth``: the same HTTP Basic check on the same credentials.
     """
-    for route in getattr(app, "routes", []):
-        if getattr(route, "path", None) == API_PROBE_ROUTE:
-            return list(getattr(route, "dependencies", None) or [])
-    host = host if host is not None else default_host
-    creds = host.cmd_opt("api_auth", None)
+    route = _api_probe(app)
+    if route is not None:
+        return list(getattr(route, "dependencies", None) or [])
+    creds = (host or default_host).cmd_opt("api_auth", None)
     return [basic_auth_dependency(creds)] if creds else []
 
 
@@ -174,12 +151,7 @@ def mount_routes(app: Any, session: Any, host: Any = None) -> None:
     ``GET /internal/vram-guard/status`` for the page's readout, behind the page's."""
     from lib_vram.core.readout import UI_STATUS_ROUTE
 
-    def status() -> dict:
-        return session.status()
-
-    def free() -> dict:
-        return session.free()
-
+    status, free = session.status, session.free
     api = api_dependencies(app, host if host is not None else getattr(session, "host", None))
     existing = {getattr(r, "path", None) for r in getattr(app, "routes", [])}
     if STATUS_ROUTE not in existing:
@@ -206,10 +178,7 @@ def api_defaults_follow_settings(app: Any, session: Any, host: Any = None) -> in
     :func:`lib_vram.webui.options.from_args` reads as "the current Settings value". Undone by
     ``Session.restore_api_defaults`` (script unload). Returns the number of slots changed.
     """
-    api = None
-    for route in getattr(app, "routes", []):
-        if getattr(route, "path", None) == API_PROBE_ROUTE:
-            api = getattr(getattr(route, "endpoint", None), "__self__", None)
+    api = getattr(getattr(_api_probe(app), "endpoint", None), "__self__", None)
     if api is None:
         return 0  # no --api: only the UI sends arguments, always explicit
     host = host if host is not None else getattr(session, "host", None) or default_host
@@ -238,17 +207,12 @@ def api_defaults_follow_settings(app: Any, session: Any, host: Any = None) -> in
 def configure_logging(host: Any = None) -> None:
     from lib_vram.core import log
 
-    host = host if host is not None else default_host
-    level = host.cmd_opt("vram_guard_log_level", None)
-    log.configure(level or "INFO")
+    log.configure((host or default_host).cmd_opt("vram_guard_log_level", None) or "INFO")
 
 
 def check_conflicts(session: Any, host: Any = None) -> None:
     """Tell the user when the Tiled VAE extension is enabled next to us (log + readout note)."""
-    from .session import TILED_VAE_NOTE
-
-    host = host if host is not None else default_host
-    where = host.tiled_vae_extension_installed()
+    where = (host or default_host).tiled_vae_extension_installed()
     if where:
         session.note(TILED_VAE_NOTE.format(where=where))
 

@@ -6,9 +6,8 @@ wrappers). It is closed
 * by the script's ``postprocess`` (success),
 * at the next ``setup``/``process`` of the same script (the WebUI skips ``postprocess`` when the job
   raised, e.g. an out-of-memory error),
-* by the ``p.close`` safety net: the WebUI runs every txt2img/img2img job (UI and API) inside
-  ``with closing(p)``, so a wrapper on that one ``p`` object (which the host throws away after the
-  job) closes ours in the host's own ``finally``, before anything else can run,
+* by the ``p.close`` safety net (:meth:`~lib_vram.webui.session.ScriptJobs._safety_net`) in the
+  host's own ``finally``, before anything else can run,
 * on script unload (``on_script_unloaded`` → :meth:`Session.close_all`),
 
 and while it is open every hook it installed checks :meth:`Job.current` — the job that installed it
@@ -40,12 +39,15 @@ from lib_vram.core.timeline import Timeline
 from lib_vram.core.tracker import StageTracker
 
 from . import host as default_host
+from .options import INFOTEXT_PLAN_KEY, to_infotext
+from .sampling import _call
 from .settings import JobSettings
 
 logger = logging.getLogger(__name__)
 
 HOOK_NAME = "vram_guard"
 """Name of our hook in a module's hook registry."""
+_UNREADABLE = object()  # the job token when the host cannot tell it (equal to no job's)
 
 
 class Job:
@@ -114,12 +116,7 @@ class Job:
 
     def current(self) -> bool:
         """True while this job is open and the WebUI is still running the job that opened it."""
-        if self.closed:
-            return False
-        try:
-            return self.host.job_token() == self.token
-        except (ImportError, AttributeError):
-            return False
+        return not self.closed and _call(self.host, "job_token", _UNREADABLE) == self.token
 
     def note(self, text: str, level: int = logging.INFO, *, log: bool = True) -> None:
         """A note for the readout (and the log, unless it was logged already: the owner logs moves)."""
@@ -172,12 +169,8 @@ class Job:
                 rec.notes["models"] = cards.owner.summary()  # where each model is after the stage
         if rec.plan:
             self.plans[name] = rec.plan
-            if self.info is not None:
-                text = self.plan_text()
-                if text:
-                    from .options import INFOTEXT_PLAN_KEY
-
-                    self.info[INFOTEXT_PLAN_KEY] = text
+            if self.info is not None and (text := self.plan_text()):
+                self.info[INFOTEXT_PLAN_KEY] = text
 
     def _profiled(self, name: str) -> contextlib.AbstractContextManager:
         """The stage under the PyTorch profiler when this job is profiled (:mod:`.profiling`)."""
@@ -194,14 +187,10 @@ class Job:
         except RuntimeError as exc:
             logger.warning("memory release at %s failed: %s", name, exc)
             return
-        self.releases.append(
-            {
-                "at": name,
-                "freed_device_bytes": res.freed_device_bytes,
-                "collected_objects": res.collected_objects,
-            }
-        )
         freed = res.freed_device_bytes
+        self.releases.append(
+            {"at": name, "freed_device_bytes": freed, "collected_objects": res.collected_objects}
+        )
         self.tracker.event(
             "release",
             f"released memory at {name.replace('_', ' ')}: {freed / 2**20:.0f} MiB of cache returned, "
@@ -242,11 +231,7 @@ class Job:
         return oom
 
     def upscale_stage_name(self) -> str:
-        if self.kind == "txt2img":
-            return "hires_upscale"
-        if self.kind == "img2img":
-            return "img2img_upscale"
-        return "upscale"
+        return {"txt2img": "hires_upscale", "img2img": "img2img_upscale"}.get(self.kind, "upscale")
 
     # -- VAE ---------------------------------------------------------------------------------
     def hook_vae(self, handle: Any) -> bool:
@@ -507,8 +492,6 @@ class Job:
         callable, so it is evaluated when each image's infotext is written (after the stages ran)."""
         if not self.plans or self.options is None:
             return None
-        from .options import INFOTEXT_PLAN_KEY, to_infotext
-
         return to_infotext(self.options, plans=self.plans).get(INFOTEXT_PLAN_KEY)
 
 

@@ -65,12 +65,6 @@ def model_skip_reason(sd_model: Any) -> str | None:
     return None
 
 
-def _device_of(module: torch.nn.Module) -> torch.device | None:
-    for t in (*module.parameters(), *module.buffers()):
-        return t.device
-    return None
-
-
 def _dtype_of(module: torch.nn.Module) -> str:
     first = next(module.parameters(), None)
     return str(first.dtype).replace("torch.", "") if first is not None else ""
@@ -82,7 +76,7 @@ class CardModels:
     def __init__(self, host: Any, emulated: Callable[[], Any] | None = None) -> None:
         self.host = host
         self.emulated = emulated
-        self.owner = Owner(self._free, release=self._release)
+        self.owner = Owner(self._free, release=lambda: release(self.device()))
         self.group: Any = None
         """The checkpoint whose models are reported."""
         self._unet_hook: Any = None
@@ -105,9 +99,6 @@ class CardModels:
         card = self.card()
         return card.free_bytes if card is not None else free_bytes(self.device())
 
-    def _release(self) -> None:
-        release(self.device())
-
     # -- reporting -----------------------------------------------------------------------------
     def skip_reason(self, sd_model: Any) -> str | None:
         why = model_skip_reason(sd_model)
@@ -129,7 +120,7 @@ class CardModels:
         device, card = self.device(), self.card()
         out = []
         for name, module in checkpoint_parts(sd_model):
-            where = _device_of(module)
+            where = next((t.device for t in (*module.parameters(), *module.buffers())), None)
             if where is None or where.type == "meta":
                 continue
             on_card = where.type == device.type and (where.index == device.index or device.index is None)
@@ -211,9 +202,6 @@ class CardModels:
         return self.owner.room(
             stage, (), fits, why=why, may_move=lambda m: m.name in allowed, best_effort=best_effort
         )
-
-    def snapshot(self) -> list[dict]:
-        return self.owner.snapshot()
 
 
 def loaded_bytes(sd_model: Any, *, half: bool) -> int | None:

@@ -71,19 +71,16 @@ class OptionField:
     choices: tuple[str, ...] | None = None
     """Allowed values of a ``"choice"``."""
     range: tuple[int, int, int] | None = None
-    """``(minimum, maximum, step)`` of an ``"int"``; values must lie on the step grid from minimum.
-    0 means Auto where :attr:`auto_zero` is set."""
+    """``(minimum, maximum, step)`` of an ``"int"``; values must lie on the step grid from minimum."""
     auto_zero: bool = False
     """For ints: 0 means "Auto" (chosen by the planner)."""
     infotext: str = ""
     """Infotext group word of the summary entry (see the module docstring); ``"VRAM Guard"`` for
     the enable switch, whose presence is the key itself."""
     tooltip: str = ""
-    """The control's explanation, shown when hovering it (the WebUI's way: short label, hint on
-    hover): what it does and when to change it."""
+    """The control's hover hint (the WebUI's way: short label, hint on hover): what it does and when."""
     info: str = ""
-    """One line in the user's terms, shown under the option's label on the Settings page (the
-    WebUI's convention there): what it changes and when to use it."""
+    """One line in the user's terms under the option's label on the Settings page: what and when."""
 
     @property
     def kind(self) -> str:
@@ -357,7 +354,12 @@ class VRAMGuardOptions:
 
     def replace(self, **changes: Any) -> VRAMGuardOptions:
         """A copy with ``changes`` applied (coerced like API values, then validated)."""
-        return dataclasses.replace(self, **_coerce_all(changes))
+        for key, value in changes.items():
+            field = FIELDS_BY_NAME.get(key)
+            if field is None:
+                raise ValueError(f"unknown VRAM Guard option `{key}`; known: {list(API_ARG_ORDER)}")
+            changes[key] = field.coerce(value)
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in FIELDS}
@@ -365,16 +367,6 @@ class VRAMGuardOptions:
     def args(self) -> list[Any]:
         """Positional script args in :data:`API_ARG_ORDER`."""
         return [getattr(self, name) for name in API_ARG_ORDER]
-
-
-def _coerce_all(values: Mapping[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in values.items():
-        field = FIELDS_BY_NAME.get(key)
-        if field is None:
-            raise ValueError(f"unknown VRAM Guard option `{key}`; known: {list(API_ARG_ORDER)}")
-        out[key] = field.coerce(value)
-    return out
 
 
 def from_args(args: Sequence[Any] | None, *, defaults: VRAMGuardOptions | None = None) -> VRAMGuardOptions:
@@ -438,21 +430,12 @@ _INT_WORD = re.compile(r"^([tb])(\d+)$")
 
 def summary(opts: VRAMGuardOptions) -> str:
     """The value of the ``VRAM Guard`` infotext entry (see the module docstring)."""
-    parts = [f"preset {opts.preset}"]
-    vae = ["VAE", opts.vae_tiling.lower(), opts.vae_mode]
-    if opts.vae_tile:
-        vae.append(f"t{opts.vae_tile}")
-    if opts.precision_vae != "Auto":
-        vae.append(opts.precision_vae.lower())
-    parts.append(" ".join(vae))
-    up = ["upscale", "on" if opts.upscale_tiling else "off"]
-    if opts.upscale_tile:
-        up.append(f"t{opts.upscale_tile}")
-    if opts.upscale_batch:
-        up.append(f"b{opts.upscale_batch}")
-    if opts.precision_upscale != "Auto":
-        up.append(opts.precision_upscale.lower())
-    parts.append(" ".join(up))
+    up = "on" if opts.upscale_tiling else "off"
+    parts = [
+        f"preset {opts.preset}",
+        _segment(["VAE", opts.vae_tiling.lower(), opts.vae_mode], opts.vae_tile, 0, opts.precision_vae),
+        _segment(["upscale", up], opts.upscale_tile, opts.upscale_batch, opts.precision_upscale),
+    ]
     if opts.unet_fp16:
         parts.append("UNet fp16")
     if not opts.release_between_stages:
@@ -460,6 +443,12 @@ def summary(opts: VRAMGuardOptions) -> str:
     if not opts.guard_sampling:
         parts.append("sampling off")
     return ", ".join(parts)
+
+
+def _segment(head: list[str], tile: int, batch: int, precision: str) -> str:
+    """A VAE/upscale segment: the words of ``head``, then only what is not Auto."""
+    tail = [f"t{tile}" if tile else "", f"b{batch}" if batch else "", precision.lower()]
+    return " ".join(head + [w for w in tail if w and w != "auto"])
 
 
 _STAGE_LABELS = {
@@ -474,11 +463,6 @@ _STAGE_LABELS = {
 }
 
 
-def _clean(text: str) -> str:
-    # A newline would end the infotext's parameter line; keep the entry on one line.
-    return " ".join(str(text).split())
-
-
 def to_infotext(opts: VRAMGuardOptions, *, plans: Mapping[str, str] | None = None) -> dict[str, str]:
     """Infotext entries for ``p.extra_generation_params`` (empty when disabled).
 
@@ -489,8 +473,8 @@ def to_infotext(opts: VRAMGuardOptions, *, plans: Mapping[str, str] | None = Non
         return {}
     out = {INFOTEXT_KEY: summary(opts)}
     if plans:
-        items = [
-            f"{_STAGE_LABELS.get(stage, stage.replace('_', ' '))} {_clean(plan)}"
+        items = [  # (on one line: a newline would end the infotext's parameter line)
+            f"{_STAGE_LABELS.get(stage, stage.replace('_', ' '))} {' '.join(str(plan).split())}"
             for stage, plan in plans.items()
             if plan
         ]
@@ -521,16 +505,12 @@ def from_infotext(params: Mapping[str, Any]) -> dict[str, Any]:
         group, rest = words[0], words[1:]
         if group == "preset" and len(rest) == 1 and rest[0] in PRESET_CHOICES:
             out["preset"] = rest[0]
-        elif group == "VAE":
-            _parse_vae(rest, out, bad)
-        elif group == "upscale":
-            _parse_upscale(rest, out, bad)
+        elif group in ("VAE", "upscale"):
+            _parse_group(group, rest, out, bad)
         elif group == "UNet" and rest == ["fp16"]:
             out["unet_fp16"] = True
-        elif group == "release" and len(rest) == 1 and rest[0] in ("on", "off"):
-            out["release_between_stages"] = rest[0] == "on"
-        elif group == "sampling" and len(rest) == 1 and rest[0] in ("on", "off"):
-            out["guard_sampling"] = rest[0] == "on"
+        elif group in _SWITCHES and len(rest) == 1 and rest[0] in ("on", "off"):
+            out[_SWITCHES[group]] = rest[0] == "on"
         else:
             bad.append(segment.strip())
     out.setdefault("unet_fp16", False)
@@ -541,44 +521,34 @@ def from_infotext(params: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _set_int(out: dict[str, Any], name: str, number: str, bad: list[str], word: str) -> None:
-    try:
-        out[name] = FIELDS_BY_NAME[name].coerce(int(number))
-    except ValueError:
-        bad.append(word)
+_SWITCHES = {"release": "release_between_stages", "sampling": "guard_sampling"}
+_INTS = {"VAE": {"t": "vae_tile"}, "upscale": {"t": "upscale_tile", "b": "upscale_batch"}}
 
 
-def _parse_vae(words: list[str], out: dict[str, Any], bad: list[str]) -> None:
-    out.setdefault("vae_tile", 0)
-    out.setdefault("precision_vae", "Auto")
+def _parse_group(group: str, words: list[str], out: dict[str, Any], bad: list[str]) -> None:
+    """The words of a ``VAE`` or ``upscale`` segment into ``out`` (a missing int or precision: Auto)."""
+    ints = _INTS[group]
+    precision = "precision_vae" if group == "VAE" else "precision_upscale"
+    for name in ints.values():
+        out.setdefault(name, 0)
+    out.setdefault(precision, "Auto")
     for word in words:
         m = _INT_WORD.match(word)
-        if word in ("auto", "always", "off"):
+        if group == "VAE" and word in ("auto", "always", "off"):
             out["vae_tiling"] = word.capitalize()
-        elif word in VAE_MODE_CHOICES:
+        elif group == "VAE" and word in VAE_MODE_CHOICES:
             out["vae_mode"] = word
-        elif word in _PRECISION_WORDS:
-            out["precision_vae"] = _PRECISION_WORDS[word]
-        elif m and m.group(1) == "t":
-            _set_int(out, "vae_tile", m.group(2), bad, word)
-        else:
-            bad.append(f"VAE {word}")
-
-
-def _parse_upscale(words: list[str], out: dict[str, Any], bad: list[str]) -> None:
-    out.setdefault("upscale_tile", 0)
-    out.setdefault("upscale_batch", 0)
-    out.setdefault("precision_upscale", "Auto")
-    for word in words:
-        m = _INT_WORD.match(word)
-        if word in ("on", "off"):
+        elif group == "upscale" and word in ("on", "off"):
             out["upscale_tiling"] = word == "on"
         elif word in _PRECISION_WORDS:
-            out["precision_upscale"] = _PRECISION_WORDS[word]
-        elif m:
-            _set_int(out, "upscale_tile" if m.group(1) == "t" else "upscale_batch", m.group(2), bad, word)
+            out[precision] = _PRECISION_WORDS[word]
+        elif m and m.group(1) in ints:
+            try:
+                out[ints[m.group(1)]] = FIELDS_BY_NAME[ints[m.group(1)]].coerce(int(m.group(2)))
+            except ValueError:
+                bad.append(word)
         else:
-            bad.append(f"upscale {word}")
+            bad.append(f"{group} {word}")
 
 
 def infotext_getter(name: str) -> Callable[[Mapping[str, Any]], Any]:

@@ -55,10 +55,6 @@ class Placed:
             f"{p.unet_bytes / MiB:.0f} MiB resident, {parked} on the CPU until used"
         )
 
-    def device_bytes(self) -> int:
-        """What of the checkpoint is on the card now (between forwards)."""
-        return self.leftover_bytes + self.unet_resident_bytes + self.parked_on_card_bytes
-
     def _woken(self) -> list[Any]:
         """The owner's models of the parked parts that are on the card now."""
         if self.owner is None:
@@ -73,9 +69,10 @@ class Placed:
         return sum(m.card_bytes for m in self._woken())
 
     def recount(self) -> None:
-        """The emulated card's resident bytes = what a GPU holds of the placed checkpoint."""
+        """The emulated card's resident bytes = what a GPU holds of the placed checkpoint (between
+        forwards)."""
         if self.card is not None:
-            self.card.set_resident(self.device_bytes())
+            self.card.set_resident(self.leftover_bytes + self.unet_resident_bytes + self.parked_on_card_bytes)
 
     def settle(self) -> None:
         """A pass ended (or was cut short): no streamed unit left on the card; its traffic logged."""

@@ -30,9 +30,11 @@ from lib_vram.residency._modules import admit as _admit
 from lib_vram.residency._modules import nbytes_of as _nbytes
 from lib_vram.residency._modules import tensors_of as _tensors_of
 
-from .models import loaded_bytes
+from .emulation import _weight_modules
+from .models import CardModels, checkpoint_parts, loaded_bytes
 from .patching import patch_attr
 from .placed import Placed
+from .sampling import _attention, _call, _dtype_of
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,6 @@ SETTING_INFO = (
 CONTEXT_TOKENS = 77
 DEFAULT_BATCH = 2
 """A default pass: one image, cond and uncond in one forward."""
-MAX_LATENT_SIDE = 1024
 
 
 class PlacementOutOfMemory(RuntimeError):
@@ -65,17 +66,11 @@ def native_latent_hw(sd_model: Any) -> tuple[int, int]:
 
 def _parts(sd_model: Any) -> tuple[torch.nn.Module | None, list[tuple[str, torch.nn.Module]]]:
     """(the UNet's ``diffusion_model``, [(name, module)] of the text encoders and the VAE)."""
-    from .models import checkpoint_parts
-
-    wrapper = getattr(sd_model, "model", None)
-    dm = getattr(wrapper, "diffusion_model", None)
-    parts = checkpoint_parts(sd_model, unet=False)
-    return (dm if isinstance(dm, torch.nn.Module) else None), parts
+    dm = getattr(getattr(sd_model, "model", None), "diffusion_model", None)
+    return (dm if isinstance(dm, torch.nn.Module) else None), checkpoint_parts(sd_model, unet=False)
 
 
 def _all_tensors(sd_model: Any) -> list[torch.Tensor]:
-    from .emulation import _weight_modules
-
     return _tensors_of(_weight_modules(sd_model))
 
 
@@ -83,13 +78,10 @@ class Placement:
     """The session's checkpoint placement (see the module docstring)."""
 
     def __init__(self, host: Any, *, emulated: Any = None, cards: Any = None) -> None:
-        from .models import CardModels
-
         self.host = host
-        self.emulated = emulated
-        """``() -> EmulatedCard | None``: the session's emulated card."""
         self.cards = cards if cards is not None else CardModels(host, emulated)
-        """The session's :class:`~lib_vram.webui.models.CardModels` (the owner of the card)."""
+        """The session's :class:`~lib_vram.webui.models.CardModels` (the owner of the card; its
+        ``card()``: the session's emulated card)."""
         self.stack: ExitStack | None = None
         self.placed: dict[int, Placed] = {}
         self.traps: dict[int, ExitStack] = {}
@@ -125,9 +117,7 @@ class Placement:
         why = self.skip_reason()
         if why is None:
             self.install()
-            model = _loaded(self.host)
-            if model is not None and id(model) not in self.placed:
-                self.place_if_needed(model)
+            self.place_if_needed(_call(self.host, "loaded_sd_model", None))
         elif self.installed:
             logger.info("VRAM Guard: checkpoint placement %s: undoing it", why)
             self.close()
@@ -153,32 +143,28 @@ class Placement:
             )
             return
         self.stack = ExitStack()
-        for name, fn in wrappers.items():
-            obj, attr = points[name]
-            patch_attr(obj, attr, fn, self.stack)
+        self._patch(points, wrappers)
         self._patch_job_end()
         logger.info("VRAM Guard: checkpoint placement on: a checkpoint that does not fit the card is placed")
 
     def _patch_job_end(self) -> None:
         """A job's end sends the parked parts it woke outside any stage home (``state.end`` and
-        ``progress.finish_task``, the job's own thread: the API routes call ``finish_task`` by their
-        own imported name and then ``state.end()`` in a ``finally``, the UI wrapper ``state.end()``
-        and then ``finish_task`` in a ``finally``), and so does a live preview
-        (``state.do_set_current_image``, the progress request's thread) that decoded after that end
-        had come: the WebUI decodes one whenever a progress poll arrives while the task is still
-        current, also after the job's last decode, so its VAE wake was left on the card until the
-        next job (seen in the real WebUI, issue 29 Run 7)."""
-        get = getattr(self.host, "job_entry_points", None)
-        try:
-            points = get() if callable(get) else {}
-        except (ImportError, AttributeError):
-            points = {}
+        ``progress.finish_task``, both: the API routes call ``finish_task`` by their own imported
+        name, see :func:`~lib_vram.webui.host.job_entry_points`), and so does a live preview that
+        decoded after that end: the WebUI decodes one whenever a progress poll arrives while the
+        task is still current, also after the job's last decode, so its VAE wake was left on the
+        card until the next job (seen in the real WebUI, issue 29 Run 7)."""
+        points = _call(self.host, "job_entry_points", {})
         wrappers = {
             "begin": self._job_begins,
             "end": self._job_done,
             "finish_task": self._job_done,
             "preview": self._preview,
         }
+        self._patch(points, wrappers)
+
+    def _patch(self, points: dict[str, tuple[Any, str]], wrappers: dict[str, Any]) -> None:
+        """Each role of ``wrappers`` that the host has, on the placement's stack."""
         for role, fn in wrappers.items():
             if role in points and self.stack is not None:
                 obj, attr = points[role]
@@ -225,22 +211,12 @@ class Placement:
                 stack.close()
 
     # -- deciding ------------------------------------------------------------------------------
-    def _device(self) -> torch.device:
-        return self.host.device()
-
-    def _card(self) -> emulate.EmulatedCard | None:
-        dev = self._device()
-        if dev.type != "cpu":
-            return None
-        card = self.emulated() if self.emulated is not None else None
-        return card if card is not None else emulate.current("cpu")
-
     def total_bytes(self) -> int | None:
         """The card's memory (None: the compute device is the CPU without an emulated card)."""
-        card = self._card()
+        card = self.cards.card()
         if card is not None:
             return card.capacity
-        dev = self._device()
+        dev = self.host.device()
         if dev.type == "cpu":
             return None
         card = emulate.current(dev)  # an emulated card on a GPU (its capacity, the real moves)
@@ -251,14 +227,14 @@ class Placement:
             return self.margin_bytes
         from lib_vram.planning.presets import PRESET_NAMES, resolve_preset
 
-        name = self.host.cmd_opt("vram_guard_preset", None) or _opt(self.host, "vram_guard_preset", "Auto")
+        name = self.host.cmd_opt("vram_guard_preset", None) or _call(
+            self.host, "opts_get", "Auto", "vram_guard_preset", "Auto"
+        )
         match = [n for n in PRESET_NAMES if n.lower() == str(name).lower()]
         return resolve_preset(match[0] if match else "Auto", total).safety_margin(total)
 
     def _step(self, sd_model: Any, dm: torch.nn.Module) -> dict:
-        from .sampling import _attention, _dtype_of
-
-        backend = "cpu" if self._device().type == "cpu" else "cuda"
+        backend = "cpu" if self.host.device().type == "cpu" else "cuda"
         hw = self.latent_hw or native_latent_hw(sd_model)
         return dict(
             batch=DEFAULT_BATCH,
@@ -296,14 +272,11 @@ class Placement:
 
     def fits(self, sd_model: Any, **kw: Any) -> bool | None:
         need = self.need(sd_model, **kw)
-        if need is None:
-            return None
-        ckpt, margin, total = need
-        return ckpt + margin <= total
+        return None if need is None else need[0] + need[1] <= need[2]
 
     # -- the host's functions (patched while the option is on) -------------------------------------
     def _target_device(self, previous: Any, m: Any) -> Any:
-        if self.skip_reason() is None and self._device().type != "cpu":
+        if self.skip_reason() is None and self.host.device().type != "cpu":
             est = loaded_bytes(m, half=not self.host.cmd_opt("no_half", False))
             if est is not None and self.fits(m, checkpoint_bytes=est) is False:
                 logger.info(
@@ -349,7 +322,7 @@ class Placement:
         def to(previous: Any, *args: Any, **kwargs: Any) -> Any:
             model = ref()
             target = _to_target(args, kwargs)
-            dev = self._device()
+            dev = self.host.device()
             if (
                 model is not None
                 and target is not None
@@ -375,7 +348,7 @@ class Placement:
         """Place ``sd_model`` when the option is on and it does not fit (logged, never raises for
         a model that cannot be placed: the WebUI then runs as without VRAM Guard)."""
         if self.skip_reason() is not None or sd_model is None or id(sd_model) in self.placed:
-            return self.placed.get(id(sd_model)) if sd_model is not None else None
+            return self.placed_for(sd_model)
         if self.fits(sd_model) is not False:
             return None
         try:
@@ -402,8 +375,8 @@ class Placement:
             ckpt, _, total = need
             dm, parts = _parts(sd_model)
             assert dm is not None
-            device = self._device()
-            card = self._card()
+            device = self.host.device()
+            card = self.cards.card()
             skip = {id(t) for t in _tensors_of([dm, *(m for _, m in parts)])}
             leftover = [t for t in _all_tensors(sd_model) if id(t) not in skip]
             leftover_bytes = _nbytes(leftover)
@@ -509,9 +482,7 @@ class Placement:
         for _, m in parts:
             m.to("cpu")  # (a checkpoint the WebUI had on the card: placed when the option came on)
         try:
-            for name, buf in list(sd_model._buffers.items()):
-                if buf is not None:
-                    sd_model._buffers[name] = buf.to(device)
+            _move_buffers(sd_model, device)
             for child in sd_model.children():
                 if id(child) in skip:
                     continue
@@ -529,9 +500,7 @@ class Placement:
         except BaseException as exc:
             for m in moved:
                 m.to("cpu")
-            for name, buf in list(sd_model._buffers.items()):
-                if buf is not None:
-                    sd_model._buffers[name] = buf.to("cpu")
+            _move_buffers(sd_model, "cpu")
             if is_oom_error(exc):
                 release(device)
                 raise self._oom(ckpt, total, exc) from exc
@@ -549,10 +518,9 @@ class Placement:
                 return
             if self.cards.group is sd_model:
                 self.cards.forget()  # its parts' wake hooks go; the owner forgets its places
-            s = placed.streamer
-            card = placed.card
-            fits = to == "host-choice" and self._fits_card(placed)
-            if fits:
+            s, card = placed.streamer, placed.card
+            total = self.total_bytes() if to == "host-choice" else None
+            if total is not None and _nbytes(_all_tensors(sd_model)) <= total:  # fits the card
                 try:
                     if s is not None:
                         s.restore()
@@ -581,18 +549,12 @@ class Placement:
                     SETTING_LABEL,
                 )
 
-    def _fits_card(self, placed: Placed) -> bool:
-        total = self.total_bytes()
-        if total is None:
-            return False
-        return _nbytes(_all_tensors(placed.model)) <= total
-
     # -- the session -----------------------------------------------------------------------------
     def model_loaded(self, sd_model: Any) -> None:
         """``on_model_loaded`` (after the emulated card counted the checkpoint as resident): a placed
         model's count wins; an unplaced one that does not fit is placed now (a model loaded before
         the card or the option existed)."""
-        placed = self.placed.get(id(sd_model)) if sd_model is not None else None
+        placed = self.placed_for(sd_model)
         if placed is not None:
             placed.recount()
             return
@@ -605,8 +567,7 @@ class Placement:
 
     def status_line(self) -> str:
         """The status route's line."""
-        model = _loaded(self.host)
-        placed = self.placed_for(model)
+        placed = self.placed_for(_call(self.host, "loaded_sd_model", None))
         if placed is not None:
             return placed.label
         if self.last_error:
@@ -615,6 +576,13 @@ class Placement:
         if why is not None:
             return f"checkpoint placement {why}"
         return "checkpoint placement on: the checkpoint fits the card, nothing placed"
+
+
+def _move_buffers(module: torch.nn.Module, device: Any) -> None:
+    """The module's own buffers (not its children's) to ``device``."""
+    for name, buf in list(module._buffers.items()):
+        if buf is not None:
+            module._buffers[name] = buf.to(device)
 
 
 def _check_host_room(nbytes: int, what: str) -> None:
@@ -634,24 +602,9 @@ def _check_host_room(nbytes: int, what: str) -> None:
 
 def option_on(host: Any) -> bool:
     """The placement is asked for (its Settings option or the command-line flag)."""
-    return bool(host.cmd_opt("vram_guard_place_checkpoint", False) or _opt(host, SETTING, False))
-
-
-def _opt(host: Any, key: str, default: Any) -> Any:
-    get = getattr(host, "opts_get", None)
-    if get is None:
-        return default
-    try:
-        return get(key, default)
-    except (ImportError, AttributeError):
-        return default
-
-
-def _loaded(host: Any) -> Any:
-    try:
-        return host.loaded_sd_model()
-    except (ImportError, AttributeError):
-        return None
+    return bool(
+        host.cmd_opt("vram_guard_place_checkpoint", False) or _call(host, "opts_get", False, SETTING, False)
+    )
 
 
 def _to_target(args: tuple, kwargs: dict) -> torch.device | None:

@@ -94,11 +94,7 @@ def context_tokens(*conds: Any) -> int:
     ``process_before_every_sampling``: a ``MulticondLearnedConditioning`` or a list of
     ``ScheduledPromptConditioning`` schedules; SD1/2: a ``[tokens, dim]`` tensor, SDXL: a dict
     with ``crossattn``). :data:`DEFAULT_TOKENS` when none is found."""
-    best = 0
-    for c in conds:
-        n = _tokens(c, depth=0)
-        best = max(best, n or 0)
-    return best or DEFAULT_TOKENS
+    return max((_tokens(c, depth=0) or 0 for c in conds), default=0) or DEFAULT_TOKENS
 
 
 def _tokens(obj: Any, depth: int) -> int | None:
@@ -107,13 +103,9 @@ def _tokens(obj: Any, depth: int) -> int | None:
     if isinstance(obj, torch.Tensor):
         return int(obj.shape[-2]) if obj.dim() >= 2 else None
     if isinstance(obj, dict):
-        if "crossattn" in obj:
-            return _tokens(obj["crossattn"], depth + 1)
-        return None
+        return _tokens(obj.get("crossattn"), depth + 1)
     if isinstance(obj, (list, tuple)):
-        found = [_tokens(o, depth + 1) for o in obj[:8]]
-        found = [n for n in found if n]
-        return max(found) if found else None
+        return max((n for o in obj[:8] if (n := _tokens(o, depth + 1))), default=None)
     for attr in ("batch", "schedules", "cond"):
         if hasattr(obj, attr):
             return _tokens(getattr(obj, attr), depth + 1)
@@ -130,7 +122,6 @@ class SamplingGuard:
         self.passes: list[PassPlan] = []
         self._patch: Any = None
         self._dm: Any = None
-        self._stage: str | None = None
         self._computing: list = []
         """The pass's control models (busy while a UNet forward runs)."""
         self._controls: Any = None
@@ -151,7 +142,7 @@ class SamplingGuard:
             logger.debug("VRAM Guard: %s not guarded: %s", stage, skip)
             return None
         dm = job.host.unet_of(model).diffusion_model
-        cards = _cards(job)
+        cards = job.cards()
         if cards is not None:
             cards.models(model)
             cards.owner.settle()  # parts woken before the pass (the conditioning) go home first
@@ -168,12 +159,10 @@ class SamplingGuard:
         self.passes.append(planned)
         self.stack = ExitStack()
         job.stack.callback(self.end)
-        cards = _cards(job)
         if cards is not None:
             owner = cards.owner
             owner.begin(stage, busy=cards.models(model, ["UNet"]))  # (ControlNet's: while_running)
             self.stack.callback(owner.end, stage)  # what moved for the pass goes home after it
-            self._stage = stage
         placed = _placed(job, model)
         if planned.placed and placed is not None:  # (checkpoint placement) its streamer stays in force:
             self.stack.callback(placed.settle)  # a pass cut short leaves no streamed unit on the card
@@ -215,7 +204,6 @@ class SamplingGuard:
             if stack is not None:
                 stack.close()
         finally:
-            self._stage = None
             self._computing = []
 
     # -- deciding ----------------------------------------------------------------------------
@@ -257,7 +245,7 @@ class SamplingGuard:
         free = free_bytes(device)
         unet_bytes = emulate.module_bytes([dm])
         idle = self._movable(p, stage, model)
-        cards = _cards(job)
+        cards = job.cards()
         parts = cards.models(model, ["text encoders", "VAE"]) if cards is not None else []
         others = sum(m.card_bytes for m in parts)
         margin = int(getattr(job.settings, "sampling_margin_bytes", 0))
@@ -270,15 +258,12 @@ class SamplingGuard:
         others += unsized
         free += on_card
         whole = whole_batch(p, dm) if used else None  # (a unit that cannot split: the pass runs whole)
-        budget = max(0, free + unet_bytes + others - margin)
-        # -- the checkpoint placement (issue 22 item 2): its streamer is the UNet's; plan with what
-        # it keeps on the card (resident part + stream buffer); a pass that is short streams more
-        # of it with a second streamer for the pass (_more_streamed)
-        inflate = 0
-        if placed is not None:
-            budget = max(0, free + placed.unet_resident_bytes + others - margin)
-            inflate = max(0, unet_bytes - placed.unet_device_bytes)  # the plans count the whole UNet
-        # --
+        # the checkpoint placement (issue 22 item 2): its streamer is the UNet's; plan with what
+        # it keeps on the card (resident part + stream buffer; the plans count the whole UNet: inflate);
+        # a pass that is short streams more of it with a second streamer for the pass (_more_streamed)
+        resident = placed.unet_resident_bytes if placed is not None else unet_bytes
+        budget = max(0, free + resident + others - margin)
+        inflate = max(0, unet_bytes - placed.unet_device_bytes) if placed is not None else 0
         kw = dict(
             batch=batch, latent_hw=hw, context_tokens=tokens, attention=attention, dtype=dtype,
             budget_bytes=budget + inflate, backend=backend, controls=controls, whole=whole is not None,
@@ -364,7 +349,7 @@ class SamplingGuard:
         conditioning mid-job); only the kinds the preset lets move. A placed checkpoint's woken
         parts may always leave (they wake again when used)."""
         job = self.job
-        cards = _cards(job)
+        cards = job.cards()
         if cards is None or threading.get_ident() != job.thread:
             return None
         names = {"VAE", "text encoders"}
@@ -386,7 +371,7 @@ class SamplingGuard:
         """The owner sends ``names`` to host memory for the pass (back after it); False when a move
         ran out of memory (those moved stay off until the pass ends, the pass may run out)."""
         job = self.job
-        cards = _cards(job)
+        cards = job.cards()
         model = job.current_model()
         try:
             room = cards.room(stage, model, movable=names, why=f"{stage.replace('_', ' ')}: {why}")
@@ -480,31 +465,26 @@ class SamplingGuard:
         a note, and the infotext's plan entry when VRAM Guard changed something."""
         job = self.job
         plan = planned.plan
-        stage = planned.stage
-        what = stage.replace("_", " ")
+        stage, label = planned.stage, planned.label()
         predicted = f"predicted {plan.predicted_peak_bytes / MiB:.0f} MiB"
+        peak = f"{stage.replace('_', ' ')}: predicted peak {plan.predicted_peak_bytes / MiB:.0f} MiB"
         job.tracker.note(
-            plan=f"{planned.label()} ({predicted})" if planned.error is None else f"stopped: {predicted}",
+            plan=f"{label} ({predicted})" if planned.error is None else f"stopped: {predicted}",
             predicted_bytes=plan.predicted_peak_bytes,
             predicted_activation_bytes=plan.activation_bytes,
             micro_batch=plan.micro_batch,
             batch=planned.batch,
         )
-        job.tracker.event(
-            "plan",
-            f"{what}: predicted peak {plan.predicted_peak_bytes / MiB:.0f} MiB ({planned.label()})",
-            at=stage,
-            predicted_bytes=plan.predicted_peak_bytes,
-        )
+        job.tracker.event("plan", f"{peak} ({label})", at=stage, predicted_bytes=plan.predicted_peak_bytes)
         h, w = planned.latent_hw
         job.note(
-            f"VRAM Guard: {what}: predicted peak {plan.predicted_peak_bytes / MiB:.0f} MiB "
-            f"(UNet {plan.weights_bytes / MiB:.0f} MiB, activations {plan.activation_bytes / MiB:.0f} MiB) "
+            f"VRAM Guard: {peak} (UNet {plan.weights_bytes / MiB:.0f} MiB, "
+            f"activations {plan.activation_bytes / MiB:.0f} MiB) "
             f"for {planned.batch} sample(s) of {w * 8}x{h * 8} px, {planned.attention} attention: "
-            + (planned.label() if planned.error is None else "does not fit")
+            + (label if planned.error is None else "does not fit")
         )
         if planned.changed and planned.error is None:
-            job.plans[stage] = planned.label()
+            job.plans[stage] = label
         if planned.error is not None:
             job.note(planned.error, logging.WARNING)  # (the line starts "VRAM Guard stopped ...")
 
@@ -522,14 +502,6 @@ class _Idle:
     @property
     def nbytes(self) -> int:
         return sum(m.card_bytes for m in self.models)
-
-
-def _cards(job: Any) -> Any:
-    """The session's :class:`~lib_vram.webui.models.CardModels` (None: no session, no card)."""
-    session = getattr(job, "session", None)
-    get = getattr(session, "card_models", None)
-    cards = get() if callable(get) else None
-    return cards if cards is not None and cards.has_card() else None
 
 
 def _placed(job: Any, model: Any) -> Any:
@@ -570,32 +542,28 @@ def _more_streamed(placed: Any, dm: Any, spec: Any, plan: Any, kw: dict, rest: i
 
 def _placed_error(stage: str, plan: Any, placed: Any, budget: int, idle: Any, whole: str | None) -> str:
     """The named error's line for a placed checkpoint's pass that does not fit even so."""
-    what = "the hires pass" if stage == "hires_sampling" else "sampling"
     off = f", the {idle.names} off the card" if idle is not None else ""
-    tried = f"{_tried(whole)}, {placed.label}{off}"
     # the suggestion's sizes and batches are right (the budget was raised by what the UNet does not
     # keep on the card); its head's MiB are not: ours replace them
     rest = plan.suggestion.split(": ", 1)[1] if plan.suggestion and ": " in plan.suggestion else ""
-    fit = f": {rest}" if rest else ": a smaller image or batch may fit"
-    return (
-        f"VRAM Guard stopped {what} before it ran out of memory ({tried}): needs "
-        f"{plan.predicted_peak_bytes / MiB:.0f} MiB, the card offers {budget / MiB:.0f} MiB{fit}"
-    )
+    fit = rest or "a smaller image or batch may fit"
+    need = f"needs {plan.predicted_peak_bytes / MiB:.0f} MiB, the card offers {budget / MiB:.0f} MiB"
+    return _stopped(stage, whole, f", {placed.label}{off}", f"{need}: {fit}")
 
 
 def dm_device(dm: Any) -> torch.device:
     """Where the UNet computes: its first weight off the CPU (a placed checkpoint's streamed blocks
     are in host memory between forwards), else the CPU."""
-    first = next((t for t in dm.parameters() if t.device.type != "cpu"), None)
-    return first.device if first is not None else torch.device("cpu")
+    return next((t.device for t in dm.parameters() if t.device.type != "cpu"), torch.device("cpu"))
 
 
-def _call(host: Any, name: str, default: Any) -> Any:
+def _call(host: Any, name: str, default: Any, *args: Any) -> Any:
+    """``host.<name>(*args)``, or ``default`` where the host lacks it or cannot answer."""
     fn = getattr(host, name, None)
     if not callable(fn):
         return default
     try:
-        return fn()
+        return fn(*args)
     except (ImportError, AttributeError) as exc:
         logger.debug("host.%s unavailable: %s", name, exc)
         return default
@@ -635,23 +603,22 @@ def _latent_of(p: Any, x: Any) -> tuple[int, tuple[int, int]]:
     if isinstance(x, torch.Tensor) and x.dim() == 4:
         return int(x.shape[0]), (int(x.shape[-2]), int(x.shape[-1]))
     images = int(getattr(p, "batch_size", 1) or 1)
-    if getattr(p, "is_hr_pass", False):
-        h = int(getattr(p, "hr_upscale_to_y", 0) or getattr(p, "height", 512))
-        w = int(getattr(p, "hr_upscale_to_x", 0) or getattr(p, "width", 512))
-    else:
-        h, w = int(getattr(p, "height", 512)), int(getattr(p, "width", 512))
+    hr = getattr(p, "is_hr_pass", False)  # (the hires pass: its target size where set)
+    h = int((hr and getattr(p, "hr_upscale_to_y", 0)) or getattr(p, "height", 512))
+    w = int((hr and getattr(p, "hr_upscale_to_x", 0)) or getattr(p, "width", 512))
     return images, (max(1, h // 8), max(1, w // 8))
 
 
-def _tried(whole: str | None) -> str:
-    """What the pass tried: micro-batch 1, or its whole batch where a ControlNet unit cannot split."""
-    return f"with the whole batch, as {whole}" if whole else "with micro-batch 1"
+def _stopped(stage: str, whole: str | None, tried: str, text: str) -> str:
+    """The named error's line: what the pass tried (micro-batch 1, or its whole batch where a
+    ControlNet unit cannot split; then ``tried``) and ``text``."""
+    what = "the hires pass" if stage == "hires_sampling" else "sampling"
+    how = f"with the whole batch, as {whole}" if whole else "with micro-batch 1"
+    return f"VRAM Guard stopped {what} before it ran out of memory ({how}{tried}): {text}"
 
 
 def _error_line(stage: str, plan: Any, idle: Any, whole: str | None = None) -> str:
-    what = "the hires pass" if stage == "hires_sampling" else "sampling"
-    tried = _tried(whole) + (f" and the {idle.names} off the card" if idle is not None else "")
     text = plan.suggestion or (
         f"needs {plan.predicted_peak_bytes / MiB:.0f} MiB, the card offers {plan.budget_bytes / MiB:.0f} MiB"
     )
-    return f"VRAM Guard stopped {what} before it ran out of memory ({tried}): {text}"
+    return _stopped(stage, whole, f" and the {idle.names} off the card" if idle is not None else "", text)

@@ -20,10 +20,14 @@ from typing import Any
 import torch
 
 from lib_vram.core.device import capabilities, memory_info, release
+from lib_vram.core.readout import render_readout_body, render_readout_html, status_payload
 
 from . import host as default_host
 from .job import Job
+from .options import INFOTEXT_PLAN_KEY, to_infotext
+from .patching import foreign_vae_wrapper, patch_attr
 from .profiling import ProfileSwitch
+from .sampling import _call
 from .settings import resolve
 
 logger = logging.getLogger(__name__)
@@ -187,10 +191,7 @@ class Session:
     # -- precision watch ---------------------------------------------------------------------
     def check_dtype_vae(self, job: Job | None = None) -> None:
         """Tell the user (log + readout + ``p.comment``) when the WebUI widened its VAE dtype."""
-        try:
-            now = self.host.dtype_vae()
-        except (ImportError, AttributeError):
-            return
+        now = _call(self.host, "dtype_vae", None)
         if now is None:
             return
         before = self._dtype_seen
@@ -213,8 +214,6 @@ class Session:
     # -- readout -----------------------------------------------------------------------------
     def status(self) -> dict:
         """The readout payload (``GET /vram-guard/v1/status``)."""
-        from lib_vram.core.readout import status_payload
-
         dev = self._device()
         jobs = self.open_jobs()
         running = any(j.current() for j in jobs)
@@ -223,17 +222,13 @@ class Session:
         notes = list(self.notes)
         if last:
             notes += [n for n in last["notes"] if n not in notes]
-            for rel in last.get("releases", []):
-                if rel["freed_device_bytes"]:
-                    notes.append(
-                        f"release at {rel['at']}: {rel['freed_device_bytes'] / 2**20:.0f} MiB returned"
-                    )
+            notes += [
+                f"release at {rel['at']}: {rel['freed_device_bytes'] / 2**20:.0f} MiB returned"
+                for rel in last.get("releases", [])
+                if rel["freed_device_bytes"]
+            ]
         placed = self.placement.status_line() if self.placement is not None else None
-        if (
-            placed is not None
-            and placed.startswith("checkpoint placed")
-            and not any(placed in n for n in notes)
-        ):
+        if (placed or "").startswith("checkpoint placed") and not any(placed in n for n in notes):
             notes.append(placed)  # once: a job that ran placed has it as "VRAM Guard: <placed>" already
         name = None
         try:
@@ -248,7 +243,7 @@ class Session:
         if placed is not None:
             payload["placement"] = placed
         if self._cards is not None and self._cards.owner.models:
-            payload["models"] = self._cards.snapshot()  # where each model is now
+            payload["models"] = self._cards.owner.snapshot()  # where each model is now
             payload["host_bytes"] = self._cards.owner.host_bytes  # their weights in host memory
             payload["moves"] = [m.text for m in self._cards.owner.moves][-8:]
         card = self.emulated_card()
@@ -256,15 +251,11 @@ class Session:
             # ``--vram-guard-emulate-vram``: capacity, resident (the checkpoint), use, the last job's
             # peak (reset when each job starts), refused allocations
             payload["card"] = card.describe()
-        self._add_profile(payload)
+        payload["profile"] = self.profile_switch.payload()  # 'Profile the next job'
+        payload["html"] = render_readout_body(payload)
         return payload
 
     # -- 'Profile the next job' --------------------------------------------------------------
-    def _add_profile(self, payload: dict) -> None:
-        from lib_vram.core.readout import render_readout_body
-
-        payload["profile"] = self.profile_switch.payload()
-        payload["html"] = render_readout_body(payload)
 
     def toggle_profile(self) -> bool:
         """The accordion's 'Profile the next job': arm (or cancel) profiling of the next job."""
@@ -274,11 +265,6 @@ class Session:
 
     def toggle_profile_html(self) -> str:
         self.toggle_profile()
-        return self.readout_html()
-
-    def readout_html(self) -> str:
-        from lib_vram.core.readout import render_readout_html
-
         return render_readout_html(self.status())
 
     def free(self) -> dict:
@@ -290,15 +276,10 @@ class Session:
         return status
 
     def free_html(self) -> str:
-        from lib_vram.core.readout import render_readout_html
-
         return render_readout_html(self.free())
 
     def _device(self) -> torch.device:
-        try:
-            return self.host.device()
-        except (ImportError, AttributeError):
-            return torch.device("cpu")
+        return _call(self.host, "device", torch.device("cpu"))
 
 
 _WIDTH = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
@@ -330,8 +311,7 @@ class ScriptJobs:
 
         The WebUI gives scripts no way to fail the request: it catches every exception raised in
         ``setup``/``process`` and only prints it."""
-        if self.job is not None:
-            self.close()
+        self.close()
         if self._reported is p:
             return
         self._reported = p
@@ -362,10 +342,8 @@ class ScriptJobs:
         self.session.refresh_placement()
         dev = self.host.device()
         info = memory_info(dev)
-        caps = capabilities(dev)
-        settings = resolve(
-            options, total_bytes=info.total, caps=caps, preset_override=self.host.cmd_opt("vram_guard_preset")
-        )
+        override = self.host.cmd_opt("vram_guard_preset")
+        settings = resolve(options, total_bytes=info.total, caps=capabilities(dev), preset_override=override)
         job = Job(
             settings,
             kind=self.kind,
@@ -404,8 +382,6 @@ class ScriptJobs:
         """Close ``job`` in the host's own ``finally``: every txt2img/img2img job (UI and API) runs
         inside ``with closing(p)``; ``p`` is thrown away after the job, so wrapping its ``close``
         leaves nothing behind."""
-        from .patching import patch_attr
-
         if not callable(getattr(p, "close", None)):
             return
 
@@ -442,8 +418,6 @@ class ScriptJobs:
         job.boundary("process")
         self.refresh(p)
         self._ensure_unet(job)
-        from .options import INFOTEXT_PLAN_KEY, to_infotext
-
         entries = to_infotext(options)
         p.extra_generation_params.update(entries)
         if entries:
@@ -458,16 +432,12 @@ class ScriptJobs:
         handle = self.host.vae_of(self.host.sd_model())
         if handle is not None and handle.kind == "forge" and job.forge_load_vae is None:
             job.forge_load_vae = self.host.forge_load_vae
-        if handle is not None:
-            from .patching import foreign_vae_wrapper
-
-            other = foreign_vae_wrapper(handle.decoder)
-            if other:
-                job.warn_once(
-                    "foreign-vae",
-                    f"VRAM Guard: another extension wraps the VAE decoder ({other}); whichever wraps it "
-                    "last decides how it runs (Tiled VAE? use one of the two)",
-                )
+        if handle is not None and (other := foreign_vae_wrapper(handle.decoder)):
+            job.warn_once(
+                "foreign-vae",
+                f"VRAM Guard: another extension wraps the VAE decoder ({other}); whichever wraps it "
+                "last decides how it runs (Tiled VAE? use one of the two)",
+            )
         if not job.hook_vae(handle):
             job.warn_once("no-vae", "VRAM Guard: no VAE found on the current model; the VAE is not tiled")
 
@@ -542,8 +512,6 @@ class ScriptJobs:
         weakref.finalize(pp, _close_if_open, weakref.ref(job))
         info = getattr(pp, "info", None)
         if isinstance(info, dict):
-            from .options import to_infotext
-
             info.update(to_infotext(options))
             job.info = info
         return job

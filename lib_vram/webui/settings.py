@@ -85,9 +85,7 @@ def resolve(
     from lib_vram.planning.presets import RELEASE_POINTS, resolve_preset
 
     name = normalise_preset_name(preset_override) or options.preset  # type: ignore[attr-defined]
-    preset = None
-    if name != "Custom":
-        preset = resolve_preset(name, total_bytes, caps)
+    preset = resolve_preset(name, total_bytes, caps) if name != "Custom" else None
     label = name if preset is None or not preset.resolved_from else f"{name} ({preset.resolved_from})"
 
     tiling = options.vae_tiling  # type: ignore[attr-defined]
@@ -97,19 +95,15 @@ def resolve(
     # pass fits the free memory, else exact tiles). Off: the hooks call the original forward.
     mode = options.vae_mode if tiling == "Always" else "auto"  # type: ignore[attr-defined]
 
-    precision = options.precision_vae  # type: ignore[attr-defined]
-    vae_dtype = None if precision == "Auto" else _DTYPES[precision.lower()]
+    vae_dtype = _DTYPES.get(options.precision_vae.lower())  # type: ignore[attr-defined]
 
-    up_precision = options.precision_upscale  # type: ignore[attr-defined]
-    if up_precision == "Auto":
-        up_precision = preset.precision_upscale if preset is not None else "auto"
-    else:
-        up_precision = up_precision.lower()
+    up_precision = options.precision_upscale.lower()  # type: ignore[attr-defined]
+    if up_precision == "auto" and preset is not None:
+        up_precision = preset.precision_upscale
 
+    release_at = frozenset({"failure"})
     if options.release_between_stages:  # type: ignore[attr-defined]
-        release_at = frozenset(preset.release_at) if preset is not None else frozenset(RELEASE_POINTS)
-    else:
-        release_at = frozenset({"failure"})
+        release_at = frozenset(preset.release_at if preset is not None else RELEASE_POINTS)
 
     return JobSettings(
         preset=label,

@@ -155,10 +155,8 @@ def plan_pass(
 ) -> StreamPass | None:
     """The streamed plan for a pass whose ``sampling`` plan does not fit (None when streaming may
     not be used, see :func:`skip_reason`, or does not fit either). ``step``: the sampling guard's
-    arguments of :func:`lib_vram.sampling.plan_stream` for the same pass (``latent_hw``,
-    ``context_tokens``, ``attention``, ``dtype``, ``budget_bytes``, ``resident_bytes``: what stays
-    on the card beside the UNet after the idle parts moved, ``backend``, ``controls``: the pass's
-    ControlNets, ``whole``: it cannot micro-batch)."""
+    arguments of :func:`lib_vram.sampling.plan_stream` for the same pass (``resident_bytes``: what
+    stays on the card beside the UNet after the idle parts moved)."""
     why = skip_reason(sd_model, settings)
     if why is not None:
         logger.debug("VRAM Guard: the UNet does not stream: %s", why)

@@ -115,19 +115,8 @@ class ExtrasWidgets:
     free_button: Any
 
 
-def find_input_accordion() -> Callable[..., Any] | None:
-    """The WebUI's ``InputAccordion`` if the WebUI has already imported it (no import here)."""
-    mod = sys.modules.get("modules.ui_components")
-    return getattr(mod, "InputAccordion", None) if mod is not None else None
-
-
 def elem_id(prefix: str, tab: str, name: str) -> str:
     return f"{prefix}_{tab}_{name}"
-
-
-def readout_elem_id(tab: str, prefix: str = "vram_guard") -> str:
-    """The readout's ``elem_id``; the JS updates ``#vram_guard_readout_<tab>``."""
-    return f"{prefix}_readout_{tab}"
 
 
 def with_hint(comp: Any, tooltip: str) -> Any:
@@ -141,17 +130,11 @@ def with_hint(comp: Any, tooltip: str) -> Any:
 
 def _component(f: OptionField, value: Any, eid: str) -> Any:
     """The control of ``f``: its short label, its explanation as the hover hint (no text under it)."""
-    common = {"label": f.label, "elem_id": eid}
-    if f.kind == "bool":
-        comp = gr.Checkbox(value=value, **common)
-    elif f.kind == "int":
-        lo, hi, step = f.range or (0, 0, 1)
-        comp = gr.Slider(minimum=lo, maximum=hi, step=step, value=value, **common)
-    elif f.name in DROPDOWNS:
-        comp = gr.Dropdown(choices=list(f.choices or ()), value=value, **common)
-    else:
-        comp = gr.Radio(choices=list(f.choices or ()), value=value, **common)
-    return with_hint(comp, f.tooltip)
+    cls = {"bool": gr.Checkbox, "int": gr.Slider}.get(
+        f.kind, gr.Dropdown if f.name in DROPDOWNS else gr.Radio
+    )
+    # (component_args: a slider's range, a choice's choices: the Settings page's arguments)
+    return with_hint(cls(value=value, label=f.label, elem_id=eid, **f.component_args()), f.tooltip)
 
 
 def _rows(
@@ -189,10 +172,16 @@ def tooltips_for(
     return out
 
 
-def _initial_readout(tab: str, tooltips: Mapping[str, tuple[str, str]], initial: str | None) -> str:
-    if initial is not None:
-        return initial
-    return render_readout_html(placeholder_payload(), tab=tab, tooltips=tooltips)
+def _readout(tab: str, prefix: str, tooltips: Mapping[str, tuple[str, str]], initial: str | None) -> Any:
+    """The readout box (its first HTML: ``initial``, else a placeholder until the JS polls)."""
+    if initial is None:
+        initial = render_readout_html(placeholder_payload(), tab=tab, tooltips=tooltips)
+    eid = f"{prefix}_readout_{tab}"  # (the JS updates #vram_guard_readout_<tab>)
+    return gr.HTML(value=initial, elem_id=eid, elem_classes=["vram-guard-readout-box"])
+
+
+def _button(label: str, eid: str, tooltip: str) -> Any:
+    return with_hint(gr.Button(value=label, elem_id=eid, variant="secondary", size="sm"), tooltip)
 
 
 @contextlib.contextmanager
@@ -202,9 +191,10 @@ def _enable_switch(
     """The section's accordion, its body entered: the WebUI's ``InputAccordion`` (its header
     switches it on), else a plain accordion whose first control is an enable checkbox labelled
     ``checkbox``. Yields the enable component."""
-    factory = input_accordion if input_accordion is not None else find_input_accordion()
-    if factory is not None:
-        acc = factory(value, label=label, elem_id=eid)
+    if input_accordion is None:  # one the WebUI has already imported (no import here)
+        input_accordion = getattr(sys.modules.get("modules.ui_components"), "InputAccordion", None)
+    if input_accordion is not None:
+        acc = input_accordion(value, label=label, elem_id=eid)
         with acc:
             yield acc
         return
@@ -228,15 +218,13 @@ def build_ui(
     Args:
         tab: ``"txt2img"`` or ``"img2img"`` (element ids and the readout id use it).
         defaults: initial values (the Settings page's defaults).
-        input_accordion: the WebUI's ``InputAccordion`` class/factory (``None``: detect, else a
-            plain accordion with an enable checkbox).
-        on_free: called by "Free memory now"; returns the readout HTML to show. ``None`` leaves
-            the button unwired (the caller wires ``free_button.click`` itself).
+        input_accordion: the WebUI's ``InputAccordion`` (``None``: see the module docstring).
+        on_free, on_profile: called by "Free memory now" and "Profile the next job" (arms or cancels
+            profiling of the next job); return the readout HTML to show. ``None`` leaves the button
+            unwired (the caller wires its ``click`` itself).
         preset_values: ``f(preset_name) -> {field: value}`` shown when a preset is chosen (e.g.
             the planner's resolution); ``None``: controls go back to Auto (follow the preset).
         initial_readout: the readout's first HTML (``None``: a placeholder until the JS polls).
-        on_profile: called by "Profile the next job" (arms or cancels profiling of the next job);
-            returns the readout HTML to show. ``None`` leaves the button unwired.
     """
     if tab not in TABS:
         raise ValueError(f"`tab` must be one of {TABS}, got {tab!r}")
@@ -255,34 +243,21 @@ def build_ui(
             free_id = elem_id(elem_prefix, tab, "free")
             profile_id = elem_id(elem_prefix, tab, "profile")
             advanced_id = elem_id(elem_prefix, tab, "advanced")
-            folded = [name for row in ADVANCED for name in row]
+            folded = [FIELDS_BY_NAME[name] for row in ADVANCED for name in row]
             tips = tooltips_for(
                 controls,
                 {
-                    **{
-                        elem_id(elem_prefix, tab, n): (FIELDS_BY_NAME[n].label, FIELDS_BY_NAME[n].tooltip)
-                        for n in folded
-                    },
+                    **{elem_id(elem_prefix, tab, f.name): (f.label, f.tooltip) for f in folded},
                     free_id: ("Free memory now", FREE_TOOLTIP),
                     profile_id: (PROFILE_BUTTON, BUTTON_TOOLTIP),
                     advanced_id: ("", ADVANCED_TOOLTIP),  # ("": not for hints.js's titles[])
                     acc_id: (enable_field.label, enable_field.tooltip),  # the accordion's header
                 },
             )
-            readout = gr.HTML(
-                value=_initial_readout(tab, tips, initial_readout),
-                elem_id=readout_elem_id(tab, elem_prefix),
-                elem_classes=["vram-guard-readout-box"],
-            )
+            readout = _readout(tab, elem_prefix, tips, initial_readout)
             with gr.Row():
-                free_button = with_hint(
-                    gr.Button(value="Free memory now", elem_id=free_id, variant="secondary", size="sm"),
-                    FREE_TOOLTIP,
-                )
-                profile_button = with_hint(  # 'Profile the next job' (lib_vram.webui.profiling)
-                    gr.Button(value=PROFILE_BUTTON, elem_id=profile_id, variant="secondary", size="sm"),
-                    BUTTON_TOOLTIP,
-                )
+                free_button = _button("Free memory now", free_id, FREE_TOOLTIP)
+                profile_button = _button(PROFILE_BUTTON, profile_id, BUTTON_TOOLTIP)  # (.profiling)
             with gr.Accordion(
                 ADVANCED_LABEL, open=False, elem_id=advanced_id, elem_classes=["vram-guard-advanced"]
             ):
@@ -362,15 +337,8 @@ def build_extras_widgets(
                 },
                 labels={"enabled": ("VRAM Guard upscaling", EXTRAS_ENABLE_INFO)},
             )
-            readout = gr.HTML(
-                value=_initial_readout(tab, tips, initial_readout),
-                elem_id=readout_elem_id(tab, elem_prefix),
-                elem_classes=["vram-guard-readout-box"],
-            )
-            free_button = with_hint(
-                gr.Button(value="Free memory now", elem_id=free_id, variant="secondary", size="sm"),
-                FREE_TOOLTIP,
-            )
+            readout = _readout(tab, elem_prefix, tips, initial_readout)
+            free_button = _button("Free memory now", free_id, FREE_TOOLTIP)
     if on_free is not None:
         free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress="hidden")
     return ExtrasWidgets(inputs=inputs, readout=readout, free_button=free_button)

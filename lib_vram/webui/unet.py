@@ -48,6 +48,7 @@ import torch
 from lib_vram.core.device import Backend, backend_of, capabilities, is_oom_error, release
 
 from .host import UNetState
+from .sampling import _call
 
 logger = logging.getLogger(__name__)
 
@@ -136,16 +137,12 @@ class UNetCast:
                 for module in self.dm.modules():
                     if any(c.__name__ in KEEP_FP32 for c in type(module).__mro__):
                         continue
-                    for name, param in list(module._parameters.items()):
-                        if param is None or id(param) in seen or param.dtype != torch.float32:
+                    params = [(n, p, p) for n, p in module._parameters.items()]  # (a buffer: no param)
+                    for name, param, t in params + [(n, None, b) for n, b in module._buffers.items()]:
+                        if t is None or id(t) in seen or t.dtype != torch.float32:
                             continue
-                        seen.add(id(param))
+                        seen.add(id(t))
                         self._cast_slot(_Slot(param, module, name))
-                    for name, buf in list(module._buffers.items()):
-                        if buf is None or id(buf) in seen or buf.dtype != torch.float32:
-                            continue
-                        seen.add(id(buf))
-                        self._cast_slot(_Slot(None, module, name))
         except BaseException:
             self.restore()
             raise
@@ -259,15 +256,12 @@ def _widen_lora_backup(slot: _Slot) -> None:
 
 
 def _retry_after_oom(fn: Callable[[], int], device: torch.device | None) -> int:
-    oom = False
     try:
         return fn()
     except Exception as exc:
         if not is_oom_error(exc):
             raise
-        oom = True
-    if oom:
-        release(device)
+    release(device)  # out of the except block: the failed call's tensors are gone with its traceback
     return fn()
 
 
@@ -335,7 +329,7 @@ class UNetFP16:
             + (f" (exact FP32 originals kept in RAM: {_gib(cast.backup_bytes)})" if cast.backup_bytes else "")
             + f", cast in {time.perf_counter() - started:.1f} s"
         )
-        if getattr(handle.owner, "is_sd2", False) and not self._upcast_attn():
+        if getattr(handle.owner, "is_sd2", False) and not _call(self.host, "upcast_attn", False):
             self.job.warn_once(
                 "unet-sd2",
                 "VRAM Guard: FP16 UNet on an SD 2.x model: enable Settings -> Stable Diffusion -> "
@@ -424,9 +418,3 @@ class UNetFP16:
         """Put the WebUI's own state back if ours is still set."""
         if self.saved is not None and self.host.unet_state() == FP16_STATE:
             self.host.set_unet_state(self.saved)
-
-    def _upcast_attn(self) -> bool:
-        try:
-            return bool(self.host.upcast_attn())
-        except (ImportError, AttributeError):
-            return False

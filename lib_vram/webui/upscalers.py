@@ -91,13 +91,10 @@ def patch_upscalers(job: Any, scalers: list[Any], *, device: Any, cache: Callabl
 
     ``cache()`` returns the model cache (called at the first upscale, so nothing is imported or
     allocated for jobs that never upscale)."""
-    n = 0
-    for scaler in scalers:
-        if type(scaler).__name__ not in FAMILY:
-            continue
+    ours = [s for s in scalers if type(s).__name__ in FAMILY]
+    for scaler in ours:
         patch_attr(scaler, "do_upscale", _make(job, scaler, device=device, cache=cache), job.stack)
-        n += 1
-    return n
+    return len(ours)
 
 
 def _make(job: Any, scaler: Any, *, device: Any, cache: Any) -> Callable[..., Any]:
@@ -180,7 +177,7 @@ def upscale(
         moved = ""
         try:
             with job.owned_stage(stage):
-                failed = None
+                failed = out = None
                 if job.may_make_room(stage) and not smallest_plan_fits(engine, model, bgr, config):
                     moved = job.make_room(
                         stage, "the upscaler's model and its smallest plan do not fit with them there"
@@ -192,10 +189,7 @@ def upscale(
                         raise
                     failed = exc if not isinstance(exc, torch.OutOfMemoryError) else None
                     logger.info("VRAM Guard: %s: %s", stage.replace("_", " "), exc)
-                    retry = True
-                else:
-                    retry = False
-                if retry:  # out of the except block (its traceback holds the failed upscale)
+                if out is None:  # out of the except block (its traceback holds the failed upscale)
                     report = engine.UpscaleReport()
                     moved = job.make_room(
                         stage, "it ran out of memory with them there, even with the smallest tile"
