@@ -7,14 +7,11 @@ project's own code, written to hold the same tensors at the same moments as the 
 copies exist, which slice of scores, sized from which free-memory probe. ``"none"`` keeps ldm's own
 forward. ``"xformers"`` is emulated by torch's SDP on the same ``b n h d`` views (the same tensors
 are held: the output and a log-sum-exp row per query; xformers itself is not installed here).
-
-Importing this module imports nothing of ldm; the builders import it when called.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import sys
 import types
@@ -22,6 +19,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+
+from lib_vram.cli.hostmodels import ldm, quiet
 
 MiB = 1 << 20
 
@@ -94,10 +93,9 @@ def build_unet(
     zero-initialises its output layers: a UNet that predicts 0); ``meta``: on the meta device."""
     torch.manual_seed(seed)
     meta_ctx = torch.device("meta") if meta else contextlib.nullcontext()
-    with _omegaconf_for_ldm(), meta_ctx, contextlib.redirect_stdout(io.StringIO()):  # ldm's prints
-        from ldm.modules.diffusionmodules.openaimodel import UNetModel
-
-        net = UNetModel(**_config(shape, model_channels, context_dim)).eval()
+    unet_model = ldm("modules.diffusionmodules.openaimodel").UNetModel
+    with _omegaconf_for_ldm(), meta_ctx, quiet():
+        net = unet_model(**_config(shape, model_channels, context_dim)).eval()
     if init and not meta:
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():

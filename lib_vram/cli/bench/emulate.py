@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from lib_vram.cli.common import MAX_CARD_BYTES, int_list
+from lib_vram.cli.hostmodels import SD_VAE, build_ldm
 from lib_vram.core.device import release
 from lib_vram.core.emulate import EmulatedCard
 from lib_vram.planning import planner
 
 from ._harness import Bench, attempt, known, ok, psnr, runner, table, timed
-from .vae import SD_VAE, build_ldm
 
 MAX_CARD_GB = MAX_CARD_BYTES // 2**30
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from lib_vram.cli.common import MAX_SECONDS, bounded_float
+from lib_vram.cli.hostmodels import build_ldm
 from lib_vram.core.device import capabilities, memory_info, resolve_device
 from lib_vram.core.emulate import EmulatedCard
 
 from ._harness import Bench, attempt, runner, timed
 from .emulate import GB, RESIDENT_REAL, VAE_FULL, add_cards, fidelity, image, latent, rrdb, stage_fns
 from .sampling_stream import gpu_stream
-from .vae import build_ldm
 
 HELP = "One prepared GPU run (< 8 min): capped 4/6/8 GB matrix, fp16 2048² decode, upscale batching, cuDNN."
 

@@ -90,7 +90,7 @@ def _build(case: Case):
     """The model and the input shape of ``case`` (build under a device/fake context as needed)."""
 
     if case.engine in ("vae", "vae-engine"):
-        from .vae import SD_VAE, build_ldm
+        from lib_vram.cli.hostmodels import SD_VAE, build_ldm
 
         lat = case.size // 8
         shape = (1, 4, lat, lat) if case.kind == "decode" else (1, 3, case.size, case.size)

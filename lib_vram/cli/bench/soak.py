@@ -69,6 +69,7 @@ class _Library:
         import torch
 
         from lib_vram import sampling
+        from lib_vram.cli.hostmodels import SD_VAE, build_ldm
         from lib_vram.core import emulate
         from lib_vram.planning import planner
         from lib_vram.residency import HOST, STREAMED, Model, Owner, plan_checkpoint
@@ -78,7 +79,6 @@ class _Library:
         from ._archs import save
         from ._synthetic import image_like, rrdb_net
         from ._unet import build_unet
-        from .vae import SD_VAE, build_ldm
 
         self.unet = build_unet("sd15", 32, context_dim=64, seed=4, init=True)
         cfg = {**SD_VAE, "ch": 32, "ch_mult": (1, 2), "num_res_blocks": 1, "resolution": 64}

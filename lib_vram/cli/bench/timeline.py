@@ -64,12 +64,12 @@ def bench(args: argparse.Namespace) -> Bench:
 def _jobs(quick: bool, device: str) -> list[tuple[str, object]]:
     """(name, run(tracker)) for each job."""
 
+    from lib_vram.cli.hostmodels import build_ldm
     from lib_vram.upscale import UpscaleConfig, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, tiled_decode
 
     from ._synthetic import image_like
     from .emulate import VAE_NARROW, rrdb
-    from .vae import build_ldm
 
     px = 256 if quick else 512
     dec = build_ldm("decoder", VAE_NARROW).to(device)

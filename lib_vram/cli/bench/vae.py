@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import functools
 import gc
-import io
 import math
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from lib_vram.cli.common import MAX_SIDE, MAX_THREADS, bounded_int, int_list
+from lib_vram.cli.hostmodels import SD_VAE, build_ldm  # noqa: F401 (SD_VAE: imported from here)
 from lib_vram.core.predict import LiveBytesCounter, fake_state, new_fake_mode
 from lib_vram.core.tracker import StageTracker
 
@@ -34,10 +34,6 @@ MAX_FAST_SAMPLE = 256
 MAX_PREDICT = MAX_SIDE
 
 HELP = "Tiled VAE: untiled vs exact vs fast vs diffusers tiled_decode (full-size SD VAE, random weights)."
-
-# v1-inference.yaml's first_stage_config ddconfig (the SD VAE; other widths: ``{**SD_VAE, "ch": n}``)
-SD_VAE = {"ch": 128, "out_ch": 3, "ch_mult": (1, 2, 4, 4), "num_res_blocks": 2, "attn_resolutions": [],
-          "in_channels": 3, "resolution": 256, "z_channels": 4}  # fmt: skip
 
 FULL_CASES = [
     # (kind, mode, image_px, tile)
@@ -183,18 +179,6 @@ def image_latent(px: int, channels: int = 4, seed: int = 0):
     z = torch.einsum("oc,bchw->bohw", torch.randn(channels, 3, generator=g), pooled)
     z = z + 0.2 * torch.randn(z.shape, generator=g)
     return (z - z.mean()) / z.std()
-
-
-def build_ldm(kind: str, cfg: dict | None = None, seed: int | None = 0):
-    """An ldm ``Decoder`` or ``Encoder`` (``kind`` ``"decoder"``/``"encoder"``) of ``cfg`` (default
-    :data:`SD_VAE`), random weights from ``seed`` (None: the current generator), eval mode; ldm's
-    import-time prints silenced."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        from ldm.modules.diffusionmodules.model import Decoder, Encoder
-
-        if seed is not None:
-            torch.manual_seed(seed)
-        return (Decoder if kind == "decoder" else Encoder)(**(cfg or SD_VAE)).eval()
 
 
 def _sdp_attn_forward(block):
