@@ -228,8 +228,6 @@ def _checkpoint_vae(kind: str, path: Path):
 
 
 def _run_vae(args: argparse.Namespace) -> int:
-    import torch
-
     if args.mode == "untiled" and args.tile is not None:
         raise UsageError("`--tile` is for --mode exact or fast, not untiled")
     if args.checkpoint is not None and (args.layout is not None or args.family != "ldm"):
@@ -240,7 +238,9 @@ def _run_vae(args: argparse.Namespace) -> int:
     stage = f"vae_{kind}"
     stem = f"{stage}-{args.size}-{args.mode}"
     paths = _check_out(args, stem, device.type == "cuda")
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    from lib_vram.core.predict import DTYPES
+
+    dtype = DTYPES[args.dtype]
     if args.checkpoint is not None:
         module = _checkpoint_vae(kind, args.checkpoint)
         what = f"{args.checkpoint.name}"

@@ -45,7 +45,6 @@ QUICK = {"vae_decode": (512, 1024), "vae_encode": (1024,), "upscale": (768,)}
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller images (a few minutes)")
-    parser.add_argument("--json", action="store_true", help="print one JSON record per case")
     add_cards(parser)
     parser.add_argument("--stages", default=None, help="comma-separated: vae_decode,vae_encode,upscale")
     parser.add_argument("--overhead", action="store_true",

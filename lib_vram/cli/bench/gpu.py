@@ -28,6 +28,7 @@ from ._harness import Bench, attempt, runner, timed
 from .emulate import GB, RESIDENT_REAL, VAE_FULL, add_cards, fidelity, image, latent, rrdb, stage_fns
 from .sampling_stream import gpu_stream
 
+JSON = False
 HELP = "One prepared GPU run (< 8 min): capped 4/6/8 GB matrix, fp16 2048² decode, upscale batching, cuDNN."
 
 

@@ -163,7 +163,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--quick", action="store_true", help="only the 4 light cases (~1-2 min)")
     add("--case", action="append", default=None, help="run only these cases (repeatable)")
-    add("--json", action="store_true", help="print JSON records instead of the table")
     add("--glibc-default", action="store_true", help="run the cases with glibc's default malloc thresholds "
         "(RSS then also holds freed heap chunks)")  # fmt: skip
     add("--timeout", type=bounded_float("--timeout", 0.0, MAX_SECONDS, why="one day", unit="s"),

@@ -53,7 +53,6 @@ CTX = 96
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="two base cases (ldm's attention; SD1.5, "
                         "SDXL shapes) on the three cards")  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print JSON records only")
 
 
 def bench(args: argparse.Namespace) -> Bench:

@@ -347,7 +347,6 @@ def gpu_stream(  # noqa: ANN001
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="one reduced UNet, two plans (a few minutes)")
-    parser.add_argument("--json", action="store_true", help="print one JSON record per case")
     parser.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_GB_S, help="host<->device "
                         "GB/s for the modelled copy time (default 12: PCIe 3.0 x16, pinned)")  # fmt: skip
 

@@ -34,7 +34,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--reps", type=bounded_int("--reps", 1, MAX_COUNT), default=5,
         help=f"runs per variant (default 5, at most {MAX_COUNT})")  # fmt: skip
     add("--quick", action="store_true", help="smaller jobs (under a minute)")
-    add("--json", action="store_true", help="print one JSON record per job")
     add("--device", default="cpu", help="device (default cpu)")
     add("--threads", type=bounded_int("--threads", 1, MAX_THREADS), default=None,
         help=f"torch CPU threads (default: torch's; 1 = least noise; at most {MAX_THREADS})")  # fmt: skip

@@ -29,10 +29,6 @@ CASES: tuple[tuple[str, int, int | None, str, int], ...] = (
 )  # fmt: skip
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON records instead of the table")
-
-
 def bench(args: argparse.Namespace) -> Bench:
     models: dict = {}
     return Bench(CASES, lambda case: _record(*case, models), _table, lines=False,
