@@ -1,15 +1,10 @@
 """A ControlNet in cldm's layout over a real ldm UNet's encoder, and the forward ControlNet's hook runs
-(``bench sampling``'s ControlNet cases, :func:`.sampling.control_records`, and the tests).
+(``bench sampling``'s ControlNet cases and the tests).
 
-cldm's ``ControlNet`` (what sd-webui-controlnet loads for SD1.5/SDXL control models) is the UNet's
-down path and middle block with its own weights, a zero convolution after each input block and
-after the middle, and a hint block that takes the control image down 8x (:data:`HINT_BLOCK`).
-:class:`ControlNet` builds that layout from a copy of a real ldm ``UNetModel``'s modules (this
-project's own code; the extension is not a package). Its zero convolutions get random weights (a
-zero convolution would make the control a no-op and hide a wrong residual).
-
-:func:`controlled` is the UNet forward with ControlNet's residuals as the extension's hook computes
-them (each unit on the whole batch, scaled and summed, added to the skips and the middle).
+cldm's ``ControlNet`` (what sd-webui-controlnet loads) is the UNet's down path and middle block with
+its own weights, a zero convolution after each input block and after the middle, and a hint block
+that takes the control image down 8x (:data:`HINT_BLOCK`); this project's own code. Its zero
+convolutions get random weights (a zero convolution would hide a wrong residual).
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from lib_vram.sampling._spec import HINT_BLOCK
 
 
 class ControlNet(nn.Module):
-    """cldm's layout over a copy of ``unet``'s encoder (see the module docstring)."""
+    """cldm's layout over a copy of ``unet``'s encoder."""
 
     def __init__(self, unet: nn.Module, hint_channels: int = 3, seed: int = 7) -> None:
         seq = ldm("modules.diffusionmodules.openaimodel").TimestepEmbedSequential

@@ -1,12 +1,6 @@
-"""``python -m lib_vram bench gpu``: everything a GPU should measure, in one prepared call (under
-~8 minutes, one JSON file): ``env``; ``matrix`` (each stage plain vs VRAM Guard on 4/6/8 GB cards
-capped by ``set_per_process_memory_fraction``, an SD1.5 checkpoint's 2.1 GB really allocated);
-``decode_2048`` (FP16 untiled vs exact vs fast); ``upscale_batch`` (batched vs one tile at a time);
-``cudnn_workspace`` (per convolution shape, the peak above input, output and weights: the data for
-``predict.cuda_conv_workspace_bytes``); ``stream_unet`` (:func:`.sampling_stream.gpu_stream`).
-
-Without CUDA the parts that make sense on the CPU run at small sizes and the rest is listed as
-skipped, so the command is tested here and the first GPU yields the numbers in one call.
+"""``python -m lib_vram bench gpu``: everything a GPU should measure, in one prepared call (one JSON
+file): the capped 4/6/8 GB ``matrix``, ``decode_2048``, ``upscale_batch``, ``cudnn_workspace`` and
+``stream_unet``. Without CUDA the CPU-sized parts run and the rest is listed as skipped.
 """
 
 from __future__ import annotations
@@ -99,7 +93,6 @@ def _peak(device, card=None) -> int | None:  # noqa: ANN001
 
 
 def _synced(device, fn):  # noqa: ANN001, ANN202
-    """``fn()`` and its seconds (rounded to ms), after a CUDA synchronize."""
     t0 = time.perf_counter()
     out = fn()
     if device.type == "cuda":
@@ -124,7 +117,6 @@ def matrix(device, cards: list[int], clock: _Clock, skipped: list[str]) -> list[
 
 def _matrix_rows(stage: str, px: int, device, dtype, scale: float, cards: list[int]) -> list[dict]:  # noqa: ANN001
     """``stage`` at ``px``, plain then guarded, on a card of each size."""
-
     cuda = device.type == "cuda"
     module, plain, guarded, rng = stage_fns(stage, px, device, dtype)
     ref, _, ref_cpu = timed(plain)

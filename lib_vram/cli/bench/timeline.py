@@ -1,12 +1,8 @@
 """``python -m lib_vram bench timeline``: what the memory timeline costs a job.
 
-The same job three ways, interleaved run by run in one process: ``none`` (nothing sampled),
-``tracker`` (the per-stage tracker VRAM Guard always runs) and ``timeline`` (the tracker plus a
-:class:`~lib_vram.core.timeline.Timeline` storing every sample); jobs: an exact tiled decode of the
-ldm ``Decoder`` at ``ch`` 32 and a tiled upscale of a spandrel ``RRDBNet``. Times: process CPU
-time on the CPU, wall time after a synchronize on CUDA. The cost of one sample measured alone
-(``tracker.sample()``, the fastest of 10 rounds of 2000 calls, once after the first job) gives the
-overhead it implies. Method: docs/benchmarks.md, "Memory timeline overhead".
+The same jobs (a tiled VAE decode, a tiled upscale) run ``none``/``tracker``/``timeline``,
+interleaved in one process; the cost of one sample measured alone gives the overhead it implies.
+Method: docs/benchmarks.md, "Memory timeline overhead".
 """
 
 from __future__ import annotations
@@ -62,7 +58,6 @@ def bench(args: argparse.Namespace) -> Bench:
 
 def _jobs(quick: bool, device: str) -> list[tuple[str, object]]:
     """(name, run(tracker)) for each job."""
-
     from lib_vram.cli.hostmodels import build_ldm
     from lib_vram.upscale import UpscaleConfig, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, tiled_decode
@@ -94,10 +89,8 @@ def _jobs(quick: bool, device: str) -> list[tuple[str, object]]:
 
 
 def _measure(name: str, job, reps: int, device: str) -> dict:  # noqa: ANN001
-    """``job`` ``reps`` times each way, interleaved, after a warm-up."""
-
-    # CPU: the process's CPU time (all threads), which other processes on a shared machine disturb
-    # far less than wall time; CUDA: wall time after a synchronize
+    """``job`` ``reps`` times each way, interleaved, after a warm-up; CPU time on the CPU (other
+    processes disturb it far less than wall time), wall time after a synchronize on CUDA."""
     cuda = device.startswith("cuda")
     job(StageTracker(device))  # warm-up (the upscale engine measures a model once)
     times: dict[str, list[float]] = {k: [] for k in VARIANTS}
@@ -134,9 +127,7 @@ def _measure(name: str, job, reps: int, device: str) -> dict:  # noqa: ANN001
 
 
 def _sample_cost(device: str, with_timeline: bool, n: int = 2_000, rounds: int = 10) -> float:
-    """Seconds per ``tracker.sample()`` inside an open stage: the fastest of ``rounds`` rounds of
-    ``n`` calls (the least disturbed by other processes)."""
-
+    """Seconds per ``tracker.sample()`` in an open stage: the fastest of ``rounds`` rounds of ``n``."""
     tracker = StageTracker(device, timeline=Timeline() if with_timeline else None)
     best = float("inf")
     with tracker.stage("bench"):
