@@ -37,17 +37,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 class _Clock:
     def __init__(self, budget: float) -> None:
-        self.t0 = time.perf_counter()
-        self.budget = budget
-
-    def left(self) -> float:
-        return self.budget - (time.perf_counter() - self.t0)
+        self.end = time.perf_counter() + budget
 
     def late(self, skipped: list[str], what: str, need: float) -> bool:
         """Fewer than ``need`` seconds left for ``what``: noted in ``skipped``."""
-        if self.left() < need:
+        late = self.end - time.perf_counter() < need
+        if late:
             skipped.append(f"{what}: out of time")
-        return self.left() < need
+        return late
 
 
 def bench(args: argparse.Namespace) -> Bench:

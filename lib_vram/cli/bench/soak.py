@@ -265,7 +265,7 @@ class _WebUI:
             if self.a.json:
                 print(json.dumps(self.polls), flush=True)
 
-    def _request(self, n: int) -> tuple[str, dict, str]:
+    def _job(self, n: int, out: dict) -> None:
         kind, with_lora = _kind(n)
         name = self.a.lora or ""
         lora = f" <lora:{name if ':' in name else name + ':1'}>" if name and with_lora else ""
@@ -280,10 +280,6 @@ class _WebUI:
             "extras": ({"image": self.init, "upscaling_resize": 2, "upscaler_1": "Lanczos"},
                        "/sdapi/v1/extra-single-image"),
         }[kind]  # fmt: skip
-        return kind, payload, path
-
-    def _job(self, n: int, out: dict) -> None:
-        kind, payload, path = self._request(n)
         t0 = time.perf_counter()
         try:
             self.call(path, payload)
