@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lib_vram.core.device import is_oom_error
 from lib_vram.core.emulate import install as install_card
 
@@ -192,10 +194,13 @@ def ok(key: str, yes: str = "OK") -> Callable[[dict], str]:
     return lambda r: yes if r[key] else "OOM"
 
 
-def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
-    """``fn()``, its wall and process CPU seconds."""
+def timed(fn: Callable[[], Any], device: object = None) -> tuple[Any, float, float]:
+    """``fn()``, its wall and process CPU seconds (on a CUDA ``device``: synchronized before and after)."""
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else lambda device: None
+    sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
+    sync(device)
     return out, time.perf_counter() - t0, time.process_time() - c0
 
 

@@ -89,14 +89,6 @@ def _peak(device, card=None) -> int | None:  # noqa: ANN001
     return None if card is None else card.peak_bytes
 
 
-def _synced(device, fn):  # noqa: ANN001, ANN202
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, round(time.perf_counter() - t0, 3)
-
-
 def matrix(device, cards: list[int], clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
     cuda = device.type == "cuda"
     dtype = torch.float16 if cuda else torch.float32
@@ -131,7 +123,8 @@ def _matrix_rows(stage: str, px: int, device, dtype, scale: float, cards: list[i
                 # the checkpoint's weights on the card, for real (CUDA)
                 held = torch.empty(RESIDENT_REAL, dtype=torch.uint8, device=device) if cuda else None
                 run = plain if which == "plain" else lambda: guarded(reports)
-                res, rec[f"{which}_seconds"] = _synced(device, run)
+                res, secs, _ = timed(run, device)
+                rec[f"{which}_seconds"] = round(secs, 3)
                 rec[f"{which}_ok"] = True
                 if which == "guarded":
                     rec.update(fidelity(res.float().cpu(), ref, rng))
@@ -170,9 +163,9 @@ def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noq
         _reset(device)
         rep = VAEReport()
         with torch.no_grad():
-            y, secs = _synced(device, lambda cfg=cfg, rep=rep: dec(z.half()) if cfg is None else
-                              tiled_decode(dec, z.half(), config=cfg, report=rep))  # fmt: skip
-        out.append({"case": name, "seconds": secs, "max_memory_allocated": _peak(device),
+            y, secs, _ = timed(lambda cfg=cfg, rep=rep: dec(z.half()) if cfg is None else
+                               tiled_decode(dec, z.half(), config=cfg, report=rep), device)  # fmt: skip
+        out.append({"case": name, "seconds": round(secs, 3), "max_memory_allocated": _peak(device),
                     "recomputed": len(rep.recomputed), **fidelity(y.float().cpu(), ref, 2.0)})  # fmt: skip
         del y
     return out
@@ -192,8 +185,10 @@ def upscale_batch(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # n
         _reset(device)
         rep = UpscaleReport()
         cfg = UpscaleConfig(tile=128 if cuda else 32, batch=batch, precision="fp16" if cuda else "fp32")
-        _, secs = _synced(device, lambda cfg=cfg, rep=rep: upscale_tensor(desc, x, config=cfg, report=rep))
-        out.append({"case": name, "plan": rep.plan, "seconds": secs, "max_memory_allocated": _peak(device)})
+        _, secs, _ = timed(lambda cfg=cfg, rep=rep: upscale_tensor(desc, x, config=cfg, report=rep), device)
+        out.append(
+            {"case": name, "plan": rep.plan, "seconds": round(secs, 3), "max_memory_allocated": _peak(device)}
+        )
     return out
 
 

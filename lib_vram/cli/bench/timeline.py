@@ -18,7 +18,7 @@ from lib_vram.core.timeline import Timeline
 from lib_vram.core.tracker import StageTracker
 from lib_vram.planning import planner
 
-from ._harness import Bench, fmt, runner
+from ._harness import Bench, fmt, runner, timed
 from ._harness import table as grid
 
 HELP = "Memory timeline overhead: a job with and without sampling, side by side (VAE decode, upscale)."
@@ -100,14 +100,9 @@ def _measure(name: str, job, reps: int, device: str) -> dict:  # noqa: ANN001
         for variant in VARIANTS:
             timeline = Timeline() if variant == "timeline" else None
             tracker = None if variant == "none" else StageTracker(device, timeline=timeline)
-            if cuda:
-                torch.cuda.synchronize()
-            t0, c0 = time.perf_counter(), time.process_time()
-            job(tracker)
-            if cuda:
-                torch.cuda.synchronize()
-            wall[variant].append(time.perf_counter() - t0)
-            times[variant].append(wall[variant][-1] if cuda else time.process_time() - c0)
+            _, seconds, cpu_seconds = timed(lambda: job(tracker), device)  # noqa: B023 (called here)
+            wall[variant].append(seconds)
+            times[variant].append(seconds if cuda else cpu_seconds)
             if timeline is not None:
                 d = timeline.to_dict()
                 samples, points = sum(d["samples"].values()), len(d["points"]["t"])

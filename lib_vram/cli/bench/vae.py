@@ -236,12 +236,10 @@ def _worker(spec: dict) -> dict:
             out = module.tiled_decode(x).sample if kind == "decode" else module.encoder(x)
         else:
             out = (tiled_decode if kind == "decode" else tiled_encode)(module, x, config=cfg, report=report)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         return out
 
     with torch.no_grad(), tracker.stage("case") as rec, counter or contextlib.nullcontext():
-        out, seconds, cpu_seconds = timed(run)
+        out, seconds, cpu_seconds = timed(run, device)
     peak = rec.delta_peak_bytes
     device_peak, live_peak = (counter.device_peak_bytes, counter.peak_bytes) if counter else (peak, peak)
     out = out.float().cpu()
