@@ -1,5 +1,5 @@
-"""The host's ldm classes (the WebUI's Stable Diffusion code) for benchmarks, profiling and tests:
-the one place that imports ldm, with its import-time and build-time prints silenced."""
+"""The host's VAE and UNet classes for benchmarks, profiling and tests: the one place that imports
+ldm (the WebUI's Stable Diffusion code; its prints silenced), and diffusers' VAE in the same layout."""
 
 from __future__ import annotations
 
@@ -41,3 +41,24 @@ def build_ldm(kind: str, cfg: dict | None = None, seed: int | None = 0, **needs:
         if seed is not None:
             torch.manual_seed(seed)
         return (model.Decoder if kind.startswith("dec") else model.Encoder)(**(cfg or SD_VAE)).eval()
+
+
+def diffusers_vae(cfg: dict | None = None):
+    """diffusers' ``AutoencoderKL`` in the layout of the ldm ``cfg`` (default :data:`SD_VAE`), random
+    weights from the current generator, eval mode; no quant convolutions (ldm's halves have none)."""
+    from diffusers import AutoencoderKL
+
+    cfg = cfg or SD_VAE
+    levels = len(cfg["ch_mult"])
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * levels,
+        up_block_types=["UpDecoderBlock2D"] * levels,
+        block_out_channels=[cfg["ch"] * m for m in cfg["ch_mult"]],
+        layers_per_block=cfg["num_res_blocks"],
+        latent_channels=cfg["z_channels"],
+        norm_num_groups=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    ).eval()

@@ -145,27 +145,16 @@ _NEEDS = {"who": "profiling a VAE", "alternative": " or --family diffusers"}
 def _random_vae(kind: str, layout: str, family: str):
     import torch
 
-    from lib_vram.cli.hostmodels import SD_VAE, build_ldm
+    from lib_vram.cli.hostmodels import SD_VAE, build_ldm, diffusers_vae
 
     cfg = dict(SD_VAE) if layout == "sd" else {**SD_VAE, "ch": 32}
     if family != "diffusers":
         return build_ldm(kind, cfg, seed=0, **_NEEDS)
     torch.manual_seed(0)
     try:
-        from diffusers import AutoencoderKL
+        vae = diffusers_vae(cfg)
     except ImportError as exc:
         raise UsageError(f"`--family diffusers` needs the diffusers package ({exc})") from None
-    ch = cfg["ch"]
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4,
-        block_out_channels=[ch * m for m in cfg["ch_mult"]],
-        layers_per_block=cfg["num_res_blocks"],
-        latent_channels=cfg["z_channels"],
-        norm_num_groups=32,
-    ).eval()
     return vae.decoder if kind == "decode" else vae.encoder
 
 

@@ -17,7 +17,11 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from lib_vram.cli.common import MAX_SIDE, MAX_THREADS, bounded_int, int_list
-from lib_vram.cli.hostmodels import SD_VAE, build_ldm  # noqa: F401 (SD_VAE: imported from here)
+from lib_vram.cli.hostmodels import (  # noqa: F401 (SD_VAE: imported from here)
+    SD_VAE,
+    build_ldm,
+    diffusers_vae,
+)
 from lib_vram.core.predict import DTYPES, LiveBytesCounter, fake_state, new_fake_mode
 from lib_vram.core.tracker import StageTracker
 
@@ -186,17 +190,12 @@ def _sdp_attn_forward(block):
 
 
 def _to_diffusers(dec, enc, dtype, device):
-    from diffusers import AutoencoderKL
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
-    config = {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
-              "up_block_types": ["UpDecoderBlock2D"] * 4, "block_out_channels": [128, 256, 512, 512],
-              "layers_per_block": 2, "latent_channels": 4, "norm_num_groups": 32, "use_quant_conv": False,
-              "use_post_quant_conv": False}  # fmt: skip
     sd = {f"decoder.{k}": v for k, v in dec.state_dict().items()}
     sd.update({f"encoder.{k}": v for k, v in enc.state_dict().items()})
-    vae = AutoencoderKL(**config).eval()
-    missing, unexpected = vae.load_state_dict(convert_ldm_vae_checkpoint(sd, config), strict=False)
+    vae = diffusers_vae()
+    missing, unexpected = vae.load_state_dict(convert_ldm_vae_checkpoint(sd, vae.config), strict=False)
     if missing or unexpected:
         raise RuntimeError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return vae.to(device=device, dtype=dtype)
@@ -231,12 +230,10 @@ def _worker(spec: dict) -> dict:
 
     def run() -> torch.Tensor:
         if mode == "untiled":
-            out = module(x)
-        elif mode == "diffusers":
-            out = module.tiled_decode(x).sample if kind == "decode" else module.encoder(x)
-        else:
-            out = (tiled_decode if kind == "decode" else tiled_encode)(module, x, config=cfg, report=report)
-        return out
+            return module(x)
+        if mode == "diffusers":
+            return module.tiled_decode(x).sample if kind == "decode" else module.encoder(x)
+        return (tiled_decode if kind == "decode" else tiled_encode)(module, x, config=cfg, report=report)
 
     with torch.no_grad(), tracker.stage("case") as rec, counter or contextlib.nullcontext():
         out, seconds, cpu_seconds = timed(run, device)
