@@ -3,52 +3,29 @@ AutoencoderKL (the layout Forge uses). Random weights from a seed; small channel
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import torch
 
+from lib_vram.cli.hostmodels import SD_VAE, build_ldm
 
-def _quiet():
-    # ldm prints while building ("making attention of type ..."); keep the test log clean.
-    return contextlib.redirect_stdout(io.StringIO())
+
+def _small(z_channels: int, ch_mult, num_res_blocks: int, **kw) -> dict:
+    return {
+        **SD_VAE,
+        "ch": 32,
+        "ch_mult": ch_mult,
+        "num_res_blocks": num_res_blocks,
+        "resolution": 64,
+        "z_channels": z_channels,
+        **kw,
+    }
 
 
 def ldm_decoder(z_channels: int = 4, *, ch_mult=(1, 2), num_res_blocks: int = 1, seed: int = 0, **kw):
-    with _quiet():
-        from ldm.modules.diffusionmodules.model import Decoder
-
-        torch.manual_seed(seed)
-        dec = Decoder(
-            ch=32,
-            out_ch=3,
-            ch_mult=ch_mult,
-            num_res_blocks=num_res_blocks,
-            attn_resolutions=[],
-            in_channels=3,
-            resolution=64,
-            z_channels=z_channels,
-            **kw,
-        )
-    return dec.eval()
+    return build_ldm("decoder", _small(z_channels, ch_mult, num_res_blocks, **kw), seed)
 
 
 def ldm_encoder(z_channels: int = 4, *, ch_mult=(1, 2), num_res_blocks: int = 1, seed: int = 0):
-    with _quiet():
-        from ldm.modules.diffusionmodules.model import Encoder
-
-        torch.manual_seed(seed)
-        enc = Encoder(
-            ch=32,
-            out_ch=3,
-            ch_mult=ch_mult,
-            num_res_blocks=num_res_blocks,
-            attn_resolutions=[],
-            in_channels=3,
-            resolution=64,
-            z_channels=z_channels,
-        )
-    return enc.eval()
+    return build_ldm("encoder", _small(z_channels, ch_mult, num_res_blocks), seed)
 
 
 def diffusers_vae(latent_channels: int = 4, *, seed: int = 0, blocks: int = 2):

@@ -8,8 +8,6 @@ measured it next to the profiler's count; ``--out DIR`` writes the trace, summar
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import sys
 from pathlib import Path
@@ -137,48 +135,23 @@ def _check_out(args: argparse.Namespace, stem: str, history: bool) -> None:
         raise UsageError(f"`--out` {out}: cannot write there ({reason})") from None
 
 
-def _quiet():
-    return contextlib.redirect_stdout(io.StringIO())
+_NEEDS = {"who": "profiling a VAE", "alternative": " or --family diffusers"}
 
 
 def _random_vae(kind: str, layout: str, family: str):
     import torch
 
-    from lib_vram.cli.bench.vae import SD_VAE
+    from lib_vram.cli.hostmodels import SD_VAE, build_ldm, diffusers_vae
 
     cfg = dict(SD_VAE) if layout == "sd" else {**SD_VAE, "ch": 32}
+    if family != "diffusers":
+        return build_ldm(kind, cfg, seed=0, **_NEEDS)
     torch.manual_seed(0)
-    if family == "diffusers":
-        try:
-            from diffusers import AutoencoderKL
-        except ImportError as exc:
-            raise UsageError(f"`--family diffusers` needs the diffusers package ({exc})") from None
-        ch = cfg["ch"]
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=["DownEncoderBlock2D"] * 4,
-            up_block_types=["UpDecoderBlock2D"] * 4,
-            block_out_channels=[ch * m for m in cfg["ch_mult"]],
-            layers_per_block=cfg["num_res_blocks"],
-            latent_channels=cfg["z_channels"],
-            norm_num_groups=32,
-        ).eval()
-        return vae.decoder if kind == "decode" else vae.encoder
-    with _quiet():
-        return _ldm_class(kind)(**cfg).eval()
-
-
-def _ldm_class(kind: str):
     try:
-        with _quiet():
-            from ldm.modules.diffusionmodules.model import Decoder, Encoder
+        vae = diffusers_vae(cfg)
     except ImportError as exc:
-        raise UsageError(
-            "profiling a VAE needs the ldm package (the WebUI's; stable-diffusion-sdkit) or "
-            f"--family diffusers ({exc})"
-        ) from None
-    return Decoder if kind == "decode" else Encoder
+        raise UsageError(f"`--family diffusers` needs the diffusers package ({exc})") from None
+    return vae.decoder if kind == "decode" else vae.encoder
 
 
 _PREFIXES = ("first_stage_model.", "vae.", "")
@@ -188,7 +161,7 @@ def _checkpoint_vae(kind: str, path: Path):
     """An ldm ``Decoder``/``Encoder`` with the weights of ``path`` (its shape read from them)."""
     import torch
 
-    from lib_vram.cli.bench.vae import SD_VAE
+    from lib_vram.cli.hostmodels import SD_VAE, build_ldm
 
     if not path.is_file():
         raise UsageError(f"`--checkpoint` not found: {path}")
@@ -224,8 +197,7 @@ def _checkpoint_vae(kind: str, path: Path):
         "num_res_blocks": len(blocks) - (1 if kind == "decode" else 0),
         "z_channels": int(z),
     }
-    with _quiet():
-        module = _ldm_class(kind)(**cfg).eval()
+    module = build_ldm(kind, cfg, seed=None, **_NEEDS)
     try:
         module.load_state_dict(sub, strict=True)
     except RuntimeError as exc:

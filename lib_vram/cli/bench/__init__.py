@@ -4,7 +4,8 @@ CLI modules: they may print.
 
 Each target is a module ``lib_vram/cli/bench/<name>.py`` with ``HELP``, ``configure(parser)`` and
 ``run(args) -> int`` (``run = runner(bench)``: the one runner of :mod:`._harness` runs what the
-target's ``bench(args)`` declares); register it in ``TARGETS``.
+target's ``bench(args)`` declares); register it in ``TARGETS``. Every target but ``gpu`` (``JSON =
+False``: it writes a file) gets ``--json``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         add_emulate_argument(p)
-        module.configure(p)
+        if getattr(module, "JSON", True):
+            p.add_argument("--json", action="store_true", help="print the records as JSON only")
+        getattr(module, "configure", lambda p: None)(p)
         add_child_argument(p)
         p.set_defaults(_bench_run=module.run)
 

@@ -1,9 +1,6 @@
-"""Small random-weight models of every spandrel architecture the tiling matrix covers.
-
-Each builder returns an ``nn.Module`` whose state dict spandrel recognises (saved to a file and
-loaded back through ``spandrel.ModelLoader``, as a user's file would be). Sizes are tiny so that the
-whole matrix runs on a CPU in seconds; window sizes stay those of the shipped models where they
-shape the tiling (8 for SwinIR/HAT/Swin2SR/OmniSR, 64 for SCUNet's fixed grid).
+"""Small random-weight models of every spandrel architecture the tiling matrix covers, saved to a
+file and loaded back through spandrel as a user's would be. Tiny sizes (the whole matrix runs on a
+CPU in seconds); window sizes stay the shipped models' where they shape the tiling.
 """
 
 from __future__ import annotations

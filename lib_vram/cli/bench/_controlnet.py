@@ -1,15 +1,10 @@
 """A ControlNet in cldm's layout over a real ldm UNet's encoder, and the forward ControlNet's hook runs
-(``bench sampling``'s ControlNet cases, :func:`.sampling.control_records`, and the tests).
+(``bench sampling``'s ControlNet cases and the tests).
 
-cldm's ``ControlNet`` (what sd-webui-controlnet loads for SD1.5/SDXL control models) is the UNet's
-down path and middle block with its own weights, a zero convolution after each input block and
-after the middle, and a hint block that takes the control image down 8x (:data:`HINT_BLOCK`).
-:class:`ControlNet` builds that layout from a copy of a real ldm ``UNetModel``'s modules (this
-project's own code; the extension is not a package). Its zero convolutions get random weights (a
-zero convolution would make the control a no-op and hide a wrong residual).
-
-:func:`controlled` is the UNet forward with ControlNet's residuals as the extension's hook computes
-them (each unit on the whole batch, scaled and summed, added to the skips and the middle).
+cldm's ``ControlNet`` (what sd-webui-controlnet loads) is the UNet's down path and middle block with
+its own weights, a zero convolution after each input block and after the middle, and a hint block
+that takes the control image down 8x (:data:`HINT_BLOCK`); this project's own code. Its zero
+convolutions get random weights (a zero convolution would hide a wrong residual).
 """
 
 from __future__ import annotations
@@ -19,15 +14,15 @@ import copy
 import torch
 from torch import nn
 
+from lib_vram.cli.hostmodels import ldm
 from lib_vram.sampling._spec import HINT_BLOCK
 
 
 class ControlNet(nn.Module):
-    """cldm's layout over a copy of ``unet``'s encoder (see the module docstring)."""
+    """cldm's layout over a copy of ``unet``'s encoder."""
 
     def __init__(self, unet: nn.Module, hint_channels: int = 3, seed: int = 7) -> None:
-        from ldm.modules.diffusionmodules.openaimodel import TimestepEmbedSequential
-
+        seq = ldm("modules.diffusionmodules.openaimodel").TimestepEmbedSequential
         super().__init__()
         torch.manual_seed(seed)
         self.in_channels, self.model_channels = unet.in_channels, unet.model_channels
@@ -36,25 +31,21 @@ class ControlNet(nn.Module):
         self.input_blocks = copy.deepcopy(unet.input_blocks)
         self.middle_block = copy.deepcopy(unet.middle_block)
         convs = [_out_channels(b) for b in self.input_blocks]
-        self.zero_convs = nn.ModuleList(TimestepEmbedSequential(nn.Conv2d(c, c, 1)) for c in convs)
+        self.zero_convs = nn.ModuleList(seq(nn.Conv2d(c, c, 1)) for c in convs)
         mid = _out_channels(self.middle_block)
-        self.middle_block_out = TimestepEmbedSequential(nn.Conv2d(mid, mid, 1))
+        self.middle_block_out = seq(nn.Conv2d(mid, mid, 1))
         layers: list[nn.Module] = []
         cin = hint_channels
         for cout, stride in HINT_BLOCK:
             layers += [nn.Conv2d(cin, cout, 3, stride=stride, padding=1), nn.SiLU()]
             cin = cout
-        self.input_hint_block = TimestepEmbedSequential(
-            *layers, nn.Conv2d(cin, self.model_channels, 3, padding=1)
-        )
+        self.input_hint_block = seq(*layers, nn.Conv2d(cin, self.model_channels, 3, padding=1))
         for p in (*self.zero_convs.parameters(), *self.middle_block_out.parameters()):
             nn.init.normal_(p, std=0.05)
         self.eval()
 
     def forward(self, x, hint, timesteps, context, y=None, **kwargs):  # noqa: ANN001, ANN201
-        from ldm.modules.diffusionmodules.util import timestep_embedding
-
-        emb = self.time_embed(timestep_embedding(timesteps, self.model_channels, repeat_only=False))
+        emb = self.time_embed(_embedding(timesteps, self.model_channels))
         guided = self.input_hint_block(hint, emb, context)
         outs, h = [], x
         for module, zero_conv in zip(self.input_blocks, self.zero_convs):
@@ -68,6 +59,10 @@ class ControlNet(nn.Module):
         return outs
 
 
+def _embedding(timesteps, channels: int):  # noqa: ANN001, ANN202
+    return ldm("modules.diffusionmodules.util").timestep_embedding(timesteps, channels, repeat_only=False)
+
+
 def _out_channels(block: nn.Module) -> int:
     return [m.out_channels for m in block.modules() if isinstance(m, nn.Conv2d)][-1]
 
@@ -75,8 +70,6 @@ def _out_channels(block: nn.Module) -> int:
 def controlled(unet, controls, hints, x, timesteps, context, weights=None):  # noqa: ANN001, ANN201
     """The UNet's forward with the residuals of ``controls`` (run on ``hints``), as
     sd-webui-controlnet's hook computes them; ``controls`` empty: the UNet's own forward."""
-    from ldm.modules.diffusionmodules.util import timestep_embedding
-
     total = None
     for i, (control, hint) in enumerate(zip(controls, hints)):
         w = 1.0 if weights is None else weights[i]
@@ -85,7 +78,7 @@ def controlled(unet, controls, hints, x, timesteps, context, weights=None):  # n
     forward = unet.__dict__.get("_original_forward", unet.forward)
     if total is None:
         return forward(x, timesteps=timesteps, context=context)
-    emb = unet.time_embed(timestep_embedding(timesteps, unet.model_channels, repeat_only=False))
+    emb = unet.time_embed(_embedding(timesteps, unet.model_channels))
     hs, h = [], x
     for module in unet.input_blocks:
         h = module(h, emb, context)

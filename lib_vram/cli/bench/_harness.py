@@ -1,8 +1,7 @@
 """The one bench runner: a target says what differs (a :class:`Bench`), this module does the rest.
 
-A case whose fresh process fails becomes a record with ``error`` (the end of its output); the
-others still run and the exit code is 1. :func:`attempt` is the plain-vs-guarded step the
-emulated-card targets share. CLI module: it may print.
+A case whose fresh process fails becomes a record with ``error``; the others still run and the exit
+code is 1. :func:`attempt` is the plain-vs-guarded step the emulated-card targets share.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lib_vram.core.device import is_oom_error
 from lib_vram.core.emulate import install as install_card
 
@@ -36,8 +37,7 @@ class Bench:
     cases: Sequence[Any]
     """In order; JSON-able for a fresh process (its ``--child`` gets the case as JSON)."""
     run_case: Callable[[Any], dict | list[dict]] | None
-    """Runs one case in this process: its record or records. ``None``: each case runs in a fresh
-    process, in the ``child`` function of :func:`runner`."""
+    """Runs one case in this process (``None``: in a fresh process, :func:`runner`'s ``child``)."""
     table: Sequence[Column] | Callable[[list[dict]], str] = ()
     """The table's columns, or the function that writes the whole text from the records."""
     merge: Callable[[Any, Any], dict | list[dict]] | None = None
@@ -45,15 +45,12 @@ class Bench:
     lines: bool = True
     """``--json``: a record a line as each case ends (else one indented list at the end)."""
     label: Callable[[Any], str] = str
-    """The case, in the progress lines."""
     done: Callable[[dict], str] | None = None
     """The progress line after a case, from its record."""
     prepare: Callable[[], object] | None = None
-    """Called once before the cases, in this process (work directories, model files)."""
     env: dict[str, str] = field(default_factory=dict)
     """Set in the child processes' environment."""
     timeout: float | None = None
-    """Seconds per case in a child process."""
     hold: contextlib.AbstractContextManager | None = None
     """Entered before the cases and left after them (what the cases share, e.g. a loaded model)."""
     summary: Callable[[list[dict]], dict] | None = None
@@ -197,10 +194,13 @@ def ok(key: str, yes: str = "OK") -> Callable[[dict], str]:
     return lambda r: yes if r[key] else "OOM"
 
 
-def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
-    """``fn()``, its wall and process CPU seconds."""
+def timed(fn: Callable[[], Any], device: object = None) -> tuple[Any, float, float]:
+    """``fn()``, its wall and process CPU seconds (on a CUDA ``device``: synchronized before and after)."""
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else lambda device: None
+    sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
+    sync(device)
     return out, time.perf_counter() - t0, time.process_time() - c0
 
 

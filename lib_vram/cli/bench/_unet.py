@@ -1,20 +1,14 @@
 """Real ldm ``UNetModel``s at reduced width, and attention forwards that allocate as the WebUI's do.
 
-Shared by ``bench sampling`` and the tests (``tests/test_sampling_estimate.py``). The WebUI applies
-a cross-attention optimization by replacing ``CrossAttention.forward``; the forwards here are this
-project's own code, written to hold the same tensors at the same moments as the host's
-(``modules/sd_hijack_optimizations.py`` and ``sub_quadratic_attention.py`` of v1.10.1): which
-copies exist, which slice of scores, sized from which free-memory probe. ``"none"`` keeps ldm's own
-forward. ``"xformers"`` is emulated by torch's SDP on the same ``b n h d`` views (the same tensors
-are held: the output and a log-sum-exp row per query; xformers itself is not installed here).
-
-Importing this module imports nothing of ldm; the builders import it when called.
+The forwards are this project's own code, written to hold the same tensors at the same moments as
+the host's (``modules/sd_hijack_optimizations.py`` and ``sub_quadratic_attention.py`` of v1.10.1).
+``"none"`` keeps ldm's own forward; ``"xformers"`` is emulated by torch's SDP on the same views
+(the same tensors are held; xformers itself is not installed here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import sys
 import types
@@ -22,6 +16,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+
+from lib_vram.cli.hostmodels import ldm, quiet
 
 MiB = 1 << 20
 
@@ -35,9 +31,8 @@ projections, fixed head width."""
 
 @contextlib.contextmanager
 def _omegaconf_for_ldm() -> Iterator[None]:
-    """ldm's ``UNetModel.__init__`` imports ``omegaconf.listconfig.ListConfig`` only for an
-    ``isinstance``-like check of ``context_dim``; the test environment has no omegaconf. A
-    placeholder module is put in place for the constructor only (and removed after)."""
+    """A placeholder ``omegaconf.listconfig`` while ldm's ``UNetModel.__init__`` runs (it imports
+    ``ListConfig`` only to check ``context_dim``; the test environment has no omegaconf)."""
     try:
         import omegaconf.listconfig  # noqa: F401
 
@@ -94,10 +89,9 @@ def build_unet(
     zero-initialises its output layers: a UNet that predicts 0); ``meta``: on the meta device."""
     torch.manual_seed(seed)
     meta_ctx = torch.device("meta") if meta else contextlib.nullcontext()
-    with _omegaconf_for_ldm(), meta_ctx, contextlib.redirect_stdout(io.StringIO()):  # ldm's prints
-        from ldm.modules.diffusionmodules.openaimodel import UNetModel
-
-        net = UNetModel(**_config(shape, model_channels, context_dim)).eval()
+    unet_model = ldm("modules.diffusionmodules.openaimodel").UNetModel
+    with _omegaconf_for_ldm(), meta_ctx, quiet():
+        net = unet_model(**_config(shape, model_channels, context_dim)).eval()
     if init and not meta:
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():

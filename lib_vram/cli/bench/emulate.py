@@ -1,12 +1,7 @@
 """``python -m lib_vram bench emulate``: each stage, plain vs VRAM Guard, on emulated 4/6/8 GB cards.
 
-The card is :class:`lib_vram.core.emulate.EmulatedCard` (CUDA's out-of-memory error at its
-capacity); the stages are real modules with random weights (ldm ``Decoder``/``Encoder``, a spandrel
-``RRDBNet`` from a file). Scaling: FP32 at 1/4 of the channels stands for FP16 at full width, so a
-card of N GB is emulated as N/2 GiB, with an SD1.5 checkpoint's weights resident as half of 2.1 GB.
-Plain: the module's own forward; guarded: VRAM Guard's engine in auto mode. ``cpu_ratio``: guarded
-over uncapped plain CPU time; fidelity against the uncapped plain output. Method:
-docs/benchmarks.md, "Emulated cards".
+FP32 at 1/4 of the channels stands for FP16 at full width, so a card of N GB is emulated as N/2
+GiB beside an SD1.5 checkpoint's weights. Method: docs/benchmarks.md, "Emulated cards".
 """
 
 from __future__ import annotations
@@ -19,12 +14,12 @@ from pathlib import Path
 import torch
 
 from lib_vram.cli.common import MAX_CARD_BYTES, int_list
+from lib_vram.cli.hostmodels import SD_VAE, build_ldm
 from lib_vram.core.device import release
 from lib_vram.core.emulate import EmulatedCard
 from lib_vram.planning import planner
 
 from ._harness import Bench, attempt, known, ok, psnr, runner, table, timed
-from .vae import SD_VAE, build_ldm
 
 MAX_CARD_GB = MAX_CARD_BYTES // 2**30
 
@@ -45,7 +40,6 @@ QUICK = {"vae_decode": (512, 1024), "vae_encode": (1024,), "upscale": (768,)}
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller images (a few minutes)")
-    parser.add_argument("--json", action="store_true", help="print one JSON record per case")
     add_cards(parser)
     parser.add_argument("--stages", default=None, help="comma-separated: vae_decode,vae_encode,upscale")
     parser.add_argument("--overhead", action="store_true",
@@ -82,9 +76,7 @@ def latent(px: int):
 
 
 def rrdb(filters: int = 16, blocks: int = 6):
-    """A spandrel ESRGAN ``RRDBNet`` x4 (seed 0, image-like weights; full size: 64 filters, 23
-    blocks), saved to a file and loaded from it as a user's model would be."""
-
+    """A spandrel ESRGAN ``RRDBNet`` x4 (seed 0; full size: 64 filters, 23 blocks), loaded from a file."""
     from ._archs import save_and_load
     from ._synthetic import rrdb_net
 
@@ -104,10 +96,8 @@ def fidelity(out, ref, data_range: float) -> dict:
 
 
 def stage_fns(stage: str, px: int, device=None, dtype=None):  # noqa: ANN001
-    """(module whose weights are on the card, plain(), guarded(reports), data range) of ``stage`` on
-    ``device`` (default the CPU) in ``dtype`` (default float32): full-size models on CUDA, the
-    narrow ones (see the module docstring) elsewhere."""
-
+    """(module on the card, plain(), guarded(reports), data range) of ``stage``: full-size models
+    on CUDA, the narrow ones elsewhere."""
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
 
@@ -155,9 +145,7 @@ def _plan_of(rep) -> str:
 
 
 def run_stage(stage: str, px: int, cards: list[int]) -> list[dict]:
-    """``stage`` at ``px`` on each card: the plain forward, then VRAM Guard's (the card installed, so
-    that its memory probes read it), on cards of the same size."""
-
+    """``stage`` at ``px`` on each card: plain, then VRAM Guard's (the card installed)."""
     module, plain, guarded, data_range = stage_fns(stage, px)
     ref, _, ref_cpu = timed(plain)
     records = []
@@ -193,8 +181,7 @@ def run_stage(stage: str, px: int, cards: list[int]) -> list[dict]:
 
 
 def overhead() -> list[dict]:
-    """The emulation's own CPU cost: the same plain forward with and without a card that never refuses."""
-
+    """The emulation's own CPU cost: the plain forward with and without a card that never refuses."""
     dec, z = build_ldm("decoder", VAE_FULL), latent(512)
     desc, img = rrdb(64, 23), image(128)
 

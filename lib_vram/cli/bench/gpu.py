@@ -1,12 +1,6 @@
-"""``python -m lib_vram bench gpu``: everything a GPU should measure, in one prepared call (under
-~8 minutes, one JSON file): ``env``; ``matrix`` (each stage plain vs VRAM Guard on 4/6/8 GB cards
-capped by ``set_per_process_memory_fraction``, an SD1.5 checkpoint's 2.1 GB really allocated);
-``decode_2048`` (FP16 untiled vs exact vs fast); ``upscale_batch`` (batched vs one tile at a time);
-``cudnn_workspace`` (per convolution shape, the peak above input, output and weights: the data for
-``predict.cuda_conv_workspace_bytes``); ``stream_unet`` (:func:`.sampling_stream.gpu_stream`).
-
-Without CUDA the parts that make sense on the CPU run at small sizes and the rest is listed as
-skipped, so the command is tested here and the first GPU yields the numbers in one call.
+"""``python -m lib_vram bench gpu``: everything a GPU should measure, in one prepared call (one JSON
+file): the capped 4/6/8 GB ``matrix``, ``decode_2048``, ``upscale_batch``, ``cudnn_workspace`` and
+``stream_unet``. Without CUDA the CPU-sized parts run and the rest is listed as skipped.
 """
 
 from __future__ import annotations
@@ -20,14 +14,15 @@ from pathlib import Path
 import torch
 
 from lib_vram.cli.common import MAX_SECONDS, bounded_float
+from lib_vram.cli.hostmodels import build_ldm
 from lib_vram.core.device import capabilities, memory_info, resolve_device
 from lib_vram.core.emulate import EmulatedCard
 
 from ._harness import Bench, attempt, runner, timed
 from .emulate import GB, RESIDENT_REAL, VAE_FULL, add_cards, fidelity, image, latent, rrdb, stage_fns
 from .sampling_stream import gpu_stream
-from .vae import build_ldm
 
+JSON = False
 HELP = "One prepared GPU run (< 8 min): capped 4/6/8 GB matrix, fp16 2048² decode, upscale batching, cuDNN."
 
 
@@ -42,17 +37,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 class _Clock:
     def __init__(self, budget: float) -> None:
-        self.t0 = time.perf_counter()
-        self.budget = budget
-
-    def left(self) -> float:
-        return self.budget - (time.perf_counter() - self.t0)
+        self.end = time.perf_counter() + budget
 
     def late(self, skipped: list[str], what: str, need: float) -> bool:
         """Fewer than ``need`` seconds left for ``what``: noted in ``skipped``."""
-        if self.left() < need:
+        late = self.end - time.perf_counter() < need
+        if late:
             skipped.append(f"{what}: out of time")
-        return self.left() < need
+        return late
 
 
 def bench(args: argparse.Namespace) -> Bench:
@@ -97,15 +89,6 @@ def _peak(device, card=None) -> int | None:  # noqa: ANN001
     return None if card is None else card.peak_bytes
 
 
-def _synced(device, fn):  # noqa: ANN001, ANN202
-    """``fn()`` and its seconds (rounded to ms), after a CUDA synchronize."""
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, round(time.perf_counter() - t0, 3)
-
-
 def matrix(device, cards: list[int], clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
     cuda = device.type == "cuda"
     dtype = torch.float16 if cuda else torch.float32
@@ -123,7 +106,6 @@ def matrix(device, cards: list[int], clock: _Clock, skipped: list[str]) -> list[
 
 def _matrix_rows(stage: str, px: int, device, dtype, scale: float, cards: list[int]) -> list[dict]:  # noqa: ANN001
     """``stage`` at ``px``, plain then guarded, on a card of each size."""
-
     cuda = device.type == "cuda"
     module, plain, guarded, rng = stage_fns(stage, px, device, dtype)
     ref, _, ref_cpu = timed(plain)
@@ -141,7 +123,8 @@ def _matrix_rows(stage: str, px: int, device, dtype, scale: float, cards: list[i
                 # the checkpoint's weights on the card, for real (CUDA)
                 held = torch.empty(RESIDENT_REAL, dtype=torch.uint8, device=device) if cuda else None
                 run = plain if which == "plain" else lambda: guarded(reports)
-                res, rec[f"{which}_seconds"] = _synced(device, run)
+                res, secs, _ = timed(run, device)
+                rec[f"{which}_seconds"] = round(secs, 3)
                 rec[f"{which}_ok"] = True
                 if which == "guarded":
                     rec.update(fidelity(res.float().cpu(), ref, rng))
@@ -180,9 +163,9 @@ def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noq
         _reset(device)
         rep = VAEReport()
         with torch.no_grad():
-            y, secs = _synced(device, lambda cfg=cfg, rep=rep: dec(z.half()) if cfg is None else
-                              tiled_decode(dec, z.half(), config=cfg, report=rep))  # fmt: skip
-        out.append({"case": name, "seconds": secs, "max_memory_allocated": _peak(device),
+            y, secs, _ = timed(lambda cfg=cfg, rep=rep: dec(z.half()) if cfg is None else
+                               tiled_decode(dec, z.half(), config=cfg, report=rep), device)  # fmt: skip
+        out.append({"case": name, "seconds": round(secs, 3), "max_memory_allocated": _peak(device),
                     "recomputed": len(rep.recomputed), **fidelity(y.float().cpu(), ref, 2.0)})  # fmt: skip
         del y
     return out
@@ -202,8 +185,10 @@ def upscale_batch(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # n
         _reset(device)
         rep = UpscaleReport()
         cfg = UpscaleConfig(tile=128 if cuda else 32, batch=batch, precision="fp16" if cuda else "fp32")
-        _, secs = _synced(device, lambda cfg=cfg, rep=rep: upscale_tensor(desc, x, config=cfg, report=rep))
-        out.append({"case": name, "plan": rep.plan, "seconds": secs, "max_memory_allocated": _peak(device)})
+        _, secs, _ = timed(lambda cfg=cfg, rep=rep: upscale_tensor(desc, x, config=cfg, report=rep), device)
+        out.append(
+            {"case": name, "plan": rep.plan, "seconds": round(secs, 3), "max_memory_allocated": _peak(device)}
+        )
     return out
 
 

@@ -1,11 +1,8 @@
 """``python -m lib_vram bench planner``: predicted vs measured peak memory, per case.
 
-Each case is measured in a fresh process on the CPU: the stage's peak RSS (``VmHWM``, through
-``StageTracker(owns_peak_counters=True)``) above the memory in use when it began; the prediction is
-the predictor's activation bytes for the same model, shape and plan, from a fake run in this
-process. Error = predicted / measured - 1. Models: ldm ``Decoder``/``Encoder`` (narrower ``ch`` for
-large sizes), the engines themselves for the tiled plans, spandrel's RRDBNet (2 blocks: the peak
-depends on the width) and Compact. Method: docs/benchmarks.md, "Planner".
+Each case's peak RSS above its start is measured in a fresh process on the CPU; the prediction is
+the predictor's activation bytes from a fake run in this process. Error = predicted / measured - 1.
+Method: docs/benchmarks.md, "Planner".
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ HELP = "Predicted vs measured peak memory (CPU RSS) for VAE and upscaler stages,
 class Case:
     name: str
     engine: str
-    """``"vae"``/``"upscale"`` (the untiled model) or
-    ``"vae-engine"``/``"upscale-engine"`` (:mod:`lib_vram.vae` / :mod:`lib_vram.upscale` themselves)."""
+    """``"vae"``/``"upscale"`` (the untiled model) or ``"vae-engine"``/``"upscale-engine"``."""
     kind: str
     """``decode``/``encode`` (vae) or ``rrdb``/``compact`` (upscale)."""
     size: int
@@ -42,7 +38,7 @@ class Case:
     batch: int = 1
     quick: bool = False
     mode: str = "exact"
-    """Tiled VAE engine mode (``vae-engine`` cases): ``"exact"`` or ``"fast"``."""
+    """``vae-engine`` cases: ``"exact"`` or ``"fast"``."""
 
     @property
     def plan(self) -> str:
@@ -69,10 +65,7 @@ CASES: tuple[Case, ...] = (
     Case("compact-2048", "upscale", "compact", 2048),
     Case("eng-compact-2048-t192x2", "upscale-engine", "compact", 2048, tile=192, batch=2),
 )
-"""The cases. CPU time decides the widths: the full SD decoder at 256², narrower VAEs (same ldm
-code) above; VAE sizes stop at 1024² because the mid-block attention of a 2048² decode (65536
-tokens) alone takes minutes on two shared cores. Sizes are output px (decode, upscale) or input px
-(encode)."""
+"""CPU time decides the widths (narrower VAEs above 256²) and stops VAE sizes at 1024²."""
 BY_NAME = {c.name: c for c in CASES}
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -87,10 +80,9 @@ SCALE = 4
 
 
 def _build(case: Case):
-    """The model and the input shape of ``case`` (build under a device/fake context as needed)."""
-
+    """The model and the input shape of ``case``."""
     if case.engine in ("vae", "vae-engine"):
-        from .vae import SD_VAE, build_ldm
+        from lib_vram.cli.hostmodels import SD_VAE, build_ldm
 
         lat = case.size // 8
         shape = (1, 4, lat, lat) if case.kind == "decode" else (1, 3, case.size, case.size)
@@ -116,8 +108,7 @@ def _runner(case: Case, model):
 
 
 def predict(case: Case) -> dict:
-    """The predictor's numbers for ``case`` (fake run; the model is built on the meta device)."""
-
+    """The predictor's numbers for ``case`` (a fake run)."""
     from lib_vram.cli import stageplan
 
     with torch.device("meta"):
@@ -139,8 +130,7 @@ def predict(case: Case) -> dict:
 
 
 def measure(name: str) -> dict:
-    """Run the case ``name`` for real (call in a fresh process) and measure its peak RSS above the start."""
-
+    """Run the case ``name`` (in a fresh process): its peak RSS above the start."""
     case = BY_NAME[name]
     torch.manual_seed(0)
     model, shape = _build(case)
@@ -163,7 +153,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--quick", action="store_true", help="only the 4 light cases (~1-2 min)")
     add("--case", action="append", default=None, help="run only these cases (repeatable)")
-    add("--json", action="store_true", help="print JSON records instead of the table")
     add("--glibc-default", action="store_true", help="run the cases with glibc's default malloc thresholds "
         "(RSS then also holds freed heap chunks)")  # fmt: skip
     add("--timeout", type=bounded_float("--timeout", 0.0, MAX_SECONDS, why="one day", unit="s"),

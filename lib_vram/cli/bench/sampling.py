@@ -1,14 +1,8 @@
-"""``python -m lib_vram bench sampling``: one UNet sampling step on emulated 4/6/8 GB cards, the
-plain WebUI's way (the whole cond/uncond batch in one forward, the idle VAE and text encoders
-resident) against VRAM Guard's plan (the idle models off when the step does not fit beside them;
-the largest micro-batch that fits), then the streamed cases of :mod:`.sampling_stream` and the
-cases with one ControlNet unit (:mod:`._controlnet`'s model).
-
-Models: the real ldm ``UNetModel`` at ``model_channels`` 32 (:data:`._unet.SHAPES`), float32 on
-the CPU under :class:`~lib_vram.core.emulate.EmulatedCard`. Each case scales the card and the idle
-models by ``f = reduced plain peak / full-size plain peak`` (both from the estimate, the control
-counted where there is one), so the plain step fits the scaled card exactly when the full-size one
-fits the real card. Method: docs/benchmarks.md, "Sampling step".
+"""``python -m lib_vram bench sampling``: one UNet sampling step on emulated 4/6/8 GB cards, plain
+(the whole cond/uncond batch, the idle models resident) against VRAM Guard's plan, then the cases
+of :mod:`.sampling_stream` and those with one ControlNet unit. Each case scales the card and the
+idle models by ``f = reduced plain peak / full-size plain peak``. Method: docs/benchmarks.md,
+"Sampling step".
 """
 
 from __future__ import annotations
@@ -53,7 +47,6 @@ CTX = 96
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="two base cases (ldm's attention; SD1.5, "
                         "SDXL shapes) on the three cards")  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print JSON records only")
 
 
 def bench(args: argparse.Namespace) -> Bench:
@@ -87,9 +80,8 @@ def _idle_bytes(shape: str) -> int:
 
 
 def _on_cards(case: tuple, unet, f: float, idle: int, control=None):  # noqa: ANN001, ANN202
-    """The step plain, then as VRAM Guard plans it, on each scaled card (``control``: one ControlNet
-    unit through its hook): yields the fields both kinds of record share, the plan, whether the
-    idle models were moved off and the guarded :class:`Attempt`."""
+    """The step plain, then as planned, on each scaled card (``control``: one ControlNet unit):
+    yields the records' shared fields, the plan, whether the idle models moved off, the attempt."""
     from ._controlnet import controlled
     from ._unet import attention_applied, context_arg, host_forward
 
@@ -105,7 +97,6 @@ def _on_cards(case: tuple, unet, f: float, idle: int, control=None):  # noqa: AN
     nets = [unet] if control is None else [unet, control]
 
     def forward(card, plan=None, memory=None, wrapped=None):  # noqa: ANN001, ANN202
-        """One step on ``card`` (``plan``: its micro-batches, the wrapper kept in ``wrapped``)."""
         probe = (lambda: float(card.free_bytes)) if card is not None else (lambda: float(1 << 50))
 
         def step():  # noqa: ANN202
@@ -168,8 +159,7 @@ def _case_records(shape: str, h: int, w: int, batch: int, attention: str, models
 
 
 def control_records(case: tuple, models: dict, idle_full: int) -> list[dict]:
-    """One ControlNet case on each card (``models``: the UNets built so far). Plain: ControlNet's model
-    on the card beside everything (its default; its Low VRAM has the same peak in the forward)."""
+    """One ControlNet case on each card (plain: the control model on the card beside everything)."""
     from lib_vram.sampling import reference_control
     from lib_vram.sampling._estimate import Step
 

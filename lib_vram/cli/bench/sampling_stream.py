@@ -1,15 +1,10 @@
-"""``python -m lib_vram bench sampling-stream``: the streamed UNet's cases (CLI module: it may print).
+"""``python -m lib_vram bench sampling-stream``: the streamed UNet, plain vs guarded.
 
-* **run** rows, on an emulated card (CPU): a real ldm ``UNetModel`` at reduced width (SD1.5-shaped;
-  the full run adds an SDXL-shaped one at transformer depth 1) on cards that hold about 1/3, 1/2
-  and 2/3 of it beside the step's activations. Plain: the whole UNet resident; guarded:
-  :func:`plan_stream` + :class:`StreamedUNet`, re-planned after an out-of-memory error. Bytes moved
-  are the streamer's count; ``--lowvram``'s are its behaviour modelled on the same units.
-* **plan** rows for the full-size UNets (SD1.5, SDXL): the same planner on the real unit sizes;
-  nothing runs, and the copy time per step is a model at ``--bandwidth``, not a measurement.
-
-Method and columns: docs/benchmarks.md, "Streamed UNet". :func:`cases` and :func:`run_one` are
-what ``bench sampling`` runs for its streamed rows; :func:`gpu_stream` is ``bench gpu``'s part.
+**run** rows: a real ldm ``UNetModel`` at reduced width on emulated cards that hold about 1/3, 1/2
+and 2/3 of it beside the step's activations (guarded: :func:`plan_stream` + :class:`StreamedUNet`,
+re-planned after an out-of-memory error). **plan** rows: the same planner on the full-size UNets'
+unit sizes; nothing runs, the copy time is a model at ``--bandwidth``. Method and columns:
+docs/benchmarks.md, "Streamed UNet". :func:`gpu_stream` is ``bench gpu``'s part.
 """
 
 from __future__ import annotations
@@ -95,9 +90,8 @@ def _inputs(side: int, ctx: int) -> dict:
 
 def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2, attempts: int = 4) -> dict:
     """One emulated-card case: a card that holds about ``fraction`` of the UNet beside one
-    micro-batch's activations, and at least the whole UNet beside the step's output (it was
-    resident before the pass: the move back needs that room). Each step is the WebUI's batched
-    cond/uncond forward (batch 2), micro-batched as the sampling plan says."""
+    micro-batch's activations, and at least the whole UNet beside the step's output (the move back
+    needs that room); each step the batched cond/uncond forward, micro-batched as planned."""
     unet = build_unet("sdxl-d1" if shape == "sdxl" else shape, mc, context_dim=64, init=True)
     kw = _inputs(side, 64)
     units = unit_bytes(unet)
@@ -193,8 +187,7 @@ def cases(quick: bool = False) -> list[tuple]:
 
 
 def run_one(case: tuple, bandwidth_gb_s: float = DEFAULT_BANDWIDTH_GB_S) -> dict:
-    """One of :func:`cases`, on one thread (a shared small machine: more threads only thrash; same
-    results)."""
+    """One of :func:`cases`, on one thread (on a shared small machine more only thrash)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -238,10 +231,8 @@ def table(rows: list[dict]) -> str:
 
 
 def _lowvram_hooks(unet, device) -> list:  # noqa: ANN001
-    """``--lowvram``'s way, written for this measurement: every unit it swaps (the top-level
-    ``time_embed``, input blocks, middle block and output blocks) lives on the CPU and moves to the
-    device before its forward; the one there before moves back to the CPU (``module.to``, a full
-    copy each way, changed or not). The rest of the UNet stays on the device."""
+    """``--lowvram``'s way: each unit it swaps lives on the CPU and moves to the device before its
+    forward, the one there before back to the CPU (a full copy each way); the rest stays."""
     swapped = [unet.time_embed, *unet.input_blocks, unet.middle_block, *unet.output_blocks]
     for m in swapped:
         m.to("cpu")
@@ -259,14 +250,9 @@ def _lowvram_hooks(unet, device) -> list:  # noqa: ANN001
 def gpu_stream(  # noqa: ANN001
     device, clock=None, skipped: list[str] | None = None, *, steps: int = 5, side: int = 64
 ) -> list[dict]:
-    """The streamed UNet on a real GPU: the full-size SD1.5-shaped ldm UNet (random weights, FP16),
-    one sampling step of a cond/uncond batch of 2 at ``side`` x ``side`` latent, ``steps`` timed
-    steps after a warm-up, each case: the untouched UNet (all resident), streamed with 2/3 of it
-    resident with prefetch on the side stream and without (the difference is the overlap), the
-    streamed bytes copied alone (no compute), and ``--lowvram``'s way (:func:`_lowvram_hooks`).
-    Records: seconds per step, bytes moved per step, ``max_memory_allocated``, bit-identity with
-    the untouched output (the same kernels on copies of the same bits). Needs CUDA: without it,
-    one line in ``skipped`` and no records."""
+    """The full-size SD1.5-shaped UNet (FP16) on a real GPU, ``steps`` timed cond/uncond steps at
+    ``side``² latent: untouched, streamed with 2/3 resident with and without prefetch, the streamed
+    bytes copied alone, and ``--lowvram``'s way. Without CUDA: one line in ``skipped``."""
     skipped = [] if skipped is None else skipped
     if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
         skipped.append("stream_unet: needs CUDA (side-stream copy/compute overlap from pinned memory)")
@@ -347,7 +333,6 @@ def gpu_stream(  # noqa: ANN001
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="one reduced UNet, two plans (a few minutes)")
-    parser.add_argument("--json", action="store_true", help="print one JSON record per case")
     parser.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_GB_S, help="host<->device "
                         "GB/s for the modelled copy time (default 12: PCIe 3.0 x16, pinned)")  # fmt: skip
 

@@ -1,20 +1,11 @@
 """``python -m lib_vram bench soak``: many mixed jobs in one process; nothing may grow or stay behind.
 
-* ``--quick`` (library level, no WebUI; what CI runs): a checkpoint of real ldm modules at a small
-  width placed by VRAM Guard on an emulated card below it (:func:`lib_vram.residency.plan_checkpoint`:
-  a third of the UNet streams, the text encoders and VAE wait in host memory; an
-  :class:`~lib_vram.residency.Owner` moves them) and a spandrel ESRGAN loaded from a file. Jobs
-  cycle through txt2img, img2img, hires fix and an Extras upscale; every other round merges a
-  LoRA-style low-rank update into two attention weights in place (the built-in Lora extension's
-  way) and restores it after the job. A job without the LoRA must equal the first of its kind bit
-  for bit (nothing of a merge left in a streamed or parked copy); the card after each job must hold
-  the placed checkpoint's resident bytes, nothing more.
-* ``--url URL`` (a running WebUI with ``--api``): the same mix through its API, VRAM Guard on for
-  each job (``--lora NAME`` or ``NAME:WEIGHT`` adds ``<lora:NAME:WEIGHT>`` to every other round's
-  prompts; ``--poll`` reads the status route every 200 ms; ``--clients 2`` sends from two clients
-  at once).
-
-Pass/fail: :func:`_passed` (exit 1 when it fails). Method: docs/benchmarks.md, "Soak".
+``--quick`` (library level, what CI runs): real ldm modules at a small width placed by VRAM Guard on
+an emulated card below them and a spandrel ESRGAN file; txt2img, img2img, hires fix and Extras jobs,
+every other round with a LoRA-style update merged in place. A job without the LoRA must equal the
+first of its kind bit for bit; the card after each job must hold the placed resident bytes only.
+``--url URL``: the same mix through a running WebUI's API. Pass/fail: :func:`_passed`. Method:
+docs/benchmarks.md, "Soak".
 """
 
 from __future__ import annotations
@@ -47,7 +38,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--lora", help="--url: a LoRA for every other round, NAME or NAME:WEIGHT (default weight 1)")
     add("--poll", action="store_true", help="--url: read the status route every 200 ms")
     add("--clients", type=bounded_int("--clients", 1, 8), default=1, help="--url: clients at once")
-    add("--json", action="store_true", help="print one JSON record per job, then the summary")
 
 
 def _kind(n: int) -> tuple[str, bool]:
@@ -59,8 +49,7 @@ def _kind(n: int) -> tuple[str, bool]:
 
 
 class _Library:
-    """Real ldm modules at a small width, placed on an emulated card below them, and an upscaler
-    file; the jobs run on them (entered: placed; left: the UNet back in host memory)."""
+    """The placed models the jobs run on (entered: placed; left: the UNet back in host memory)."""
 
     def __enter__(self) -> _Library:
         import os
@@ -69,6 +58,7 @@ class _Library:
         import torch
 
         from lib_vram import sampling
+        from lib_vram.cli.hostmodels import SD_VAE, build_ldm
         from lib_vram.core import emulate
         from lib_vram.planning import planner
         from lib_vram.residency import HOST, STREAMED, Model, Owner, plan_checkpoint
@@ -78,7 +68,6 @@ class _Library:
         from ._archs import save
         from ._synthetic import image_like, rrdb_net
         from ._unet import build_unet
-        from .vae import SD_VAE, build_ldm
 
         self.unet = build_unet("sd15", 32, context_dim=64, seed=4, init=True)
         cfg = {**SD_VAE, "ch": 32, "ch_mult": (1, 2), "num_res_blocks": 1, "resolution": 64}
@@ -160,7 +149,7 @@ class _Library:
             self.owner.end(kind)
 
     def _run(self, kind: str, n: int) -> tuple:
-        """(the sampler's last latent, the picture); Extras: (its input, the upscaled picture)."""
+        """(the last latent, the picture); Extras: (its input, the upscaled picture)."""
         import spandrel
         import torch
 
@@ -230,7 +219,7 @@ class _Library:
 
 class _WebUI:
     """The jobs through a running WebUI's API, ``--clients`` at once (a case: one job per client);
-    entered: the status poller started (``--poll``); left: stopped, its counts printed (``--json``)."""
+    entered: the ``--poll`` poller started; left: stopped, its counts printed (``--json``)."""
 
     def __init__(self, a: argparse.Namespace) -> None:
         import base64
@@ -276,7 +265,7 @@ class _WebUI:
             if self.a.json:
                 print(json.dumps(self.polls), flush=True)
 
-    def _request(self, n: int) -> tuple[str, dict, str]:
+    def _job(self, n: int, out: dict) -> None:
         kind, with_lora = _kind(n)
         name = self.a.lora or ""
         lora = f" <lora:{name if ':' in name else name + ':1'}>" if name and with_lora else ""
@@ -291,10 +280,6 @@ class _WebUI:
             "extras": ({"image": self.init, "upscaling_resize": 2, "upscaler_1": "Lanczos"},
                        "/sdapi/v1/extra-single-image"),
         }[kind]  # fmt: skip
-        return kind, payload, path
-
-    def _job(self, n: int, out: dict) -> None:
-        kind, payload, path = self._request(n)
         t0 = time.perf_counter()
         try:
             self.call(path, payload)
@@ -320,16 +305,13 @@ class _WebUI:
 
 
 SETTLE_JOBS = 2 * len(KINDS)
-"""``--url``: the card at rest after the first round (each kind with and without the LoRA) is the
-baseline. The WebUI keeps a few small tensors on the card between jobs (the last prompts'
-conditioning, the sampler's sigma table: about 1 MiB at 128 px), so its card at rest is that much
-above the placed checkpoint; what may not happen is growth after it."""
+"""``--url``: the most the card held at rest in the first round is the baseline (the WebUI keeps
+about 1 MiB of conditioning and sigmas there between jobs); what may not happen is growth after it."""
 
 
 def summary(records: list[dict], settle: int = 0) -> dict:
-    """Every job ok, RSS growth from job 10 to the last, the card at rest, time per job. The card at
-    rest may not exceed the placed resident bytes, or with ``settle`` jobs: the most it held at rest
-    in those jobs (``card_settled_bytes``)."""
+    """Every job ok, RSS growth from job 10 to the last, the card at rest (at most the placed
+    resident bytes, or the most it held at rest in the first ``settle`` jobs), time per job."""
     rss = [r["rss_bytes"] for r in records if r.get("rss_bytes")]
     growth = (rss[-1] / rss[9] - 1) if len(rss) >= 10 else None
     at_rest = [r for r in records if r.get("card_bytes_at_rest") is not None]

@@ -1,12 +1,8 @@
 """``python -m lib_vram bench timeline``: what the memory timeline costs a job.
 
-The same job three ways, interleaved run by run in one process: ``none`` (nothing sampled),
-``tracker`` (the per-stage tracker VRAM Guard always runs) and ``timeline`` (the tracker plus a
-:class:`~lib_vram.core.timeline.Timeline` storing every sample); jobs: an exact tiled decode of the
-ldm ``Decoder`` at ``ch`` 32 and a tiled upscale of a spandrel ``RRDBNet``. Times: process CPU
-time on the CPU, wall time after a synchronize on CUDA. The cost of one sample measured alone
-(``tracker.sample()``, the fastest of 10 rounds of 2000 calls, once after the first job) gives the
-overhead it implies. Method: docs/benchmarks.md, "Memory timeline overhead".
+The same jobs (a tiled VAE decode, a tiled upscale) run ``none``/``tracker``/``timeline``,
+interleaved in one process; the cost of one sample measured alone gives the overhead it implies.
+Method: docs/benchmarks.md, "Memory timeline overhead".
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from lib_vram.core.timeline import Timeline
 from lib_vram.core.tracker import StageTracker
 from lib_vram.planning import planner
 
-from ._harness import Bench, fmt, runner
+from ._harness import Bench, fmt, runner, timed
 from ._harness import table as grid
 
 HELP = "Memory timeline overhead: a job with and without sampling, side by side (VAE decode, upscale)."
@@ -34,7 +30,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--reps", type=bounded_int("--reps", 1, MAX_COUNT), default=5,
         help=f"runs per variant (default 5, at most {MAX_COUNT})")  # fmt: skip
     add("--quick", action="store_true", help="smaller jobs (under a minute)")
-    add("--json", action="store_true", help="print one JSON record per job")
     add("--device", default="cpu", help="device (default cpu)")
     add("--threads", type=bounded_int("--threads", 1, MAX_THREADS), default=None,
         help=f"torch CPU threads (default: torch's; 1 = least noise; at most {MAX_THREADS})")  # fmt: skip
@@ -63,13 +58,12 @@ def bench(args: argparse.Namespace) -> Bench:
 
 def _jobs(quick: bool, device: str) -> list[tuple[str, object]]:
     """(name, run(tracker)) for each job."""
-
+    from lib_vram.cli.hostmodels import build_ldm
     from lib_vram.upscale import UpscaleConfig, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, tiled_decode
 
     from ._synthetic import image_like
     from .emulate import VAE_NARROW, rrdb
-    from .vae import build_ldm
 
     px = 256 if quick else 512
     dec = build_ldm("decoder", VAE_NARROW).to(device)
@@ -95,10 +89,8 @@ def _jobs(quick: bool, device: str) -> list[tuple[str, object]]:
 
 
 def _measure(name: str, job, reps: int, device: str) -> dict:  # noqa: ANN001
-    """``job`` ``reps`` times each way, interleaved, after a warm-up."""
-
-    # CPU: the process's CPU time (all threads), which other processes on a shared machine disturb
-    # far less than wall time; CUDA: wall time after a synchronize
+    """``job`` ``reps`` times each way, interleaved, after a warm-up; CPU time on the CPU (other
+    processes disturb it far less than wall time), wall time after a synchronize on CUDA."""
     cuda = device.startswith("cuda")
     job(StageTracker(device))  # warm-up (the upscale engine measures a model once)
     times: dict[str, list[float]] = {k: [] for k in VARIANTS}
@@ -108,14 +100,9 @@ def _measure(name: str, job, reps: int, device: str) -> dict:  # noqa: ANN001
         for variant in VARIANTS:
             timeline = Timeline() if variant == "timeline" else None
             tracker = None if variant == "none" else StageTracker(device, timeline=timeline)
-            if cuda:
-                torch.cuda.synchronize()
-            t0, c0 = time.perf_counter(), time.process_time()
-            job(tracker)
-            if cuda:
-                torch.cuda.synchronize()
-            wall[variant].append(time.perf_counter() - t0)
-            times[variant].append(wall[variant][-1] if cuda else time.process_time() - c0)
+            _, seconds, cpu_seconds = timed(lambda: job(tracker), device)  # noqa: B023 (called here)
+            wall[variant].append(seconds)
+            times[variant].append(seconds if cuda else cpu_seconds)
             if timeline is not None:
                 d = timeline.to_dict()
                 samples, points = sum(d["samples"].values()), len(d["points"]["t"])
@@ -135,9 +122,7 @@ def _measure(name: str, job, reps: int, device: str) -> dict:  # noqa: ANN001
 
 
 def _sample_cost(device: str, with_timeline: bool, n: int = 2_000, rounds: int = 10) -> float:
-    """Seconds per ``tracker.sample()`` inside an open stage: the fastest of ``rounds`` rounds of
-    ``n`` calls (the least disturbed by other processes)."""
-
+    """Seconds per ``tracker.sample()`` in an open stage: the fastest of ``rounds`` rounds of ``n``."""
     tracker = StageTracker(device, timeline=Timeline() if with_timeline else None)
     best = float("inf")
     with tracker.stage("bench"):

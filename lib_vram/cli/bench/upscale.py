@@ -1,14 +1,9 @@
 """``python -m lib_vram bench upscale``: untiled vs this engine vs a one-tile-at-a-time PIL loop.
 
-Each case in a fresh process. Models: real spandrel architectures with random weights, loaded
-from files: Compact at the size of realesr-animevideov3, RRDBNet at the size of RealESRGAN_x4plus
-(both made to behave like trained models, :mod:`._synthetic`), a small Compact for the
-constant-peak series. ``seconds``/``cpu_seconds``: uint8 image in to uint8 image out;
-``psnr_db``/``max_err_lsb``: 8-bit, against the untiled output; ``flop_ratio``: input pixels
-processed / image pixels. ``peak_bytes``: on CUDA the allocator's peak above the weights; on the
-CPU the live tensor bytes inside the model's forwards plus the batch fed to them
-(``rss_peak_bytes``: the whole process). ``--archs``/``--fallback``: the per-architecture tables.
-Method: docs/benchmarks.md, "Tiled upscaling".
+Each case in a fresh process, on real spandrel architectures with random weights loaded from files
+(:data:`ARCHS`, made to behave like trained models by :mod:`._synthetic`). ``peak_bytes``: on CUDA
+the allocator's peak above the weights; on the CPU the live tensor bytes inside the model's
+forwards plus the batch fed to them. Method and columns: docs/benchmarks.md, "Tiled upscaling".
 """
 
 from __future__ import annotations
@@ -22,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lib_vram.cli.common import bounded_int
 from lib_vram.core.device import resolve_device
 from lib_vram.core.livebytes import LiveBytesCounter
+from lib_vram.core.predict import DTYPES
 from lib_vram.core.tracker import _read_vm_hwm, _reset_vm_hwm
 
 from ._harness import Bench, cell, known, mib_of, psnr, runner, table
@@ -41,7 +38,6 @@ ARCH_IMAGE = (110, 150)
 """Height, width of the per-architecture table's image (neither a multiple of 8 nor of 16)."""
 ARCH_TILES = (64, 96)
 FALLBACK_PX = 512
-FALLBACK_PX_RANGE = (64, 4096)
 FALLBACK_TILES = (128, 256)
 """Tile cores (input px) the fallback table measures: what a card that cannot hold the whole image
 runs (the engine gives an inexact model the largest tile that fits)."""
@@ -52,7 +48,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # fmt: off
     add("--quick", action="store_true", help="small sizes (a smoke run of a few minutes)")
     add("--large", action="store_true", help="add Compact 1024², RRDBNet 256² (slow on CPU)")
-    add("--json", action="store_true", help="print the records as JSON")
     add("--device", default=None, help="device (default: the best available)")
     add("--precision", default="auto", choices=("auto", "fp16", "bf16", "fp32"), help="auto: fp16 on GPU")
     add("--workdir", type=Path, default=None, help="where model files and references go")
@@ -64,9 +59,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--fallback", nargs="?", const="auto", default=None, metavar="A,B,...",
         help="instead: the tiled error of models flagged inexact at a real image size (--fallback-px), "
         "for the named architectures of lib_vram.cli.bench._archs (default: every one the engine flags)")
-    add("--fallback-px", type=int, default=FALLBACK_PX,
-        help=f"input side for --fallback (default {FALLBACK_PX}; "
-        f"{FALLBACK_PX_RANGE[0]}-{FALLBACK_PX_RANGE[1]})")
+    add("--fallback-px", type=bounded_int("--fallback-px", 64, 4096), default=FALLBACK_PX,
+        help=f"input side for --fallback (default {FALLBACK_PX}; 64-4096)")
     # fmt: on
 
 
@@ -111,9 +105,6 @@ def bench(args: argparse.Namespace) -> Bench:
         return path
 
     if args.fallback:
-        lo, hi = FALLBACK_PX_RANGE
-        if not lo <= args.fallback_px <= hi:
-            raise ValueError(f"`--fallback-px` must be {lo}-{hi}, got {args.fallback_px}")
         names, work = _known("--fallback", args.fallback, "auto"), workdir("fallback")
         return Bench(names, lambda n: fallback_rows([n], work, args.fallback_px, args.device), fallback_table,
                      lines=False, done=lambda r: f"{r['arch']} t{r['tile']}: {r['max_err_lsb']} LSB, "
@@ -135,9 +126,6 @@ def bench(args: argparse.Namespace) -> Bench:
                  label=lambda c: f"{c['method']} {c['arch']} {c['image_px']}² t{c['tile']} b{c['batch']}",
                  done=lambda r: f"{r['seconds']:.2f}s (cpu {r['cpu_seconds']:.2f}s) psnr "
                  f"{cell(r['psnr_db'])} {r['plan']}")  # fmt: skip
-
-
-# -- one case (child process) ------------------------------------------------------------------------
 
 
 def _model_path(workdir: Path, arch: str) -> Path:
@@ -193,7 +181,6 @@ def pil_loop(model, img, tile: int, overlap: int, device, dtype):  # noqa: ANN00
 
 
 def run_case(case: dict) -> dict:
-    """Run one case in this process and return its record."""
     from PIL import Image
 
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, context, load_model, upscale_tensor
@@ -204,7 +191,7 @@ def run_case(case: dict) -> dict:
     precision = case.get("precision", "auto")
     if precision == "auto":
         precision = "fp16" if device.type == "cuda" else "fp32"
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    dtype = DTYPES[precision]
     model = load_model(_model_path(workdir, case["arch"]), device=device)
     model.to(dtype)
     px = case["image_px"]
@@ -282,9 +269,6 @@ def run_case(case: dict) -> dict:
     }  # fmt: skip
 
 
-# -- the tables -------------------------------------------------------------------------------------
-
-
 def _table(records: list[dict]) -> str:
     cols = [(c, mib_of(c, 1, " MiB")) if c in ("peak_bytes", "rss_peak_bytes") else c for c in FIELDS]
     return table(cols, records) + "\n\n" + "\n".join(ratios(records))
@@ -312,9 +296,8 @@ def _lsb_stats(y, ref) -> tuple[int, float, float]:  # noqa: ANN001
 
 
 def _tiled_rows(names, workdir: Path, prefix: str, device, image, tiles, row) -> list[dict]:  # noqa: ANN001
-    """Per architecture (a random-weight model saved to a file, loaded through spandrel): at
-    each tile against spandrel's untiled call on ``image(spec)``; ``row(name, spec, tile, report,
-    max LSB, % over 1 LSB, PSNR)`` is the record, and its ``seconds``."""
+    """Per architecture (saved to a file, loaded through spandrel), each tile against the untiled
+    call on ``image(spec)``: ``row(name, spec, tile, report, max LSB, % over 1 LSB, PSNR)``."""
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
 
     from ._archs import build, save_and_load
@@ -352,9 +335,8 @@ def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[di
 
 
 def fallback_rows(names: list[str], workdir: Path, px: int, device: object = None) -> list[dict]:
-    """Per architecture the engine flags inexact: the tiled error against spandrel's untiled call on
-    a ``px``² image, at each tile of ``FALLBACK_TILES`` smaller than the image, with the overlap the
-    engine chooses (calibrated). Architectures it finds exact are listed with ``exact`` True."""
+    """Per architecture: the tiled error on a ``px``² image at each tile of ``FALLBACK_TILES``
+    smaller than it, with the overlap the engine calibrates (``exact`` True: none)."""
     from ._synthetic import image_like
 
     def row(name, spec, tile, rep, max_lsb, over, psnr) -> dict:  # noqa: ANN001

@@ -1,10 +1,6 @@
-"""``python -m lib_vram bench vae``: tiled VAE (exact, fast) against untiled and diffusers.
-
-Full-size SD1.x VAE (ldm ``Decoder``/``Encoder``), random weights from a fixed seed, on an
-image-like latent; each case in a fresh process; the untiled case of each size is the reference
-(PSNR over its value range). Method and columns: docs/benchmarks.md, "Tiled VAE". ``ldm`` and
-``diffusers`` are imported only inside the functions that build models (benchmarks, not core).
-"""
+"""``python -m lib_vram bench vae``: tiled VAE (exact, fast) against untiled and diffusers, each
+case in a fresh process; the untiled case of each size is the reference. Method and columns:
+docs/benchmarks.md, "Tiled VAE"."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ import argparse
 import contextlib
 import functools
 import gc
-import io
 import math
 import time
 from pathlib import Path
@@ -22,7 +17,12 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from lib_vram.cli.common import MAX_SIDE, MAX_THREADS, bounded_int, int_list
-from lib_vram.core.predict import LiveBytesCounter, fake_state, new_fake_mode
+from lib_vram.cli.hostmodels import (  # noqa: F401 (SD_VAE: imported from here)
+    SD_VAE,
+    build_ldm,
+    diffusers_vae,
+)
+from lib_vram.core.predict import DTYPES, LiveBytesCounter, fake_state, new_fake_mode
 from lib_vram.core.tracker import StageTracker
 
 from ._harness import Bench, Column, fmt, known, mib_of, psnr, runner, timed
@@ -31,13 +31,8 @@ from ._harness import table as grid
 SIDE_WHY = "the largest image side VRAM Guard makes; see docs/cli.md"
 MAX_FAST_SAMPLE = 256
 """``--fast-sample``: subsampling per axis; 256 leaves a 16384 px image's 2048 px latent 8 px."""
-MAX_PREDICT = MAX_SIDE
 
 HELP = "Tiled VAE: untiled vs exact vs fast vs diffusers tiled_decode (full-size SD VAE, random weights)."
-
-# v1-inference.yaml's first_stage_config ddconfig (the SD VAE; other widths: ``{**SD_VAE, "ch": n}``)
-SD_VAE = {"ch": 128, "out_ch": 3, "ch_mult": (1, 2, 4, 4), "num_res_blocks": 2, "attn_resolutions": [],
-          "in_channels": 3, "resolution": 256, "z_channels": 4}  # fmt: skip
 
 FULL_CASES = [
     # (kind, mode, image_px, tile)
@@ -59,7 +54,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     # fmt: off
     add("--quick", action="store_true", help="CI-sized run (256 px)")
-    add("--json", action="store_true", help="print one JSON record per case")
     add("--device", default="cpu", help="cpu (default) or cuda")
     add("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
     add("--sizes", type=int_list("--sizes", 8, MAX_SIDE, why=SIDE_WHY, unit="px", multiple_of=8),
@@ -76,11 +70,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--fast-sample", type=bounded_int("--fast-sample", 1, MAX_FAST_SAMPLE), default=None,
         help=f"fast mode's statistics subsampling per axis (1 to {MAX_FAST_SAMPLE})")
     add("--predict", default=None,
-        type=int_list("--predict", 8, MAX_PREDICT, why="fake-tensor decodes walk every tile", unit="px",
+        type=int_list("--predict", 8, MAX_SIDE, why="fake-tensor decodes walk every tile", unit="px",
                       multiple_of=8),
         help="comma-separated image sizes: instead of running, count the device peak of untiled, exact and "
         "fast decodes on fake tensors (same code, no memory; for sizes this machine cannot run; each a "
-        f"multiple of 8, at most {MAX_PREDICT})")
+        f"multiple of 8, at most {MAX_SIDE})")
     add("--tile", type=bounded_int("--tile", 1, MAX_SIDE // 8, why="the largest image's latent side",
                                    unit="latent px"),
         default=64, help=f"tile for --predict (latent px, at most {MAX_SIDE // 8})")
@@ -88,7 +82,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def select_cases(args: argparse.Namespace) -> list[tuple]:
-    """The case list (quick or full), filtered by ``--sizes`` and ``--modes``."""
     cases = QUICK_CASES if args.quick else FULL_CASES
     if args.sizes:
         keep = {int(s) for s in args.sizes.split(",")}
@@ -140,7 +133,6 @@ def _vs(records: list[dict], key: str, form) -> Column:  # noqa: ANN001
 
 
 def table(records: list[dict]) -> str:
-    """Markdown table with ratios against the untiled case of the same method and size."""
     vs = functools.partial(_vs, records)
 
     def psnr_cell(r: dict) -> str:
@@ -158,9 +150,6 @@ def table(records: list[dict]) -> str:
     ], records)  # fmt: skip
 
 
-# -- worker (fresh process per case) ---------------------------------------------------------------
-
-
 def picture(n: int, seed: int = 0):
     """A generated test picture in [-1, 1]: gradients, a sine pattern, discs, fine texture."""
     g = torch.Generator().manual_seed(seed)
@@ -176,25 +165,12 @@ def picture(n: int, seed: int = 0):
 
 
 def image_latent(px: int, channels: int = 4, seed: int = 0):
-    """Image-like latent: the picture pooled to latent size, mixed to ``channels`` by a fixed
-    random matrix, plus mild texture."""
+    """The picture pooled to latent size, mixed to ``channels`` by a fixed random matrix, plus texture."""
     g = torch.Generator().manual_seed(seed + 1)
     pooled = F.avg_pool2d(picture(px, seed), 8)
     z = torch.einsum("oc,bchw->bohw", torch.randn(channels, 3, generator=g), pooled)
     z = z + 0.2 * torch.randn(z.shape, generator=g)
     return (z - z.mean()) / z.std()
-
-
-def build_ldm(kind: str, cfg: dict | None = None, seed: int | None = 0):
-    """An ldm ``Decoder`` or ``Encoder`` (``kind`` ``"decoder"``/``"encoder"``) of ``cfg`` (default
-    :data:`SD_VAE`), random weights from ``seed`` (None: the current generator), eval mode; ldm's
-    import-time prints silenced."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        from ldm.modules.diffusionmodules.model import Decoder, Encoder
-
-        if seed is not None:
-            torch.manual_seed(seed)
-        return (Decoder if kind == "decoder" else Encoder)(**(cfg or SD_VAE)).eval()
 
 
 def _sdp_attn_forward(block):
@@ -214,17 +190,12 @@ def _sdp_attn_forward(block):
 
 
 def _to_diffusers(dec, enc, dtype, device):
-    from diffusers import AutoencoderKL
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
-    config = {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
-              "up_block_types": ["UpDecoderBlock2D"] * 4, "block_out_channels": [128, 256, 512, 512],
-              "layers_per_block": 2, "latent_channels": 4, "norm_num_groups": 32, "use_quant_conv": False,
-              "use_post_quant_conv": False}  # fmt: skip
     sd = {f"decoder.{k}": v for k, v in dec.state_dict().items()}
     sd.update({f"encoder.{k}": v for k, v in enc.state_dict().items()})
-    vae = AutoencoderKL(**config).eval()
-    missing, unexpected = vae.load_state_dict(convert_ldm_vae_checkpoint(sd, config), strict=False)
+    vae = diffusers_vae()
+    missing, unexpected = vae.load_state_dict(convert_ldm_vae_checkpoint(sd, vae.config), strict=False)
     if missing or unexpected:
         raise RuntimeError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return vae.to(device=device, dtype=dtype)
@@ -235,7 +206,7 @@ def _worker(spec: dict) -> dict:
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[spec["dtype"]]
+    dtype = DTYPES[spec["dtype"]]
     device = torch.device(spec["device"])
     kind, mode, px, tile = spec["kind"], spec["mode"], spec["image_px"], spec["tile"]
     dec = build_ldm("decoder")
@@ -251,25 +222,21 @@ def _worker(spec: dict) -> dict:
     del dec, enc
     x = (image_latent(px) if kind == "decode" else picture(px)).to(device=device, dtype=dtype)
     tracker, report = StageTracker(device, owns_peak_counters=True), VAEReport()
-    extra = {"fast_sample": spec["fast_sample"]} if spec.get("fast_sample") else {}
     if mode in ("exact", "fast"):
-        cfg = TiledVAEConfig(mode=mode, tile=tile, state_offload=spec.get("state_offload", "cpu"), **extra)
+        offload = spec.get("state_offload", "cpu")
+        cfg = TiledVAEConfig(mode=mode, tile=tile, state_offload=offload, fast_sample=spec.get("fast_sample"))
     gc.collect()
     counter = _device_counter(device)
 
     def run() -> torch.Tensor:
         if mode == "untiled":
-            out = module(x)
-        elif mode == "diffusers":
-            out = module.tiled_decode(x).sample if kind == "decode" else module.encoder(x)
-        else:
-            out = (tiled_decode if kind == "decode" else tiled_encode)(module, x, config=cfg, report=report)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return out
+            return module(x)
+        if mode == "diffusers":
+            return module.tiled_decode(x).sample if kind == "decode" else module.encoder(x)
+        return (tiled_decode if kind == "decode" else tiled_encode)(module, x, config=cfg, report=report)
 
     with torch.no_grad(), tracker.stage("case") as rec, counter or contextlib.nullcontext():
-        out, seconds, cpu_seconds = timed(run)
+        out, seconds, cpu_seconds = timed(run, device)
     peak = rec.delta_peak_bytes
     device_peak, live_peak = (counter.device_peak_bytes, counter.peak_bytes) if counter else (peak, peak)
     out = out.float().cpu()
@@ -299,9 +266,8 @@ def _worker(spec: dict) -> dict:
 
 
 def _device_counter(device):
-    """On the CPU: a live-tensor counter whose peak leaves out tile state parked "off the device"
-    (what a GPU would hold in device memory; measured on the real run, tensor bytes only). On a
-    GPU: None (``torch.cuda.max_memory_allocated`` is the measurement)."""
+    """On the CPU: a live-tensor counter whose peak leaves out tile state parked "off the device";
+    on a GPU: None (``max_memory_allocated`` is the measurement)."""
     if device.type != "cpu":
         return None
     from lib_vram.vae import parked_bytes
@@ -317,9 +283,8 @@ def _device_counter(device):
 
 
 def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> list[dict]:
-    """Device peak of the untiled, exact and fast decodes of a ``px``² image, counted on fake
-    tensors: the same code as :func:`_worker` runs (the same counter, parked state left out), but
-    nothing is allocated or computed. The precision guard is off (it reads values)."""
+    """Device peak of the untiled, exact and fast decodes of a ``px``² image, counted as
+    :func:`_worker` counts on fake tensors (the precision guard is off: it reads values)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from lib_vram.vae import TiledVAEConfig, tiled_decode
@@ -343,9 +308,8 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
         if mode == "untiled":
             call = Call(dec, lambda m, x: m(x))
         else:
-            extra = {"fast_sample": fast_sample} if fast_sample else {}
             cfg = TiledVAEConfig(mode=mode, tile=tile, guard=False, state_offload="cpu", budget_bytes=2**50,
-                                 **extra)  # fmt: skip
+                                 fast_sample=fast_sample)  # fmt: skip
             call = Call(dec, lambda m, x, cfg=cfg: tiled_decode(m, x, config=cfg))
         counter, flops = _device_counter(torch.device("cpu")), FlopCounterMode(display=False)
         t0 = time.perf_counter()

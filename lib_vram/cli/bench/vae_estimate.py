@@ -29,10 +29,6 @@ CASES: tuple[tuple[str, int, int | None, str, int], ...] = (
 )  # fmt: skip
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON records instead of the table")
-
-
 def bench(args: argparse.Namespace) -> Bench:
     models: dict = {}
     return Bench(CASES, lambda case: _record(*case, models), _table, lines=False,
@@ -40,11 +36,10 @@ def bench(args: argparse.Namespace) -> Bench:
 
 
 def _record(kind: str, px: int, tile: int | None, mode: str, ch: int, models: dict) -> dict:
+    from lib_vram.cli.hostmodels import SD_VAE, build_ldm
     from lib_vram.cli.stageplan import predict_engine_vae
     from lib_vram.vae import decoder_spec, encoder_spec
     from lib_vram.vae._plan import combine, estimate_components, fast_sample_for
-
-    from .vae import SD_VAE, build_ldm
 
     if ch not in models:
         with torch.device("meta"):
