@@ -220,12 +220,8 @@ class _UNetWalk:
                 sk, skc = skips.pop()
                 cat = w.hold(b * (ch + skc) * cur[0] * cur[1] * s)
                 w.drop(h, sk)
-                r = self.resblock(ch + skc, spec.channels(lv), cur)
+                r = self.res_attn(ch + skc, spec.channels(lv), spec.depth[lv], spec.heads[lv], cur)
                 ch = spec.channels(lv)
-                t = self.transformer(ch, spec.depth[lv], spec.heads[lv], cur)
-                if t:
-                    w.drop(r)
-                    r = t
                 if lv and i == spec.num_res_blocks[lv]:
                     up = (cur[0] * 2, cur[1] * 2)
                     x2 = w.hold(b * ch * up[0] * up[1] * s)  # nearest 2x

@@ -137,12 +137,8 @@ def unet_spec(module: nn.Module) -> UNetSpec:
     if label is not None:
         first = next((m for m in label.modules() if isinstance(m, nn.Linear)), None)
         adm = int(first.in_features) if first is not None else 0
-    seen: set[int] = set()
-    params = 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            params += t.numel()
+    unique = {id(t): t for t in (*module.parameters(), *module.buffers())}  # (tied tensors once)
+    params = sum(t.numel() for t in unique.values())
     return UNetSpec(
         name=type(module).__name__,
         in_channels=int(module.in_channels),

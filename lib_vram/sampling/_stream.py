@@ -87,7 +87,7 @@ class StreamedUNet(CopyEngine):
             self._take_all(self._known.items())
             for u in self._units:
                 self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
-                self._hooks.append(u.module.register_forward_hook(self._make_post(u)))
+                self._hooks.append(u.module.register_forward_hook(lambda m, a, o, u=u: self._leave(u)))
             self._hooks.append(self.unet.register_forward_pre_hook(self._started))
             self._hooks.append(self.unet.register_forward_hook(self._finished))
         except BaseException:
@@ -116,10 +116,7 @@ class StreamedUNet(CopyEngine):
         if self._cycle is None:
             # the order the forward called the streamed units in (the first call of each): what
             # prefetch follows from the next forward on (the first runs on demand)
-            order: list[_Unit] = []
-            for u in self._seen:
-                if u not in order:
-                    order.append(u)
+            order = list(dict.fromkeys(self._seen))  # (units compare by identity)
             self._cycle = order
             self._pos = {u.name: i for i, u in enumerate(order)}
 
@@ -193,12 +190,6 @@ class StreamedUNet(CopyEngine):
                         logger.debug("VRAM Guard: prefetch of %s ran out of memory; on demand", nxt.name)
 
         return pre
-
-    def _make_post(self, unit: _Unit):  # noqa: ANN202
-        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self._leave(unit)
-
-        return post
 
     def _next(self, unit: _Unit) -> _Unit | None:
         """The unit after ``unit`` in the order the first forward called them (cyclic)."""

@@ -32,6 +32,7 @@ from lib_vram.core.device import is_oom_error, release
 from lib_vram.core.livebytes import LiveBytesCounter, itemsize
 
 from ._adapter import ModelSpec
+from ._plan import _legal_len, _round_up
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +105,7 @@ def _forward(spec: ModelSpec, x: Tensor) -> Tensor:
 
 def measure_bytes_per_px(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> float:
     """Peak live bytes of a forward pass per input pixel (probe of ``PROBE_PX``², batch 1)."""
-    p = PROBE_PX
-    while not _legal(spec, p):
-        p += 1
+    p = _legal_len(spec, PROBE_PX)
     channels = spec.input_channels or 3
     x = _probe_image(p, channels, device, dtype)[:1]
     counter = LiveBytesCounter()
@@ -116,16 +115,37 @@ def measure_bytes_per_px(spec: ModelSpec, device: torch.device, dtype: torch.dty
     return counter.peak_bytes / float(p * p)
 
 
+def _core_error(
+    spec: ModelSpec, r_max: int, core: int, device: torch.device, dtype: torch.dtype
+) -> Callable[[int], float]:
+    """The context probe: the largest error of a ``core``-px core computed on a crop with ``r`` px
+    of margin (``r <= r_max``) against the same core of the untiled probe. One forward of three
+    probes here, one of the crops per call."""
+    g = max(1, spec.grid)
+    if g == 1:
+        c0 = r_max + 3  # odd: off the 2/4/8-px grids of strided layers
+    else:
+        c0 = _round_up(r_max, g)
+        if (c0 // g) % 2 == 0:
+            c0 += g  # off the 2 x grid
+    x = _probe_image(_legal_len(spec, c0 + core + r_max + 5), spec.input_channels or 3, device, dtype)
+    s = spec.scale
+    ref = _forward(spec, x)[..., c0 * s : (c0 + core) * s, c0 * s : (c0 + core) * s]
+
+    def error(r: int) -> float:
+        crop = x[..., c0 - r : c0 + core + r, c0 - r : c0 + core + r]
+        out = _forward(spec, crop)[..., r * s : (r + core) * s, r * s : (r + core) * s]
+        return float((out - ref).abs().max())
+
+    return error
+
+
 def candidates(spec: ModelSpec) -> list[int]:
     """Margins :func:`measure_context` probes for ``spec`` (multiples of its grid)."""
     g = max(1, spec.grid)
     if g == 1:
         return list(CONTEXT_CANDIDATES)
     return [g * k for k in range(1, max(64, 2 * g) // g + 1)]
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def halo_for(spec: ModelSpec, margin: int) -> int:
@@ -143,27 +163,8 @@ def measure_context(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -
     """
     cands = candidates(spec)
     r_max = cands[-1]
-    g = max(1, spec.grid)
-    core = _round_up(PROBE_CORE, g)
-    if g == 1:
-        c0 = r_max + 3  # odd: off the 2/4/8-px grids of strided layers
-    else:
-        c0 = _round_up(r_max, g)
-        if (c0 // g) % 2 == 0:
-            c0 += g  # off the 2 x grid
-    size = c0 + core + r_max + 5
-    while not _legal(spec, size):
-        size += 1
-    channels = spec.input_channels or 3
-    x = _probe_image(size, channels, device, dtype)
-    s = spec.scale
-    ref = _forward(spec, x)[..., c0 * s : (c0 + core) * s, c0 * s : (c0 + core) * s]
-
-    def error(r: int) -> float:
-        crop = x[..., c0 - r : c0 + core + r, c0 - r : c0 + core + r]
-        out = _forward(spec, crop)[..., r * s : (r + core) * s, r * s : (r + core) * s]
-        return float((out - ref).abs().max())
-
+    core = _round_up(PROBE_CORE, max(1, spec.grid))
+    error = _core_error(spec, r_max, core, device, dtype)
     cands = [r for r in cands if _legal(spec, core + 2 * r)]
     # Binary search (the error falls with the margin): about log2(len) forwards of small crops.
     lo, hi = 0, len(cands)
@@ -196,21 +197,7 @@ def measure_margin(spec: ModelSpec, device: torch.device, dtype: torch.dtype, ov
     core = _round_up(PROBE_CORE, g)
     while not _legal(spec, core + 2 * r) and r < 4 * max(64, g):
         r += g
-    if g == 1:
-        c0 = r + 3
-    else:
-        c0 = _round_up(r, g)
-        if (c0 // g) % 2 == 0:
-            c0 += g
-    size = c0 + core + r + 5
-    while not _legal(spec, size):
-        size += 1
-    x = _probe_image(size, spec.input_channels or 3, device, dtype)
-    s = spec.scale
-    ref = _forward(spec, x)[..., c0 * s : (c0 + core) * s, c0 * s : (c0 + core) * s]
-    crop = x[..., c0 - r : c0 + core + r, c0 - r : c0 + core + r]
-    out = _forward(spec, crop)[..., r * s : (r + core) * s, r * s : (r + core) * s]
-    err = float((out - ref).abs().max())
+    err = _core_error(spec, r, core, device, dtype)(r)
     if err <= CONTEXT_TOL:
         return None
     return f"tiles with a {overlap} px overlap differ from the whole image by {err * 255:.1f}/255"
@@ -225,9 +212,7 @@ def measure_batching(spec: ModelSpec, device: torch.device, dtype: torch.dtype) 
     of memory), comes back with another shape, or differs by more than ``CONTEXT_TOL`` from the
     single calls (images mixed in the batch) means one at a time. Three forwards of 32² images.
     A single call that fails propagates: the model fails, not the batch."""
-    p = BATCH_PROBE_PX
-    while not _legal(spec, p):
-        p += 1
+    p = _legal_len(spec, BATCH_PROBE_PX)
     x = _probe_image(p, spec.input_channels or 3, device, dtype)[:2]
     with torch.inference_mode():
         singles = torch.cat([spec.forward(x[i : i + 1]).float() for i in range(2)])
@@ -283,9 +268,7 @@ def measure_reach(spec: ModelSpec, device: torch.device, dtype: torch.dtype, hal
     c, far = PROBE_CORE, REACH_FAR_PX
     p = d + far
     p += 1 - p % 2  # odd: off the 2/4/8-px grids of strided layers and windows
-    n = p + c + d + far
-    while not _legal(spec, n):
-        n += 1
+    n = _legal_len(spec, p + c + d + far)
     channels = spec.input_channels or 3
     base = _probe_image(n, channels, device, dtype)[:1]
     blocks = {

@@ -328,7 +328,17 @@ class _Run:
                 emulate.to_device(xp)  # the input on the device (a GPU run copies it there)
             return xp
 
-        xp = _once_more(place_input, rep, device, "the input", self.oom_event)
+        try:
+            xp = place_input()
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            xp = None
+        if xp is None:  # out of the except block: release and try once more (a moment of pressure)
+            release(device)
+            rep.ooms += 1
+            self.oom_event("out of memory placing the input: released, tried again")
+            xp = place_input()
         out = self.loop(xp, tiles, tile, batch, acc_dev)
         del xp
         self.ran = self.predict(rep.tile, rep.batch)
@@ -588,28 +598,3 @@ def upscale_tensor(
         measured = planner.learnable_peak(last("upscale") if last is not None else None, in_bytes)
         mem.record(run.key, planner.Outcome.of(run.ran, measured_peak_bytes=measured))
     return out
-
-
-def _once_more(
-    fn: Callable[[], Tensor],
-    rep: UpscaleReport,
-    device: torch.device,
-    what: str,
-    on_oom: Callable[[str], None] | None = None,
-) -> Tensor:
-    """``fn()``; after an out-of-memory error, release and try once more (the error may have been a
-    moment of pressure); a second one propagates. ``on_oom(text)`` records the event (default:
-    ``rep.events``)."""
-    try:
-        return fn()
-    except Exception as exc:
-        if not is_oom_error(exc):
-            raise
-    release(device)
-    rep.ooms += 1
-    text = f"out of memory placing {what}: released, tried again"
-    if on_oom is not None:
-        on_oom(text)
-    else:
-        rep.events.append(text)
-    return fn()

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from ._layout import UnsupportedLayout, VAESpec, decoder_spec, encoder_spec
 from ._plan import (
     PassPlanner,
     VAEPlan,
+    _levels,
     estimate_components,
     fast_sample_for,
     plan_vae,
@@ -52,24 +53,23 @@ fragmentation, framework workspaces the estimate does not count)."""
 MIN_MARGIN = 256 * 2**20
 
 
-def is_supported_decoder(module: nn.Module) -> bool:
-    """True if :func:`tiled_decode` can run ``module`` (ldm/sgm or diffusers decoder layout)."""
+def _supported(module: nn.Module, spec_of: Callable[[nn.Module], VAESpec], role: str) -> bool:
     try:
-        decoder_spec(module)
+        spec_of(module)
     except UnsupportedLayout as exc:
-        logger.debug("decoder not supported: %s", exc)
+        logger.debug("%s not supported: %s", role, exc)
         return False
     return True
+
+
+def is_supported_decoder(module: nn.Module) -> bool:
+    """True if :func:`tiled_decode` can run ``module`` (ldm/sgm or diffusers decoder layout)."""
+    return _supported(module, decoder_spec, "decoder")
 
 
 def is_supported_encoder(module: nn.Module) -> bool:
     """True if :func:`tiled_encode` can run ``module`` (ldm/sgm or diffusers encoder layout)."""
-    try:
-        encoder_spec(module)
-    except UnsupportedLayout as exc:
-        logger.debug("encoder not supported: %s", exc)
-        return False
-    return True
+    return _supported(module, encoder_spec, "encoder")
 
 
 def _module_dtype(spec: VAESpec) -> torch.dtype:
@@ -90,15 +90,6 @@ def _wide(config: TiledVAEConfig, device: torch.device) -> torch.dtype:
     if config.guard_dtype is not None:
         return config.guard_dtype
     return torch.bfloat16 if capabilities(device).bf16 else torch.float32
-
-
-@contextlib.contextmanager
-def _stage(tracker: StageTracker | None, name: str) -> Iterator[None]:
-    if tracker is None:
-        yield
-        return
-    with tracker.stage(name):
-        yield
 
 
 class _Pass:
@@ -230,10 +221,7 @@ class _Pass:
                 else self.spec.out_channels
             )
             return torch.empty((b, c, h * f, w * f), dtype=self.out_dtype, device=self.device)
-        hh, ww = h, w
-        for lv in self.spec.levels:
-            if lv.resample_kind == "down":
-                hh, ww = (hh + 1 - 3) // 2 + 1, (ww + 1 - 3) // 2 + 1
+        hh, ww = _levels(self.spec, h, w)[-1]
         return torch.empty((b, self.spec.mid_channels, hh, ww), dtype=self.dtype, device=self.device)
 
     def run_tiles(self, run: Run, src: torch.Tensor, tile: int, mode: str, ticker: Ticker) -> torch.Tensor:
@@ -294,9 +282,9 @@ class _Pass:
             self.tracker.event("oom", f"{self.spec.kind}: {text}")
 
     def total_steps(self, n_tiles: int, mode: str) -> int:
-        steps = sync_count(self.tile_spec, "tiles") + 1
-        tiled = n_tiles * (steps if mode == "exact" else 1)
-        return tiled + sync_count(self.spec, "global") + 2 * len(self.global_blocks) + 1
+        return (
+            self.tile_steps(n_tiles, mode) + sync_count(self.spec, "global") + 2 * len(self.global_blocks) + 1
+        )
 
     def tiled(self, mode: str, tile: int | None = None) -> torch.Tensor:
         spec = self.spec
@@ -471,14 +459,12 @@ def _run_pass(
         raise ValueError(f"`config` must be a TiledVAEConfig, got {type(config).__name__}")
     rep = report if report is not None else VAEReport()
     t0 = time.perf_counter()
-    with _stage(tracker, stage), torch.no_grad():
+    with tracker.stage(stage) if tracker is not None else contextlib.nullcontext(), torch.no_grad():
         p = _Pass(spec, x, config, rep, should_interrupt, progress, tracker, memory)
         for attempt in range(2):
             failed = False
             try:
-                out = _attempt(
-                    p, spec, x, config, original_forward, rep, should_interrupt, progress, tracker, memory
-                )
+                out = _attempt(p, original_forward)
             except Exception as exc:
                 if attempt or not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
                     raise
@@ -509,38 +495,20 @@ def _run_pass(
     return out
 
 
-def _attempt(
-    p: _Pass,
-    spec: VAESpec,
-    x: torch.Tensor,
-    config: TiledVAEConfig,
-    original_forward: Callable[[torch.Tensor], torch.Tensor] | None,
-    rep: VAEReport,
-    should_interrupt: Callable[[], bool] | None,
-    progress: Callable[[int, int], None] | None,
-    tracker: StageTracker | None,
-    memory: planner.PlanMemory | None,
-) -> torch.Tensor:
+def _attempt(p: _Pass, original_forward: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
     """One try of a pass: auto's choice (untiled through the host's forward, or tiled) or the
     configured mode."""
     out = None
+    spec, config, rep = p.spec, p.config, p.report
     ran, tile = p.plan.auto(config.mode, config.tile)
     if ran == "untiled":
         if original_forward is not None:
             out = p.untiled_host(original_forward)
         else:
-            b, _, h, w = x.shape
+            b, _, h, w = p.x.shape
             full = math.ceil(max(h, w) / (spec.factor if spec.kind == "encoder" else 1))
-            p2 = _Pass(
-                spec,
-                x,
-                dataclasses.replace(config, tile=full, mode="exact"),
-                rep,
-                should_interrupt,
-                progress,
-                tracker,
-                memory,
-            )
+            whole = dataclasses.replace(config, tile=full, mode="exact")
+            p2 = _Pass(spec, p.x, whole, rep, p.should_interrupt, p.progress, p.tracker, p.memory)
             out = p2.tiled("exact")
             if rep.oom_retries:
                 p.record("exact", None, oom=True)  # the untiled attempt (tile = everything)

@@ -402,8 +402,7 @@ def _spec_of(module: nn.Module) -> VAESpec:
 
 def candidates(latent_max: int) -> list[int]:
     """Tile sizes to try for a latent whose longer side is ``latent_max``, largest first."""
-    out = [latent_max] + [t for t in TILE_CANDIDATES if t < latent_max]
-    return out
+    return [latent_max] + [t for t in TILE_CANDIDATES if t < latent_max]
 
 
 def smaller(tile: int) -> int | None:
@@ -489,14 +488,11 @@ class PassPlanner:
         """The analytic peak of one plan (memoised: a pass asks for a plan's estimate repeatedly)."""
         k = (tile, mode, on_device)
         if k not in self._estimates:
-            self._estimates[k] = self._estimate(tile, mode, on_device)
+            self._estimates[k] = estimate_spec_bytes(
+                self.spec, self.shape, self.dtype, tile=tile, mode=mode, state_on_device=on_device,
+                out_dtype=self.out_dtype, backend=self.backend, fast_sample=self.fast_sample,
+            )  # fmt: skip
         return self._estimates[k]
-
-    def _estimate(self, tile: int | None, mode: str, on_device: bool) -> int:
-        return estimate_spec_bytes(
-            self.spec, self.shape, self.dtype, tile=tile, mode=mode, state_on_device=on_device,
-            out_dtype=self.out_dtype, backend=self.backend, fast_sample=self.fast_sample,
-        )  # fmt: skip
 
     def key(self, mode: str) -> tuple:
         """The planner-memory key in a tiled ``mode`` (auto's untiled try shares the ``"exact"``
@@ -637,9 +633,9 @@ def plan_vae(
     ran, t = p.auto(mode, tile)
     offload = "" if t is None or ran != "exact" else p.offload(t, ran)
     raw = p.estimate(None, "untiled") if t is None else p.estimate(t, ran, offload != "cpu")
-    key = p.key("exact" if ran == "untiled" else ran)
-    peak = int(raw * p.memory.ratio(key))
     kind_mode = "exact" if ran == "untiled" else ran
+    key = p.key(kind_mode)
+    peak = int(raw * p.memory.ratio(key))
     cands = [p.candidate(None, "exact"), *p.tile_candidates(kind_mode)]
     return VAEPlan(
         kind=spec.kind, mode=ran, tile=t, state_offload=offload, peak_bytes=peak, raw_peak_bytes=raw,
