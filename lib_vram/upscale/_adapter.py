@@ -86,6 +86,15 @@ class ModelSpec:
             self.module.to(dtype=dtype)
 
 
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _legal_len(spec: ModelSpec, n: int) -> int:
+    n = max(n, spec.minimum, 1)
+    return _round_up(n, math.lcm(spec.multiple_of, spec.grid))
+
+
 GRID_ATTRS = ("window_size", "split_size")
 """Module attributes that name a window grid (window attention, split windows)."""
 FIXED_GRID = {"SCUNet": 64}

@@ -31,8 +31,7 @@ from torch import Tensor
 from lib_vram.core.device import is_oom_error, release
 from lib_vram.core.livebytes import LiveBytesCounter, itemsize
 
-from ._adapter import ModelSpec
-from ._plan import _legal_len, _round_up
+from ._adapter import ModelSpec, _legal_len, _round_up
 
 logger = logging.getLogger(__name__)
 

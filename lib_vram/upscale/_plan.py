@@ -30,7 +30,7 @@ from lib_vram.core.geometry import split_axis
 from lib_vram.core.livebytes import itemsize as elem_size
 from lib_vram.planning import planner
 
-from ._adapter import ModelSpec
+from ._adapter import ModelSpec, _legal_len, _round_up
 
 AUTO_TILE_MAX = 512
 """Largest automatic tile core (input px) when the whole image does not fit: a 512² tile keeps any
@@ -57,15 +57,6 @@ class _Tile:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.wy1 - self.wy0, self.wx1 - self.wx0)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _legal_len(spec: ModelSpec, n: int) -> int:
-    n = max(n, spec.minimum, 1)
-    return _round_up(n, math.lcm(spec.multiple_of, spec.grid))
 
 
 def _grow(start: int, end: int, need: int, limit: int) -> tuple[int, int]:
