@@ -1,6 +1,6 @@
 """Shared test helpers.
 
-The spandrel architecture imports live in one place, :mod:`lib_vram.cli.bench._synthetic` (shared with
+The spandrel architecture imports live in one place, :mod:`lib_vram.cli.models.synthetic` (shared with
 the benchmark), re-exported here: a spandrel version bump touches one line there.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from lib_vram.cli.bench._synthetic import compact_class, image_like, make_imagelike_rrdb, rrdb_class
+from lib_vram.cli.models.synthetic import compact_class, image_like, make_imagelike_rrdb, rrdb_class
 
 # Property tests check logic, not speed: on a loaded 2-core machine an example can take longer than
 # hypothesis' default 200 ms deadline, which would make CI flaky.

@@ -1,6 +1,6 @@
 """sd-webui-controlnet's objects as far as VRAM Guard reads them, for the tests.
 
-The control model is :class:`lib_vram.cli.bench._controlnet.ControlNet` (cldm's layout over a real
+The control model is :class:`lib_vram.cli.models.controlnet.ControlNet` (cldm's layout over a real
 ldm UNet's encoder, random weights); sd-webui-controlnet wraps it as ``PlugableControlModel``
 (``.control_model``), keeps each unit's ``ControlParams`` and hooks the UNet with ``UnetHook``;
 its script is found in ``p.scripts.alwayson_scripts`` by its ``latest_network``. The extension is
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lib_vram.cli.bench._controlnet import ControlNet, controlled
+from lib_vram.cli.models.controlnet import ControlNet, controlled
 
 __all__ = ["ControlNet", "ControlNetScript", "ControlParams", "PlugableControlModel", "Runner", "UnetHook"]
 

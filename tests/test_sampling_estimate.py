@@ -2,11 +2,11 @@
 
 Real ldm UNets at reduced width (SD1.5-like: conv projections, 8 heads, four levels; SD2-like:
 linear projections, fixed head width; SDXL-like: three levels, attention at the lower two with two
-transformer blocks, linear projections; see :data:`lib_vram.cli.bench._unet.SHAPES`) run on fake
+transformer blocks, linear projections; see :data:`lib_vram.cli.models.unet.SHAPES`) run on fake
 tensors under :class:`lib_vram.core.livebytes.LiveBytesCounter` (the counter behind
 :mod:`lib_vram.core.predict`), with each attention installed as the WebUI installs it (a
 ``CrossAttention.forward`` replaced; test-side forwards that hold what the host's hold, in
-:mod:`lib_vram.cli.bench._unet`). The predicted activations (peak minus weights and inputs) must
+:mod:`lib_vram.cli.models.unet`). The predicted activations (peak minus weights and inputs) must
 be within 15 % of the counted ones in every case.
 
 The default run covers every attention once per shape, the size and the batch rotating (so each
@@ -26,7 +26,7 @@ import os
 import pytest
 import torch
 
-from lib_vram.cli.bench._unet import SHAPES, attention_applied, build_unet, context_arg, host_forward
+from lib_vram.cli.models.unet import SHAPES, attention_applied, build_unet, context_arg, host_forward
 from lib_vram.core.livebytes import LiveBytesCounter
 from lib_vram.core.predict import WORKSPACE_TERMS, fake_call, fake_state, new_fake_mode
 from lib_vram.sampling import (

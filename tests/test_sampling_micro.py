@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lib_vram.cli.bench._unet import build_unet, context_arg
+from lib_vram.cli.models.unet import build_unet, context_arg
 from lib_vram.core.emulate import EmulatedCard
 from lib_vram.planning import planner
 from lib_vram.sampling import micro_batched, plan_sampling, reference_spec, unet_spec

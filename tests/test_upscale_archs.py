@@ -2,7 +2,7 @@
 
 Every model is a real spandrel architecture with random weights, saved to a file and loaded back
 through spandrel (both ESRGAN key formats). The matrix covers every image-to-image architecture
-spandrel 0.3.4 registers (``lib_vram.cli.bench._archs``; the ones not built are listed there with
+spandrel 0.3.4 registers (``lib_vram.cli.models.archs``; the ones not built are listed there with
 the reason): tiled at most 1 LSB from spandrel's own untiled call while the report says exact, or
 flagged inexact with a note - never a crash. Which models are flagged is decided by behaviour (the
 reach and batch probes of :mod:`lib_vram.upscale._calibrate`), never by class names: a model whose
@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import image_like
 
-from lib_vram.cli.bench._archs import BUILDERS, NOT_BUILT, SPANDREL_ID, build, save_and_load
+from lib_vram.cli.models.archs import BUILDERS, NOT_BUILT, SPANDREL_ID, build, save_and_load
 from lib_vram.planning import planner
 from lib_vram.upscale import (
     ModelCache,

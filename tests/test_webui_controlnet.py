@@ -235,7 +235,7 @@ def test_a_job_without_controlnet_after_one_with_it_finds_the_card_as_before():
 
 @pytest.mark.parametrize("shape", ["sd15", "sdxl"])
 def test_control_spec_and_parameter_count(shape):
-    from lib_vram.cli.bench._unet import build_unet
+    from lib_vram.cli.models.unet import build_unet
     from lib_vram.sampling import param_count
 
     net = ControlNet(build_unet(shape, 32, context_dim=96))
@@ -258,7 +258,7 @@ def test_reference_controlnets():
 def test_control_forward_activations_within_15_percent(attention, hw, batch):
     """The control model's forward on fake tensors, counted as the sampling estimate's tests count
     the UNet's (tests/test_sampling_estimate.py), against the closed-form walk."""
-    from lib_vram.cli.bench._unet import attention_applied, build_unet, host_forward
+    from lib_vram.cli.models.unet import attention_applied, build_unet, host_forward
     from lib_vram.core.livebytes import LiveBytesCounter
     from lib_vram.core.predict import fake_call, fake_state, new_fake_mode
 
@@ -283,7 +283,7 @@ def test_control_forward_activations_within_15_percent(attention, hw, batch):
 
 @functools.lru_cache(maxsize=1)
 def _fake_controlnet() -> ControlNet:
-    from lib_vram.cli.bench._unet import build_unet
+    from lib_vram.cli.models.unet import build_unet
 
     return ControlNet(build_unet("sd15", 32, context_dim=96))
 

@@ -230,7 +230,7 @@ def test_an_extras_upscale_is_profiled_too(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from lib_vram.cli.bench._archs import build, save_and_load
+    from lib_vram.cli.models.archs import build, save_and_load
 
     class UpscalerESRGAN:  # host-state fake of the WebUI's ESRGAN upscaler object
         def do_upscale(self, img, selected_model):

@@ -26,7 +26,7 @@ from conftest import image_like
 from PIL import Image
 from webui_fakes import FakeHost, FakeP, fake_sd_model, tiny_xattn_unet
 
-from lib_vram.cli.bench._archs import build, save_and_load
+from lib_vram.cli.models.archs import build, save_and_load
 from lib_vram.core import emulate
 from lib_vram.planning import planner
 from lib_vram.webui import ScriptJobs, Session

@@ -11,7 +11,7 @@ import pytest
 import torch
 from webui_fakes import fake_sd_model
 
-from lib_vram.cli.bench._unet import build_unet
+from lib_vram.cli.models.unet import build_unet
 from lib_vram.core.emulate import EmulatedCard
 from lib_vram.planning import planner
 from lib_vram.sampling import micro_batched, plan_sampling, unet_spec, unit_bytes

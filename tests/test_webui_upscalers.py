@@ -14,7 +14,7 @@ from PIL import Image
 from tolerances import UPSCALE_LSB
 from webui_fakes import FakeHost, FakeP, fake_sd_model
 
-from lib_vram.cli.bench._archs import build, save_and_load
+from lib_vram.cli.models.archs import build, save_and_load
 from lib_vram.upscale import ModelCache, UpscaleError
 from lib_vram.upscale._models import patched_construction
 from lib_vram.webui import ScriptJobs, Session

@@ -231,7 +231,7 @@ def _run_vae(args: argparse.Namespace) -> int:
     side = args.size
     shape = (1, module.conv_in.in_channels, side // 8, side // 8) if kind == "decode" else (1, 3, side, side)
     _check_memory(module, shape, dtype, device, args)
-    from lib_vram.cli.bench._synthetic import image_like
+    from lib_vram.cli.models.synthetic import image_like
 
     x = image_like(shape[2], shape[3], shape[1], 0)
     x = x * 4 - 2 if kind == "decode" else x * 2 - 1
@@ -302,7 +302,7 @@ def _run_upscale(args: argparse.Namespace) -> int:
             f"`--size {args.size}`: the x{scale} output would be {args.size * scale} px; its side must be "
             f"<= {MAX_SIDE} px ({SIZE_WHY})"
         )
-    from lib_vram.cli.bench._synthetic import image_like
+    from lib_vram.cli.models.synthetic import image_like
 
     x = image_like(args.size, args.size, 3, 0)
     report = UpscaleReport()

@@ -65,7 +65,7 @@ def add_cards(parser: argparse.ArgumentParser) -> None:
 
 
 def image(px: int, channels: int = 3, seed: int = 0):
-    from ._synthetic import image_like
+    from ..models.synthetic import image_like
 
     return image_like(px, px, channels, seed)
 
@@ -77,8 +77,8 @@ def latent(px: int):
 
 def rrdb(filters: int = 16, blocks: int = 6):
     """A spandrel ESRGAN ``RRDBNet`` x4 (seed 0; full size: 64 filters, 23 blocks), loaded from a file."""
-    from ._archs import save_and_load
-    from ._synthetic import rrdb_net
+    from ..models.archs import save_and_load
+    from ..models.synthetic import rrdb_net
 
     torch.manual_seed(0)
     net = rrdb_net(filters, blocks)

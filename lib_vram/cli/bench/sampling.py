@@ -82,8 +82,8 @@ def _idle_bytes(shape: str) -> int:
 def _on_cards(case: tuple, unet, f: float, idle: int, control=None):  # noqa: ANN001, ANN202
     """The step plain, then as planned, on each scaled card (``control``: one ControlNet unit):
     yields the records' shared fields, the plan, whether the idle models moved off, the attempt."""
-    from ._controlnet import controlled
-    from ._unet import attention_applied, context_arg, host_forward
+    from ..models.controlnet import controlled
+    from ..models.unet import attention_applied, context_arg, host_forward
 
     shape, h, w, batch, attention = case
     spec = unet_spec(unet)
@@ -136,7 +136,7 @@ def _on_cards(case: tuple, unet, f: float, idle: int, control=None):  # noqa: AN
 
 def _case_records(shape: str, h: int, w: int, batch: int, attention: str, models: dict) -> list[dict]:
     """One case on each card (``models``: the UNets built so far, by shape)."""
-    from ._unet import build_unet
+    from ..models.unet import build_unet
 
     if shape not in models:
         models[shape] = build_unet(shape, 32, context_dim=CTX)
@@ -163,8 +163,8 @@ def control_records(case: tuple, models: dict, idle_full: int) -> list[dict]:
     from lib_vram.sampling import reference_control
     from lib_vram.sampling._estimate import Step
 
-    from ._controlnet import ControlNet
-    from ._unet import build_unet
+    from ..models.controlnet import ControlNet
+    from ..models.unet import build_unet
 
     shape, h, w, batch, attention = case
     if ("controlnet", shape) not in models:

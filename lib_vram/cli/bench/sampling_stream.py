@@ -30,9 +30,9 @@ from lib_vram.sampling import (
 )
 
 from ..common import UsageError
+from ..models.unet import build_unet
 from ._harness import Bench, attempt, mib_of, ok, runner
 from ._harness import table as grid
-from ._unet import build_unet
 
 HELP = "Streamed UNet (budgeted residency): bytes per step vs --lowvram, plain vs guarded (emulated card)."
 MiB = 1 << 20

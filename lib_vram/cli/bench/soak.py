@@ -65,9 +65,9 @@ class _Library:
         from lib_vram.residency._modules import ModuleMover, nbytes_of, tensors_of
         from lib_vram.vae import TiledVAEConfig
 
-        from ._archs import save
-        from ._synthetic import image_like, rrdb_net
-        from ._unet import build_unet
+        from ..models.archs import save
+        from ..models.synthetic import image_like, rrdb_net
+        from ..models.unet import build_unet
 
         self.unet = build_unet("sd15", 32, context_dim=64, seed=4, init=True)
         cfg = {**SD_VAE, "ch": 32, "ch_mult": (1, 2), "num_res_blocks": 1, "resolution": 64}

@@ -62,7 +62,7 @@ def _jobs(quick: bool, device: str) -> list[tuple[str, object]]:
     from lib_vram.upscale import UpscaleConfig, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, tiled_decode
 
-    from ._synthetic import image_like
+    from ..models.synthetic import image_like
     from .emulate import VAE_NARROW, rrdb
 
     px = 256 if quick else 512

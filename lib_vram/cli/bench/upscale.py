@@ -1,7 +1,7 @@
 """``python -m lib_vram bench upscale``: untiled vs this engine vs a one-tile-at-a-time PIL loop.
 
 Each case in a fresh process, on real spandrel architectures with random weights loaded from files
-(:data:`ARCHS`, made to behave like trained models by :mod:`._synthetic`). ``peak_bytes``: on CUDA
+(:data:`ARCHS`, made to behave like trained models by :mod:`..models.synthetic`). ``peak_bytes``: on CUDA
 the allocator's peak above the weights; on the CPU the live tensor bytes inside the model's
 forwards plus the batch fed to them. Method and columns: docs/benchmarks.md, "Tiled upscaling".
 """
@@ -55,10 +55,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="run only one architecture and size, e.g. rrdb:256 (with --large for the large ones)")
     add("--archs", nargs="?", const="all", default=None, metavar="A,B,...",
         help="instead: the per-architecture fidelity table (tiled vs untiled for every spandrel "
-        "architecture of lib_vram.cli.bench._archs, or the named ones)")
+        "architecture of lib_vram.cli.models.archs, or the named ones)")
     add("--fallback", nargs="?", const="auto", default=None, metavar="A,B,...",
         help="instead: the tiled error of models flagged inexact at a real image size (--fallback-px), "
-        "for the named architectures of lib_vram.cli.bench._archs (default: every one the engine flags)")
+        "for the named architectures of lib_vram.cli.models.archs (default: every one the engine flags)")
     add("--fallback-px", type=bounded_int("--fallback-px", 64, 4096), default=FALLBACK_PX,
         help=f"input side for --fallback (default {FALLBACK_PX}; 64-4096)")
     # fmt: on
@@ -93,7 +93,7 @@ def plan(quick: bool, large: bool = False) -> list[dict]:
 
 
 def _known(option: str, text: str, every: str) -> list[str]:
-    from ._archs import BUILDERS
+    from ..models.archs import BUILDERS
 
     return known(option, text, list(BUILDERS), every)
 
@@ -134,8 +134,8 @@ def _model_path(workdir: Path, arch: str) -> Path:
 
 def build_models(workdir: Path, archs: set[str]) -> None:
     """Save each architecture's random-weight model (seed 0) once."""
-    from ._archs import save
-    from ._synthetic import compact_net, rrdb_net
+    from ..models.archs import save
+    from ..models.synthetic import compact_net, rrdb_net
 
     for arch in sorted(archs):
         if not (path := _model_path(workdir, arch)).exists():
@@ -185,7 +185,7 @@ def run_case(case: dict) -> dict:
 
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, context, load_model, upscale_tensor
 
-    from ._synthetic import image_like
+    from ..models.synthetic import image_like
 
     workdir, device, method = Path(case["workdir"]), resolve_device(case.get("device")), case["method"]
     precision = case.get("precision", "auto")
@@ -300,7 +300,7 @@ def _tiled_rows(names, workdir: Path, prefix: str, device, image, tiles, row) ->
     call on ``image(spec)``: ``row(name, spec, tile, report, max LSB, % over 1 LSB, PSNR)``."""
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
 
-    from ._archs import build, save_and_load
+    from ..models.archs import build, save_and_load
 
     rows = []
     for name in names:
@@ -322,7 +322,7 @@ def _tiled_rows(names, workdir: Path, prefix: str, device, image, tiles, row) ->
 def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[dict]:
     """Per architecture: automatic plan, then each tile of ``ARCH_TILES`` with the calibrated
     overlap, against spandrel's untiled call (8-bit max error and PSNR)."""
-    from ._synthetic import image_like
+    from ..models.synthetic import image_like
 
     def row(name, spec, tile, rep, max_lsb, _over, psnr) -> dict:  # noqa: ANN001
         return {"arch": name, "spandrel": spec.name, "kind": "windowed" if spec.grid > 1 else "local",
@@ -337,7 +337,7 @@ def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[di
 def fallback_rows(names: list[str], workdir: Path, px: int, device: object = None) -> list[dict]:
     """Per architecture: the tiled error on a ``px``² image at each tile of ``FALLBACK_TILES``
     smaller than it, with the overlap the engine calibrates (``exact`` True: none)."""
-    from ._synthetic import image_like
+    from ..models.synthetic import image_like
 
     def row(name, spec, tile, rep, max_lsb, over, psnr) -> dict:  # noqa: ANN001
         why = "; ".join(rep.notes).split("(", 1)[-1].split("); it did not fit")[0] if rep.notes else ""

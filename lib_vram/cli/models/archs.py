@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._synthetic import compact_net, rrdb_net
+from .synthetic import compact_net, rrdb_net
 
 
 def _spandrel(name: str, **kwargs: object) -> Callable[[], torch.nn.Module]:
