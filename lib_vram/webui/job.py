@@ -39,8 +39,8 @@ from lib_vram.core.timeline import Timeline
 from lib_vram.core.tracker import StageTracker
 
 from . import host as default_host
+from .host import ask
 from .options import INFOTEXT_PLAN_KEY, to_infotext
-from .sampling import _call
 from .settings import JobSettings
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Job:
 
     def current(self) -> bool:
         """True while this job is open and the WebUI is still running the job that opened it."""
-        return not self.closed and _call(self.host, "job_token", _UNREADABLE) == self.token
+        return not self.closed and ask(self.host, "job_token", _UNREADABLE) == self.token
 
     def note(self, text: str, level: int = logging.INFO, *, log: bool = True) -> None:
         """A note for the readout (and the log, unless it was logged already: the owner logs moves)."""

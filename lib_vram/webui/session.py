@@ -23,11 +23,11 @@ from lib_vram.core.device import capabilities, memory_info, release
 from lib_vram.core.readout import render_readout_body, render_readout_html, status_payload
 
 from . import host as default_host
+from .host import ask
 from .job import Job
 from .options import INFOTEXT_PLAN_KEY, to_infotext
 from .patching import foreign_vae_wrapper, patch_attr
 from .profiling import ProfileSwitch
-from .sampling import _call
 from .settings import resolve
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class Session:
     # -- precision watch ---------------------------------------------------------------------
     def check_dtype_vae(self, job: Job | None = None) -> None:
         """Tell the user (log + readout + ``p.comment``) when the WebUI widened its VAE dtype."""
-        now = _call(self.host, "dtype_vae", None)
+        now = ask(self.host, "dtype_vae", None)
         if now is None:
             return
         before = self._dtype_seen
@@ -279,7 +279,7 @@ class Session:
         return render_readout_html(self.free())
 
     def _device(self) -> torch.device:
-        return _call(self.host, "device", torch.device("cpu"))
+        return ask(self.host, "device", torch.device("cpu"))
 
 
 _WIDTH = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}

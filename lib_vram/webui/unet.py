@@ -47,8 +47,7 @@ import torch
 
 from lib_vram.core.device import Backend, backend_of, capabilities, is_oom_error, release
 
-from .host import UNetState
-from .sampling import _call
+from .host import UNetState, ask
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +328,7 @@ class UNetFP16:
             + (f" (exact FP32 originals kept in RAM: {_gib(cast.backup_bytes)})" if cast.backup_bytes else "")
             + f", cast in {time.perf_counter() - started:.1f} s"
         )
-        if getattr(handle.owner, "is_sd2", False) and not _call(self.host, "upcast_attn", False):
+        if getattr(handle.owner, "is_sd2", False) and not ask(self.host, "upcast_attn", False):
             self.job.warn_once(
                 "unet-sd2",
                 "VRAM Guard: FP16 UNet on an SD 2.x model: enable Settings -> Stable Diffusion -> "
