@@ -42,14 +42,9 @@ function vramGuardRoot() {
 
 function vramGuardReadouts() {
     var root = vramGuardRoot();
-    var found = [];
-    vramGuardConfig.tabs.forEach(function(tab) {
-        var el = root.querySelector("#vram_guard_readout_" + tab);
-        if (el) {
-            found.push(el);
-        }
-    });
-    return found;
+    return vramGuardConfig.tabs.map(function(tab) {
+        return root.querySelector("#vram_guard_readout_" + tab);
+    }).filter(Boolean);
 }
 
 function vramGuardIsVisible(el) {
@@ -59,14 +54,10 @@ function vramGuardIsVisible(el) {
 function vramGuardWebuiBusy() {
     // A1111/Forge show <tab>_interrupt only while that tab is generating (Extras too).
     var root = vramGuardRoot();
-    var ids = ["txt2img_interrupt", "img2img_interrupt", "extras_interrupt"];
-    for (var i = 0; i < ids.length; i++) {
-        var el = root.querySelector("#" + ids[i]);
-        if (el && el.style && el.style.display === "block") {
-            return true;
-        }
-    }
-    return false;
+    return vramGuardConfig.tabs.some(function(tab) {
+        var el = root.querySelector("#" + tab + "_interrupt");
+        return !!(el && el.style && el.style.display === "block");
+    });
 }
 
 function vramGuardHintTarget(el) {
