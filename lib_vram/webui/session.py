@@ -521,9 +521,7 @@ class ScriptJobs:
         (VRAM Guard's tiling on/off, its tile/batch/precision), empty that cache, so the picture is
         computed by the route in force and not handed back from the other one."""
         if route != getattr(self.session, "extras_route", "unset"):
-            clear = getattr(self.host, "clear_upscale_cache", None)
-            if clear is not None:
-                clear()
+            ask(self.host, "clear_upscale_cache", None)
             self.session.extras_route = route
 
 

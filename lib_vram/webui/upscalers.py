@@ -24,6 +24,7 @@ import torch
 
 from lib_vram.core.readout import upscale_pass_note
 
+from .host import ask
 from .patching import patch_attr
 
 logger = logging.getLogger(__name__)
@@ -149,9 +150,7 @@ def upscale(
     # Forge's own ESRGAN/RealESRGAN do_upscale first asks its memory manager for its minimum
     # inference memory (offloading models if needed); ours replaces that do_upscale, so it asks too
     # (then tiles to what is free). A1111: nothing to do.
-    prepare = getattr(job.host, "prepare_upscale_memory", None)
-    if callable(prepare):
-        prepare()
+    ask(job.host, "prepare_upscale_memory", None)
     if callable(replay):
         try:
             replay(path)
