@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lib_vram.core.device import is_oom_error
+
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
@@ -435,7 +437,7 @@ class Owner:
                     n += model.nbytes
                     break
                 except Exception as exc:
-                    if target != CARD or not _is_oom(exc):
+                    if target != CARD or not is_oom_error(exc):
                         raise
                     if retry:
                         logger.warning(
@@ -446,9 +448,3 @@ class Owner:
                     elif self.release is not None:
                         self.release()
         return n
-
-
-def _is_oom(exc: BaseException) -> bool:
-    from lib_vram.core.device import is_oom_error
-
-    return is_oom_error(exc)
