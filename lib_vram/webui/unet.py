@@ -199,7 +199,7 @@ class UNetCast:
         return 1
 
     # -- weights reloaded into the same model ------------------------------------------------
-    def guard_reload(self, on_reload: Callable[[UNetCast], None]) -> None:
+    def guard_reload(self) -> None:
         """Restore this cast when the WebUI is about to load other weights into the same model
         object (``load_model_weights`` calls ``model.before_load_weights(state_dict)`` if the
         attribute exists); the previous instance attribute or class method still runs after."""
@@ -211,7 +211,7 @@ class UNetCast:
 
         def before_load_weights(*args: Any, **kwargs: Any) -> Any:
             cast.restore()
-            on_reload(cast)
+            logger.info("VRAM Guard: FP16 UNet restored before the WebUI loads new weights into the model")
             following = getattr(owner, "before_load_weights", None)
             return following(*args, **kwargs) if callable(following) else None
 
@@ -317,7 +317,7 @@ class UNetFP16:
                 release(self.device)
             self._skip(failed, SKIP_NOTES[failed])
             return False
-        cast.guard_reload(self._reloaded)
+        cast.guard_reload()
         self.casts.append(cast)
         self._set_fp16_state()
         self.applied = True
@@ -403,9 +403,6 @@ class UNetFP16:
             self._commented.add(key)
             self.host.add_comment(p, text)
         self.job.warn_once(f"unet-{key}", text)
-
-    def _reloaded(self, cast: UNetCast) -> None:
-        logger.info("VRAM Guard: FP16 UNet restored before the WebUI loads new weights into the model")
 
     def _set_fp16_state(self) -> None:
         cur = self.host.unet_state()
