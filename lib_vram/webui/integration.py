@@ -39,18 +39,15 @@ def settings_options() -> list[tuple[str, dict]]:
 
 def presets_table_html() -> str:
     """The presets as a table (they are data in :mod:`lib_vram.planning.presets`; Auto resolves per job)."""
-    from lib_vram.planning.presets import PRESETS, RELEASE_POINTS, Preset
-
-    def offload(p: Preset) -> str:
-        parts = (("UNet", p.offload_unet_during_vae), ("text encoders", p.offload_text_encoder_during_vae))
-        moved = [n for n, on in parts if on]
-        return ", ".join(moved) or "nothing"
+    from lib_vram.planning.presets import PRESETS, RELEASE_POINTS
 
     rows = []
     for name, p in PRESETS.items():
         release = ", ".join(r for r in RELEASE_POINTS if r in p.release_at)
         margin = f"max({p.safety_margin_bytes // 2**20} MiB, {p.safety_margin_fraction:.0%})"
-        cells = (name, p.vae_mode, p.precision_vae, p.precision_upscale, offload(p), margin, release)
+        parts = (("UNet", p.offload_unet_during_vae), ("text encoders", p.offload_text_encoder_during_vae))
+        offload = ", ".join(n for n, on in parts if on) or "nothing"
+        cells = (name, p.vae_mode, p.precision_vae, p.precision_upscale, offload, margin, release)
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in cells) + "</tr>")
     head = "".join(
         f"<th>{h}</th>"
