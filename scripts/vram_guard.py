@@ -7,6 +7,8 @@ callbacks (host-api §2); everything else happens when the WebUI calls in.
 
 from __future__ import annotations
 
+import functools
+
 from modules import script_callbacks, scripts, scripts_postprocessing
 
 from lib_vram import webui as vg
@@ -44,13 +46,10 @@ class VRAMGuardScript(scripts.Script):
         return widgets.inputs
 
     # -- job lifecycle (lib_vram.webui.ScriptJobs) -------------------------------------------
-    @property
+    @functools.cached_property
     def jobs(self) -> vg.ScriptJobs:
-        jobs = self.__dict__.get("_vram_guard_jobs")
-        if jobs is None:
-            kind = "img2img" if getattr(self, "is_img2img", False) else "txt2img"
-            jobs = self.__dict__["_vram_guard_jobs"] = vg.ScriptJobs(SESSION, kind=kind)
-        return jobs
+        """Made at first use (the WebUI sets ``is_img2img`` after ``__init__``)."""
+        return vg.ScriptJobs(SESSION, kind="img2img" if getattr(self, "is_img2img", False) else "txt2img")
 
     def _options(self, p, args):
         """The job's options; None (reported once, job runs without us) when they are bad."""
@@ -105,12 +104,9 @@ class VRAMGuardExtras(scripts_postprocessing.ScriptPostprocessing):
             vg.defaults(), input_accordion=host.input_accordion(), on_free=SESSION.free_html
         )
 
-    @property
+    @functools.cached_property
     def jobs(self) -> vg.ScriptJobs:
-        jobs = self.__dict__.get("_vram_guard_jobs")
-        if jobs is None:
-            jobs = self.__dict__["_vram_guard_jobs"] = vg.ScriptJobs(SESSION, kind="extras")
-        return jobs
+        return vg.ScriptJobs(SESSION, kind="extras")
 
     def process_firstpass(self, pp, **args):
         # None values (the Extras API passes None for our arguments) mean "the Settings defaults".
