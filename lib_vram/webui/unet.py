@@ -121,7 +121,6 @@ class UNetCast:
         self.restored = False
         self.fp32_bytes = 0
         self.backup_bytes = 0
-        self.modified = 0
         self._dtype_attr: Any = _MISSING
         self._guard: Callable[..., Any] | None = None
         self._guard_prev: Any = _MISSING
@@ -178,7 +177,6 @@ class UNetCast:
         self.slots = []
         if self._dtype_attr is not _MISSING and self.dm.__dict__.get("dtype") == torch.float16:
             self.dm.dtype = self._dtype_attr
-        self.modified = modified
         return modified
 
     @staticmethod
@@ -283,7 +281,6 @@ class UNetFP16:
         self.casts: list[UNetCast] = []
         self.saved: UNetState | None = None
         self.closed = False
-        self.applied = False
         self._commented: set[str] = set()
 
     # -- public ------------------------------------------------------------------------------
@@ -320,7 +317,6 @@ class UNetFP16:
         cast.guard_reload()
         self.casts.append(cast)
         self._set_fp16_state()
-        self.applied = True
         self.job.plans[PLAN_KEY] = "fp16"
         self.job.note(
             f"VRAM Guard: FP16 UNet: {handle.name} weights {_gib(cast.fp32_bytes)} in FP32 -> "
