@@ -214,8 +214,7 @@ def upscale(
                 f"VRAM Guard: {os.path.basename(path)}: {failed}; the WebUI's upscaler runs it instead",
             )
             return original(img, selected)
-        plan = getattr(report, "plan", None)
-        plan = plan if isinstance(plan, str) else None
+        plan = report.plan
         text = upscale_pass_note(
             job.upscale_stage_name(),
             tiled=bool(report.tiled),
@@ -233,7 +232,7 @@ def upscale(
         if moved:
             plan = f"{plan or 'tiled'}, {moved} off the card"
         job.tracker.note(plan=plan)
-        for note in getattr(report, "notes", None) or []:
+        for note in report.notes:
             job.warn_once(f"upscale-inexact-{path}", f"VRAM Guard: {note}")
     return _swap_rb(out)
 
