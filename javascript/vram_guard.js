@@ -60,13 +60,6 @@ function vramGuardWebuiBusy() {
     });
 }
 
-function vramGuardHintTarget(el) {
-    // An accordion ("Advanced", the WebUI's InputAccordion): its header, where its label is; a title
-    // on the whole accordion would show over every control inside it.
-    var head = el.querySelector(":scope > .label-wrap");
-    return head || el;
-}
-
 function vramGuardRegisterTooltips(readouts) {
     if (vramGuardState.tooltipsDone) {
         return;
@@ -93,7 +86,9 @@ function vramGuardRegisterTooltips(readouts) {
                 titles[label] = tip;
             }
             var el = root.querySelector("#" + CSS.escape(id));
-            var target = el && vramGuardHintTarget(el);
+            // an accordion ("Advanced", the WebUI's InputAccordion): its header, where its label is
+            // (a title on the whole accordion would show over every control inside it)
+            var target = el && (el.querySelector(":scope > .label-wrap") || el);
             if (target && !target.title) {
                 target.title = tip;
             }
@@ -178,10 +173,6 @@ function vramGuardTick() {
     }
 }
 
-function vramGuardStart() {
-    if (vramGuardState.timer === null) {
-        vramGuardState.timer = setInterval(vramGuardTick, vramGuardConfig.busyMs);
-    }
+if (vramGuardState.timer === null) {
+    vramGuardState.timer = setInterval(vramGuardTick, vramGuardConfig.busyMs);
 }
-
-vramGuardStart();
