@@ -123,7 +123,7 @@ def _on_ui_settings():
 def _on_app_started(demo, app):
     vg.configure_logging()
     vg.start_emulation(SESSION)
-    vg.start_placement(SESSION)
+    SESSION.refresh_placement()  # (after the emulated card started: a checkpoint loaded before it)
     vg.mount_routes(app, SESSION)
     vg.check_conflicts(SESSION)
     vg.api_defaults_follow_settings(app, SESSION)
@@ -132,7 +132,7 @@ def _on_app_started(demo, app):
 def _on_list_unets(unets):
     # the main thread's last callback before the WebUI loads the checkpoint in its own thread:
     # the checkpoint placement's patches must be there for that load (lib_vram.webui.placement)
-    vg.start_placement(SESSION)
+    SESSION.refresh_placement()
 
 
 def _on_model_loaded(sd_model):

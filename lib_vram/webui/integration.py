@@ -231,13 +231,3 @@ def start_emulation(session: Any, host: Any = None) -> Any:
     session.stop_emulation()  # a previous load's card (Reload UI)
     session.emulation = emulation.start(size, host=host)
     return session.emulation
-
-
-def start_placement(session: Any) -> Any:
-    """The checkpoint placement (:mod:`lib_vram.webui.placement`), when its Settings option or
-    ``--vram-guard-place-checkpoint`` is on: called where the WebUI lists the UNet options
-    (``on_list_unets``: the last callback on the main thread before v1.10.1 starts loading the
-    checkpoint in its own thread, so the first load is placed) and again at ``on_app_started``
-    (after the emulated card started: a checkpoint loaded before it is placed then)."""
-    session.refresh_placement()
-    return session.placement

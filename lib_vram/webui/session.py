@@ -167,7 +167,8 @@ class Session:
         return self.placement
 
     def refresh_placement(self) -> None:
-        """A job starts: the option may have been turned on or off since (Settings)."""
+        """A job starts or the WebUI loads (``on_list_unets``, ``on_app_started``): the placement
+        follows its option, which may have been turned on or off since (Settings)."""
         if self.placement is not None:
             self.placement.refresh()
         else:
