@@ -42,14 +42,9 @@ function vramGuardRoot() {
 
 function vramGuardReadouts() {
     var root = vramGuardRoot();
-    var found = [];
-    vramGuardConfig.tabs.forEach(function(tab) {
-        var el = root.querySelector("#vram_guard_readout_" + tab);
-        if (el) {
-            found.push(el);
-        }
-    });
-    return found;
+    return vramGuardConfig.tabs.map(function(tab) {
+        return root.querySelector("#vram_guard_readout_" + tab);
+    }).filter(Boolean);
 }
 
 function vramGuardIsVisible(el) {
@@ -59,21 +54,10 @@ function vramGuardIsVisible(el) {
 function vramGuardWebuiBusy() {
     // A1111/Forge show <tab>_interrupt only while that tab is generating (Extras too).
     var root = vramGuardRoot();
-    var ids = ["txt2img_interrupt", "img2img_interrupt", "extras_interrupt"];
-    for (var i = 0; i < ids.length; i++) {
-        var el = root.querySelector("#" + ids[i]);
-        if (el && el.style && el.style.display === "block") {
-            return true;
-        }
-    }
-    return false;
-}
-
-function vramGuardHintTarget(el) {
-    // An accordion ("Advanced", the WebUI's InputAccordion): its header, where its label is; a title
-    // on the whole accordion would show over every control inside it.
-    var head = el.querySelector(":scope > .label-wrap");
-    return head || el;
+    return vramGuardConfig.tabs.some(function(tab) {
+        var el = root.querySelector("#" + tab + "_interrupt");
+        return !!(el && el.style && el.style.display === "block");
+    });
 }
 
 function vramGuardRegisterTooltips(readouts) {
@@ -102,7 +86,9 @@ function vramGuardRegisterTooltips(readouts) {
                 titles[label] = tip;
             }
             var el = root.querySelector("#" + CSS.escape(id));
-            var target = el && vramGuardHintTarget(el);
+            // an accordion ("Advanced", the WebUI's InputAccordion): its header, where its label is
+            // (a title on the whole accordion would show over every control inside it)
+            var target = el && (el.querySelector(":scope > .label-wrap") || el);
             if (target && !target.title) {
                 target.title = tip;
             }
@@ -187,10 +173,6 @@ function vramGuardTick() {
     }
 }
 
-function vramGuardStart() {
-    if (vramGuardState.timer === null) {
-        vramGuardState.timer = setInterval(vramGuardTick, vramGuardConfig.busyMs);
-    }
+if (vramGuardState.timer === null) {
+    vramGuardState.timer = setInterval(vramGuardTick, vramGuardConfig.busyMs);
 }
-
-vramGuardStart();

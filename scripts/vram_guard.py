@@ -7,6 +7,8 @@ callbacks (host-api §2); everything else happens when the WebUI calls in.
 
 from __future__ import annotations
 
+import functools
+
 from modules import script_callbacks, scripts, scripts_postprocessing
 
 from lib_vram import webui as vg
@@ -44,13 +46,10 @@ class VRAMGuardScript(scripts.Script):
         return widgets.inputs
 
     # -- job lifecycle (lib_vram.webui.ScriptJobs) -------------------------------------------
-    @property
+    @functools.cached_property
     def jobs(self) -> vg.ScriptJobs:
-        jobs = self.__dict__.get("_vram_guard_jobs")
-        if jobs is None:
-            kind = "img2img" if getattr(self, "is_img2img", False) else "txt2img"
-            jobs = self.__dict__["_vram_guard_jobs"] = vg.ScriptJobs(SESSION, kind=kind)
-        return jobs
+        """Made at first use (the WebUI sets ``is_img2img`` after ``__init__``)."""
+        return vg.ScriptJobs(SESSION, kind="img2img" if getattr(self, "is_img2img", False) else "txt2img")
 
     def _options(self, p, args):
         """The job's options; None (reported once, job runs without us) when they are bad."""
@@ -105,12 +104,9 @@ class VRAMGuardExtras(scripts_postprocessing.ScriptPostprocessing):
             vg.defaults(), input_accordion=host.input_accordion(), on_free=SESSION.free_html
         )
 
-    @property
+    @functools.cached_property
     def jobs(self) -> vg.ScriptJobs:
-        jobs = self.__dict__.get("_vram_guard_jobs")
-        if jobs is None:
-            jobs = self.__dict__["_vram_guard_jobs"] = vg.ScriptJobs(SESSION, kind="extras")
-        return jobs
+        return vg.ScriptJobs(SESSION, kind="extras")
 
     def process_firstpass(self, pp, **args):
         # None values (the Extras API passes None for our arguments) mean "the Settings defaults".
@@ -127,7 +123,7 @@ def _on_ui_settings():
 def _on_app_started(demo, app):
     vg.configure_logging()
     vg.start_emulation(SESSION)
-    vg.start_placement(SESSION)
+    SESSION.refresh_placement()  # (after the emulated card started: a checkpoint loaded before it)
     vg.mount_routes(app, SESSION)
     vg.check_conflicts(SESSION)
     vg.api_defaults_follow_settings(app, SESSION)
@@ -136,7 +132,7 @@ def _on_app_started(demo, app):
 def _on_list_unets(unets):
     # the main thread's last callback before the WebUI loads the checkpoint in its own thread:
     # the checkpoint placement's patches must be there for that load (lib_vram.webui.placement)
-    vg.start_placement(SESSION)
+    SESSION.refresh_placement()
 
 
 def _on_model_loaded(sd_model):

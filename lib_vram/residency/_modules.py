@@ -48,17 +48,13 @@ class ModuleMover:
     """Moves one module between the card and host memory (see the module docstring)."""
 
     def __init__(
-        self,
-        module: torch.nn.Module,
-        device: torch.device,
-        card: emulate.EmulatedCard | None = None,
-        *,
-        on_use: Callable[[], None] | None = None,
+        self, module: torch.nn.Module, device: torch.device, card: emulate.EmulatedCard | None = None
     ) -> None:
         self.module = module
         self.device = device
         self.card = card
-        self.on_use = on_use
+        self.on_use: Callable[[], None] | None = None
+        """Called at the first forward while off the card (the owner sets it)."""
         self._hooks: list[Any] = []
         self._lock = threading.RLock()
 

@@ -13,7 +13,7 @@ The owner decides; the host adapter only reports models and applies moves throug
   (``fits(freed_bytes)``: does the stage fit when that many more bytes are free?), nothing moves
   when it fits; else the fewest bytes of models not in use leave (parts away from home first, then
   the smallest single model that is enough, else the largest and again); when nothing is enough the
-  stage does not fit and nothing moves (``best_effort``: all of them leave, the stage's last chance).
+  stage does not fit and nothing moves (no ``fits``: all of them leave, the stage's last chance).
 * :meth:`Owner.use` — a model is needed now (a forward pre-hook of one of its modules, or a stage's
   use): it goes to the card, after :meth:`room` for its bytes.
 * :meth:`Owner.end` — after the stage every model it moved goes home: nothing woken stays unless
@@ -35,6 +35,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from lib_vram.core.device import is_oom_error
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +266,6 @@ class Owner:
         *,
         why: str = "",
         may_move: Callable[[Model], bool] | None = None,
-        best_effort: bool = False,
     ) -> Room:
         """Make the stage fit (see the module docstring); the moves are undone by :meth:`end`.
         ``fits=None``: move every candidate (the stage ran out of memory with them there)."""
@@ -274,16 +275,13 @@ class Owner:
             if fits is not None and fits(0):
                 return Room(stage, True)
             chosen = self.choose(cands, fits) if fits is not None else list(cands)
-            ok = chosen is not None
             if chosen is None:
-                if not best_effort:
-                    return Room(stage, False)
-                chosen = list(cands)
+                return Room(stage, False)
             if stage:
                 self._stages.setdefault(stage, [])  # (undone by end(stage), begun or not)
             for m in chosen:
                 self._move(m, HOST, stage, why or f"{stage.replace('_', ' ')} needs the room")
-            return Room(stage, ok, list(chosen))
+            return Room(stage, True, list(chosen))
 
     def use(self, model: Model, stage: str = "", *, why: str = "") -> None:
         """``model`` is needed on the card now (room is made for it first). An out-of-memory error
@@ -435,7 +433,7 @@ class Owner:
                     n += model.nbytes
                     break
                 except Exception as exc:
-                    if target != CARD or not _is_oom(exc):
+                    if target != CARD or not is_oom_error(exc):
                         raise
                     if retry:
                         logger.warning(
@@ -446,9 +444,3 @@ class Owner:
                     elif self.release is not None:
                         self.release()
         return n
-
-
-def _is_oom(exc: BaseException) -> bool:
-    from lib_vram.core.device import is_oom_error
-
-    return is_oom_error(exc)

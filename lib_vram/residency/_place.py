@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -104,28 +105,17 @@ def plan_checkpoint(
     leftover_bytes: int,
     parked: Sequence[tuple[str, int]],
     batch: int,
-    latent_hw: tuple[int, int],
-    context_tokens: int,
-    attention: str,
-    dtype: torch.dtype,
-    backend: str = "cuda",
+    **step: Any,
 ) -> CheckpointPlan:
     """The placed plan (see the module docstring). ``unet``: the live UNet or its
     :func:`~lib_vram.sampling.unit_bytes`; ``parked``: (name, bytes) of the text encoders and VAE;
-    the step (``batch`` .. ``backend``) is the default pass the resident part leaves room for."""
-    step = dict(
-        batch=batch,
-        latent_hw=latent_hw,
-        context_tokens=context_tokens,
-        attention=attention,
-        dtype=dtype,
-        backend=backend,
-    )
+    ``batch`` and ``step``: the default pass the resident part leaves room for, as
+    :func:`~lib_vram.sampling.plan_stream`'s keywords (``latent_hw`` ... ``backend``)."""
     budget = min(max(0, card_bytes - safety_bytes - leftover_bytes), MAX_BUDGET)
 
     def plan_stream(budget_bytes: int) -> StreamPlan:
         try:
-            return _plan_stream(unet, spec, budget_bytes=budget_bytes, **step)
+            return _plan_stream(unet, spec, budget_bytes=budget_bytes, batch=batch, **step)
         except ValueError as exc:
             if "can be planned" not in str(exc):
                 raise

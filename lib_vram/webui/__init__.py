@@ -15,7 +15,6 @@ from .integration import (
     mount_routes,
     register_settings,
     start_emulation,
-    start_placement,
 )
 from .session import ScriptJobs, Session
 
@@ -29,5 +28,4 @@ __all__ = [
     "mount_routes",
     "register_settings",
     "start_emulation",
-    "start_placement",
 ]

@@ -210,10 +210,8 @@ def _mib(n: int) -> str:
 
 
 def start(size: Any, *, host: Any) -> WebUICard | None:
-    """The card for ``--vram-guard-emulate-vram`` (``size``: bytes or text), installed; None when the
-    flag is not given or emulation cannot run here (logged)."""
-    if size is None or size == "":
-        return None
+    """The card for ``--vram-guard-emulate-vram`` (``size``: bytes or text), installed; None when
+    emulation cannot run here (logged)."""
     try:
         card = WebUICard(emulate.parse_size(size, FLAG), host=host, device=host.device())
         card.install()

@@ -76,10 +76,7 @@ def _vae_is_ours(job: Any) -> bool:
     When they do not, Forge's own ``decode_inner``/``encode_inner`` run unchanged: its memory
     manager, its out-of-memory fallback to tiled decoding and "Never OOM"'s always-tiled VAE stay
     the user's (our decoder/encoder hooks still see the passes, untiled, for the readout)."""
-    s = getattr(job, "settings", None)
-    if s is None:
-        return True
-    return getattr(s, "vae_tiling", "Auto") != "Off" or getattr(s, "vae_dtype", None) is not None
+    return job.settings.vae_tiling != "Off" or job.settings.vae_dtype is not None
 
 
 def _decode(vae: Any, load_vae: Callable[[Any], None], samples: torch.Tensor) -> torch.Tensor:

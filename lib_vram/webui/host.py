@@ -21,6 +21,19 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def ask(host: Any, name: str, default: Any, *args: Any) -> Any:
+    """``host.<name>(*args)`` for this module or a stand-in for it, or ``default`` where the host
+    lacks the function or cannot answer."""
+    fn = getattr(host, name, None)
+    if not callable(fn):
+        return default
+    try:
+        return fn(*args)
+    except (ImportError, AttributeError) as exc:
+        logger.debug("host.%s unavailable: %s", name, exc)
+        return default
+
+
 # -- options and flags ---------------------------------------------------------------------------
 def opts_get(key: str, default: Any) -> Any:
     """``shared.opts.<key>`` or ``default`` (our options exist only after ``on_ui_settings`` ran)."""

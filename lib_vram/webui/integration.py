@@ -39,18 +39,15 @@ def settings_options() -> list[tuple[str, dict]]:
 
 def presets_table_html() -> str:
     """The presets as a table (they are data in :mod:`lib_vram.planning.presets`; Auto resolves per job)."""
-    from lib_vram.planning.presets import PRESETS, RELEASE_POINTS, Preset
-
-    def offload(p: Preset) -> str:
-        parts = (("UNet", p.offload_unet_during_vae), ("text encoders", p.offload_text_encoder_during_vae))
-        moved = [n for n, on in parts if on]
-        return ", ".join(moved) or "nothing"
+    from lib_vram.planning.presets import PRESETS, RELEASE_POINTS
 
     rows = []
     for name, p in PRESETS.items():
         release = ", ".join(r for r in RELEASE_POINTS if r in p.release_at)
         margin = f"max({p.safety_margin_bytes // 2**20} MiB, {p.safety_margin_fraction:.0%})"
-        cells = (name, p.vae_mode, p.precision_vae, p.precision_upscale, offload(p), margin, release)
+        parts = (("UNet", p.offload_unet_during_vae), ("text encoders", p.offload_text_encoder_during_vae))
+        offload = ", ".join(n for n, on in parts if on) or "nothing"
+        cells = (name, p.vae_mode, p.precision_vae, p.precision_upscale, offload, margin, release)
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in cells) + "</tr>")
     head = "".join(
         f"<th>{h}</th>"
@@ -234,13 +231,3 @@ def start_emulation(session: Any, host: Any = None) -> Any:
     session.stop_emulation()  # a previous load's card (Reload UI)
     session.emulation = emulation.start(size, host=host)
     return session.emulation
-
-
-def start_placement(session: Any) -> Any:
-    """The checkpoint placement (:mod:`lib_vram.webui.placement`), when its Settings option or
-    ``--vram-guard-place-checkpoint`` is on: called where the WebUI lists the UNet options
-    (``on_list_unets``: the last callback on the main thread before v1.10.1 starts loading the
-    checkpoint in its own thread, so the first load is placed) and again at ``on_app_started``
-    (after the emulated card started: a checkpoint loaded before it is placed then)."""
-    session.refresh_placement()
-    return session.placement

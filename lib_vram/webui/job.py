@@ -39,8 +39,8 @@ from lib_vram.core.timeline import Timeline
 from lib_vram.core.tracker import StageTracker
 
 from . import host as default_host
+from .host import ask
 from .options import INFOTEXT_PLAN_KEY, to_infotext
-from .sampling import _call
 from .settings import JobSettings
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Job:
 
     def current(self) -> bool:
         """True while this job is open and the WebUI is still running the job that opened it."""
-        return not self.closed and _call(self.host, "job_token", _UNREADABLE) == self.token
+        return not self.closed and ask(self.host, "job_token", _UNREADABLE) == self.token
 
     def note(self, text: str, level: int = logging.INFO, *, log: bool = True) -> None:
         """A note for the readout (and the log, unless it was logged already: the owner logs moves)."""
@@ -162,7 +162,9 @@ class Job:
         """A measured stage; on the job thread it ends any open span first."""
         if threading.get_ident() == self.thread:
             self.end_span()
-        with self._profiled(name), self.tracker.stage(name) as rec:
+        # (under the PyTorch profiler when this job is profiled: .profiling)
+        profiled = self.profiler.stage(name) if self.profiler is not None else contextlib.nullcontext()
+        with profiled, self.tracker.stage(name) as rec:
             yield rec
             cards = self.cards() if threading.get_ident() == self.thread else None
             if cards is not None and cards.owner.models:
@@ -171,10 +173,6 @@ class Job:
             self.plans[name] = rec.plan
             if self.info is not None and (text := self.plan_text()):
                 self.info[INFOTEXT_PLAN_KEY] = text
-
-    def _profiled(self, name: str) -> contextlib.AbstractContextManager:
-        """The stage under the PyTorch profiler when this job is profiled (:mod:`.profiling`)."""
-        return self.profiler.stage(name) if self.profiler is not None else contextlib.nullcontext()
 
     def boundary(self, name: str) -> None:
         """A stage boundary: release memory there if the settings ask for it, and record it."""
@@ -446,20 +444,12 @@ class Job:
             self.closed = True
             self.failed = failed
         try:
-            if threading.get_ident() == self.thread:
-                cm, self._span = self._span, None
-                if cm is not None and failed:
-                    # The job failed while this span (e.g. sampling) was open: record it so.
-                    stopped = self.sampling.current if self.sampling is not None else None
-                    if stopped is not None and stopped.error is not None:
-                        err = JobFailed(stopped.error)
-                    else:
-                        err = JobFailed("the job stopped with an error in this stage (outside VRAM Guard)")
-                    cm.__exit__(JobFailed, err, None)
-                elif cm is not None:
-                    cm.__exit__(None, None, None)
-            else:
-                self._span = None
+            cm, self._span = self._span, None
+            if cm is not None and threading.get_ident() == self.thread:
+                # a failed job failed while this span (e.g. sampling) was open: record it so
+                stopped = self.sampling.current if self.sampling is not None else None
+                why = getattr(stopped, "error", None) or FAILED_IN_STAGE
+                cm.__exit__(*((JobFailed, JobFailed(why), None) if failed else (None, None, None)))
             self.boundary("failure" if failed else "job_end")
             self.timeline.finish()
         finally:
@@ -499,6 +489,7 @@ class JobFailed(RuntimeError):
     """Marks the stage during which the WebUI job failed outside VRAM Guard."""
 
 
+FAILED_IN_STAGE = "the job stopped with an error in this stage (outside VRAM Guard)"
 FAILED_OUTSIDE_NOTE = (
     "The last job failed outside VRAM Guard's stages (e.g. in the sampler or another extension); "
     "the stages listed finished before it."

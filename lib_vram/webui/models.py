@@ -11,6 +11,7 @@ streamed (its resident part never moves), the text encoders and the VAE in host 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,7 +29,7 @@ ROLES = {"UNet": "unet", "text encoders": "text_encoders", "VAE": "vae"}
 
 
 def checkpoint_parts(
-    sd_model: Any, *, unet: bool = True, text_encoders: bool = True, vae: bool = True
+    sd_model: Any, *, unet: bool = True, vae: bool = True
 ) -> list[tuple[str, torch.nn.Module]]:
     """The checkpoint's parts: ``("UNet", sd_model.model)``, ``("text encoders",
     sd_model.cond_stage_model or sd_model.conditioner)`` (ldm / sgm), ``("VAE", first_stage_model)``."""
@@ -41,12 +42,11 @@ def checkpoint_parts(
             out.append(("UNet", wrapper))
         elif isinstance(getattr(wrapper, "diffusion_model", None), torch.nn.Module):
             out.append(("UNet", wrapper.diffusion_model))
-    if text_encoders:
-        for attr in ("cond_stage_model", "conditioner"):
-            m = getattr(sd_model, attr, None)
-            if isinstance(m, torch.nn.Module):
-                out.append(("text encoders", m))
-                break
+    for attr in ("cond_stage_model", "conditioner"):
+        m = getattr(sd_model, attr, None)
+        if isinstance(m, torch.nn.Module):
+            out.append(("text encoders", m))
+            break
     if vae:
         m = getattr(sd_model, "first_stage_model", None)
         if isinstance(m, torch.nn.Module):
@@ -129,13 +129,13 @@ class CardModels:
             mover = ModuleMover(module, device, card)
             n = nbytes_of(tensors_of([module]))
             model = Model(name, ROLES[name], n, mover, dtype=_dtype_of(module), group=sd_model)
+            verb = "are" if name.endswith("s") else "is"  # (wakes it while it is in host memory)
+            mover.on_use = functools.partial(owner.use, model, why=f"the {name} {verb} needed now")
             if placed is not None and name == "UNet":
-                streamed = placed.streamer is not None
-                model.home = model.where = STREAMED if streamed else CARD
+                model.home = model.where = STREAMED if placed.streamer is not None else CARD
                 model.resident_bytes = placed.unet_resident_bytes
                 model.movable = False
-            mover.on_use = self._waker(model)
-            if placed is not None and name != "UNet":
+            elif placed is not None:
                 model.home = model.where = HOST
                 mover.hook()
             out.append(owner.join(model))
@@ -143,16 +143,6 @@ class CardModels:
         if placed is not None:
             self._hook_unet(placed.unet)
         return out
-
-    def _waker(self, model: Model) -> Callable[[], None]:
-        owner = self.owner
-        verb = "are" if model.name.endswith("s") else "is"
-
-        def wake() -> None:
-            if model.where == HOST:
-                owner.use(model, why=f"the {model.name} {verb} needed now")
-
-        return wake
 
     def _hook_unet(self, unet: torch.nn.Module) -> None:
         """At each forward of a placed UNet the text encoders woken outside a stage go home (the
@@ -186,22 +176,12 @@ class CardModels:
         found = self.owner.of(sd_model)
         return found if names is None else [m for m in found if m.name in set(names)]
 
-    def room(
-        self,
-        stage: str,
-        sd_model: Any,
-        *,
-        movable: Iterable[str],
-        fits: Callable[[int], bool] | None = None,
-        why: str = "",
-        best_effort: bool = False,
-    ) -> Room:
-        """Ask the owner for room for ``stage``: only the models named in ``movable`` may leave."""
+    def room(self, stage: str, sd_model: Any, *, movable: Iterable[str], why: str = "") -> Room:
+        """The models named in ``movable`` that are not in use leave the card for ``stage`` (the owner's
+        moves, undone at its end)."""
         allowed = set(movable)
         self.models(sd_model)
-        return self.owner.room(
-            stage, (), fits, why=why, may_move=lambda m: m.name in allowed, best_effort=best_effort
-        )
+        return self.owner.room(stage, why=why, may_move=lambda m: m.name in allowed)
 
 
 def loaded_bytes(sd_model: Any, *, half: bool) -> int | None:

@@ -573,10 +573,7 @@ def extras_options(kwargs: Mapping[str, Any], defaults: VRAMGuardOptions) -> VRA
     ``None`` values (the Extras API passes ``None`` for every non-built-in operation) and missing
     keys take ``defaults``. Tiled upscaling is what the section does, so ``upscale_tiling`` is on.
     """
-    changes = {}
-    for key, value in kwargs.items():
+    for key in kwargs:
         if key not in EXTRAS_FIELDS:
             raise ValueError(f"unknown Extras option `{key}`; known: {list(EXTRAS_FIELDS)}")
-        if value is not None:
-            changes[key] = value
-    return defaults.replace(upscale_tiling=True, **changes)
+    return defaults.replace(upscale_tiling=True, **{k: v for k, v in kwargs.items() if v is not None})

@@ -49,18 +49,7 @@ def patch_attr(obj: Any, name: str, fn: Callable[..., Any], stack: ExitStack) ->
         raise TypeError(f"`{name}` of {type(obj).__name__} is not callable")
     patch = Patch(f"{type(obj).__name__}.{name}", previous, fn)
     setattr(obj, name, patch)
-
-    def undo() -> None:
-        if obj.__dict__.get(name) is patch:
-            if saved is _MISSING:
-                del obj.__dict__[name]
-            else:
-                setattr(obj, name, saved)
-        else:
-            patch.active = False
-            logger.debug("%s was re-patched by somebody else; ours stays as a pass-through", patch.name)
-
-    stack.callback(undo)
+    stack.callback(_undo, obj.__dict__, name, patch, saved)
     return patch
 
 
@@ -83,18 +72,20 @@ def patch_slot(
         raise ValueError(f"slot `{key}` is empty and no `default` was given")
     patch = Patch(key, previous, fn)
     mapping[key] = patch
-
-    def undo() -> None:
-        if mapping.get(key) is patch:
-            if saved is _MISSING:
-                del mapping[key]
-            else:
-                mapping[key] = saved
-        else:
-            patch.active = False
-
-    stack.callback(undo)
+    stack.callback(_undo, mapping, key, patch, saved)
     return patch
+
+
+def _undo(mapping: MutableMapping[str, Any], key: str, patch: Patch, saved: Any) -> None:
+    """``saved`` back in ``mapping[key]`` (no key when there was none) if ``patch`` is still
+    there; else somebody wrapped ours after us and it turns into a pass-through."""
+    if mapping.get(key) is not patch:
+        patch.active = False
+        logger.debug("%s was re-patched by somebody else; ours stays as a pass-through", patch.name)
+    elif saved is _MISSING:
+        del mapping[key]
+    else:
+        mapping[key] = saved
 
 
 def foreign_vae_wrapper(module: Any) -> str | None:

@@ -31,10 +31,11 @@ from lib_vram.residency._modules import nbytes_of as _nbytes
 from lib_vram.residency._modules import tensors_of as _tensors_of
 
 from .emulation import _weight_modules
+from .host import ask
 from .models import CardModels, checkpoint_parts, loaded_bytes
 from .patching import patch_attr
 from .placed import Placed
-from .sampling import _attention, _call, _dtype_of
+from .sampling import _attention, _dtype_of
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class Placement:
         why = self.skip_reason()
         if why is None:
             self.install()
-            self.place_if_needed(_call(self.host, "loaded_sd_model", None))
+            self.place_if_needed(ask(self.host, "loaded_sd_model", None))
         elif self.installed:
             logger.info("VRAM Guard: checkpoint placement %s: undoing it", why)
             self.close()
@@ -154,7 +155,7 @@ class Placement:
         decoded after that end: the WebUI decodes one whenever a progress poll arrives while the
         task is still current, also after the job's last decode, so its VAE wake was left on the
         card until the next job (seen in the real WebUI, issue 29 Run 7)."""
-        points = _call(self.host, "job_entry_points", {})
+        points = ask(self.host, "job_entry_points", {})
         wrappers = {
             "begin": self._job_begins,
             "end": self._job_done,
@@ -227,7 +228,7 @@ class Placement:
             return self.margin_bytes
         from lib_vram.planning.presets import PRESET_NAMES, resolve_preset
 
-        name = self.host.cmd_opt("vram_guard_preset", None) or _call(
+        name = self.host.cmd_opt("vram_guard_preset", None) or ask(
             self.host, "opts_get", "Auto", "vram_guard_preset", "Auto"
         )
         match = [n for n in PRESET_NAMES if n.lower() == str(name).lower()]
@@ -567,7 +568,7 @@ class Placement:
 
     def status_line(self) -> str:
         """The status route's line."""
-        placed = self.placed_for(_call(self.host, "loaded_sd_model", None))
+        placed = self.placed_for(ask(self.host, "loaded_sd_model", None))
         if placed is not None:
             return placed.label
         if self.last_error:
@@ -603,7 +604,7 @@ def _check_host_room(nbytes: int, what: str) -> None:
 def option_on(host: Any) -> bool:
     """The placement is asked for (its Settings option or the command-line flag)."""
     return bool(
-        host.cmd_opt("vram_guard_place_checkpoint", False) or _call(host, "opts_get", False, SETTING, False)
+        host.cmd_opt("vram_guard_place_checkpoint", False) or ask(host, "opts_get", False, SETTING, False)
     )
 
 

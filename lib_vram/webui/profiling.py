@@ -59,18 +59,17 @@ class JobProfiler:
         decode, it runs as it is). The profiler is stopped however the block ends."""
         from lib_vram.core.profiling import StageProfiler, profiler_running
 
-        if threading.get_ident() != self.thread:
-            yield
-            return
-        if profiler_running():
+        prof = None
+        if threading.get_ident() == self.thread and profiler_running():
             self.note(f"VRAM Guard profile: {name} not profiled, another PyTorch profiler is running")
-            yield
-            return
-        prof = StageProfiler(name, self.device)
-        try:
-            prof.__enter__()
-        except RuntimeError as exc:
-            self.note(f"VRAM Guard profile: {name} not profiled ({exc})")
+        elif threading.get_ident() == self.thread:
+            prof = StageProfiler(name, self.device)
+            try:
+                prof.__enter__()
+            except RuntimeError as exc:
+                prof = None
+                self.note(f"VRAM Guard profile: {name} not profiled ({exc})")
+        if prof is None:
             yield
             return
         try:
@@ -152,15 +151,11 @@ class ProfileSwitch:
             self.armed = not self.armed
             return self.armed
 
-    def take(self) -> bool:
-        """True once after :meth:`toggle` armed it (the job that opens now is profiled)."""
+    def attach(self, job: Any, host: Any) -> JobProfiler | None:
+        """Give ``job`` a :class:`JobProfiler` when the switch is armed (and turn it off: one job)."""
         with self._lock:
             armed, self.armed = self.armed, False
-            return armed
-
-    def attach(self, job: Any, host: Any) -> JobProfiler | None:
-        """Give ``job`` a :class:`JobProfiler` when the switch is armed (and turn it off)."""
-        if not self.take():
+        if not armed:
             return None
         try:
             folder = Path(host.profiles_dir())

@@ -26,6 +26,7 @@ import torch
 from lib_vram.core import emulate
 from lib_vram.core.device import free_bytes, is_oom_error, release
 
+from .host import ask
 from .models import model_skip_reason
 from .patching import patch_attr
 
@@ -234,7 +235,7 @@ class SamplingGuard:
         host = job.host
         spec = sampling.unet_spec(dm)
         images, hw = _latent_of(p, x)
-        cond_uncond = bool(_call(host, "batch_cond_uncond", True))
+        cond_uncond = bool(ask(host, "batch_cond_uncond", True))
         batch = images * (2 if cond_uncond else 1)
         tokens = context_tokens(c, uc)
         placed = _placed(job, model)  # (checkpoint placement) its device, not a streamed block's
@@ -360,7 +361,7 @@ class SamplingGuard:
             )
             if switches or not s.offload_text_encoders:
                 names.discard("text encoders")
-            if bool(_call(job.host, "live_previews_full", False)) or not s.offload_unet:
+            if bool(ask(job.host, "live_previews_full", False)) or not s.offload_unet:
                 names.discard("VAE")
         mine = {id(m) for m in cards.models(model)}  # (reported first when the owner has not seen it)
         cands = [m for m in cards.owner.candidates() if id(m) in mine and m.name in names]
@@ -557,24 +558,12 @@ def dm_device(dm: Any) -> torch.device:
     return next((t.device for t in dm.parameters() if t.device.type != "cpu"), torch.device("cpu"))
 
 
-def _call(host: Any, name: str, default: Any, *args: Any) -> Any:
-    """``host.<name>(*args)``, or ``default`` where the host lacks it or cannot answer."""
-    fn = getattr(host, name, None)
-    if not callable(fn):
-        return default
-    try:
-        return fn(*args)
-    except (ImportError, AttributeError) as exc:
-        logger.debug("host.%s unavailable: %s", name, exc)
-        return default
-
-
 def _attention(host: Any, backend: str) -> str:
     """The modelled attention for the optimization the WebUI applied (``none`` when it applied
     none; ``Automatic`` resolved as the WebUI does when the host cannot tell)."""
     from lib_vram.sampling import attention_of
 
-    name = _call(host, "cross_attention", None)
+    name = ask(host, "cross_attention", None)
     if name is None:
         return attention_of("Automatic", backend=backend)
     if not str(name).strip():
@@ -589,7 +578,7 @@ def _attention(host: Any, backend: str) -> str:
 def _dtype_of(host: Any, dm: Any) -> torch.dtype:
     """The dtype the UNet computes in: the WebUI's ``devices.dtype_unet`` (what ``apply_model``
     casts its inputs to) where it is a float type, else the UNet's weights'."""
-    state = _call(host, "unet_state", None)
+    state = ask(host, "unet_state", None)
     dtype = getattr(state, "dtype_unet", None)
     if dtype in (torch.float16, torch.bfloat16, torch.float32):
         return dtype

@@ -23,11 +23,11 @@ from lib_vram.core.device import capabilities, memory_info, release
 from lib_vram.core.readout import render_readout_body, render_readout_html, status_payload
 
 from . import host as default_host
+from .host import ask
 from .job import Job
 from .options import INFOTEXT_PLAN_KEY, to_infotext
 from .patching import foreign_vae_wrapper, patch_attr
 from .profiling import ProfileSwitch
-from .sampling import _call
 from .settings import resolve
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,8 @@ class Session:
         return self.placement
 
     def refresh_placement(self) -> None:
-        """A job starts: the option may have been turned on or off since (Settings)."""
+        """A job starts or the WebUI loads (``on_list_unets``, ``on_app_started``): the placement
+        follows its option, which may have been turned on or off since (Settings)."""
         if self.placement is not None:
             self.placement.refresh()
         else:
@@ -191,7 +192,7 @@ class Session:
     # -- precision watch ---------------------------------------------------------------------
     def check_dtype_vae(self, job: Job | None = None) -> None:
         """Tell the user (log + readout + ``p.comment``) when the WebUI widened its VAE dtype."""
-        now = _call(self.host, "dtype_vae", None)
+        now = ask(self.host, "dtype_vae", None)
         if now is None:
             return
         before = self._dtype_seen
@@ -279,7 +280,7 @@ class Session:
         return render_readout_html(self.free())
 
     def _device(self) -> torch.device:
-        return _call(self.host, "device", torch.device("cpu"))
+        return ask(self.host, "device", torch.device("cpu"))
 
 
 _WIDTH = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
@@ -521,9 +522,7 @@ class ScriptJobs:
         (VRAM Guard's tiling on/off, its tile/batch/precision), empty that cache, so the picture is
         computed by the route in force and not handed back from the other one."""
         if route != getattr(self.session, "extras_route", "unset"):
-            clear = getattr(self.host, "clear_upscale_cache", None)
-            if clear is not None:
-                clear()
+            ask(self.host, "clear_upscale_cache", None)
             self.session.extras_route = route
 
 

@@ -115,8 +115,8 @@ class ExtrasWidgets:
     free_button: Any
 
 
-def elem_id(prefix: str, tab: str, name: str) -> str:
-    return f"{prefix}_{tab}_{name}"
+def elem_id(tab: str, name: str) -> str:
+    return f"vram_guard_{tab}_{name}"
 
 
 def with_hint(comp: Any, tooltip: str) -> Any:
@@ -137,16 +137,12 @@ def _component(f: OptionField, value: Any, eid: str) -> Any:
     return with_hint(cls(value=value, label=f.label, elem_id=eid, **f.component_args()), f.tooltip)
 
 
-def _rows(
-    rows: tuple[tuple[str, ...], ...], defaults: VRAMGuardOptions, prefix: str, tab: str
-) -> dict[str, Any]:
+def _rows(rows: tuple[tuple[str, ...], ...], defaults: VRAMGuardOptions, tab: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for row in rows:
         with gr.Row():
             for name in row:
-                out[name] = _component(
-                    FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(prefix, tab, name)
-                )
+                out[name] = _component(FIELDS_BY_NAME[name], getattr(defaults, name), elem_id(tab, name))
     return out
 
 
@@ -172,11 +168,10 @@ def tooltips_for(
     return out
 
 
-def _readout(tab: str, prefix: str, tooltips: Mapping[str, tuple[str, str]], initial: str | None) -> Any:
-    """The readout box (its first HTML: ``initial``, else a placeholder until the JS polls)."""
-    if initial is None:
-        initial = render_readout_html(placeholder_payload(), tab=tab, tooltips=tooltips)
-    eid = f"{prefix}_readout_{tab}"  # (the JS updates #vram_guard_readout_<tab>)
+def _readout(tab: str, tooltips: Mapping[str, tuple[str, str]]) -> Any:
+    """The readout box (a placeholder until the JS polls)."""
+    initial = render_readout_html(placeholder_payload(), tab=tab, tooltips=tooltips)
+    eid = f"vram_guard_readout_{tab}"  # (the JS updates #vram_guard_readout_<tab>)
     return gr.HTML(value=initial, elem_id=eid, elem_classes=["vram-guard-readout-box"])
 
 
@@ -207,10 +202,7 @@ def build_ui(
     tab: str,
     defaults: VRAMGuardOptions,
     input_accordion: Callable[..., Any] | None = None,
-    elem_prefix: str = "vram_guard",
     on_free: Callable[[], str] | None = None,
-    preset_values: Callable[[str], Mapping[str, Any] | None] | None = None,
-    initial_readout: str | None = None,
     on_profile: Callable[[], str] | None = None,
 ) -> UIWidgets:
     """Build the "VRAM Guard" accordion inside the current gradio Blocks context.
@@ -222,16 +214,13 @@ def build_ui(
         on_free, on_profile: called by "Free memory now" and "Profile the next job" (arms or cancels
             profiling of the next job); return the readout HTML to show. ``None`` leaves the button
             unwired (the caller wires its ``click`` itself).
-        preset_values: ``f(preset_name) -> {field: value}`` shown when a preset is chosen (e.g.
-            the planner's resolution); ``None``: controls go back to Auto (follow the preset).
-        initial_readout: the readout's first HTML (``None``: a placeholder until the JS polls).
     """
     if tab not in TABS:
         raise ValueError(f"`tab` must be one of {TABS}, got {tab!r}")
     if not isinstance(defaults, VRAMGuardOptions):
         raise ValueError(f"`defaults` must be a VRAMGuardOptions, got {type(defaults).__name__}")
     controls: dict[str, Any] = {}
-    acc_id = f"{elem_prefix}_{tab}"
+    acc_id = f"vram_guard_{tab}"
     enable_field = FIELDS_BY_NAME["enabled"]
     with _enable_switch(
         defaults.enabled, label=enable_field.label, eid=acc_id, input_accordion=input_accordion,
@@ -239,33 +228,33 @@ def build_ui(
     ) as enable:  # fmt: skip
         controls["enabled"] = enable
         with gr.Column(elem_classes=["vram-guard", "vram-guard-controls"]):
-            controls.update(_rows(COMMON, defaults, elem_prefix, tab))
-            free_id = elem_id(elem_prefix, tab, "free")
-            profile_id = elem_id(elem_prefix, tab, "profile")
-            advanced_id = elem_id(elem_prefix, tab, "advanced")
+            controls.update(_rows(COMMON, defaults, tab))
+            free_id = elem_id(tab, "free")
+            profile_id = elem_id(tab, "profile")
+            advanced_id = elem_id(tab, "advanced")
             folded = [FIELDS_BY_NAME[name] for row in ADVANCED for name in row]
             tips = tooltips_for(
                 controls,
                 {
-                    **{elem_id(elem_prefix, tab, f.name): (f.label, f.tooltip) for f in folded},
+                    **{elem_id(tab, f.name): (f.label, f.tooltip) for f in folded},
                     free_id: ("Free memory now", FREE_TOOLTIP),
                     profile_id: (PROFILE_BUTTON, BUTTON_TOOLTIP),
                     advanced_id: ("", ADVANCED_TOOLTIP),  # ("": not for hints.js's titles[])
                     acc_id: (enable_field.label, enable_field.tooltip),  # the accordion's header
                 },
             )
-            readout = _readout(tab, elem_prefix, tips, initial_readout)
+            readout = _readout(tab, tips)
             with gr.Row():
                 free_button = _button("Free memory now", free_id, FREE_TOOLTIP)
                 profile_button = _button(PROFILE_BUTTON, profile_id, BUTTON_TOOLTIP)  # (.profiling)
             with gr.Accordion(
                 ADVANCED_LABEL, open=False, elem_id=advanced_id, elem_classes=["vram-guard-advanced"]
             ):
-                controls.update(_rows(ADVANCED, defaults, elem_prefix, tab))
+                controls.update(_rows(ADVANCED, defaults, tab))
     inputs = [controls[name] for name in API_ARG_ORDER]
     targets = [controls[name] for name in PRESET_TARGETS]
     controls["preset"].change(
-        fn=lambda preset: preset_changed(preset, preset_values),
+        fn=lambda preset: preset_changed(preset),
         inputs=[controls["preset"]],
         outputs=targets,
         show_progress="hidden",
@@ -312,9 +301,7 @@ def build_extras_widgets(
     defaults: VRAMGuardOptions,
     *,
     input_accordion: Callable[..., Any] | None = None,
-    elem_prefix: str = "vram_guard",
     on_free: Callable[[], str] | None = None,
-    initial_readout: str | None = None,
 ) -> ExtrasWidgets:
     """The Extras tab section: tiled-upscale settings, the readout and "Free memory now"."""
     if not isinstance(defaults, VRAMGuardOptions):
@@ -322,22 +309,22 @@ def build_extras_widgets(
     tab = "extras"
     inputs: dict[str, Any] = {}
     with _enable_switch(
-        defaults.enabled, label="VRAM Guard upscaling", eid=f"{elem_prefix}_{tab}",
+        defaults.enabled, label="VRAM Guard upscaling", eid=f"vram_guard_{tab}",
         input_accordion=input_accordion, checkbox="Enable VRAM Guard upscaling", hint=EXTRAS_ENABLE_INFO,
     ) as enable:  # fmt: skip
         inputs["enabled"] = enable
         with gr.Column(elem_classes=["vram-guard", "vram-guard-controls"]):
-            inputs.update(_rows((EXTRAS_FIELDS[1:],), defaults, elem_prefix, tab))
-            free_id = elem_id(elem_prefix, tab, "free")
+            inputs.update(_rows((EXTRAS_FIELDS[1:],), defaults, tab))
+            free_id = elem_id(tab, "free")
             tips = tooltips_for(
                 inputs,
                 {
                     free_id: ("Free memory now", FREE_TOOLTIP),
-                    f"{elem_prefix}_{tab}": ("VRAM Guard upscaling", EXTRAS_ENABLE_INFO),
+                    f"vram_guard_{tab}": ("VRAM Guard upscaling", EXTRAS_ENABLE_INFO),
                 },
                 labels={"enabled": ("VRAM Guard upscaling", EXTRAS_ENABLE_INFO)},
             )
-            readout = _readout(tab, elem_prefix, tips, initial_readout)
+            readout = _readout(tab, tips)
             free_button = _button("Free memory now", free_id, FREE_TOOLTIP)
     if on_free is not None:
         free_button.click(fn=on_free, inputs=[], outputs=[readout], show_progress="hidden")

@@ -47,8 +47,7 @@ import torch
 
 from lib_vram.core.device import Backend, backend_of, capabilities, is_oom_error, release
 
-from .host import UNetState
-from .sampling import _call
+from .host import UNetState, ask
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +121,6 @@ class UNetCast:
         self.restored = False
         self.fp32_bytes = 0
         self.backup_bytes = 0
-        self.modified = 0
         self._dtype_attr: Any = _MISSING
         self._guard: Callable[..., Any] | None = None
         self._guard_prev: Any = _MISSING
@@ -179,7 +177,6 @@ class UNetCast:
         self.slots = []
         if self._dtype_attr is not _MISSING and self.dm.__dict__.get("dtype") == torch.float16:
             self.dm.dtype = self._dtype_attr
-        self.modified = modified
         return modified
 
     @staticmethod
@@ -200,7 +197,7 @@ class UNetCast:
         return 1
 
     # -- weights reloaded into the same model ------------------------------------------------
-    def guard_reload(self, on_reload: Callable[[UNetCast], None]) -> None:
+    def guard_reload(self) -> None:
         """Restore this cast when the WebUI is about to load other weights into the same model
         object (``load_model_weights`` calls ``model.before_load_weights(state_dict)`` if the
         attribute exists); the previous instance attribute or class method still runs after."""
@@ -212,7 +209,7 @@ class UNetCast:
 
         def before_load_weights(*args: Any, **kwargs: Any) -> Any:
             cast.restore()
-            on_reload(cast)
+            logger.info("VRAM Guard: FP16 UNet restored before the WebUI loads new weights into the model")
             following = getattr(owner, "before_load_weights", None)
             return following(*args, **kwargs) if callable(following) else None
 
@@ -284,7 +281,6 @@ class UNetFP16:
         self.casts: list[UNetCast] = []
         self.saved: UNetState | None = None
         self.closed = False
-        self.applied = False
         self._commented: set[str] = set()
 
     # -- public ------------------------------------------------------------------------------
@@ -318,10 +314,9 @@ class UNetFP16:
                 release(self.device)
             self._skip(failed, SKIP_NOTES[failed])
             return False
-        cast.guard_reload(self._reloaded)
+        cast.guard_reload()
         self.casts.append(cast)
         self._set_fp16_state()
-        self.applied = True
         self.job.plans[PLAN_KEY] = "fp16"
         self.job.note(
             f"VRAM Guard: FP16 UNet: {handle.name} weights {_gib(cast.fp32_bytes)} in FP32 -> "
@@ -329,7 +324,7 @@ class UNetFP16:
             + (f" (exact FP32 originals kept in RAM: {_gib(cast.backup_bytes)})" if cast.backup_bytes else "")
             + f", cast in {time.perf_counter() - started:.1f} s"
         )
-        if getattr(handle.owner, "is_sd2", False) and not _call(self.host, "upcast_attn", False):
+        if getattr(handle.owner, "is_sd2", False) and not ask(self.host, "upcast_attn", False):
             self.job.warn_once(
                 "unet-sd2",
                 "VRAM Guard: FP16 UNet on an SD 2.x model: enable Settings -> Stable Diffusion -> "
@@ -404,9 +399,6 @@ class UNetFP16:
             self._commented.add(key)
             self.host.add_comment(p, text)
         self.job.warn_once(f"unet-{key}", text)
-
-    def _reloaded(self, cast: UNetCast) -> None:
-        logger.info("VRAM Guard: FP16 UNet restored before the WebUI loads new weights into the model")
 
     def _set_fp16_state(self) -> None:
         cur = self.host.unet_state()

@@ -24,6 +24,7 @@ import torch
 
 from lib_vram.core.readout import upscale_pass_note
 
+from .host import ask
 from .patching import patch_attr
 
 logger = logging.getLogger(__name__)
@@ -149,9 +150,7 @@ def upscale(
     # Forge's own ESRGAN/RealESRGAN do_upscale first asks its memory manager for its minimum
     # inference memory (offloading models if needed); ours replaces that do_upscale, so it asks too
     # (then tiles to what is free). A1111: nothing to do.
-    prepare = getattr(job.host, "prepare_upscale_memory", None)
-    if callable(prepare):
-        prepare()
+    ask(job.host, "prepare_upscale_memory", None)
     if callable(replay):
         try:
             replay(path)
@@ -215,8 +214,7 @@ def upscale(
                 f"VRAM Guard: {os.path.basename(path)}: {failed}; the WebUI's upscaler runs it instead",
             )
             return original(img, selected)
-        plan = getattr(report, "plan", None)
-        plan = plan if isinstance(plan, str) else None
+        plan = report.plan
         text = upscale_pass_note(
             job.upscale_stage_name(),
             tiled=bool(report.tiled),
@@ -234,7 +232,7 @@ def upscale(
         if moved:
             plan = f"{plan or 'tiled'}, {moved} off the card"
         job.tracker.note(plan=plan)
-        for note in getattr(report, "notes", None) or []:
+        for note in report.notes:
             job.warn_once(f"upscale-inexact-{path}", f"VRAM Guard: {note}")
     return _swap_rb(out)
 
