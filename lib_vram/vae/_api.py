@@ -320,19 +320,10 @@ class _Pass:
                 ticker.total, ticker.done + self.tile_steps(n_tiles, mode) + self.global_after()
             )
             run = self.new_run(offload)
-            failed = False
-            try:
-                out = self.run_tiles(run, src, tile, mode, ticker)
-            except Exception as exc:
-                if not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
-                    raise
-                logger.info("%s: out of memory at tile %d, retrying smaller", spec.kind, tile)
-                failed = True
-            finally:
-                run.close()
-            if not failed:
+            out = _unless_oom(run.close, self.run_tiles, run, src, tile, mode, ticker)
+            if out is not None:
                 break
-            # Out of the except block: the traceback and the tiles' tensors are gone now.
+            logger.info("%s: out of memory at tile %d, retrying smaller", spec.kind, tile)
             self.report.oom_retries.append(tile)
             self.record(mode, tile, oom=True)
             release(self.device)
@@ -367,17 +358,9 @@ class _Pass:
         released and raised as :class:`VAEOutOfMemory` naming the stage, the latent and the estimate."""
         for attempt in range(2):
             grun = self.new_run(None)
-            failed = False
-            try:
-                return self.run_global(grun, data, ticker)
-            except Exception as exc:
-                if not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
-                    raise
-                failed = True
-            finally:
-                grun.close()
-            # out of the except block: the traceback and the stage's tensors are gone now
-            assert failed
+            out = _unless_oom(grun.close, self.run_global, grun, data, ticker)
+            if out is not None:
+                return out
             release(self.device)
             if attempt == 0:
                 # once more after the release: the error may have come from cached blocks or a
@@ -429,6 +412,23 @@ class _Pass:
         return out
 
 
+def _unless_oom(
+    close: Callable[[], None] | None, fn: Callable[..., torch.Tensor], *args: object
+) -> torch.Tensor | None:
+    """``fn(*args)``, or None when it ran out of memory (other errors and :class:`VAEOutOfMemory`
+    propagate); ``close()`` either way. The caller releases memory after it: out of the ``except``
+    block, the traceback's frames and the tensors they held are gone."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
+            raise
+    finally:
+        if close is not None:
+            close()
+    return None
+
+
 def _check_input(x: torch.Tensor, spec: VAESpec, name: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"`{name}` must be a 4-D tensor (B, C, H, W), got {getattr(x, 'shape', type(x))}")
@@ -461,24 +461,17 @@ def _run_pass(
     t0 = time.perf_counter()
     with tracker.stage(stage) if tracker is not None else contextlib.nullcontext(), torch.no_grad():
         p = _Pass(spec, x, config, rep, should_interrupt, progress, tracker, memory)
-        for attempt in range(2):
-            failed = False
-            try:
-                out = _attempt(p, original_forward)
-            except Exception as exc:
-                if attempt or not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
-                    raise
-                failed = True
-            if not failed:
-                break
+        out = _unless_oom(None, _attempt, p, original_forward)
+        if out is None:
             # an allocation outside the tile loop (the input's cast, the output's dtype, the final
-            # check) failed: out of the except block, release and run the pass once more
+            # check) failed: release and run the pass once more
             release(p.device)
             rep.notes.append("out of memory outside the tile loop: released and ran the pass again")
             p.event("out of memory outside the tile loop: released, running the pass again")
             logger.info(
                 "%s: out of memory outside the tile loop; released, running the pass again", spec.kind
             )
+            out = _attempt(p, original_forward)
         rep.seconds = time.perf_counter() - t0
         if tracker is not None:
             tracker.note(
