@@ -121,49 +121,45 @@ def main(argv: list[str] | None = None) -> int:
     debug = bool(getattr(args, "debug", False))
     log = logging.getLogger("lib_vram")
     with warnings_filtered():
-        return _main(args, debug, log)
-
-
-def _main(args: argparse.Namespace, debug: bool, log: logging.Logger) -> int:
-    try:
-        check_device(getattr(args, "device", None))  # before anything uses it (also --emulate-vram)
-        env_before = os.environ.get(EMULATE_ENV)
-        card = emulated_card(args)
-        if card is None:
-            return int(args._run(args) or 0)
-        from lib_vram.core import emulate
-
-        previous = emulate.install(card)
-        log.warning(
-            "running on an %s (--emulate-vram): memory is counted in software, not a real GPU", card.label
-        )
         try:
-            with card:
+            check_device(getattr(args, "device", None))  # before anything uses it (also --emulate-vram)
+            env_before = os.environ.get(EMULATE_ENV)
+            card = emulated_card(args)
+            if card is None:
                 return int(args._run(args) or 0)
-        finally:
-            emulate.install(previous)
-            # the variable is for this command's child processes; an in-process caller gets its
-            # environment back
-            if env_before is None:
-                os.environ.pop(EMULATE_ENV, None)
-            else:
-                os.environ[EMULATE_ENV] = env_before
-    except (KeyboardInterrupt, Exception) as exc:  # one line, not a traceback (unless --debug)
-        interrupted = isinstance(exc, KeyboardInterrupt)
-        if not interrupted:
-            log.debug("command failed", exc_info=True)
-        if debug:
-            traceback.print_exc()
-        if interrupted:
-            print("interrupted", file=sys.stderr)
-            return 130
-        if isinstance(exc, (ValueError, FileNotFoundError)):
-            print(f"error: {_one_line(exc)}", file=sys.stderr)
-            return 2
-        where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
-        print(
-            f"error: {type(exc).__name__}: {reason}{where} (run with --debug for the traceback)",
-            file=sys.stderr,
-        )
-        return 1
+            from lib_vram.core import emulate
+
+            previous = emulate.install(card)
+            log.warning(
+                "running on an %s (--emulate-vram): memory is counted in software, not a real GPU", card.label
+            )
+            try:
+                with card:
+                    return int(args._run(args) or 0)
+            finally:
+                emulate.install(previous)
+                # the variable is for this command's child processes; an in-process caller gets its
+                # environment back
+                if env_before is None:
+                    os.environ.pop(EMULATE_ENV, None)
+                else:
+                    os.environ[EMULATE_ENV] = env_before
+        except (KeyboardInterrupt, Exception) as exc:  # one line, not a traceback (unless --debug)
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            if not interrupted:
+                log.debug("command failed", exc_info=True)
+            if debug:
+                traceback.print_exc()
+            if interrupted:
+                print("interrupted", file=sys.stderr)
+                return 130
+            if isinstance(exc, (ValueError, FileNotFoundError)):
+                print(f"error: {_one_line(exc)}", file=sys.stderr)
+                return 2
+            where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
+            print(
+                f"error: {type(exc).__name__}: {reason}{where} (run with --debug for the traceback)",
+                file=sys.stderr,
+            )
+            return 1

@@ -33,6 +33,12 @@ from lib_vram.planning.presets import Preset, resolve_precision
 MiB = 1 << 20
 
 
+_RECORD_FIELDS = (  # what a stage's record (StagePlan.to_dict) carries as it is
+    "stage", "plan", "predicted_peak_bytes", "fits", "budget_bytes", "safety_margin_bytes", "resident_bytes",
+    "input_bytes", "activation_bytes", "tile", "batch", "dtype", "warning",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """The chosen plan of one stage, with the numbers behind it."""
@@ -81,24 +87,12 @@ class StagePlan:
                 "lowvram_bytes_per_step": lowvram,
                 "lowvram_ratio": round(moved / lowvram, 3) if moved is not None and lowvram else None,
             }
-        return placed | {
-            "stage": self.stage,
-            "plan": self.plan,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "fits": self.fits,
-            "budget_bytes": self.budget_bytes,
-            "safety_margin_bytes": self.safety_margin_bytes,
-            "resident_bytes": self.resident_bytes,
+        sampling = ("attention", "suggestion", "controlnet_bytes") if self.attention else ()
+        return {
+            **placed,
+            **{k: getattr(self, k) for k in _RECORD_FIELDS + sampling},
             "model_weights_bytes": self.weights_bytes,
-            "input_bytes": self.input_bytes,
-            "activation_bytes": self.activation_bytes,
-            "tile": self.tile,
-            "batch": self.batch,
-            "dtype": self.dtype,
-            "warning": self.warning,
             "moved_off_card": self.moved_off.split(", ") if self.moved_off else [],
-            **({"attention": self.attention, "suggestion": self.suggestion} if self.attention else {}),
-            **({"controlnet_bytes": self.controlnet_bytes} if self.attention else {}),
             "candidates": [
                 {"plan": c.plan, "tile": c.tile, "batch": c.batch, "predicted_peak_bytes": c.peak_bytes}
                 for c in self.candidates

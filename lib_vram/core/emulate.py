@@ -209,10 +209,6 @@ class EmulatedCard:
         raise torch.OutOfMemoryError(msg)
 
     # -- host/device roles ------------------------------------------------------------------
-    def _mode(self) -> LiveBytesCounter | None:
-        stack = getattr(self._local, "stack", None)
-        return stack[-1] if stack else None
-
     def to_host(self, tensor: torch.Tensor) -> None:
         """``tensor`` is held in host memory from now on: stop counting it against the card."""
         storage = _storage_of(tensor) if self.device.type == "cpu" else None
@@ -237,11 +233,19 @@ class EmulatedCard:
             )
             mode.__enter__()
             _thread_stack(self._local).append(mode)
-        _push(self)
+        _thread_stack(_tls).append(self)
+        with _ACTIVE_LOCK:
+            _ACTIVE.append(weakref.ref(self))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _pop(self)
+        stack = getattr(_tls, "stack", [])
+        if stack and stack[-1] is self:
+            stack.pop()
+        with _ACTIVE_LOCK:  # (its latest entry: a card may be entered again, nested)
+            i = next((i for i in reversed(range(len(_ACTIVE))) if _ACTIVE[i]() is self), None)
+            if i is not None:
+                del _ACTIVE[i]
         if self.device.type == "cuda":
             self._exit_cuda()
             return
@@ -307,22 +311,6 @@ _ACTIVE_LOCK = threading.Lock()
 _INSTALLED: EmulatedCard | None = None
 
 
-def _push(card: EmulatedCard) -> None:
-    _thread_stack(_tls).append(card)
-    with _ACTIVE_LOCK:
-        _ACTIVE.append(weakref.ref(card))
-
-
-def _pop(card: EmulatedCard) -> None:
-    stack = getattr(_tls, "stack", [])
-    if stack and stack[-1] is card:
-        stack.pop()
-    with _ACTIVE_LOCK:  # (its latest entry: a card may be entered again, nested)
-        i = next((i for i in reversed(range(len(_ACTIVE))) if _ACTIVE[i]() is card), None)
-        if i is not None:
-            del _ACTIVE[i]
-
-
 def install(card: EmulatedCard | None) -> EmulatedCard | None:
     """Make ``card`` the process-wide emulated card (memory probes report it even where no thread
     has entered it); ``None`` removes it. Returns the previous one."""
@@ -386,7 +374,8 @@ def host_work() -> Iterator[None]:
     conversions and other CPU-side work that a GPU run does in host RAM. On a real accelerator (or
     without a card running in this thread) it changes nothing."""
     card = running_here("cpu")
-    mode = card._mode() if card is not None else None
+    stack = getattr(card._local, "stack", None) if card is not None else None
+    mode: LiveBytesCounter | None = stack[-1] if stack else None
     if mode is None:
         yield
         return

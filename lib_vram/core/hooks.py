@@ -158,15 +158,11 @@ class HookRegistry:
             # still computes foreign(original). The registry stays to be reused.
             logger.debug("another wrapper sits on top of ours on %s; ours stays as a pass-through", module)
 
-    def _original(self, module: torch.nn.Module) -> Callable[..., Any]:
-        if self._previous is not None:
-            return self._previous
-        # Looked up at call time: a class-level patch made after us still applies.
-        return type(module).forward.__get__(module, type(module))
-
     def _call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         hooks = self._hooks  # one snapshot per call (tuple swap is atomic)
-        call = self._original(module)
+        call = self._previous
+        if call is None:  # the class's, looked up at call time: a class-level patch made after us applies
+            call = type(module).forward.__get__(module, type(module))
         for entry in hooks:
             call = functools.partial(entry.fn, module, call)
         return call(*args, **kwargs)

@@ -88,10 +88,6 @@ def tensors_of(modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
     return out
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    return t.device.type == "meta" or isinstance(t, FakeTensor)
-
-
 class Ledger:
     """Running total and high-water mark of tracked storages' bytes (thread-safe)."""
 
@@ -211,7 +207,7 @@ class LiveBytesCounter(TorchDispatchMode):
         else:
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if self.real_only:
-            outs = [t for t in outs if not _is_fake(t)]
+            outs = [t for t in outs if t.device.type != "meta" and not isinstance(t, FakeTensor)]
         for t in outs:
             self.track(t)
         if self.workspace is None or not outs or not isinstance(out, torch.Tensor):

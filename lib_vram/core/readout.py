@@ -66,6 +66,9 @@ STAGES: tuple[tuple[str, str], ...] = tuple(
 )
 """The pipeline stages the readout always lists, in order: (id, label)."""
 _ORDER = {sid: i for i, (sid, _label) in enumerate(KNOWN_STAGES)}
+_MEMORY_FIELDS = (  # the MemoryInfo readings the payload's "memory" carries, each as <name>_bytes
+    "total", "used", "free", "allocated", "reserved", "process_rss", "system_total", "system_available",
+)  # fmt: skip
 
 
 def _stage_id(name: str) -> str:
@@ -149,14 +152,7 @@ def status_payload(
         "cpu_only": cpu_only,
         "memory": {
             "basis": "emulated device memory" if emulated else "system RAM" if cpu_only else "device memory",
-            "total_bytes": memory.total,
-            "used_bytes": memory.used,
-            "free_bytes": memory.free,
-            "allocated_bytes": memory.allocated,
-            "reserved_bytes": memory.reserved,
-            "process_rss_bytes": memory.process_rss,
-            "system_total_bytes": memory.system_total,
-            "system_available_bytes": memory.system_available,
+            **{f"{k}_bytes": getattr(memory, k) for k in _MEMORY_FIELDS},
         },
         "emulated": emulated,
         "job_running": bool(job_running),

@@ -129,18 +129,14 @@ class MicroBatched:
         """The chunks' outputs concatenated; an out-of-memory error there (the step's last
         allocation) is reported for ``m``, memory released and the concatenation tried once more
         (the chunks are done: a smaller micro-batch would not make it smaller)."""
-        for attempt in (1, 2):
-            failed = False
-            try:
-                return _cat(outs)
-            except Exception as exc:  # an out-of-memory error of any backend; others propagate
-                if not is_oom_error(exc) or attempt == 2:
-                    raise
-                failed = True
-            if failed:
-                self._out_of_memory(m)
-                logger.info("UNet outputs' concatenation ran out of memory: released, trying once more")
-        raise AssertionError("unreachable")
+        try:
+            return _cat(outs)
+        except Exception as exc:  # an out-of-memory error of any backend; others propagate
+            if not is_oom_error(exc):
+                raise
+        self._out_of_memory(m)  # out of the except block: the traceback's tensors are gone
+        logger.info("UNet outputs' concatenation ran out of memory: released, trying once more")
+        return _cat(outs)
 
 
 def micro_batched(

@@ -9,9 +9,8 @@ weights come to the device just before its forward and leave right after it (the
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -232,16 +231,3 @@ class StreamedUNet(CopyEngine):
 
     def reset_stats(self) -> None:
         self.stats = StreamStats()
-
-
-@contextlib.contextmanager
-def streamed(
-    unet: torch.nn.Module,
-    plan: StreamPlan | Sequence[str],
-    device: torch.device | str,
-    **kwargs: Any,
-) -> Iterator[StreamedUNet]:
-    """``with streamed(unet, plan, device) as s:`` (see :class:`StreamedUNet`)."""
-    s = StreamedUNet(unet, plan, device, **kwargs)
-    with s:
-        yield s

@@ -386,14 +386,6 @@ class _Run:
         )  # fmt: skip
         return plan.peak_bytes <= budget
 
-    def check_shape(self, out: Tensor, inp: Tensor, n: int, shape: tuple[int, int]) -> None:
-        s = self.spec.scale
-        if out.shape[0] != n or tuple(out.shape[-2:]) != (shape[0] * s, shape[1] * s):
-            raise UpscaleError(
-                f"{self.spec.name} returned {tuple(out.shape)} for input {tuple(inp.shape)}; "
-                f"expected scale {s} (is `scale` right?)"
-            )
-
     def new_accumulator(self, b: int, c: int, h: int, w: int, acc_dev: torch.device) -> Tensor:
         """The output accumulator (float32 zeros); where the device has no room for it, in host
         memory (an accelerator's, or an emulated card's host)."""
@@ -462,7 +454,12 @@ class _Run:
                 # out-of-memory error anywhere here leaves the finished tiles as they are
                 inp = torch.stack([xp[t.b, :, t.wy0 : t.wy1, t.wx0 : t.wx1] for t in group]).to(device)
                 out = self.forward(inp)
-                self.check_shape(out, inp, len(group), shape)
+                s = spec.scale
+                if out.shape[0] != len(group) or tuple(out.shape[-2:]) != (shape[0] * s, shape[1] * s):
+                    raise UpscaleError(
+                        f"{spec.name} returned {tuple(out.shape)} for input {tuple(inp.shape)}; "
+                        f"expected scale {s} (is `scale` right?)"
+                    )
                 if acc is None:
                     acc = self.new_accumulator(bsz, out.shape[1], h_out, w_out, acc_dev)
                 pieces = self.weighted(out.to(acc.device), group, hp, wp)

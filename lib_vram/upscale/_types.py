@@ -71,12 +71,10 @@ class UpscaleConfig:
     calibrate: bool = True
 
     def __post_init__(self) -> None:
-        if self.tile is not None and (not isinstance(self.tile, int) or self.tile < 8):
-            raise ValueError(f"`tile` must be None or an int >= 8, got {self.tile!r}")
-        if self.batch is not None and (not isinstance(self.batch, int) or self.batch < 1):
-            raise ValueError(f"`batch` must be None or an int >= 1, got {self.batch!r}")
-        if self.overlap is not None and (not isinstance(self.overlap, int) or self.overlap < 0):
-            raise ValueError(f"`overlap` must be None or an int >= 0, got {self.overlap!r}")
+        for name, low in (("tile", 8), ("batch", 1), ("overlap", 0)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < low):
+                raise ValueError(f"`{name}` must be None or an int >= {low}, got {value!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"`precision` must be one of {PRECISIONS}, got {self.precision!r}")
         if self.accumulate_on not in ACCUMULATE:

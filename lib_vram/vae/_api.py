@@ -86,12 +86,6 @@ def _budget(config: TiledVAEConfig, device: torch.device) -> int:
     return max(1, free - max(floor, int(free * SAFETY_MARGIN)))
 
 
-def _wide(config: TiledVAEConfig, device: torch.device) -> torch.dtype:
-    if config.guard_dtype is not None:
-        return config.guard_dtype
-    return torch.bfloat16 if capabilities(device).bf16 else torch.float32
-
-
 class _Pass:
     """One decode or encode call: planning, stages, OOM retries."""
 
@@ -173,7 +167,8 @@ class _Pass:
             device=self.device,
             dtype=self.dtype,
             guard=self.config.guard,
-            wide=_wide(self.config, self.device),
+            wide=self.config.guard_dtype
+            or (torch.bfloat16 if capabilities(self.device).bf16 else torch.float32),
             offload=offload,
             report=self.report,
         )
@@ -273,18 +268,10 @@ class _Pass:
     def tile_steps(self, n_tiles: int, mode: str) -> int:
         return n_tiles * ((sync_count(self.tile_spec, "tiles") + 1) if mode == "exact" else 1)
 
-    def global_after(self) -> int:
-        return sync_count(self.spec, "global") + 1 if self.spec.kind == "encoder" else 0
-
     def event(self, text: str) -> None:
         """An out-of-memory error of this pass, onto the tracker's memory timeline (at this moment)."""
         if self.tracker is not None:
             self.tracker.event("oom", f"{self.spec.kind}: {text}")
-
-    def total_steps(self, n_tiles: int, mode: str) -> int:
-        return (
-            self.tile_steps(n_tiles, mode) + sync_count(self.spec, "global") + 2 * len(self.global_blocks) + 1
-        )
 
     def tiled(self, mode: str, tile: int | None = None) -> torch.Tensor:
         spec = self.spec
@@ -299,7 +286,10 @@ class _Pass:
         x = self.x.to(self.dtype)
         b, _, h, w = x.shape
         n_tiles = len(self.tiles(h, w, tile))
-        ticker = Ticker(self.total_steps(n_tiles, mode), self.should_interrupt, self.progress, sample)
+        g = sync_count(spec, "global")
+        global_after = g + 1 if spec.kind == "encoder" else 0  # the encoder's global stage, after the tiles
+        total = self.tile_steps(n_tiles, mode) + g + 2 * len(self.global_blocks) + 1
+        ticker = Ticker(total, self.should_interrupt, self.progress, sample)
         ticker.check()
         if spec.kind == "decoder":
             # conv_in + mid block on the whole latent, once (no tile to shrink: an OOM here is
@@ -316,23 +306,12 @@ class _Pass:
             raw = self.plan.estimate(tile, mode, offload is None)
             self.report.peak_estimate_bytes = int(raw * self.memory.ratio(self.plan.key(mode)))
             n_tiles = len(self.tiles(src.shape[-2], src.shape[-1], tile))
-            ticker.total = max(
-                ticker.total, ticker.done + self.tile_steps(n_tiles, mode) + self.global_after()
-            )
+            ticker.total = max(ticker.total, ticker.done + self.tile_steps(n_tiles, mode) + global_after)
             run = self.new_run(offload)
-            failed = False
-            try:
-                out = self.run_tiles(run, src, tile, mode, ticker)
-            except Exception as exc:
-                if not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
-                    raise
-                logger.info("%s: out of memory at tile %d, retrying smaller", spec.kind, tile)
-                failed = True
-            finally:
-                run.close()
-            if not failed:
+            out = _unless_oom(run.close, self.run_tiles, run, src, tile, mode, ticker)
+            if out is not None:
                 break
-            # Out of the except block: the traceback and the tiles' tensors are gone now.
+            logger.info("%s: out of memory at tile %d, retrying smaller", spec.kind, tile)
             self.report.oom_retries.append(tile)
             self.record(mode, tile, oom=True)
             release(self.device)
@@ -367,17 +346,9 @@ class _Pass:
         released and raised as :class:`VAEOutOfMemory` naming the stage, the latent and the estimate."""
         for attempt in range(2):
             grun = self.new_run(None)
-            failed = False
-            try:
-                return self.run_global(grun, data, ticker)
-            except Exception as exc:
-                if not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
-                    raise
-                failed = True
-            finally:
-                grun.close()
-            # out of the except block: the traceback and the stage's tensors are gone now
-            assert failed
+            out = _unless_oom(grun.close, self.run_global, grun, data, ticker)
+            if out is not None:
+                return out
             release(self.device)
             if attempt == 0:
                 # once more after the release: the error may have come from cached blocks or a
@@ -429,11 +400,21 @@ class _Pass:
         return out
 
 
-def _check_input(x: torch.Tensor, spec: VAESpec, name: str) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        raise ValueError(f"`{name}` must be a 4-D tensor (B, C, H, W), got {getattr(x, 'shape', type(x))}")
-    if x.shape[1] != spec.in_channels:
-        raise ValueError(f"`{name}` has {x.shape[1]} channels, the module expects {spec.in_channels}")
+def _unless_oom(
+    close: Callable[[], None] | None, fn: Callable[..., torch.Tensor], *args: object
+) -> torch.Tensor | None:
+    """``fn(*args)``, or None when it ran out of memory (other errors and :class:`VAEOutOfMemory`
+    propagate); ``close()`` either way. The caller releases memory after it: out of the ``except``
+    block, the traceback's frames and the tensors they held are gone."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
+            raise
+    finally:
+        if close is not None:
+            close()
+    return None
 
 
 def _run_pass(
@@ -453,7 +434,10 @@ def _run_pass(
         spec = decoder_spec(module) if kind == "decode" else encoder_spec(module)
     except UnsupportedLayout as exc:
         raise ValueError(f"`{role}` is not a supported VAE {role}: {exc}") from exc
-    _check_input(x, spec, name)
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"`{name}` must be a 4-D tensor (B, C, H, W), got {getattr(x, 'shape', type(x))}")
+    if x.shape[1] != spec.in_channels:
+        raise ValueError(f"`{name}` has {x.shape[1]} channels, the module expects {spec.in_channels}")
     stage = f"vae_{kind}"
     if not isinstance(config, TiledVAEConfig):
         raise ValueError(f"`config` must be a TiledVAEConfig, got {type(config).__name__}")
@@ -461,24 +445,17 @@ def _run_pass(
     t0 = time.perf_counter()
     with tracker.stage(stage) if tracker is not None else contextlib.nullcontext(), torch.no_grad():
         p = _Pass(spec, x, config, rep, should_interrupt, progress, tracker, memory)
-        for attempt in range(2):
-            failed = False
-            try:
-                out = _attempt(p, original_forward)
-            except Exception as exc:
-                if attempt or not is_oom_error(exc) or isinstance(exc, VAEOutOfMemory):
-                    raise
-                failed = True
-            if not failed:
-                break
+        out = _unless_oom(None, _attempt, p, original_forward)
+        if out is None:
             # an allocation outside the tile loop (the input's cast, the output's dtype, the final
-            # check) failed: out of the except block, release and run the pass once more
+            # check) failed: release and run the pass once more
             release(p.device)
             rep.notes.append("out of memory outside the tile loop: released and ran the pass again")
             p.event("out of memory outside the tile loop: released, running the pass again")
             logger.info(
                 "%s: out of memory outside the tile loop; released, running the pass again", spec.kind
             )
+            out = _attempt(p, original_forward)
         rep.seconds = time.perf_counter() - t0
         if tracker is not None:
             tracker.note(

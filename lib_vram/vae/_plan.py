@@ -407,11 +407,7 @@ def candidates(latent_max: int) -> list[int]:
 
 def smaller(tile: int) -> int | None:
     """The next candidate below ``tile`` (at most 3/4 of it), or None at the bottom."""
-    limit = (tile * 3) // 4
-    for t in TILE_CANDIDATES:
-        if t <= limit:
-            return t
-    return None
+    return next((t for t in TILE_CANDIDATES if t <= (tile * 3) // 4), None)
 
 
 # -- the one planning path: what the engine runs, and its predicted peak ------------------------
