@@ -108,6 +108,9 @@ def main() -> int:
         default="sd15-random-b",
         help="hr_ckpt: the hires pass's checkpoint; refiner: the Refiner",
     )
+    ap.add_argument(
+        "--plain", action="store_true", help="run: VRAM Guard's accordion off (the plain sequence)"
+    )
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,7 +119,7 @@ def main() -> int:
     failed = 0
     with (out / "run.jsonl").open("a") as log:
         for n, kind in enumerate(kinds):
-            rec, imgs = run_job(a, kind, vg=a.mode == "run")
+            rec, imgs = run_job(a, kind, vg=a.mode == "run" and not a.plain)
             rec["index"] = n
             for i, img in enumerate(imgs):
                 Image.fromarray(img).save(
