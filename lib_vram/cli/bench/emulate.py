@@ -31,7 +31,6 @@ SCALE = 0.5
 RESIDENT_REAL = int(2.1 * GB)
 """An SD1.5 checkpoint in FP16 (UNet 1.72 GB + text encoder 0.25 GB + VAE 0.16 GB), on the card."""
 CARDS = (4, 6, 8)
-VAE_FULL = SD_VAE
 VAE_NARROW = {**SD_VAE, "ch": 32}
 
 FULL = {"vae_decode": (1024, 1536, 2048), "vae_encode": (1024, 2048), "upscale": (512, 768, 1024)}
@@ -48,8 +47,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def bench(args: argparse.Namespace) -> Bench:
     sizes = QUICK if args.quick else FULL
-    stages = args.stages.split(",") if args.stages else list(sizes)
-    known("--stages", ",".join(stages), list(FULL))
+    stages = known("--stages", args.stages, list(FULL))
     cards = [int(c) for c in args.cards.split(",")]
     cases = [(stage, px) for stage in stages for px in sizes[stage]] + (
         [("overhead", 0)] if args.overhead else []
@@ -105,7 +103,7 @@ def stage_fns(stage: str, px: int, device=None, dtype=None):  # noqa: ANN001
     cuda = device.type == "cuda"
     if stage in ("vae_decode", "vae_encode"):
         kind = "decoder" if stage == "vae_decode" else "encoder"
-        mod = build_ldm(kind, VAE_FULL if cuda else VAE_NARROW).to(device, dtype)
+        mod = build_ldm(kind, SD_VAE if cuda else VAE_NARROW).to(device, dtype)
         x = (latent(px) if kind == "decoder" else image(px) * 2 - 1).to(device, dtype)
         fn = tiled_decode if kind == "decoder" else tiled_encode
 
@@ -182,7 +180,7 @@ def run_stage(stage: str, px: int, cards: list[int]) -> list[dict]:
 
 def overhead() -> list[dict]:
     """The emulation's own CPU cost: the plain forward with and without a card that never refuses."""
-    dec, z = build_ldm("decoder", VAE_FULL), latent(512)
+    dec, z = build_ldm("decoder", SD_VAE), latent(512)
     desc, img = rrdb(64, 23), image(128)
 
     def vae():

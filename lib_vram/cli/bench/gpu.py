@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 from lib_vram.cli.common import MAX_SECONDS, bounded_float
-from lib_vram.cli.hostmodels import build_ldm
+from lib_vram.cli.hostmodels import SD_VAE, build_ldm
 from lib_vram.core.device import capabilities, memory_info, resolve_device
 from lib_vram.core.emulate import EmulatedCard
 
 from ._harness import Bench, attempt, runner, timed
-from .emulate import GB, RESIDENT_REAL, VAE_FULL, add_cards, fidelity, image, latent, rrdb, stage_fns
+from .emulate import GB, RESIDENT_REAL, add_cards, fidelity, image, latent, rrdb, stage_fns
 from .sampling_stream import gpu_stream
 
 JSON = False
@@ -147,7 +147,7 @@ def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noq
     if device.type != "cuda":
         skipped.append("decode_2048: needs CUDA (FP16 at 2048² with a full-size VAE)")
         return []
-    dec = build_ldm("decoder", VAE_FULL).to(device)
+    dec = build_ldm("decoder", SD_VAE).to(device)
     z = latent(2048).to(device)
     _reset(device)
     with torch.no_grad():
