@@ -15,8 +15,6 @@ import importlib
 
 from lib_vram.cli import add_emulate_argument
 
-from ._harness import add_child_argument
-
 NAME = "bench"
 HELP = "Run a benchmark (each case in a fresh process) and print a side-by-side table."
 
@@ -44,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         if getattr(module, "JSON", True):
             p.add_argument("--json", action="store_true", help="print the records as JSON only")
         getattr(module, "configure", lambda p: None)(p)
-        add_child_argument(p)
+        p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a case in a fresh process
         p.set_defaults(_bench_run=module.run)
 
 

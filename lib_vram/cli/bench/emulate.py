@@ -30,7 +30,6 @@ SCALE = 0.5
 """Emulated bytes per real byte: FP32 (x2) at 1/4 channel width (x1/4)."""
 RESIDENT_REAL = int(2.1 * GB)
 """An SD1.5 checkpoint in FP16 (UNet 1.72 GB + text encoder 0.25 GB + VAE 0.16 GB), on the card."""
-CARDS = (4, 6, 8)
 VAE_NARROW = {**SD_VAE, "ch": 32}
 
 FULL = {"vae_decode": (1024, 1536, 2048), "vae_encode": (1024, 2048), "upscale": (512, 768, 1024)}

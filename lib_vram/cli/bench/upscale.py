@@ -92,25 +92,21 @@ def plan(quick: bool, large: bool = False) -> list[dict]:
     return cases
 
 
-def _known(option: str, text: str, every: str) -> list[str]:
+def bench(args: argparse.Namespace) -> Bench:
     from ..models.archs import BUILDERS
 
-    return known(option, text, list(BUILDERS), every)
-
-
-def bench(args: argparse.Namespace) -> Bench:
     def workdir(what: str) -> Path:
         path = args.workdir or Path(tempfile.mkdtemp(prefix=f"vram-guard-bench-{what}-"))
         path.mkdir(parents=True, exist_ok=True)
         return path
 
     if args.fallback:
-        names, work = _known("--fallback", args.fallback, "auto"), workdir("fallback")
+        names, work = known("--fallback", args.fallback, list(BUILDERS), "auto"), workdir("fallback")
         return Bench(names, lambda n: fallback_rows([n], work, args.fallback_px, args.device), fallback_table,
                      lines=False, done=lambda r: f"{r['arch']} t{r['tile']}: {r['max_err_lsb']} LSB, "
                      f"{r['pct_over_1lsb']}% > 1 LSB, {r['psnr_db']} dB, exact {r['exact']}")  # fmt: skip
     if args.archs:
-        names, work = _known("--archs", args.archs, "all"), workdir("archs")
+        names, work = known("--archs", args.archs, list(BUILDERS), "all"), workdir("archs")
         return Bench(names, lambda n: arch_rows([n], work, args.device), arch_table, lines=False,
                      done=lambda r: f"{r['arch']} {r['tile']}: {r['max_err_lsb']} LSB")  # fmt: skip
     cases = plan(args.quick, args.large)
