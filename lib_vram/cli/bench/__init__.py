@@ -1,11 +1,7 @@
-"""``python -m lib_vram bench TARGET``: side-by-side benchmarks (one module per target).
+"""``python -m lib_vram bench TARGET``: side-by-side benchmarks (CLI modules: they may print).
 
-CLI modules: they may print.
-
-Each target is a module ``lib_vram/cli/bench/<name>.py`` with ``HELP``, ``configure(parser)`` and
-``run(args) -> int`` (``run = runner(bench)``: the one runner of :mod:`._harness` runs what the
-target's ``bench(args)`` declares); register it in ``TARGETS``. Every target but ``gpu`` (``JSON =
-False``: it writes a file) gets ``--json``.
+A target is a module with ``HELP``, ``configure(parser)`` and ``run = runner(bench)`` (:mod:`._harness`),
+registered in ``TARGETS``. Every target but ``gpu`` (``JSON = False``: it writes a file) gets ``--json``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""``python -m lib_vram bench planner``: predicted vs measured peak memory, per case.
-
-Each case's peak RSS above its start is measured in a fresh process on the CPU; the prediction is
-the predictor's activation bytes from a fake run in this process. Error = predicted / measured - 1.
-Method: docs/benchmarks.md, "Planner".
+"""``python -m lib_vram bench planner``: predicted (a fake run here) vs measured (peak RSS above the
+start, in a fresh process) peak memory per case. Method: docs/benchmarks.md, "Planner".
 """
 
 from __future__ import annotations

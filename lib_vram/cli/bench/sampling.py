@@ -1,8 +1,6 @@
-"""``python -m lib_vram bench sampling``: one UNet sampling step on emulated 4/6/8 GB cards, plain
-(the whole cond/uncond batch, the idle models resident) against VRAM Guard's plan, then the cases
-of :mod:`.sampling_stream` and those with one ControlNet unit. Each case scales the card and the
-idle models by ``f = reduced plain peak / full-size plain peak``. Method: docs/benchmarks.md,
-"Sampling step".
+"""``python -m lib_vram bench sampling``: one UNet sampling step on emulated 4/6/8 GB cards, plain vs
+VRAM Guard's plan, then the cases of :mod:`.sampling_stream` and those with one ControlNet unit.
+Method: docs/benchmarks.md, "Sampling step".
 """
 
 from __future__ import annotations
@@ -73,10 +71,9 @@ def records(quick: bool) -> list[dict]:
 
 def _idle_bytes(shape: str) -> int:
     """The full-size idle models during sampling (fp16): the VAE and the text encoders."""
-    from lib_vram.cli.stageplan import reference_vae
+    from lib_vram.cli.stageplan import vae_weights
 
-    vae = sum(weights_bytes(reference_vae(shape, k), torch.float16) for k in ("decode", "encode"))
-    return vae + vae_arch(shape).text_encoder_bytes
+    return sum(vae_weights(shape, "fp16")) + vae_arch(shape).text_encoder_bytes
 
 
 def _on_cards(case: tuple, unet, f: float, idle: int, control=None):  # noqa: ANN001, ANN202

@@ -1,10 +1,6 @@
-"""``python -m lib_vram bench sampling-stream``: the streamed UNet, plain vs guarded.
-
-**run** rows: a real ldm ``UNetModel`` at reduced width on emulated cards that hold about 1/3, 1/2
-and 2/3 of it beside the step's activations (guarded: :func:`plan_stream` + :class:`StreamedUNet`,
-re-planned after an out-of-memory error). **plan** rows: the same planner on the full-size UNets'
-unit sizes; nothing runs, the copy time is a model at ``--bandwidth``. Method and columns:
-docs/benchmarks.md, "Streamed UNet". :func:`gpu_stream` is ``bench gpu``'s part.
+"""``python -m lib_vram bench sampling-stream``: the streamed UNet, plain vs guarded: **run** rows on
+emulated cards (:func:`run_case`), **plan** rows of the full-size UNets (:func:`plan_case`, nothing
+runs). Method and columns: docs/benchmarks.md, "Streamed UNet". :func:`gpu_stream`: ``bench gpu``'s.
 """
 
 from __future__ import annotations

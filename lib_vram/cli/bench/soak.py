@@ -1,11 +1,7 @@
 """``python -m lib_vram bench soak``: many mixed jobs in one process; nothing may grow or stay behind.
 
-``--quick`` (library level, what CI runs): real ldm modules at a small width placed by VRAM Guard on
-an emulated card below them and a spandrel ESRGAN file; txt2img, img2img, hires fix and Extras jobs,
-every other round with a LoRA-style update merged in place. A job without the LoRA must equal the
-first of its kind bit for bit; the card after each job must hold the placed resident bytes only.
-``--url URL``: the same mix through a running WebUI's API. Pass/fail: :func:`_passed`. Method:
-docs/benchmarks.md, "Soak".
+``--quick``: the library level (:class:`_Library`, what CI runs); ``--url URL``: a running WebUI's
+API (:class:`_WebUI`). Pass/fail: :func:`_passed`. Method: docs/benchmarks.md, "Soak".
 """
 
 from __future__ import annotations

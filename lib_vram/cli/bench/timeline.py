@@ -1,8 +1,5 @@
-"""``python -m lib_vram bench timeline``: what the memory timeline costs a job.
-
-The same jobs (a tiled VAE decode, a tiled upscale) run ``none``/``tracker``/``timeline``,
-interleaved in one process; the cost of one sample measured alone gives the overhead it implies.
-Method: docs/benchmarks.md, "Memory timeline overhead".
+"""``python -m lib_vram bench timeline``: what the memory timeline costs a job (each job run
+``none``/``tracker``/``timeline``, interleaved). Method: docs/benchmarks.md, "Memory timeline overhead".
 """
 
 from __future__ import annotations
