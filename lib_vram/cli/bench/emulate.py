@@ -19,6 +19,8 @@ from lib_vram.core.device import release
 from lib_vram.core.emulate import EmulatedCard
 from lib_vram.planning import planner
 
+from ..models.archs import save_and_load
+from ..models.synthetic import image_like, rrdb_net
 from ._harness import Bench, attempt, known, ok, psnr, runner, table, timed
 
 MAX_CARD_GB = MAX_CARD_BYTES // 2**30
@@ -62,8 +64,6 @@ def add_cards(parser: argparse.ArgumentParser) -> None:
 
 
 def image(px: int, channels: int = 3, seed: int = 0):
-    from ..models.synthetic import image_like
-
     return image_like(px, px, channels, seed)
 
 
@@ -74,9 +74,6 @@ def latent(px: int):
 
 def rrdb(filters: int = 16, blocks: int = 6):
     """A spandrel ESRGAN ``RRDBNet`` x4 (seed 0; full size: 64 filters, 23 blocks), loaded from a file."""
-    from ..models.archs import save_and_load
-    from ..models.synthetic import rrdb_net
-
     torch.manual_seed(0)
     net = rrdb_net(filters, blocks)
     with tempfile.TemporaryDirectory() as tmp:
