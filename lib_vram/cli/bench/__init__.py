@@ -1,11 +1,7 @@
-"""``python -m lib_vram bench TARGET``: side-by-side benchmarks (one module per target).
+"""``python -m lib_vram bench TARGET``: side-by-side benchmarks (CLI modules: they may print).
 
-CLI modules: they may print.
-
-Each target is a module ``lib_vram/cli/bench/<name>.py`` with ``HELP``, ``configure(parser)`` and
-``run(args) -> int`` (``run = runner(bench)``: the one runner of :mod:`._harness` runs what the
-target's ``bench(args)`` declares); register it in ``TARGETS``. Every target but ``gpu`` (``JSON =
-False``: it writes a file) gets ``--json``.
+A target is a module with ``HELP``, ``configure(parser)`` and ``run = runner(bench)`` (:mod:`._harness`),
+registered in ``TARGETS``. Every target but ``gpu`` (``JSON = False``: it writes a file) gets ``--json``.
 """
 
 from __future__ import annotations
@@ -14,8 +10,6 @@ import argparse
 import importlib
 
 from lib_vram.cli import add_emulate_argument
-
-from ._harness import add_child_argument
 
 NAME = "bench"
 HELP = "Run a benchmark (each case in a fresh process) and print a side-by-side table."
@@ -44,7 +38,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         if getattr(module, "JSON", True):
             p.add_argument("--json", action="store_true", help="print the records as JSON only")
         getattr(module, "configure", lambda p: None)(p)
-        add_child_argument(p)
+        p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a case in a fresh process
         p.set_defaults(_bench_run=module.run)
 
 

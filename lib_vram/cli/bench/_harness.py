@@ -64,10 +64,6 @@ class CaseFailed(Exception):
         self.record = record
 
 
-def add_child_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-
-
 def runner(
     make: Callable[[argparse.Namespace], Bench], child: Callable[[Any], dict | list[dict]] | None = None
 ) -> Callable[[argparse.Namespace], int]:

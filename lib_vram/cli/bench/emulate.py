@@ -19,6 +19,8 @@ from lib_vram.core.device import release
 from lib_vram.core.emulate import EmulatedCard
 from lib_vram.planning import planner
 
+from ..models.archs import save_and_load
+from ..models.synthetic import image_like, rrdb_net
 from ._harness import Bench, attempt, known, ok, psnr, runner, table, timed
 
 MAX_CARD_GB = MAX_CARD_BYTES // 2**30
@@ -30,8 +32,6 @@ SCALE = 0.5
 """Emulated bytes per real byte: FP32 (x2) at 1/4 channel width (x1/4)."""
 RESIDENT_REAL = int(2.1 * GB)
 """An SD1.5 checkpoint in FP16 (UNet 1.72 GB + text encoder 0.25 GB + VAE 0.16 GB), on the card."""
-CARDS = (4, 6, 8)
-VAE_FULL = SD_VAE
 VAE_NARROW = {**SD_VAE, "ch": 32}
 
 FULL = {"vae_decode": (1024, 1536, 2048), "vae_encode": (1024, 2048), "upscale": (512, 768, 1024)}
@@ -48,8 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def bench(args: argparse.Namespace) -> Bench:
     sizes = QUICK if args.quick else FULL
-    stages = args.stages.split(",") if args.stages else list(sizes)
-    known("--stages", ",".join(stages), list(FULL))
+    stages = known("--stages", args.stages, list(FULL))
     cards = [int(c) for c in args.cards.split(",")]
     cases = [(stage, px) for stage in stages for px in sizes[stage]] + (
         [("overhead", 0)] if args.overhead else []
@@ -64,22 +63,13 @@ def add_cards(parser: argparse.ArgumentParser) -> None:
                         help=f"card sizes in GB (default 4,6,8; each 1 to {MAX_CARD_GB})")  # fmt: skip
 
 
-def image(px: int, channels: int = 3, seed: int = 0):
-    from ..models.synthetic import image_like
-
-    return image_like(px, px, channels, seed)
-
-
 def latent(px: int):
-    img = image(px // 8, 4, seed=3) * 4 - 2  # image-like, in the range of scaled SD latents
+    img = image_like(px // 8, px // 8, 4, seed=3) * 4 - 2  # image-like, in the range of scaled SD latents
     return img + 0.1 * torch.randn(img.shape, generator=torch.Generator().manual_seed(4))
 
 
 def rrdb(filters: int = 16, blocks: int = 6):
     """A spandrel ESRGAN ``RRDBNet`` x4 (seed 0; full size: 64 filters, 23 blocks), loaded from a file."""
-    from ..models.archs import save_and_load
-    from ..models.synthetic import rrdb_net
-
     torch.manual_seed(0)
     net = rrdb_net(filters, blocks)
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,18 +85,18 @@ def fidelity(out, ref, data_range: float) -> dict:
             "max_err_lsb": lsb, "finite": bool(torch.isfinite(out).all())}  # fmt: skip
 
 
-def stage_fns(stage: str, px: int, device=None, dtype=None):  # noqa: ANN001
+def stage_fns(stage: str, px: int, device=None, dtype=None, full: bool | None = None):  # noqa: ANN001
     """(module on the card, plain(), guarded(reports), data range) of ``stage``: full-size models
-    on CUDA, the narrow ones elsewhere."""
+    if ``full`` (default: on CUDA), else the narrow ones."""
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
 
     device, dtype = torch.device(device or "cpu"), dtype or torch.float32
-    cuda = device.type == "cuda"
+    full = device.type == "cuda" if full is None else full
     if stage in ("vae_decode", "vae_encode"):
         kind = "decoder" if stage == "vae_decode" else "encoder"
-        mod = build_ldm(kind, VAE_FULL if cuda else VAE_NARROW).to(device, dtype)
-        x = (latent(px) if kind == "decoder" else image(px) * 2 - 1).to(device, dtype)
+        mod = build_ldm(kind, SD_VAE if full else VAE_NARROW).to(device, dtype)
+        x = (latent(px) if kind == "decoder" else image_like(px, px) * 2 - 1).to(device, dtype)
         fn = tiled_decode if kind == "decoder" else tiled_encode
 
         def plain():
@@ -119,11 +109,11 @@ def stage_fns(stage: str, px: int, device=None, dtype=None):  # noqa: ANN001
                       original_forward=mod.forward, memory=planner.PlanMemory())  # fmt: skip
 
         return mod, plain, guarded, 2.0
-    desc = rrdb(64, 23) if cuda else rrdb()
+    desc = rrdb(64, 23) if full else rrdb()
     desc.to(device)
     if dtype != torch.float32:
         desc.to(dtype)
-    x = image(px).to(device, dtype)
+    x = image_like(px, px).to(device, dtype)
     prec = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
 
     def plain_up():
@@ -182,19 +172,12 @@ def run_stage(stage: str, px: int, cards: list[int]) -> list[dict]:
 
 def overhead() -> list[dict]:
     """The emulation's own CPU cost: the plain forward with and without a card that never refuses."""
-    dec, z = build_ldm("decoder", VAE_FULL), latent(512)
-    desc, img = rrdb(64, 23), image(128)
-
-    def vae():
-        with torch.no_grad():
-            return dec(z)
-
-    def up():
-        with torch.inference_mode():
-            return desc(img)
-
     out = []
-    for name, fn in (("full SD VAE decode 512²", vae), ("full RRDB x4 upscale 128²", up)):
+    for name, stage, px in (
+        ("full SD VAE decode 512²", "vae_decode", 512),
+        ("full RRDB x4 upscale 128²", "upscale", 128),
+    ):
+        fn = stage_fns(stage, px, full=True)[1]
         fn()  # warm-up (oneDNN primitives, page faults)
         _, t_plain, c_plain = timed(fn)
         with EmulatedCard("1024GB") as card:

@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 
 from lib_vram.cli.common import MAX_SECONDS, bounded_float
-from lib_vram.cli.hostmodels import build_ldm
+from lib_vram.cli.hostmodels import SD_VAE, build_ldm
 from lib_vram.core.device import capabilities, memory_info, resolve_device
 from lib_vram.core.emulate import EmulatedCard
 
+from ..models.synthetic import image_like
 from ._harness import Bench, attempt, runner, timed
-from .emulate import GB, RESIDENT_REAL, VAE_FULL, add_cards, fidelity, image, latent, rrdb, stage_fns
+from .emulate import GB, RESIDENT_REAL, add_cards, fidelity, latent, rrdb, stage_fns
 from .sampling_stream import gpu_stream
 
 JSON = False
@@ -147,7 +148,7 @@ def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noq
     if device.type != "cuda":
         skipped.append("decode_2048: needs CUDA (FP16 at 2048² with a full-size VAE)")
         return []
-    dec = build_ldm("decoder", VAE_FULL).to(device)
+    dec = build_ldm("decoder", SD_VAE).to(device)
     z = latent(2048).to(device)
     _reset(device)
     with torch.no_grad():
@@ -177,7 +178,7 @@ def upscale_batch(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # n
     cuda = device.type == "cuda"
     desc = rrdb(64, 23) if cuda else rrdb()
     desc.to(device)
-    x = image(512 if cuda else 96).to(device)
+    x = (image_like(512, 512) if cuda else image_like(96, 96)).to(device)
     out = []
     for name, batch in (("batched (auto)", None), ("one tile at a time", 1)):
         if clock.late(skipped, f"upscale_batch {name}", 20):

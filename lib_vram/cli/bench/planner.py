@@ -1,8 +1,5 @@
-"""``python -m lib_vram bench planner``: predicted vs measured peak memory, per case.
-
-Each case's peak RSS above its start is measured in a fresh process on the CPU; the prediction is
-the predictor's activation bytes from a fake run in this process. Error = predicted / measured - 1.
-Method: docs/benchmarks.md, "Planner".
+"""``python -m lib_vram bench planner``: predicted (a fake run here) vs measured (peak RSS above the
+start, in a fresh process) peak memory per case. Method: docs/benchmarks.md, "Planner".
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from lib_vram.cli.common import MAX_SECONDS, bounded_float
-from lib_vram.core import predict as P  # noqa: N812
+from lib_vram.core.predict import new_fake_mode
 from lib_vram.core.tracker import StageTracker
 from lib_vram.planning import reference
 
@@ -93,39 +90,27 @@ def _build(case: Case):
     return reference.build_upscaler(case.kind, SCALE, num_blocks=blocks).eval(), (1, 3, side, side)
 
 
-def _runner(case: Case, model):
-    """What the case runs: the engine as its prediction runs it (:mod:`lib_vram.cli.stageplan`), or
+def _loop(case: Case):
+    """``loop(model, x)``: the engine as its prediction runs it (:mod:`lib_vram.cli.stageplan`), or
     the untiled model."""
     from lib_vram.cli.stageplan import upscale_loop, vae_loop
 
     if case.engine == "vae-engine":
-        loop = vae_loop(case.kind, case.tile, case.mode, torch.float32)
-    elif case.engine == "upscale-engine":
-        loop = upscale_loop(case.tile, case.batch, SCALE)
-    else:
-        return model
-    return lambda x: loop(model, x)
+        return vae_loop(case.kind, case.tile, case.mode, torch.float32)
+    if case.engine == "upscale-engine":
+        return upscale_loop(case.tile, case.batch, SCALE)
+    return lambda m, x: m(x)
 
 
 def predict(case: Case) -> dict:
-    """The predictor's numbers for ``case`` (a fake run)."""
-    from lib_vram.cli import stageplan
+    """The predictor's numbers for ``case``: :func:`_loop` on fake tensors."""
+    from lib_vram.cli.stageplan import _predict_loop
 
     with torch.device("meta"):
         model, shape = _build(case)
     t0 = time.perf_counter()
-    if case.engine == "vae-engine":
-        pred = stageplan.predict_engine_vae(model, case.kind, shape, "fp32", case.tile, case.mode)
-    elif case.engine == "upscale-engine":
-        pred = stageplan.predict_engine_upscale(model, shape, "fp32", case.tile, case.batch, SCALE)
-    else:
-        mode = P.new_fake_mode()
-        fn = P.fake_call(model, P.fake_state(model, mode, torch.float32))
-        t0 = time.perf_counter()
-        with reference.dry_run():
-            pred = P.predict_callable(
-                fn, (shape,), weights=P.weights_bytes(model), backend="cpu", fake_mode=mode
-            )
+    with reference.dry_run():
+        pred = _predict_loop(model, _loop(case), shape, torch.float32, "cpu", new_fake_mode())
     return {"prediction": pred.to_dict(), "predict_seconds": time.perf_counter() - t0}
 
 
@@ -135,7 +120,7 @@ def measure(name: str) -> dict:
     torch.manual_seed(0)
     model, shape = _build(case)
     x = torch.randn(shape)
-    run = _runner(case, model)
+    loop = _loop(case)
     tracker = StageTracker("cpu", owns_peak_counters=True)
     with torch.no_grad():
         small = (1, shape[1], 8, 8) if case.kind == "decode" else (1, 3, 64, 64)
@@ -143,7 +128,7 @@ def measure(name: str) -> dict:
             model(torch.randn(small))
         t0 = time.perf_counter()
         with tracker.stage(case.name) as rec:
-            run(x)  # the output is freed inside the stage
+            loop(model, x)  # the output is freed inside the stage
         seconds = time.perf_counter() - t0
     return {"measured_delta_bytes": rec.delta_peak_bytes, "exact": rec.exact, "seconds": seconds,
             "threads": torch.get_num_threads()}  # fmt: skip

@@ -1,8 +1,6 @@
-"""``python -m lib_vram bench sampling``: one UNet sampling step on emulated 4/6/8 GB cards, plain
-(the whole cond/uncond batch, the idle models resident) against VRAM Guard's plan, then the cases
-of :mod:`.sampling_stream` and those with one ControlNet unit. Each case scales the card and the
-idle models by ``f = reduced plain peak / full-size plain peak``. Method: docs/benchmarks.md,
-"Sampling step".
+"""``python -m lib_vram bench sampling``: one UNet sampling step on emulated 4/6/8 GB cards, plain vs
+VRAM Guard's plan, then the cases of :mod:`.sampling_stream` and those with one ControlNet unit.
+Method: docs/benchmarks.md, "Sampling step".
 """
 
 from __future__ import annotations
@@ -18,6 +16,8 @@ from lib_vram.planning import planner
 from lib_vram.planning.reference import vae_arch
 from lib_vram.sampling import estimate_sampling, micro_batched, plan_sampling, reference_spec, unet_spec
 
+from ..models.controlnet import ControlNet, controlled
+from ..models.unet import attention_applied, build_unet, context_arg, host_forward
 from . import sampling_stream
 from ._harness import Bench, attempt, mib_of, ok, runner, table
 
@@ -73,18 +73,14 @@ def records(quick: bool) -> list[dict]:
 
 def _idle_bytes(shape: str) -> int:
     """The full-size idle models during sampling (fp16): the VAE and the text encoders."""
-    from lib_vram.cli.stageplan import reference_vae
+    from lib_vram.cli.stageplan import vae_weights
 
-    vae = sum(weights_bytes(reference_vae(shape, k), torch.float16) for k in ("decode", "encode"))
-    return vae + vae_arch(shape).text_encoder_bytes
+    return sum(vae_weights(shape, "fp16")) + vae_arch(shape).text_encoder_bytes
 
 
 def _on_cards(case: tuple, unet, f: float, idle: int, control=None):  # noqa: ANN001, ANN202
     """The step plain, then as planned, on each scaled card (``control``: one ControlNet unit):
     yields the records' shared fields, the plan, whether the idle models moved off, the attempt."""
-    from ..models.controlnet import controlled
-    from ..models.unet import attention_applied, context_arg, host_forward
-
     shape, h, w, batch, attention = case
     spec = unet_spec(unet)
     kw = dict(batch=batch, latent_hw=(h, w), context_tokens=TOKENS, attention=attention, dtype=torch.float32,
@@ -136,8 +132,6 @@ def _on_cards(case: tuple, unet, f: float, idle: int, control=None):  # noqa: AN
 
 def _case_records(shape: str, h: int, w: int, batch: int, attention: str, models: dict) -> list[dict]:
     """One case on each card (``models``: the UNets built so far, by shape)."""
-    from ..models.unet import build_unet
-
     if shape not in models:
         models[shape] = build_unet(shape, 32, context_dim=CTX)
     unet = models[shape]
@@ -162,9 +156,6 @@ def control_records(case: tuple, models: dict, idle_full: int) -> list[dict]:
     """One ControlNet case on each card (plain: the control model on the card beside everything)."""
     from lib_vram.sampling import reference_control
     from lib_vram.sampling._estimate import Step
-
-    from ..models.controlnet import ControlNet
-    from ..models.unet import build_unet
 
     shape, h, w, batch, attention = case
     if ("controlnet", shape) not in models:

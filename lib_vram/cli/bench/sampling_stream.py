@@ -1,15 +1,12 @@
-"""``python -m lib_vram bench sampling-stream``: the streamed UNet, plain vs guarded.
-
-**run** rows: a real ldm ``UNetModel`` at reduced width on emulated cards that hold about 1/3, 1/2
-and 2/3 of it beside the step's activations (guarded: :func:`plan_stream` + :class:`StreamedUNet`,
-re-planned after an out-of-memory error). **plan** rows: the same planner on the full-size UNets'
-unit sizes; nothing runs, the copy time is a model at ``--bandwidth``. Method and columns:
-docs/benchmarks.md, "Streamed UNet". :func:`gpu_stream` is ``bench gpu``'s part.
+"""``python -m lib_vram bench sampling-stream``: the streamed UNet, plain vs guarded: **run** rows on
+emulated cards (:func:`run_case`), **plan** rows of the full-size UNets (:func:`plan_case`, nothing
+runs). Method and columns: docs/benchmarks.md, "Streamed UNet". :func:`gpu_stream`: ``bench gpu``'s.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -105,17 +102,15 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
     step = dict(batch=2, latent_hw=(side, side), context_tokens=77, attention="none", dtype=torch.float32)
     mem = planner.PlanMemory()
     sp = plan_sampling(spec, budget_bytes=capacity, backend="cpu", memory=mem, **step)
-    refs: dict[int, tuple[torch.Tensor, float]] = {}
 
     def micro(m: int):  # noqa: ANN202
         return micro_batched(lambda **k: unet(**k), m, memory=planner.PlanMemory())
 
+    @functools.cache
     def unstreamed(m: int) -> tuple[torch.Tensor, float]:
         """The output and CPU seconds of the unstreamed forward at micro-batch ``m``."""
-        if m not in refs:
-            t0 = time.process_time()
-            refs[m] = (_forward(micro(m), kw), time.process_time() - t0)
-        return refs[m]
+        t0 = time.process_time()
+        return _forward(micro(m), kw), time.process_time() - t0
 
     unstreamed(sp.micro_batch)
     plain = attempt(lambda: _forward(micro(sp.micro_batch), kw), EmulatedCard(capacity, resident=[unet]))

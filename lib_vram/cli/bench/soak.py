@@ -1,23 +1,30 @@
 """``python -m lib_vram bench soak``: many mixed jobs in one process; nothing may grow or stay behind.
 
-``--quick`` (library level, what CI runs): real ldm modules at a small width placed by VRAM Guard on
-an emulated card below them and a spandrel ESRGAN file; txt2img, img2img, hires fix and Extras jobs,
-every other round with a LoRA-style update merged in place. A job without the LoRA must equal the
-first of its kind bit for bit; the card after each job must hold the placed resident bytes only.
-``--url URL``: the same mix through a running WebUI's API. Pass/fail: :func:`_passed`. Method:
-docs/benchmarks.md, "Soak".
+``--quick``: the library level (:class:`_Library`, what CI runs); ``--url URL``: a running WebUI's
+API (:class:`_WebUI`). Pass/fail: :func:`_passed`. Method: docs/benchmarks.md, "Soak".
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import statistics
+import tempfile
 import threading
 import time
 
-from lib_vram.cli.common import MAX_COUNT, bounded_int
+import psutil
+import torch
 
+from lib_vram import sampling
+from lib_vram.cli.common import MAX_COUNT, bounded_int
+from lib_vram.cli.hostmodels import SD_VAE, build_ldm
+from lib_vram.core import emulate
+from lib_vram.planning import planner
+
+from ..models.unet import build_unet
 from ._harness import Bench, mib_of, runner
 
 HELP = "Soak: many mixed jobs in one process (RSS, the card at rest, time per job); --quick without a WebUI."
@@ -52,22 +59,12 @@ class _Library:
     """The placed models the jobs run on (entered: placed; left: the UNet back in host memory)."""
 
     def __enter__(self) -> _Library:
-        import os
-        import tempfile
-
-        import torch
-
-        from lib_vram import sampling
-        from lib_vram.cli.hostmodels import SD_VAE, build_ldm
-        from lib_vram.core import emulate
-        from lib_vram.planning import planner
         from lib_vram.residency import HOST, STREAMED, Model, Owner, plan_checkpoint
         from lib_vram.residency._modules import ModuleMover, nbytes_of, tensors_of
         from lib_vram.vae import TiledVAEConfig
 
         from ..models.archs import save
         from ..models.synthetic import image_like, rrdb_net
-        from ..models.unet import build_unet
 
         self.unet = build_unet("sd15", 32, context_dim=64, seed=4, init=True)
         cfg = {**SD_VAE, "ch": 32, "ch_mult": (1, 2), "num_res_blocks": 1, "resolution": 64}
@@ -122,8 +119,6 @@ class _Library:
         self.tmp.cleanup()
 
     def _sample(self, x, context):  # noqa: ANN001, ANN202
-        import torch
-
         self.owner.begin("sampling", busy=[self.unet_model])
         try:
             for t in (700, 300):
@@ -135,7 +130,6 @@ class _Library:
         return x
 
     def _vae(self, kind: str, x):  # noqa: ANN001, ANN202
-        from lib_vram.planning import planner
         from lib_vram.vae import tiled_decode, tiled_encode
 
         vae = self.models["VAE"]
@@ -151,7 +145,6 @@ class _Library:
     def _run(self, kind: str, n: int) -> tuple:
         """(the last latent, the picture); Extras: (its input, the upscaled picture)."""
         import spandrel
-        import torch
 
         from lib_vram.upscale import UpscaleConfig, upscale_tensor
 
@@ -172,13 +165,6 @@ class _Library:
         return x, self._vae("decode", x)
 
     def job(self, n: int) -> dict:
-        import gc
-
-        import psutil
-        import torch
-
-        from lib_vram.core import emulate
-
         kind, with_lora = _kind(n)
         with_lora = with_lora and kind != "extras"
         t0, error, backups = time.perf_counter(), None, []

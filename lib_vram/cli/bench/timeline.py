@@ -1,8 +1,5 @@
-"""``python -m lib_vram bench timeline``: what the memory timeline costs a job.
-
-The same jobs (a tiled VAE decode, a tiled upscale) run ``none``/``tracker``/``timeline``,
-interleaved in one process; the cost of one sample measured alone gives the overhead it implies.
-Method: docs/benchmarks.md, "Memory timeline overhead".
+"""``python -m lib_vram bench timeline``: what the memory timeline costs a job (each job run
+``none``/``tracker``/``timeline``, interleaved). Method: docs/benchmarks.md, "Memory timeline overhead".
 """
 
 from __future__ import annotations
@@ -18,8 +15,10 @@ from lib_vram.core.timeline import Timeline
 from lib_vram.core.tracker import StageTracker
 from lib_vram.planning import planner
 
+from ..models.synthetic import image_like
 from ._harness import Bench, fmt, runner, timed
 from ._harness import table as grid
+from .emulate import VAE_NARROW, rrdb
 
 HELP = "Memory timeline overhead: a job with and without sampling, side by side (VAE decode, upscale)."
 VARIANTS = ("none", "tracker", "timeline")
@@ -61,9 +60,6 @@ def _jobs(quick: bool, device: str) -> list[tuple[str, object]]:
     from lib_vram.cli.hostmodels import build_ldm
     from lib_vram.upscale import UpscaleConfig, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, tiled_decode
-
-    from ..models.synthetic import image_like
-    from .emulate import VAE_NARROW, rrdb
 
     px = 256 if quick else 512
     dec = build_ldm("decoder", VAE_NARROW).to(device)

@@ -23,6 +23,8 @@ from lib_vram.core.livebytes import LiveBytesCounter
 from lib_vram.core.predict import DTYPES
 from lib_vram.core.tracker import _read_vm_hwm, _reset_vm_hwm
 
+from ..models.archs import BUILDERS, build, save, save_and_load
+from ..models.synthetic import compact_net, image_like, rrdb_net
 from ._harness import Bench, cell, known, mib_of, psnr, runner, table
 
 HELP = "Tiled upscaling: untiled vs this engine (tiles x batches) vs a one-tile-at-a-time PIL loop."
@@ -92,12 +94,6 @@ def plan(quick: bool, large: bool = False) -> list[dict]:
     return cases
 
 
-def _known(option: str, text: str, every: str) -> list[str]:
-    from ..models.archs import BUILDERS
-
-    return known(option, text, list(BUILDERS), every)
-
-
 def bench(args: argparse.Namespace) -> Bench:
     def workdir(what: str) -> Path:
         path = args.workdir or Path(tempfile.mkdtemp(prefix=f"vram-guard-bench-{what}-"))
@@ -105,12 +101,12 @@ def bench(args: argparse.Namespace) -> Bench:
         return path
 
     if args.fallback:
-        names, work = _known("--fallback", args.fallback, "auto"), workdir("fallback")
+        names, work = known("--fallback", args.fallback, list(BUILDERS), "auto"), workdir("fallback")
         return Bench(names, lambda n: fallback_rows([n], work, args.fallback_px, args.device), fallback_table,
                      lines=False, done=lambda r: f"{r['arch']} t{r['tile']}: {r['max_err_lsb']} LSB, "
                      f"{r['pct_over_1lsb']}% > 1 LSB, {r['psnr_db']} dB, exact {r['exact']}")  # fmt: skip
     if args.archs:
-        names, work = _known("--archs", args.archs, "all"), workdir("archs")
+        names, work = known("--archs", args.archs, list(BUILDERS), "all"), workdir("archs")
         return Bench(names, lambda n: arch_rows([n], work, args.device), arch_table, lines=False,
                      done=lambda r: f"{r['arch']} {r['tile']}: {r['max_err_lsb']} LSB")  # fmt: skip
     cases = plan(args.quick, args.large)
@@ -134,9 +130,6 @@ def _model_path(workdir: Path, arch: str) -> Path:
 
 def build_models(workdir: Path, archs: set[str]) -> None:
     """Save each architecture's random-weight model (seed 0) once."""
-    from ..models.archs import save
-    from ..models.synthetic import compact_net, rrdb_net
-
     for arch in sorted(archs):
         if not (path := _model_path(workdir, arch)).exists():
             kind, width, depth = ARCHS[arch]
@@ -184,8 +177,6 @@ def run_case(case: dict) -> dict:
     from PIL import Image
 
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, context, load_model, upscale_tensor
-
-    from ..models.synthetic import image_like
 
     workdir, device, method = Path(case["workdir"]), resolve_device(case.get("device")), case["method"]
     precision = case.get("precision", "auto")
@@ -300,8 +291,6 @@ def _tiled_rows(names, workdir: Path, prefix: str, device, image, tiles, row) ->
     call on ``image(spec)``: ``row(name, spec, tile, report, max LSB, % over 1 LSB, PSNR)``."""
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
 
-    from ..models.archs import build, save_and_load
-
     rows = []
     for name in names:
         t0 = time.perf_counter()
@@ -322,7 +311,6 @@ def _tiled_rows(names, workdir: Path, prefix: str, device, image, tiles, row) ->
 def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[dict]:
     """Per architecture: automatic plan, then each tile of ``ARCH_TILES`` with the calibrated
     overlap, against spandrel's untiled call (8-bit max error and PSNR)."""
-    from ..models.synthetic import image_like
 
     def row(name, spec, tile, rep, max_lsb, _over, psnr) -> dict:  # noqa: ANN001
         return {"arch": name, "spandrel": spec.name, "kind": "windowed" if spec.grid > 1 else "local",
@@ -337,7 +325,6 @@ def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[di
 def fallback_rows(names: list[str], workdir: Path, px: int, device: object = None) -> list[dict]:
     """Per architecture: the tiled error on a ``px``² image at each tile of ``FALLBACK_TILES``
     smaller than it, with the overlap the engine calibrates (``exact`` True: none)."""
-    from ..models.synthetic import image_like
 
     def row(name, spec, tile, rep, max_lsb, over, psnr) -> dict:  # noqa: ANN001
         why = "; ".join(rep.notes).split("(", 1)[-1].split("); it did not fit")[0] if rep.notes else ""

@@ -1,8 +1,6 @@
 """``python -m lib_vram bench vae-estimate``: the tiled VAE engine's analytic estimate (what auto mode
-uses at run time, milliseconds) against the fake-tensor prediction of the engine itself
-(:func:`lib_vram.cli.stageplan.predict_engine_vae`, within 5 % of measured peaks): tensors only, and
-with the CPU backend's convolution term. Models: the ldm ``Decoder``/``Encoder`` with the SD
-``ddconfig`` on the meta device. Method: docs/benchmarks.md, "The VAE engine's quick estimate".
+uses at run time) against :func:`lib_vram.cli.stageplan.predict_engine_vae` (within 5 % of measured
+peaks). Method: docs/benchmarks.md, "The VAE engine's quick estimate".
 """
 
 from __future__ import annotations
