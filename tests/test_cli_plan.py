@@ -553,11 +553,12 @@ def test_reference_units_sum_to_the_closed_form_parameter_count(arch):
 def test_reference_units_match_ldm_unet_for_sd15():
     """Name for name and byte for byte: the SD1.5 UNet of ldm (the WebUI's) on the meta device."""
     pytest.importorskip("ldm")
-    from lib_vram.cli.bench.sampling_stream import full_size_units
+    from lib_vram.cli.models.unet import build_unet
     from lib_vram.cli.refunet import reference_units
+    from lib_vram.sampling import unit_bytes
 
-    assert reference_units("sd15", 2) == full_size_units("sd15", 2)
-    assert sum(b for _, b in reference_units("sdxl", 2)) == sum(b for _, b in full_size_units("sdxl", 2))
+    ldm_units = [(n, b // 2) for n, b in unit_bytes(build_unet("sd15", 320, context_dim=768, meta=True))]
+    assert reference_units("sd15", 2) == ldm_units
 
 
 def test_plan_checkpoint_of_a_card_too_small_for_any_micro_batch_does_not_fit():

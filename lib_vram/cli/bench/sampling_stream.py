@@ -14,7 +14,6 @@ import torch
 from lib_vram.core.emulate import EmulatedCard
 from lib_vram.planning import planner
 from lib_vram.sampling import (
-    UNIT_PARTS,
     StreamedUNet,
     choose_resident,
     lowvram_bytes_per_forward,
@@ -28,6 +27,7 @@ from lib_vram.sampling import (
 
 from ..common import UsageError
 from ..models.unet import build_unet
+from ..refunet import reference_units
 from ._harness import Bench, attempt, mib_of, ok, runner
 from ._harness import table as grid
 
@@ -35,39 +35,6 @@ HELP = "Streamed UNet (budgeted residency): bytes per step vs --lowvram, plain v
 MiB = 1 << 20
 GB = 1e9
 DEFAULT_BANDWIDTH_GB_S = 12.0
-
-
-def full_size_units(arch: str, itemsize: int = 2) -> list[tuple[str, int]]:
-    """The unit sizes of the full-size SD1.5 or SDXL UNet at ``itemsize`` bytes per weight."""
-    if arch == "sd15":
-        unet = build_unet("sd15", 320, context_dim=768, meta=True)
-        return [(n, b // 4 * itemsize) for n, b in unit_bytes(unet)]
-    if arch != "sdxl":
-        raise ValueError(f"`arch` must be sd15 or sdxl, got {arch!r}")
-    # ldm's transformer_depth is one number: build at depth 1 (levels 2-3, the middle block), then
-    # add SDXL's deeper stacks (2 at level 2, 10 at level 3 and in the middle) from one real block
-    unet = build_unet("sdxl-d1", 320, context_dim=2048, meta=True)
-    depths = {}
-    for name, m in unet.named_modules():
-        blocks = getattr(m, "transformer_blocks", None)
-        if blocks is not None:
-            width = blocks[0].attn1.to_q.in_features
-            per = sum(p.numel() * 4 for p in blocks[0].parameters())
-            depths[name] = (2 if width == 640 else 10, per)
-    # split the shallow model at 1/64 of *its* size (a little finer than the full-size UNet's
-    # 1/64: each transformer block splits, which the full model's split does too)
-    out: list[tuple[str, int]] = []
-    for name, b in unit_bytes(unet, UNIT_PARTS):
-        st = next((t for t in depths if name == t or name.startswith(t + ".")), None)
-        d, per = depths.get(st, (1, 0))
-        head = f"{st}.transformer_blocks.0"
-        out.append((name, b + (d - 1) * per if name == st else b))  # a whole transformer: one unit
-        if st is not None and (name == head or name.startswith(head + ".")):
-            out.extend((name.replace(head, f"{st}.transformer_blocks.{k}", 1) + "*", b) for k in range(1, d))
-    out = [(n, b // 4 * itemsize) for n, b in out]
-    label = (2816 * 1280 + 1280 + 1280 * 1280 + 1280) * itemsize
-    out.insert(1, ("label_emb", label))
-    return out
 
 
 # -- the run on an emulated card -------------------------------------------------------------------
@@ -147,7 +114,9 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
 
 def plan_case(arch: str, card_gib: float, px: int, bandwidth_gb_s: float, dtype=torch.float16) -> dict:
     """A full-size plan (nothing runs): batch 2 (cond/uncond), SDP attention."""
-    units = full_size_units(arch, torch.empty(0, dtype=dtype).element_size())
+    units = reference_units(
+        arch, torch.empty(0, dtype=dtype).element_size()
+    )  # what `plan` and the placement use
     spec = reference_spec(arch)
     capacity = int(card_gib * (1 << 30))
     budget = capacity - 300 * MiB  # the WebUI's context and the VAE/text encoders moved off
