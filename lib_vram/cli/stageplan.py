@@ -387,7 +387,7 @@ def job_stages(
     return plans
 
 
-class _Loop(torch.nn.Module):
+class Loop(torch.nn.Module):
     """Wraps a tiled loop so that ``functional_call`` can swap the inner model's weights."""
 
     def __init__(self, inner: torch.nn.Module, loop, **kwargs: object) -> None:
@@ -419,7 +419,7 @@ def predict_engine_vae(
         raise ValueError(f"`kind` must be 'decode' or 'encode', got {kind!r}")
     dt = dtype_of(dtype)
     loop = vae_loop(kind, tile, mode, dt)
-    return _predict_loop(module, loop, input_shape, dt, backend, new_fake_mode())
+    return predict_loop(module, loop, input_shape, dt, backend, new_fake_mode())
 
 
 def vae_loop(kind: str, tile: int | None, mode: str, dt: torch.dtype):  # noqa: ANN201
@@ -433,10 +433,10 @@ def vae_loop(kind: str, tile: int | None, mode: str, dt: torch.dtype):  # noqa: 
     return lambda m, x: run(m, x, config=cfg)
 
 
-def _predict_loop(net, loop, input_shape, dt, backend, fmode) -> PeakPrediction:  # noqa: ANN001
+def predict_loop(net, loop, input_shape, dt, backend, fmode) -> PeakPrediction:  # noqa: ANN001
     """``loop(net, x)`` on fake tensors (``net``'s weights fake, of ``dt``): its predicted peak."""
     state = {f"inner.{k}": v for k, v in fake_state(net, fmode, dt).items()}
-    fn, weights = fake_call(_Loop(net, loop), state), weights_bytes(net, dt)
+    fn, weights = fake_call(Loop(net, loop), state), weights_bytes(net, dt)
     shapes = (tuple(input_shape),)
     return predict_callable(fn, shapes, dtype=dt, weights=weights, backend=backend, fake_mode=fmode)
 
@@ -456,7 +456,7 @@ def predict_engine_upscale(
     net = getattr(model, "model", model)
     precision = dtype if isinstance(dtype, str) else str(dtype).replace("torch.float", "fp")
     loop = upscale_loop(max(input_shape[-2:]) if tile is None else tile, batch, scale, precision, overlap)
-    return _predict_loop(net, loop, input_shape, dtype_of(dtype), backend, new_fake_mode())
+    return predict_loop(net, loop, input_shape, dtype_of(dtype), backend, new_fake_mode())
 
 
 def upscale_loop(tile: int, batch: int, scale: int, precision: str = "fp32", overlap: int | None = None):  # noqa: ANN201

@@ -104,13 +104,13 @@ def _loop(case: Case):
 
 def predict(case: Case) -> dict:
     """The predictor's numbers for ``case``: :func:`_loop` on fake tensors."""
-    from lib_vram.cli.stageplan import _predict_loop
+    from lib_vram.cli.stageplan import predict_loop
 
     with torch.device("meta"):
         model, shape = _build(case)
     t0 = time.perf_counter()
     with reference.dry_run():
-        pred = _predict_loop(model, _loop(case), shape, torch.float32, "cpu", new_fake_mode())
+        pred = predict_loop(model, _loop(case), shape, torch.float32, "cpu", new_fake_mode())
     return {"prediction": pred.to_dict(), "predict_seconds": time.perf_counter() - t0}
 
 

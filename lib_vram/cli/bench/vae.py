@@ -287,7 +287,7 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
     :func:`_worker` counts on fake tensors (the precision guard is off: it reads values)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lib_vram.cli.stageplan import _Loop
+    from lib_vram.cli.stageplan import Loop
     from lib_vram.vae import TiledVAEConfig, tiled_decode
 
     with torch.device("meta"):
@@ -299,11 +299,11 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
         fmode = new_fake_mode()
         state = {f"inner.{k}": v for k, v in fake_state(dec, fmode, torch.float32).items()}
         if mode == "untiled":
-            call = _Loop(dec, lambda m, x: m(x))
+            call = Loop(dec, lambda m, x: m(x))
         else:
             cfg = TiledVAEConfig(mode=mode, tile=tile, guard=False, state_offload="cpu", budget_bytes=2**50,
                                  fast_sample=fast_sample)  # fmt: skip
-            call = _Loop(dec, lambda m, x, cfg=cfg: tiled_decode(m, x, config=cfg))
+            call = Loop(dec, lambda m, x, cfg=cfg: tiled_decode(m, x, config=cfg))
         counter, flops = _device_counter(torch.device("cpu")), FlopCounterMode(display=False)
         t0 = time.perf_counter()
         with torch.no_grad(), fmode:
