@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lib_vram.cli import build_parser
-from lib_vram.cli.bench.vae import image_latent, select_cases, table
+from lib_vram.cli.bench.vae import select_cases, table
+from lib_vram.cli.models.synthetic import image_latent
 
 
 def test_bench_vae_is_registered_and_parses():

@@ -138,7 +138,7 @@ def test_checkpoint_weights_are_loaded_and_bad_files_are_one_line(tmp_path, caps
     with contextlib.redirect_stdout(io.StringIO()):
         from ldm.modules.diffusionmodules.model import Decoder
 
-        from lib_vram.cli.bench.vae import SD_VAE
+        from lib_vram.cli.hostmodels import SD_VAE
 
         torch.manual_seed(3)
         dec = Decoder(**{**SD_VAE, "ch": 32, "ch_mult": (1, 2)}).eval()

@@ -62,3 +62,33 @@ def diffusers_vae(cfg: dict | None = None):
         use_quant_conv=False,
         use_post_quant_conv=False,
     ).eval()
+
+
+def sdp_attn_forward(block):
+    """The ldm AttnBlock computed with SDPA (what the WebUI's --opt-sdp-attention installs)."""
+    import torch
+
+    def forward(x):
+        h = block.norm(x)
+        q, k, v = block.q(h), block.k(h), block.v(h)
+        b, c, hh, ww = q.shape
+        # contiguous, as the WebUI's sdp_attnblock_forward makes them: a transposed view sends the
+        # CPU (and CUDA flash) SDPA to the math path, which holds the N x N matrix
+        q, k, v = (t.flatten(2).transpose(1, 2).contiguous().unsqueeze(1) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + block.proj_out(o.squeeze(1).transpose(1, 2).reshape(b, c, hh, ww))
+
+    return forward
+
+
+def diffusers_from_ldm(dec, enc):
+    """diffusers' ``AutoencoderKL`` holding the weights of the ldm ``dec`` and ``enc`` (:data:`SD_VAE`)."""
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    sd = {f"decoder.{k}": v for k, v in dec.state_dict().items()}
+    sd.update({f"encoder.{k}": v for k, v in enc.state_dict().items()})
+    vae = diffusers_vae()
+    missing, unexpected = vae.load_state_dict(convert_ldm_vae_checkpoint(sd, vae.config), strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return vae

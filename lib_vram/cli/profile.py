@@ -241,9 +241,9 @@ def _run_vae(args: argparse.Namespace) -> int:
     if args.mode == "untiled":
         module = module.to(device=device, dtype=dtype)
         if kind == "decode" and args.family == "ldm":
-            from lib_vram.cli.bench.vae import _sdp_attn_forward
+            from lib_vram.cli.hostmodels import sdp_attn_forward
 
-            module.mid.attn_1.forward = _sdp_attn_forward(module.mid.attn_1)
+            module.mid.attn_1.forward = sdp_attn_forward(module.mid.attn_1)
         x = x.to(device=device, dtype=dtype)
 
         def call(tracker: Any):

@@ -14,17 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F  # noqa: N812
 
 from lib_vram.cli.common import MAX_SIDE, MAX_THREADS, bounded_int, int_list
-from lib_vram.cli.hostmodels import (  # noqa: F401 (SD_VAE: imported from here)
-    SD_VAE,
-    build_ldm,
-    diffusers_vae,
-)
+from lib_vram.cli.hostmodels import build_ldm, diffusers_from_ldm, sdp_attn_forward
 from lib_vram.core.predict import DTYPES, LiveBytesCounter, fake_state, new_fake_mode
 from lib_vram.core.tracker import StageTracker
 
+from ..models.synthetic import image_latent, picture
 from ._harness import Bench, Column, fmt, known, mib_of, psnr, runner, timed
 from ._harness import table as grid
 
@@ -150,57 +146,6 @@ def table(records: list[dict]) -> str:
     ], records)  # fmt: skip
 
 
-def picture(n: int, seed: int = 0):
-    """A generated test picture in [-1, 1]: gradients, a sine pattern, discs, fine texture."""
-    g = torch.Generator().manual_seed(seed)
-    yy, xx = torch.meshgrid(torch.linspace(0, 1, n), torch.linspace(0, 1, n), indexing="ij")
-    img = torch.stack([yy, xx, 0.5 + 0.5 * torch.sin(8 * xx + 4 * yy)])
-    for _ in range(16):
-        cy, cx, r = torch.rand(3, generator=g)
-        col = torch.rand(3, 1, 1, generator=g)
-        m = ((yy - cy) ** 2 + (xx - cx) ** 2 < (0.25 * r) ** 2).float()
-        img = img * (1 - m) + col * m
-    img = img + 0.05 * torch.randn(3, n, n, generator=g)
-    return (img.clamp(0, 1) * 2 - 1)[None]
-
-
-def image_latent(px: int, channels: int = 4, seed: int = 0):
-    """The picture pooled to latent size, mixed to ``channels`` by a fixed random matrix, plus texture."""
-    g = torch.Generator().manual_seed(seed + 1)
-    pooled = F.avg_pool2d(picture(px, seed), 8)
-    z = torch.einsum("oc,bchw->bohw", torch.randn(channels, 3, generator=g), pooled)
-    z = z + 0.2 * torch.randn(z.shape, generator=g)
-    return (z - z.mean()) / z.std()
-
-
-def _sdp_attn_forward(block):
-    """The ldm AttnBlock computed with SDPA (what the WebUI's --opt-sdp-attention installs)."""
-
-    def forward(x):
-        h = block.norm(x)
-        q, k, v = block.q(h), block.k(h), block.v(h)
-        b, c, hh, ww = q.shape
-        # contiguous, as the WebUI's sdp_attnblock_forward makes them: a transposed view sends the
-        # CPU (and CUDA flash) SDPA to the math path, which holds the N x N matrix
-        q, k, v = (t.flatten(2).transpose(1, 2).contiguous().unsqueeze(1) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v)
-        return x + block.proj_out(o.squeeze(1).transpose(1, 2).reshape(b, c, hh, ww))
-
-    return forward
-
-
-def _to_diffusers(dec, enc, dtype, device):
-    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-
-    sd = {f"decoder.{k}": v for k, v in dec.state_dict().items()}
-    sd.update({f"encoder.{k}": v for k, v in enc.state_dict().items()})
-    vae = diffusers_vae()
-    missing, unexpected = vae.load_state_dict(convert_ldm_vae_checkpoint(sd, vae.config), strict=False)
-    if missing or unexpected:
-        raise RuntimeError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return vae.to(device=device, dtype=dtype)
-
-
 def _worker(spec: dict) -> dict:
     from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
 
@@ -212,13 +157,13 @@ def _worker(spec: dict) -> dict:
     dec = build_ldm("decoder")
     enc = build_ldm("encoder", seed=None)  # drawn after the decoder, as the references were made
     if mode == "diffusers":
-        module = _to_diffusers(dec, enc, dtype, device)
+        module = diffusers_from_ldm(dec, enc).to(device=device, dtype=dtype)
         module.enable_tiling()
         module.tile_sample_min_size, module.tile_latent_min_size = tile * 8, tile
     else:
         module = (dec if kind == "decode" else enc).to(device=device, dtype=dtype)
         if mode == "untiled" and kind == "decode":
-            module.mid.attn_1.forward = _sdp_attn_forward(module.mid.attn_1)
+            module.mid.attn_1.forward = sdp_attn_forward(module.mid.attn_1)
     del dec, enc
     x = (image_latent(px) if kind == "decode" else picture(px)).to(device=device, dtype=dtype)
     tracker, report = StageTracker(device, owns_peak_counters=True), VAEReport()
@@ -292,7 +237,7 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
 
     with torch.device("meta"):
         dec = build_ldm("decoder")
-    dec.mid.attn_1.forward = _sdp_attn_forward(dec.mid.attn_1)
+    dec.mid.attn_1.forward = sdp_attn_forward(dec.mid.attn_1)
 
     out = []
     for mode in ("untiled", "exact", "fast"):

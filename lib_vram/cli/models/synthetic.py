@@ -41,6 +41,29 @@ def image_like(h: int, w: int, channels: int = 3, seed: int = 0) -> torch.Tensor
     return (0.7 * smooth + 0.3 * torch.rand(1, channels, h, w, generator=g)).clamp(0, 1)
 
 
+def picture(n: int, seed: int = 0):
+    """A generated test picture in [-1, 1]: gradients, a sine pattern, discs, fine texture."""
+    g = torch.Generator().manual_seed(seed)
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, n), torch.linspace(0, 1, n), indexing="ij")
+    img = torch.stack([yy, xx, 0.5 + 0.5 * torch.sin(8 * xx + 4 * yy)])
+    for _ in range(16):
+        cy, cx, r = torch.rand(3, generator=g)
+        col = torch.rand(3, 1, 1, generator=g)
+        m = ((yy - cy) ** 2 + (xx - cx) ** 2 < (0.25 * r) ** 2).float()
+        img = img * (1 - m) + col * m
+    img = img + 0.05 * torch.randn(3, n, n, generator=g)
+    return (img.clamp(0, 1) * 2 - 1)[None]
+
+
+def image_latent(px: int, channels: int = 4, seed: int = 0):
+    """The picture pooled to latent size, mixed to ``channels`` by a fixed random matrix, plus texture."""
+    g = torch.Generator().manual_seed(seed + 1)
+    pooled = torch.nn.functional.avg_pool2d(picture(px, seed), 8)
+    z = torch.einsum("oc,bchw->bohw", torch.randn(channels, 3, generator=g), pooled)
+    z = z + 0.2 * torch.randn(z.shape, generator=g)
+    return (z - z.mean()) / z.std()
+
+
 def _scale_output_std(net: torch.nn.Module, conv: torch.nn.Conv2d, std: float) -> None:
     """Scale ``conv`` so that its output has standard deviation ``std`` on a probe image."""
     seen: list[torch.Tensor] = []
