@@ -1,20 +1,24 @@
 """``python -m lib_vram bench soak``: many mixed jobs in one process; nothing may grow or stay behind.
 
 ``--quick``: the library level (:class:`_Library`, what CI runs); ``--url URL``: a running WebUI's
-API (:class:`_WebUI`). Pass/fail: :func:`_passed`. Method: docs/benchmarks.md, "Soak".
+API (:class:`_WebUI`). Pass/fail: :func:`summary`. Method: docs/benchmarks.md, "Soak".
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import gc
+import io
 import json
 import os
 import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 
+import numpy as np
 import psutil
 import torch
 
@@ -24,6 +28,8 @@ from lib_vram.cli.hostmodels import SD_VAE, build_ldm
 from lib_vram.core import emulate
 from lib_vram.planning import planner
 
+from ..models.archs import save
+from ..models.synthetic import image_like, rrdb_net
 from ..models.unet import build_unet
 from ._harness import Bench, mib_of, runner
 
@@ -63,23 +69,19 @@ class _Library:
         from lib_vram.residency._modules import ModuleMover, nbytes_of, tensors_of
         from lib_vram.vae import TiledVAEConfig
 
-        from ..models.archs import save
-        from ..models.synthetic import image_like, rrdb_net
-
         self.unet = build_unet("sd15", 32, context_dim=64, seed=4, init=True)
         cfg = {**SD_VAE, "ch": 32, "ch_mult": (1, 2), "num_res_blocks": 1, "resolution": 64}
         self.decoder, self.encoder = build_ldm("decoder", cfg, seed=5), build_ldm("encoder", cfg, seed=None)
         vae = torch.nn.ModuleDict({"decoder": self.decoder, "encoder": self.encoder})
         self.te = torch.nn.Embedding(1000, 64)
-        unet_b = nbytes_of(tensors_of([self.unet]))
-        parked = [(n, nbytes_of(tensors_of([m]))) for n, m in (("text encoders", self.te), ("VAE", vae))]
+        parts = {"UNet": self.unet, "text encoders": self.te, "VAE": vae}
+        nbytes = {name: nbytes_of(tensors_of([m])) for name, m in parts.items()}
+        unet_b, parked = nbytes["UNet"], [(n, nbytes[n]) for n in ("text encoders", "VAE")]
         spec = sampling.unet_spec(self.unet)
-        step = dict(batch=2, latent_hw=(8, 8), context_tokens=77, attention="none", dtype=torch.float32,
-                    backend="cpu")  # fmt: skip
-        card = 0
         for card in range(unet_b // 4, 4 * unet_b, max(1, unet_b // 64)):  # the smallest card keeping 2/3
             cp = plan_checkpoint(self.unet, spec, card_bytes=card, safety_bytes=1 << 20, leftover_bytes=0,
-                                 parked=parked, **step)  # fmt: skip
+                                 parked=parked, batch=2, latent_hw=(8, 8), context_tokens=77,
+                                 attention="none", dtype=torch.float32, backend="cpu")  # fmt: skip
             if cp.fits and cp.unet_resident_bytes >= 2 * unet_b // 3:
                 break
         # and room for the VAE's and the upscaler's working memory beside the resident UNet (the
@@ -89,15 +91,15 @@ class _Library:
         self.streamer = sampling.StreamedUNet(self.unet, cp.stream, cpu, card=self.card).__enter__()
         self.card.set_resident(cp.unet_resident_bytes)
         self.owner = Owner(lambda: self.card.free_bytes)
-        um = Model("UNet", "unet", unet_b, ModuleMover(self.unet, cpu, self.card), home=STREAMED,
-                   where=STREAMED, resident_bytes=cp.unet_resident_bytes, movable=False)  # fmt: skip
-        self.unet_model = self.owner.join(um)
         self.models = {}
-        for (name, nbytes), module in zip(parked, (self.te, vae)):
-            mover = ModuleMover(module, cpu, self.card)
-            m = self.models[name] = self.owner.join(Model(name, name, nbytes, mover, home=HOST, where=HOST))
-            mover.on_use = lambda m=m: self.owner.use(m, why="needed")
-            mover.hook()
+        for name, module in parts.items():
+            mover, home = ModuleMover(module, cpu, self.card), STREAMED if name == "UNet" else HOST
+            m = Model(name, name, nbytes[name], mover, home=home, where=home, movable=home == HOST)
+            self.models[name] = self.owner.join(m)
+            if home == HOST:  # (the UNet's streamer moves it)
+                mover.on_use = lambda m=m: self.owner.use(m, why="needed")
+                mover.hook()
+        self.models["UNet"].resident_bytes = cp.unet_resident_bytes
         self.baseline = self.card.used_bytes
         torch.manual_seed(0)
         self.tmp = tempfile.TemporaryDirectory()
@@ -119,7 +121,7 @@ class _Library:
         self.tmp.cleanup()
 
     def _sample(self, x, context):  # noqa: ANN001, ANN202
-        self.owner.begin("sampling", busy=[self.unet_model])
+        self.owner.begin("sampling", busy=[self.models["UNet"]])
         try:
             for t in (700, 300):
                 eps = self.unet(torch.cat([x, x]), torch.full((2,), t), context=context.expand(2, -1, -1))
@@ -189,9 +191,8 @@ class _Library:
         except Exception as exc:  # noqa: BLE001 (a soak records every failure and goes on)
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         finally:
-            with torch.no_grad():
-                for m, b in zip(self.lora, backups):
-                    m.weight.data.copy_(b)
+            for m, b in zip(self.lora, backups):
+                m.weight.data.copy_(b)
             self.owner.settle()
         gc.collect()
         rss = int(psutil.Process().memory_info().rss)
@@ -208,10 +209,6 @@ class _WebUI:
     entered: the ``--poll`` poller started; left: stopped, its counts printed (``--json``)."""
 
     def __init__(self, a: argparse.Namespace) -> None:
-        import base64
-        import io
-
-        import numpy as np
         from PIL import Image
 
         self.a, self.stop, self.polls = a, threading.Event(), {"polls": 0, "poll_errors": 0}
@@ -222,11 +219,9 @@ class _WebUI:
         self.poller = threading.Thread(target=self._poll, daemon=True) if a.poll else None
 
     def call(self, path: str, payload: dict | None = None, timeout: float = 3600) -> dict:
-        import urllib.request
-
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(self.a.url.rstrip("/") + path, data=data, method="GET" if data is None
-                                     else "POST", headers={"Content-Type": "application/json"})  # fmt: skip
+        headers = {"Content-Type": "application/json"}  # (urllib POSTs what has data, GETs the rest)
+        req = urllib.request.Request(self.a.url.rstrip("/") + path, data, headers)
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read().decode())
 
@@ -266,10 +261,9 @@ class _WebUI:
             "extras": ({"image": self.init, "upscaling_resize": 2, "upscaler_1": "Lanczos"},
                        "/sdapi/v1/extra-single-image"),
         }[kind]  # fmt: skip
-        t0 = time.perf_counter()
+        t0, error = time.perf_counter(), None
         try:
             self.call(path, payload)
-            error = None
         except OSError as exc:
             error = str(exc)[:200]
         st = self.call("/vram-guard/v1/status", timeout=60)
@@ -297,18 +291,19 @@ about 1 MiB of conditioning and sigmas there between jobs); what may not happen 
 
 def summary(records: list[dict], settle: int = 0) -> dict:
     """Every job ok, RSS growth from job 10 to the last, the card at rest (at most the placed
-    resident bytes, or the most it held at rest in the first ``settle`` jobs), time per job."""
+    resident bytes, or the most it held at rest in the first ``settle`` jobs), time per job; passed:
+    all of them ok, the card at rest, RSS grown by at most :data:`RSS_GROWTH`."""
     rss = [r["rss_bytes"] for r in records if r.get("rss_bytes")]
-    growth = (rss[-1] / rss[9] - 1) if len(rss) >= 10 else None
+    growth = round(rss[-1] / rss[9] - 1, 4) if len(rss) >= 10 else None
     at_rest = [r for r in records if r.get("card_bytes_at_rest") is not None]
     first = [r["card_bytes_at_rest"] for r in at_rest if r["job"] <= settle]
     settled = max(first) if first else None
     tenth = max(1, len(records) // 10)
     secs = [r["seconds"] for r in records]
-    return {
+    s = {
         "jobs": len(records),
         "ok": sum(bool(r["ok"]) for r in records),
-        "rss_growth_after_job_10": None if growth is None else round(growth, 4),
+        "rss_growth_after_job_10": growth,
         "card_at_baseline": all(
             r["card_bytes_at_rest"] <= (r["card_baseline_bytes"] if settled is None else settled)
             for r in at_rest
@@ -318,12 +313,7 @@ def summary(records: list[dict], settle: int = 0) -> dict:
         "first_tenth_median_s": statistics.median(secs[:tenth]) if secs else None,
         "last_tenth_median_s": statistics.median(secs[-tenth:]) if secs else None,
     }
-
-
-def _passed(records: list[dict], settle: int = 0) -> dict:
-    s = summary(records, settle)
-    ok = s["ok"] == s["jobs"] and s["card_at_baseline"] and (s["rss_growth_after_job_10"] or 0) <= RSS_GROWTH
-    return {**s, "passed": ok}
+    return {**s, "passed": s["ok"] == s["jobs"] and s["card_at_baseline"] and (growth or 0) <= RSS_GROWTH}
 
 
 COLUMNS = ("job", "kind", "lora", ("ok", lambda r: "yes" if r["ok"] else "NO"), "seconds",
@@ -338,11 +328,11 @@ def bench(args: argparse.Namespace) -> Bench:
         )
     if args.quick:
         lib = _Library()
-        return Bench(list(range(args.jobs)), lib.job, COLUMNS, hold=lib, summary=_passed,
+        return Bench(list(range(args.jobs)), lib.job, COLUMNS, hold=lib, summary=summary,
                      label=lambda n: f"job {n + 1} {_kind(n)[0]}")  # fmt: skip
     webui, k = _WebUI(args), args.clients
     rounds = [list(range(i, min(i + k, args.jobs))) for i in range(0, args.jobs, k)]
-    return Bench(rounds, webui.jobs, COLUMNS, hold=webui, summary=lambda r: _passed(r, SETTLE_JOBS),
+    return Bench(rounds, webui.jobs, COLUMNS, hold=webui, summary=lambda r: summary(r, SETTLE_JOBS),
                  label=lambda ns: "jobs " + ", ".join(str(n + 1) for n in ns))  # fmt: skip
 
 

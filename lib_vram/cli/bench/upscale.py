@@ -12,6 +12,7 @@ import argparse
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from lib_vram.core.tracker import _read_vm_hwm, _reset_vm_hwm
 
 from ..models.archs import BUILDERS, build, save, save_and_load
 from ..models.synthetic import compact_net, image_like, rrdb_net
-from ._harness import Bench, cell, known, mib_of, psnr, runner, table
+from ._harness import Bench, cell, known, mib_of, psnr, runner, table, timed
 
 HELP = "Tiled upscaling: untiled vs this engine (tiles x batches) vs a one-tile-at-a-time PIL loop."
 
@@ -178,35 +179,28 @@ def run_case(case: dict) -> dict:
 
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, context, load_model, upscale_tensor
 
-    workdir, device, method = Path(case["workdir"]), resolve_device(case.get("device")), case["method"]
+    workdir, method, px = Path(case["workdir"]), case["method"], case["image_px"]
+    device = resolve_device(case.get("device"))
+    cuda = device.type == "cuda"
     precision = case.get("precision", "auto")
     if precision == "auto":
-        precision = "fp16" if device.type == "cuda" else "fp32"
+        precision = "fp16" if cuda else "fp32"
     dtype = DTYPES[precision]
-    model = load_model(_model_path(workdir, case["arch"]), device=device)
-    model.to(dtype)
-    px = case["image_px"]
+    model = load_model(_model_path(workdir, case["arch"]), device=device, dtype=dtype)
     arr = (image_like(px, px, seed=1)[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     img = Image.fromarray(arr, "RGB")
-    cuda = device.type == "cuda"
-    # Working-set meter: allocator peak on CUDA, live bytes inside forward passes elsewhere.
     meter = {"peak": 0}
-    counters: list[LiveBytesCounter] = []
+    if not cuda:  # the working set: the live bytes inside the model's forwards plus the batch fed to them
+        forward = model.model.forward
 
-    def pre(module, args):  # noqa: ANN001
-        counters.append(LiveBytesCounter())
-        counters[-1].__enter__()
-        meter["in"] = args[0].numel() * args[0].element_size()
+        def metered(x, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            with LiveBytesCounter() as counter:
+                out = forward(x, *args, **kwargs)
+            meter["peak"] = max(meter["peak"], counter.peak_bytes + x.numel() * x.element_size())
+            return out
 
-    def post(module, args, out):  # noqa: ANN001
-        m = counters.pop()
-        m.__exit__(None, None, None)
-        meter["peak"] = max(meter["peak"], m.peak_bytes + meter.get("in", 0))
-
-    if not cuda:
-        model.model.register_forward_pre_hook(pre)
-        model.model.register_forward_hook(post)
-    overlap, calib_s = None, 0.0
+        model.model.forward = metered
+    overlap, calib_s = PIL_OVERLAP if method == "pil_loop" else 0, 0.0
     if method == "engine":  # calibrate before timing (cached per process in real use)
         t0 = time.perf_counter()
         spec = as_spec(model)
@@ -214,17 +208,17 @@ def run_case(case: dict) -> dict:
             overlap = context(spec, device, dtype)
         calib_s = time.perf_counter() - t0
         meter["peak"] = 0
-    if cuda:
+    if cuda:  # (the allocator's peak above the weights)
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     _reset_vm_hwm()
     rss0 = _read_vm_hwm() or 0
-    rep, flop = UpscaleReport(), 1.0
-    t0, c0 = time.perf_counter(), time.process_time()
-    if method == "pil_loop":
-        out8, flop = pil_loop(model, img, case["tile"], PIL_OVERLAP, device, dtype)
-    else:
+    rep = UpscaleReport()
+
+    def upscale() -> tuple[np.ndarray, float]:
+        if method == "pil_loop":
+            return pil_loop(model, img, case["tile"], overlap, device, dtype)
         x = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None].float().div_(255)
         if method == "untiled":
             with torch.inference_mode():
@@ -234,27 +228,23 @@ def run_case(case: dict) -> dict:
             cfg = UpscaleConfig(tile=case["tile"], batch=case["batch"], overlap=overlap, precision=precision,
                                 device=device, accumulate_on=acc)  # fmt: skip
             y = upscale_tensor(model, x, config=cfg, report=rep)
-            flop = rep.flop_ratio
         out8 = (y[0] * 255).round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-    if cuda:
-        torch.cuda.synchronize(device)
-    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        return out8, rep.flop_ratio
+
+    (out8, flop), seconds, cpu_seconds = timed(upscale, device)
     peak = (torch.cuda.max_memory_allocated(device) - base) if cuda else meter["peak"]
     rss = max(0, (_read_vm_hwm() or 0) - rss0)
     ref_path = workdir / f"ref-{case['arch']}-{px}-{precision}.npy"
-    db = max_err = None
     if method == "untiled":
         np.save(ref_path, out8)
-        db, max_err = math.inf, 0
-    elif ref_path.exists():
+    db = max_err = None
+    if ref_path.exists():
         diff = out8.astype(np.float64) - np.load(ref_path).astype(np.float64)
-        db, max_err = psnr(float((diff**2).mean()), 255.0), int(np.abs(diff).max())
+        db, max_err = round(psnr(float((diff**2).mean()), 255.0), 2), int(np.abs(diff).max())
     return {
-        "method": method, "arch": case["arch"], "image_px": px, "tile": case["tile"], "batch": case["batch"],
+        **{k: case[k] for k in ("method", "arch", "image_px", "tile", "batch")},
         "seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3), "peak_bytes": int(peak),
-        "psnr_db": None if db is None else (db if math.isinf(db) else round(db, 2)),
-        "max_err_lsb": max_err, "flop_ratio": round(flop, 3),
-        "overlap": overlap if overlap is not None else (PIL_OVERLAP if method == "pil_loop" else 0),
+        "psnr_db": db, "max_err_lsb": max_err, "flop_ratio": round(flop, 3), "overlap": overlap,
         "rss_peak_bytes": int(rss), "dtype": precision, "device": str(device),
         "calib_seconds": round(calib_s, 3), "plan": rep.plan,
     }  # fmt: skip
@@ -277,18 +267,10 @@ def ratios(records: list[dict]) -> list[str]:
     ]
 
 
-def _lsb_stats(y, ref) -> tuple[int, float, float]:  # noqa: ANN001
-    """(max error in 8-bit steps, % of values more than 1 step off, PSNR in dB) after rounding."""
-    a8, b8 = (y.float().cpu() * 255).round(), (ref.float().cpu() * 255).round()
-    diff = (a8 - b8).abs()
-    db = psnr(float((diff**2).mean()), 255.0)
-    over = round(100.0 * float((diff > 1).float().mean()), 3)
-    return int(diff.max()), over, db if math.isinf(db) else round(db, 1)
-
-
-def _tiled_rows(names, workdir: Path, prefix: str, device, image, tiles, row) -> list[dict]:  # noqa: ANN001
+def _tiled_rows(names, workdir: Path, prefix: str, device, image, tiles, columns) -> list[dict]:  # noqa: ANN001
     """Per architecture (saved to a file, loaded through spandrel), each tile against the untiled
-    call on ``image(spec)``: ``row(name, spec, tile, report, max LSB, % over 1 LSB, PSNR)``."""
+    call on ``image(spec)`` (8-bit: max error, % of values more than 1 step off, PSNR): the row's
+    ``columns`` and its seconds."""
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
 
     rows = []
@@ -302,54 +284,49 @@ def _tiled_rows(names, workdir: Path, prefix: str, device, image, tiles, row) ->
         for tile in tiles:
             rep = UpscaleReport()
             y = upscale_tensor(model, x, config=UpscaleConfig(tile=tile, device=device), report=rep)
-            rec = row(name, spec, tile, rep, *_lsb_stats(y, ref))
-            rows.append({**rec, "seconds": round(time.perf_counter() - t0, 1)})
+            diff = ((y.float().cpu() * 255).round() - (ref.float().cpu() * 255).round()).abs()
+            note = "; ".join(rep.notes)
+            row = {"arch": name, "spandrel": spec.name, "kind": "windowed" if spec.grid > 1 else "local",
+                   "grid": spec.grid, "image_px": x.shape[-1], "tile": "auto" if tile is None else tile,
+                   "overlap": rep.overlap, "plan": rep.plan.split(" float")[0].split(" bfloat")[0],
+                   "exact": rep.exact, "max_err_lsb": int(diff.max()),
+                   "pct_over_1lsb": round(100.0 * float((diff > 1).float().mean()), 3),
+                   "psnr_db": round(psnr(float((diff**2).mean()), 255.0), 1), "note": note,
+                   "why": note.split("(", 1)[-1].split("); it did not fit")[0]}  # fmt: skip
+            rows.append({**{c: row[c] for c in columns}, "seconds": round(time.perf_counter() - t0, 1)})
             t0 = time.perf_counter()
     return rows
 
 
+ARCH_COLUMNS = ["arch", "spandrel", "kind", "grid", "tile", "plan", "max_err_lsb", "psnr_db", "exact", "note"]
+FALLBACK_COLUMNS = ["arch", "spandrel", "image_px", "tile", "overlap", "exact", "max_err_lsb",
+                    "pct_over_1lsb", "psnr_db", "why"]  # fmt: skip
+
+
 def arch_rows(names: list[str], workdir: Path, device: object = None) -> list[dict]:
     """Per architecture: automatic plan, then each tile of ``ARCH_TILES`` with the calibrated
-    overlap, against spandrel's untiled call (8-bit max error and PSNR)."""
-
-    def row(name, spec, tile, rep, max_lsb, _over, psnr) -> dict:  # noqa: ANN001
-        return {"arch": name, "spandrel": spec.name, "kind": "windowed" if spec.grid > 1 else "local",
-                "grid": spec.grid, "tile": "auto" if tile is None else tile,
-                "plan": rep.plan.split(" float")[0].split(" bfloat")[0], "max_err_lsb": max_lsb,
-                "psnr_db": psnr, "exact": rep.exact, "note": "; ".join(rep.notes)}  # fmt: skip
-
+    overlap, against spandrel's untiled call."""
     x = image_like(*ARCH_IMAGE, seed=11)
-    return _tiled_rows(names, workdir, "arch", device, lambda spec: x, (None, *ARCH_TILES), row)
+    return _tiled_rows(names, workdir, "arch", device, lambda spec: x, (None, *ARCH_TILES), ARCH_COLUMNS)
 
 
 def fallback_rows(names: list[str], workdir: Path, px: int, device: object = None) -> list[dict]:
     """Per architecture: the tiled error on a ``px``² image at each tile of ``FALLBACK_TILES``
     smaller than it, with the overlap the engine calibrates (``exact`` True: none)."""
 
-    def row(name, spec, tile, rep, max_lsb, over, psnr) -> dict:  # noqa: ANN001
-        why = "; ".join(rep.notes).split("(", 1)[-1].split("); it did not fit")[0] if rep.notes else ""
-        return {"arch": name, "spandrel": spec.name, "image_px": px, "tile": tile, "overlap": rep.overlap,
-                "exact": rep.exact, "max_err_lsb": max_lsb, "pct_over_1lsb": over, "psnr_db": psnr,
-                "why": why}  # fmt: skip
-
     def image(spec):  # noqa: ANN001, ANN202
         return image_like(px, px, channels=spec.input_channels or 3, seed=21)
 
     tiles = [t for t in FALLBACK_TILES if t < px]
-    return _tiled_rows(names, workdir, "fallback", device, image, tiles, row)
+    return _tiled_rows(names, workdir, "fallback", device, image, tiles, FALLBACK_COLUMNS)
 
 
-def fallback_table(rows: list[dict]) -> str:
-    exact = ("exact", lambda r: "yes" if r["exact"] else "no")
-    return table(["arch", "spandrel", "image_px", "tile", "overlap", exact, "max_err_lsb", "pct_over_1lsb",
-                  "psnr_db", "why"], rows)  # fmt: skip
+def _exact_table(columns: list[str], no: str) -> Callable[[list[dict]], str]:
+    exact = ("exact", lambda r: "yes" if r["exact"] else no)
+    return lambda rows: table([exact if c == "exact" else c for c in columns], rows)
 
 
-def arch_table(rows: list[dict]) -> str:
-    exact = ("exact", lambda r: "yes" if r["exact"] else "**no**")
-    return table(
-        ["arch", "spandrel", "kind", "grid", "tile", "plan", "max_err_lsb", "psnr_db", exact, "note"], rows
-    )
+arch_table, fallback_table = _exact_table(ARCH_COLUMNS, "**no**"), _exact_table(FALLBACK_COLUMNS, "no")
 
 
 run = runner(bench, child=run_case)
