@@ -66,3 +66,48 @@ def test_a_webui_soak_settles_its_baseline_in_the_first_round_then_may_not_grow(
 def test_soak_needs_one_of_quick_or_url():
     with pytest.raises(SystemExit, match="--quick .* or --url"):
         main(["bench", "soak", "--jobs", "10"])
+
+
+def test_a_webui_job_whose_status_read_fails_is_a_failed_record_not_a_lost_one(capsys):
+    """Against a local HTTP server answering the API routes: when the status route fails once,
+    that job still has its record (not ok, the route named) and the soak fails."""
+    import http.server
+    import threading
+
+    calls = {"status": 0}
+
+    class Api(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path.endswith("/status"):
+                calls["status"] += 1
+                if calls["status"] == 3:
+                    self.send_error(500)
+                    return
+            body = json.dumps(
+                {"card": {"used_bytes": 0, "resident_bytes": 0}} if "status" in self.path else {}
+            )
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rc = main(
+            ["bench", "soak", "--url", f"http://127.0.0.1:{server.server_port}", "--jobs", "10", "--json"]
+        )
+    finally:
+        server.shutdown()
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    records, last = lines[:-1], lines[-1]["summary"]
+    assert rc == 1 and not last["passed"]
+    assert [r["job"] for r in records] == list(range(1, 11)) and all(set(r) == KEYS for r in records)
+    failed = [r for r in records if not r["ok"]]
+    assert [r["job"] for r in failed] == [3] and failed[0]["error"].startswith("status route:")

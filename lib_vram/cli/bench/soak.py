@@ -264,9 +264,12 @@ class _WebUI:
         t0, error = time.perf_counter(), None
         try:
             self.call(path, payload)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # (ValueError: an answer that is not JSON)
             error = str(exc)[:200]
-        st = self.call("/vram-guard/v1/status", timeout=60)
+        try:
+            st = self.call("/vram-guard/v1/status", timeout=60)
+        except (OSError, ValueError) as exc:  # the job keeps its record (a lost one would not fail the soak)
+            st, error = {}, error or f"status route: {str(exc)[:180]}"
         card = st.get("card") or {}
         at_rest = None if st.get("job_running") else card.get("used_bytes")  # (another client's job)
         values = (n + 1, kind, "<lora:" in str(payload.get("prompt")), error is None, error,
