@@ -40,11 +40,6 @@ DEFAULT_BANDWIDTH_GB_S = 12.0
 # -- the run on an emulated card -------------------------------------------------------------------
 
 
-def _forward(unet, kw) -> torch.Tensor:
-    with torch.no_grad():
-        return unet(**kw)
-
-
 def _inputs(side: int, ctx: int) -> dict:
     """The WebUI's batched cond/uncond forward (batch 2) at ``side`` x ``side`` latent."""
     g = torch.Generator().manual_seed(1)
@@ -52,6 +47,7 @@ def _inputs(side: int, ctx: int) -> dict:
             "context": torch.randn(2, 77, ctx, generator=g)}  # fmt: skip
 
 
+@torch.no_grad()
 def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2, attempts: int = 4) -> dict:
     """One emulated-card case: a card that holds about ``fraction`` of the UNet beside one
     micro-batch's activations, and at least the whole UNet beside the step's output (the move back
@@ -61,7 +57,7 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
     units = unit_bytes(unet)
     total = sum(b for _, b in units)
     with EmulatedCard(1 << 40, resident=[unet]) as probe:  # one micro-batch's activations
-        _forward(unet, {k: v[:1] for k, v in kw.items()})
+        unet(**{k: v[:1] for k, v in kw.items()})
     act1 = probe.peak_bytes - probe.resident_bytes
     out_bytes = kw["x"].numel() * kw["x"].element_size()
     capacity = max(int(act1 + fraction * total + 2 * max(b for _, b in units)), total + 4 * out_bytes)
@@ -76,15 +72,15 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
     @functools.cache
     def unstreamed(m: int) -> tuple[torch.Tensor, float]:
         """The output and CPU seconds of the unstreamed forward at micro-batch ``m``."""
-        out, _, cpu = timed(lambda: _forward(micro(m), kw))
+        out, _, cpu = timed(lambda: micro(m)(**kw))
         return out, cpu
 
     def streamed(s: StreamedUNet, fwd) -> list[torch.Tensor]:  # noqa: ANN001
         with s:
-            return [_forward(fwd, kw) for _ in range(steps)]
+            return [fwd(**kw) for _ in range(steps)]
 
     unstreamed(sp.micro_batch)
-    plain = attempt(lambda: _forward(micro(sp.micro_batch), kw), EmulatedCard(capacity, resident=[unet]))
+    plain = attempt(lambda: micro(sp.micro_batch)(**kw), EmulatedCard(capacity, resident=[unet]))
     for tries in range(1, attempts + 1):  # noqa: B007 (re-planned after an out-of-memory error)
         plan = plan_stream(unet, spec, budget_bytes=capacity, backend="cpu", memory=mem, **step)
         ref, plain_cpu = unstreamed(plan.micro_batch)  # the micro-batch that moves the fewest bytes
@@ -114,8 +110,7 @@ def plan_case(arch: str, card_gib: float, px: int, bandwidth_gb_s: float, dtype=
     spec = reference_spec(arch)
     capacity = int(card_gib * (1 << 30))
     budget = capacity - 300 * MiB  # the WebUI's context and the VAE/text encoders moved off
-    lat = (px // 8, px // 8)
-    step = dict(batch=2, latent_hw=lat, context_tokens=77, attention="sdp", dtype=dtype)
+    step = dict(batch=2, latent_hw=(px // 8, px // 8), context_tokens=77, attention="sdp", dtype=dtype)
     mem = planner.PlanMemory()
     sp = plan_sampling(spec, budget_bytes=budget, memory=mem, **step)
     plan = plan_stream(units, spec, budget_bytes=budget, sampling=sp, memory=mem, **step)
@@ -151,8 +146,7 @@ def run_one(case: tuple, bandwidth_gb_s: float = DEFAULT_BANDWIDTH_GB_S) -> dict
     try:
         if case[0] == "run":
             return run_case(*case[1:])
-        arch, gib, px, dtype = case[1:]
-        return plan_case(arch, gib, px, bandwidth_gb_s, getattr(torch, dtype))
+        return plan_case(*case[1:4], bandwidth_gb_s, getattr(torch, case[4]))
     finally:
         torch.set_num_threads(n)
 
