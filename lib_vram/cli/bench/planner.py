@@ -27,7 +27,6 @@ class Case:
     engine: str
     """``"vae"``/``"upscale"`` (the untiled model) or ``"vae-engine"``/``"upscale-engine"``."""
     kind: str
-    """``decode``/``encode`` (vae) or ``rrdb``/``compact`` (upscale)."""
     size: int
     """Output image side in px (decode/upscale) or input image side (encode)."""
     ch: int = 128
@@ -35,7 +34,6 @@ class Case:
     batch: int = 1
     quick: bool = False
     mode: str = "exact"
-    """``vae-engine`` cases: ``"exact"`` or ``"fast"``."""
 
     @property
     def plan(self) -> str:
@@ -102,18 +100,6 @@ def _loop(case: Case):
     return lambda m, x: m(x)
 
 
-def predict(case: Case) -> dict:
-    """The predictor's numbers for ``case``: :func:`_loop` on fake tensors."""
-    from lib_vram.cli.stageplan import predict_loop
-
-    with torch.device("meta"):
-        model, shape = _build(case)
-    t0 = time.perf_counter()
-    with reference.dry_run():
-        pred = predict_loop(model, _loop(case), shape, torch.float32, "cpu", new_fake_mode())
-    return {"prediction": pred.to_dict(), "predict_seconds": time.perf_counter() - t0}
-
-
 def measure(name: str) -> dict:
     """Run the case ``name`` (in a fresh process): its peak RSS above the start."""
     case = BY_NAME[name]
@@ -155,22 +141,28 @@ def bench(args: argparse.Namespace) -> Bench:
                 f"{mib(r['measured_bytes']):>8} MiB  err {100 * (r['error'] or 0):+6.1f} %  "
                 f"({r['run_seconds']:.0f} s)")  # fmt: skip
 
-    def merge(name: str, measured: dict) -> dict:
-        return _record(BY_NAME[name], predict(BY_NAME[name]), measured)
-
-    return Bench([c.name for c in cases], None, _table, merge=merge, lines=False, done=done,
+    return Bench([c.name for c in cases], None, _table, merge=_record, lines=False, done=done,
                  env={} if args.glibc_default else MALLOC_ENV, timeout=args.timeout)  # fmt: skip
 
 
-def _record(case: Case, pred: dict, meas: dict) -> dict:
-    p, measured = pred["prediction"], meas["measured_delta_bytes"]
+def _record(name: str, meas: dict) -> dict:
+    """The case's prediction (:func:`_loop` on fake tensors, here) beside what its process measured."""
+    from lib_vram.cli.stageplan import predict_loop
+
+    case, measured = BY_NAME[name], meas["measured_delta_bytes"]
+    with torch.device("meta"):
+        model, shape = _build(case)
+    t0 = time.perf_counter()
+    with reference.dry_run():
+        p = predict_loop(model, _loop(case), shape, torch.float32, "cpu", new_fake_mode())
+    predict_seconds = time.perf_counter() - t0
     return {
         "case": case.name, "engine": case.engine, "kind": case.kind, "size": case.size,
         "ch": case.ch if case.engine.startswith("vae") else None, "plan": case.plan,
-        "predicted_bytes": p["activation_bytes"], "measured_bytes": measured,
-        "error": p["activation_bytes"] / measured - 1 if measured else None,
-        "weights_bytes": p["weights_bytes"], "input_bytes": p["input_bytes"],
-        "predict_seconds": pred["predict_seconds"], "run_seconds": meas["seconds"], "exact": meas["exact"],
+        "predicted_bytes": p.activation_bytes, "measured_bytes": measured,
+        "error": p.activation_bytes / measured - 1 if measured else None,
+        "weights_bytes": p.weights_bytes, "input_bytes": p.input_bytes, "predict_seconds": predict_seconds,
+        "run_seconds": meas["seconds"], "exact": meas["exact"],
     }  # fmt: skip
 
 

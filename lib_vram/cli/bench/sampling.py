@@ -14,7 +14,8 @@ from lib_vram.core.emulate import EmulatedCard
 from lib_vram.core.predict import weights_bytes
 from lib_vram.planning import planner
 from lib_vram.planning.reference import vae_arch
-from lib_vram.sampling import estimate_sampling, micro_batched, plan_sampling, reference_spec, unet_spec
+from lib_vram.sampling import micro_batched, plan_sampling, reference_control, reference_spec, unet_spec
+from lib_vram.sampling._estimate import Step
 
 from ..models.controlnet import ControlNet, controlled
 from ..models.unet import attention_applied, build_unet, context_arg, host_forward
@@ -55,9 +56,11 @@ def bench(args: argparse.Namespace) -> Bench:
     controls = [("controlnet", *c) for c in CONTROL_CASES]
 
     def run_case(case: tuple) -> list[dict]:
+        if case in streamed:
+            return [sampling_stream.run_one(case)]
         if case in controls:
             return control_records(case[1:], models, _idle_bytes(case[1]))
-        return _case_records(*case, models) if case in step else [sampling_stream.run_one(case)]
+        return _case_records(case, models, _idle_bytes(case[0]))
 
     def label(case: tuple) -> str:
         return "streamed: " + sampling_stream.label(case) if case in streamed else " ".join(map(str, case))
@@ -68,7 +71,7 @@ def bench(args: argparse.Namespace) -> Bench:
 def records(quick: bool) -> list[dict]:
     """The sampling-step records (without the streamed ones), in this process."""
     models: dict = {}
-    return [r for case in (QUICK if quick else FULL) for r in _case_records(*case, models)]
+    return [r for c in (QUICK if quick else FULL) for r in _case_records(c, models, _idle_bytes(c[0]))]
 
 
 def _idle_bytes(shape: str) -> int:
@@ -78,19 +81,40 @@ def _idle_bytes(shape: str) -> int:
     return sum(vae_weights(shape, "fp16")) + vae_arch(shape).text_encoder_bytes
 
 
-def _on_cards(case: tuple, unet, f: float, idle: int, control=None):  # noqa: ANN001, ANN202
-    """The step plain, then as planned, on each scaled card (``control``: one ControlNet unit):
-    yields the records' shared fields, the plan, whether the idle models moved off, the attempt."""
+def control_records(case: tuple, models: dict, idle_full: int) -> list[dict]:
+    """One ControlNet case on each card (plain: the control model on the card beside everything)."""
+    return _case_records(case, models, idle_full, control=True)
+
+
+def _case_records(case: tuple, models: dict, idle_full: int, control: bool = False) -> list[dict]:
+    """The step plain, then as planned, on each card scaled by f (``models``: those built so far;
+    ``idle_full``: the full-size idle models' bytes; ``control``: with one ControlNet unit)."""
     shape, h, w, batch, attention = case
-    spec = unet_spec(unet)
+    if shape not in models:
+        models[shape] = build_unet(shape, 32, context_dim=CTX)
+    unet = models[shape]
+    if control and ("controlnet", shape) not in models:
+        models["controlnet", shape] = ControlNet(unet)
+    nets = [unet, models["controlnet", shape]] if control else [unet]
+    spec, controls = unet_spec(unet), tuple(unet_spec(n) for n in nets[1:])
+    full_controls = (reference_control(shape),) if control else ()
+
+    def plain(spec, controls, dtype, backend):  # noqa: ANN001, ANN202
+        """The plain step's peak (everything on the card, one forward) and the UNet's estimate."""
+        s = Step(spec, batch, (h, w), TOKENS, attention, dtype, backend, controls)
+        act, est = s.activation(batch, None)
+        return s.weights_bytes + s.control_bytes + s.input_bytes + act, est
+
+    peak, est = plain(spec, controls, torch.float32, "cpu")
+    f = peak / plain(reference_spec(shape), full_controls, torch.float16, "cuda")[0]
+    idle = int(idle_full * f)
     kw = dict(batch=batch, latent_hw=(h, w), context_tokens=TOKENS, attention=attention, dtype=torch.float32,
-              backend="cpu", controls=() if control is None else (unet_spec(control),))  # fmt: skip
-    resident = weights_bytes(unet) + (0 if control is None else weights_bytes(control))
+              backend="cpu", controls=controls)  # fmt: skip
+    resident = sum(weights_bytes(n) for n in nets)
     gen = torch.Generator().manual_seed(0)
     x0, c0 = torch.randn(batch, 4, h, w, generator=gen), torch.randn(batch, TOKENS, CTX, generator=gen)
-    hint0 = None if control is None else torch.rand(1, 3, 8 * h, 8 * w, generator=gen)
+    hint0 = torch.rand(1, 3, 8 * h, 8 * w, generator=gen) if control else None
     t0 = torch.linspace(10, 900, batch)
-    nets = [unet] if control is None else [unet, control]
 
     def forward(card, plan=None, memory=None, wrapped=None):  # noqa: ANN001, ANN202
         probe = (lambda: float(card.free_bytes)) if card is not None else (lambda: float(1 << 50))
@@ -101,88 +125,47 @@ def _on_cards(case: tuple, unet, f: float, idle: int, control=None):  # noqa: AN
                     stack.enter_context(attention_applied(net, host_forward(attention, probe, "cpu")))
                 x, t, c = x0.clone(), t0.clone(), c0.clone()  # the sampler's inputs, on the card
                 run = unet
-                if control is not None:
+                if control:
                     hint = hint0.clone()
-                    run = lambda x, t, context: controlled(unet, [control], [hint], x, t, context)  # noqa: E731
+                    run = lambda x, t, context: controlled(unet, nets[1:], [hint], x, t, context)  # noqa: E731
                 if plan is not None:  # the plan's micro-batches (through the hook: each its rows' control)
                     run = wrapped["w"] = micro_batched(run, plan.micro_batch, key=plan.key, memory=memory)
                 return run(x, t, context=context_arg(shape, c))
 
         return attempt(step, card)
 
-    ref = forward(None)
+    ref, out = forward(None), []
     for gb in CARDS:
         cap, memory = int(gb * GiB * f), planner.PlanMemory()
-        plain = forward(EmulatedCard(cap, resident=resident + idle))
+        plain_ok = forward(EmulatedCard(cap, resident=resident + idle)).ok
         plan = plan_sampling(spec, budget_bytes=cap, resident_bytes=idle, memory=memory, **kw)
         moved = not plan.fits
         if moved:
             plan = plan_sampling(spec, budget_bytes=cap, resident_bytes=0, memory=memory, **kw)
         card, wrapped = EmulatedCard(cap, resident=resident + (0 if moved else idle)), {}
         got = forward(card, plan, memory, wrapped)
-        got.micro_batch = wrapped["w"].micro_batch if "w" in wrapped else plan.micro_batch
-        got.cpu_ratio = got.cpu_seconds / ref.cpu_seconds if ref.cpu_seconds > 0 else None
-        yield {
-            "shape": shape, "latent": [h, w], "batch": batch, "attention": attention, "card_gib": gb,
-            "scale": f, "card_bytes": cap, "plain_ok": plain.ok, "guarded_ok": got.ok,
-            "predicted_bytes": plan.predicted_peak_bytes, "peak_bytes": card.peak_bytes,
-            "max_abs_diff": float((got.out - ref.out).abs().max()) if got.ok else None,
-        }, plan, moved, got  # fmt: skip
-
-
-def _case_records(shape: str, h: int, w: int, batch: int, attention: str, models: dict) -> list[dict]:
-    """One case on each card (``models``: the UNets built so far, by shape)."""
-    if shape not in models:
-        models[shape] = build_unet(shape, 32, context_dim=CTX)
-    unet = models[shape]
-    kw = dict(batch=batch, latent_hw=(h, w), context_tokens=TOKENS, attention=attention)
-    red = estimate_sampling(unet_spec(unet), dtype=torch.float32, backend="cpu", **kw)
-    full = estimate_sampling(reference_spec(shape), dtype=torch.float16, backend="cuda", **kw)
-    f = red.peak_bytes / full.peak_bytes
-    out = []
-    for common, plan, moved, got in _on_cards(
-        (shape, h, w, batch, attention), unet, f, int(_idle_bytes(shape) * f)
-    ):
         off = "VAE, text encoders" if moved else ""
-        out.append({
-            "stage": "sample", **common, "plan": plan.label + (f"; {off} off" if moved else ""),
-            "moved_off": off, "micro_batch": got.micro_batch, "fits_predicted": plan.fits,
-            "cpu_ratio": got.cpu_ratio,
-        })  # fmt: skip
-    return out
-
-
-def control_records(case: tuple, models: dict, idle_full: int) -> list[dict]:
-    """One ControlNet case on each card (plain: the control model on the card beside everything)."""
-    from lib_vram.sampling import reference_control
-    from lib_vram.sampling._estimate import Step
-
-    shape, h, w, batch, attention = case
-    if ("controlnet", shape) not in models:
-        unet = build_unet(shape, 32, context_dim=CTX)
-        models["controlnet", shape] = (unet, ControlNet(unet))
-    unet, control = models["controlnet", shape]
-    full_c = reference_control(shape)
-
-    def plain_peak(s, c, dtype, backend):  # noqa: ANN001, ANN202
-        step = Step(s, batch, (h, w), TOKENS, attention, dtype, backend, (c,))
-        return step.weights_bytes + step.control_bytes + step.input_bytes + step.activation(batch, None)[0]
-
-    f = plain_peak(unet_spec(unet), unet_spec(control), torch.float32, "cpu") / plain_peak(
-        reference_spec(shape), full_c, torch.float16, "cuda"
-    )
-    kw = dict(batch=batch, latent_hw=(h, w), context_tokens=TOKENS, attention=attention)
-    est = estimate_sampling(unet_spec(unet), dtype=torch.float32, backend="cpu", **kw)
-    c_full, out = full_c.params * 2, []
-    for common, plan, moved, _ in _on_cards(case, unet, f, int(idle_full * f), control):
-        out.append({
-            "stage": "controlnet", **common,
-            "plan": f"{plan.label}, 1 ControlNet unit on the card" + ("; VAE, text encoders off" * moved),
-            "controlnet_bytes": c_full, "controlnet_resident_bytes": c_full,
-            "bytes_moved_per_step": (2 * c_full + (2 * idle_full if moved else 0)) // STEPS,
-            "controlnet_lowvram_bytes_per_step": 2 * c_full, "steps": STEPS,
-            "unet_activation_bytes": est.activation_bytes,
-        })  # fmt: skip
+        label = plan.label + (", 1 ControlNet unit on the card" if control else "") + (f"; {off} off" * moved)
+        rec = {
+            "stage": "controlnet" if control else "sample", "shape": shape, "latent": [h, w], "batch": batch,
+            "attention": attention, "card_gib": gb, "scale": f, "card_bytes": cap, "plain_ok": plain_ok,
+            "guarded_ok": got.ok, "predicted_bytes": plan.predicted_peak_bytes, "peak_bytes": card.peak_bytes,
+            "max_abs_diff": float((got.out - ref.out).abs().max()) if got.ok else None, "plan": label,
+        }  # fmt: skip
+        if control:
+            c_full = full_controls[0].params * 2
+            out.append({
+                **rec, "controlnet_bytes": c_full, "controlnet_resident_bytes": c_full,
+                "bytes_moved_per_step": (2 * c_full + (2 * idle_full if moved else 0)) // STEPS,
+                "controlnet_lowvram_bytes_per_step": 2 * c_full, "steps": STEPS,
+                "unet_activation_bytes": est.activation_bytes,
+            })  # fmt: skip
+        else:
+            micro = wrapped["w"].micro_batch if "w" in wrapped else plan.micro_batch
+            out.append({
+                **rec, "moved_off": off, "micro_batch": micro, "fits_predicted": plan.fits,
+                "cpu_ratio": got.cpu_seconds / ref.cpu_seconds if ref.cpu_seconds > 0 else None,
+            })  # fmt: skip
     return out
 
 

@@ -28,7 +28,7 @@ from lib_vram.sampling import (
 from ..common import UsageError
 from ..models.unet import build_unet
 from ..refunet import reference_units
-from ._harness import Bench, attempt, mib_of, ok, runner
+from ._harness import Bench, attempt, mib_of, ok, runner, timed
 from ._harness import table as grid
 
 HELP = "Streamed UNet (budgeted residency): bytes per step vs --lowvram, plain vs guarded (emulated card)."
@@ -40,11 +40,6 @@ DEFAULT_BANDWIDTH_GB_S = 12.0
 # -- the run on an emulated card -------------------------------------------------------------------
 
 
-def _forward(unet, kw) -> torch.Tensor:
-    with torch.no_grad():
-        return unet(**kw)
-
-
 def _inputs(side: int, ctx: int) -> dict:
     """The WebUI's batched cond/uncond forward (batch 2) at ``side`` x ``side`` latent."""
     g = torch.Generator().manual_seed(1)
@@ -52,6 +47,7 @@ def _inputs(side: int, ctx: int) -> dict:
             "context": torch.randn(2, 77, ctx, generator=g)}  # fmt: skip
 
 
+@torch.no_grad()
 def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2, attempts: int = 4) -> dict:
     """One emulated-card case: a card that holds about ``fraction`` of the UNet beside one
     micro-batch's activations, and at least the whole UNet beside the step's output (the move back
@@ -61,7 +57,7 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
     units = unit_bytes(unet)
     total = sum(b for _, b in units)
     with EmulatedCard(1 << 40, resident=[unet]) as probe:  # one micro-batch's activations
-        _forward(unet, {k: v[:1] for k, v in kw.items()})
+        unet(**{k: v[:1] for k, v in kw.items()})
     act1 = probe.peak_bytes - probe.resident_bytes
     out_bytes = kw["x"].numel() * kw["x"].element_size()
     capacity = max(int(act1 + fraction * total + 2 * max(b for _, b in units)), total + 4 * out_bytes)
@@ -76,52 +72,45 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
     @functools.cache
     def unstreamed(m: int) -> tuple[torch.Tensor, float]:
         """The output and CPU seconds of the unstreamed forward at micro-batch ``m``."""
-        t0 = time.process_time()
-        return _forward(micro(m), kw), time.process_time() - t0
+        out, _, cpu = timed(lambda: micro(m)(**kw))
+        return out, cpu
+
+    def streamed(s: StreamedUNet, fwd) -> list[torch.Tensor]:  # noqa: ANN001
+        with s:
+            return [fwd(**kw) for _ in range(steps)]
 
     unstreamed(sp.micro_batch)
-    plain = attempt(lambda: _forward(micro(sp.micro_batch), kw), EmulatedCard(capacity, resident=[unet]))
-    guarded_ok, identical, plan, s, cpu, peak = False, False, None, None, 0.0, 0
+    plain = attempt(lambda: micro(sp.micro_batch)(**kw), EmulatedCard(capacity, resident=[unet]))
     for tries in range(1, attempts + 1):  # noqa: B007 (re-planned after an out-of-memory error)
         plan = plan_stream(unet, spec, budget_bytes=capacity, backend="cpu", memory=mem, **step)
         ref, plain_cpu = unstreamed(plan.micro_batch)  # the micro-batch that moves the fewest bytes
-        fwd, card = micro(plan.micro_batch), EmulatedCard(capacity, resident=[unet])
-        try:
-            t0 = time.process_time()
-            with card, StreamedUNet(unet, plan, "cpu", memory=mem) as s:
-                outs = [_forward(fwd, kw) for _ in range(steps)]
-            cpu = (time.process_time() - t0) / steps
-        except torch.OutOfMemoryError:
-            continue
-        guarded_ok, peak = True, card.peak_bytes
-        # against the unstreamed forward at the same micro-batch: only placement differs
-        identical = all(torch.equal(o.view(torch.int32), ref.view(torch.int32)) for o in outs)
-        break
-    assert plan is not None
+        s, card = StreamedUNet(unet, plan, "cpu", memory=mem), EmulatedCard(capacity, resident=[unet])
+        got = attempt(functools.partial(streamed, s, micro(plan.micro_batch)), card)
+        if got.ok:
+            break
+    # against the unstreamed forward at the same micro-batch: only placement differs
+    identical = got.ok and all(torch.equal(o.view(torch.int32), ref.view(torch.int32)) for o in got.out)
     first = next((b for n, b in units if plan.streamed and n == plan.streamed[0]), 0)
-    moved = (s.stats.bytes_in - first) // steps if guarded_ok and s is not None else None
+    moved, peak = ((s.stats.bytes_in - first) // steps, card.peak_bytes) if got.ok else (None, 0)
     return {
         "stage": "sampling_stream", "shape": f"{shape} mc{mc}", "latent": side, "card_bytes": capacity,
-        "card_holds": round(plan.resident_bytes / total, 3), "plain_ok": plain.ok, "guarded_ok": guarded_ok,
+        "card_holds": round(plan.resident_bytes / total, 3), "plain_ok": plain.ok, "guarded_ok": got.ok,
         "identical": identical, "attempts": tries, "plan": plan.label, "micro_batch": plan.micro_batch,
         "unet_bytes": total, "resident_bytes": plan.resident_bytes, "buffer_bytes": plan.buffer_bytes,
         "bytes_moved_per_step": moved, "planned_bytes_per_step": plan.bytes_moved_per_step,
         "lowvram_bytes_per_step": lowvram_bytes_per_forward(units),  # one forward a step (batch_cond_uncond)
         "peak_bytes": peak, "predicted_bytes": plan.predicted_peak_bytes + sp.input_bytes,
-        "cpu_ratio": round(cpu / plain_cpu, 2) if plain_cpu > 0 and guarded_ok else None,
+        "cpu_ratio": round(got.cpu_seconds / steps / plain_cpu, 2) if plain_cpu > 0 and got.ok else None,
     }  # fmt: skip
 
 
 def plan_case(arch: str, card_gib: float, px: int, bandwidth_gb_s: float, dtype=torch.float16) -> dict:
     """A full-size plan (nothing runs): batch 2 (cond/uncond), SDP attention."""
-    units = reference_units(
-        arch, torch.empty(0, dtype=dtype).element_size()
-    )  # what `plan` and the placement use
+    units = reference_units(arch, dtype.itemsize)  # what `plan` and the placement use
     spec = reference_spec(arch)
     capacity = int(card_gib * (1 << 30))
     budget = capacity - 300 * MiB  # the WebUI's context and the VAE/text encoders moved off
-    lat = (px // 8, px // 8)
-    step = dict(batch=2, latent_hw=lat, context_tokens=77, attention="sdp", dtype=dtype)
+    step = dict(batch=2, latent_hw=(px // 8, px // 8), context_tokens=77, attention="sdp", dtype=dtype)
     mem = planner.PlanMemory()
     sp = plan_sampling(spec, budget_bytes=budget, memory=mem, **step)
     plan = plan_stream(units, spec, budget_bytes=budget, sampling=sp, memory=mem, **step)
@@ -157,8 +146,7 @@ def run_one(case: tuple, bandwidth_gb_s: float = DEFAULT_BANDWIDTH_GB_S) -> dict
     try:
         if case[0] == "run":
             return run_case(*case[1:])
-        arch, gib, px, dtype = case[1:]
-        return plan_case(arch, gib, px, bandwidth_gb_s, getattr(torch, dtype))
+        return plan_case(*case[1:4], bandwidth_gb_s, getattr(torch, case[4]))
     finally:
         torch.set_num_threads(n)
 
@@ -232,19 +220,21 @@ def gpu_stream(  # noqa: ANN001
                            forwards_per_step=1)  # fmt: skip
     unet.to(device)
 
-    def timed():  # noqa: ANN202
+    def per_step(fn=lambda: unet(**kw)):  # noqa: ANN001, ANN202
+        """Seconds per call of ``fn`` over ``steps`` calls after one to warm up (the streamer learns
+        its order in it), the last output and the peak allocated."""
         with torch.no_grad():
-            unet(**kw)  # warm-up (and the streamer's order-learning forward)
+            fn()
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             for _ in range(steps):
-                out = unet(**kw)
+                out = fn()
             torch.cuda.synchronize(device)
         return (time.perf_counter() - t0) / steps, out, int(torch.cuda.max_memory_allocated(device))
 
     rows = []
-    t_plain, ref, peak = timed()
+    t_plain, ref, peak = per_step()
     base = {"unet_bytes": total, "steps": steps, "latent": side}
     rows.append({**base, "case": "untouched", "seconds_per_step": round(t_plain, 4), "resident_bytes": total,
                  "bytes_moved_per_step": 0, "max_memory_allocated": peak, "identical": True})  # fmt: skip
@@ -253,7 +243,7 @@ def gpu_stream(  # noqa: ANN001
         if clock is not None and clock.late(skipped, f"stream_unet prefetch {prefetch}", 30):
             continue
         with StreamedUNet(unet, plan, device, prefetch=prefetch) as s:
-            t, out, peak = timed()
+            t, out, peak = per_step()
         st = s.stats
         secs[prefetch] = t
         rows.append({**base, "case": f"streamed, prefetch {'on' if prefetch else 'off'}",
@@ -264,13 +254,7 @@ def gpu_stream(  # noqa: ANN001
     # the streamed bytes' copies alone, pinned host -> device: what prefetch has to hide
     pinned = torch.empty(plan.streamed_bytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty_like(pinned, device=device)
-    dev.copy_(pinned, non_blocking=True)
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        dev.copy_(pinned, non_blocking=True)
-    torch.cuda.synchronize(device)
-    copy_s = (time.perf_counter() - t0) / steps
+    copy_s = per_step(functools.partial(dev.copy_, pinned, non_blocking=True))[0]
     del pinned, dev
     rec = {**base, "case": "streamed bytes copied alone", "seconds_per_step": round(copy_s, 4),
            "bytes_moved_per_step": plan.streamed_bytes,
@@ -282,7 +266,7 @@ def gpu_stream(  # noqa: ANN001
     if clock is None or not clock.late(skipped, "stream_unet --lowvram", 30):
         hooks = _lowvram_hooks(unet, device)
         try:
-            t, out, peak = timed()
+            t, out, peak = per_step()
         finally:
             for h in hooks:
                 h.remove()

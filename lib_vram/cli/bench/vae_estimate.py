@@ -28,28 +28,24 @@ CASES: tuple[tuple[str, int, int | None, str, int], ...] = (
 
 
 def bench(args: argparse.Namespace) -> Bench:
-    models: dict = {}
-    return Bench(CASES, lambda case: _record(*case, models), _table, lines=False,
+    return Bench(CASES, lambda case: _record(*case), _table, lines=False,
                  label=lambda c: f"{c[0]} {c[1]}² {c[3]} t{c[2]} ch{c[4]}")  # fmt: skip
 
 
-def _record(kind: str, px: int, tile: int | None, mode: str, ch: int, models: dict) -> dict:
+def _record(kind: str, px: int, tile: int | None, mode: str, ch: int) -> dict:
     from lib_vram.cli.hostmodels import SD_VAE, build_ldm
     from lib_vram.cli.stageplan import predict_engine_vae
     from lib_vram.vae import decoder_spec, encoder_spec
     from lib_vram.vae._plan import combine, estimate_components, fast_sample_for
 
-    if ch not in models:
-        with torch.device("meta"):
-            models[ch] = tuple(build_ldm(k, {**SD_VAE, "ch": ch}, seed=None) for k in ("decoder", "encoder"))
-    dec, enc = models[ch]
-    module, spec = (dec, decoder_spec(dec)) if kind == "decode" else (enc, encoder_spec(enc))
+    with torch.device("meta"):
+        module = build_ldm("decoder" if kind == "decode" else "encoder", {**SD_VAE, "ch": ch}, seed=None)
+    spec = (decoder_spec if kind == "decode" else encoder_spec)(module)
     shape = (1, 4, px // 8, px // 8) if kind == "decode" else (1, 3, px, px)
     rec = {"kind": kind, "px": px, "tile": tile, "mode": mode, "ch": ch}
     for backend in ("cpu", "cuda"):
         t0 = time.perf_counter()
-        pm = "exact" if mode == "untiled" else mode
-        p = predict_engine_vae(module, kind, shape, torch.float32, tile=tile, mode=pm, backend=backend)
+        p = predict_engine_vae(module, kind, shape, torch.float32, tile=tile, mode=mode, backend=backend)
         rec[f"predicted_{backend}"] = p.input_bytes + p.activation_bytes
         rec["predict_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
