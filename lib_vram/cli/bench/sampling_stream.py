@@ -213,6 +213,7 @@ def gpu_stream(  # noqa: ANN001
         raise ValueError(f"`steps` must be in 1..100 and `side` in 8..256, got {steps}, {side}")
     dtype = torch.float16
     unet = build_unet("sd15", 320, context_dim=768, init=True).to(dtype)
+    unet.dtype = dtype  # ldm casts the input to it; the WebUI sets it for a half UNet
     kw = {k: v.to(device, dtype if v.is_floating_point() else None) for k, v in _inputs(side, 768).items()}
     units = unit_bytes(unet)
     total = sum(b for _, b in units)
@@ -220,7 +221,11 @@ def gpu_stream(  # noqa: ANN001
                            forwards_per_step=1)  # fmt: skip
     unet.to(device)
 
-    def per_step(fn=lambda: unet(**kw)):  # noqa: ANN001, ANN202
+    def forward() -> torch.Tensor:  # under autocast, as the WebUI runs a half UNet: its time
+        with torch.autocast("cuda", dtype=dtype):  # embedding is float32, its norms run in float32
+            return unet(**kw)
+
+    def per_step(fn=forward):  # noqa: ANN001, ANN202
         """Seconds per call of ``fn`` over ``steps`` calls after one to warm up (the streamer learns
         its order in it), the last output and the peak allocated."""
         with torch.no_grad():
