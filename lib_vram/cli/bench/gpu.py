@@ -15,6 +15,7 @@ import torch
 from lib_vram.cli.common import MAX_SECONDS, bounded_float
 from lib_vram.cli.hostmodels import SD_VAE, build_ldm
 from lib_vram.core.device import capabilities, memory_info, resolve_device
+from lib_vram.core.files import write_atomic
 
 from ..models.synthetic import image_like
 from ._harness import Bench, runner, timed
@@ -63,11 +64,11 @@ def bench(args: argparse.Namespace) -> Bench:
         t0 = time.perf_counter()
         result[name] = parts[name](device, clock, skipped)
         result.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 2)
-        _write(args.out, {**result, "skipped": skipped})  # what is done survives a later failure
+        text = json.dumps({**result, "skipped": skipped}, indent=1, default=str)
+        write_atomic(args.out, lambda tmp: tmp.write_text(text), overwrite=True)  # survives a later failure
         return {"part": name, "seconds": result["seconds"][name]}
 
     def finish(records: list[dict]) -> str:
-        _write(args.out, {**result, "skipped": skipped})
         lines = [f"wrote {args.out} ({sum(result['seconds'].values()):.0f} s)"]
         return "\n".join(lines + [f"skipped: {line}" for line in skipped])
 
@@ -167,12 +168,6 @@ def cudnn_workspace(device, clock: _Clock, skipped: list[str]) -> dict:  # noqa:
     fit = sum(a * w for a, w in pairs) / den if den else None
     return {"rows": rows, "fit_bytes_per_max_in_out": fit,
             "benchmark_flag": bool(torch.backends.cudnn.benchmark)}  # fmt: skip
-
-
-def _write(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
 
 
 run = runner(bench)
