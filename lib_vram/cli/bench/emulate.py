@@ -110,9 +110,7 @@ def stage_fns(stage: str, px: int, device=None, dtype=None, full: bool | None = 
 
         return mod, plain, guarded, 2.0
     desc = rrdb(64, 23) if full else rrdb()
-    desc.to(device)
-    if dtype != torch.float32:
-        desc.to(dtype)
+    desc.to(device, dtype)
     x = image_like(px, px).to(device, dtype)
     prec = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
 
