@@ -7,6 +7,7 @@ GiB beside an SD1.5 checkpoint's weights. Method: docs/benchmarks.md, "Emulated 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import tempfile
 from pathlib import Path
@@ -15,8 +16,7 @@ import torch
 
 from lib_vram.cli.common import MAX_CARD_BYTES, int_list
 from lib_vram.cli.hostmodels import SD_VAE, build_ldm
-from lib_vram.core.device import release
-from lib_vram.core.emulate import EmulatedCard
+from lib_vram.core.emulate import EmulatedCard, module_bytes
 from lib_vram.planning import planner
 
 from ..models.archs import save_and_load
@@ -110,9 +110,7 @@ def stage_fns(stage: str, px: int, device=None, dtype=None, full: bool | None = 
 
         return mod, plain, guarded, 2.0
     desc = rrdb(64, 23) if full else rrdb()
-    desc.to(device)
-    if dtype != torch.float32:
-        desc.to(dtype)
+    desc.to(device, dtype)
     x = image_like(px, px).to(device, dtype)
     prec = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
 
@@ -134,38 +132,73 @@ def _plan_of(rep) -> str:
     return f"{plan} (after OOM: {retries})" if retries else plan
 
 
-def run_stage(stage: str, px: int, cards: list[int]) -> list[dict]:
-    """``stage`` at ``px`` on each card: plain, then VRAM Guard's (the card installed)."""
-    module, plain, guarded, data_range = stage_fns(stage, px)
+def reset_memory(device: torch.device) -> None:
+    """Garbage collected; on CUDA also the cache emptied and the peak counter reset."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device, card: EmulatedCard | None = None) -> int | None:
+    """The peak since :func:`reset_memory`: CUDA's own counter, else the emulated ``card``'s."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None if card is None else card.peak_bytes
+
+
+def _on_card(fn, device: torch.device) -> tuple:  # noqa: ANN001
+    """``fn()`` timed, its output moved to the host; on CUDA beside the checkpoint's weights, held on
+    the card for real."""
+    held = torch.empty(RESIDENT_REAL, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    out, secs, cpu_secs = timed(fn, device)
+    del held
+    return out.cpu(), secs, cpu_secs
+
+
+def run_stage(stage: str, px: int, cards: list[int], device: torch.device | None = None) -> list[dict]:
+    """``stage`` at ``px`` on each card: plain, then VRAM Guard's (the card installed). With a
+    ``device``: ``bench gpu``'s matrix rows, their own fields (on CUDA: FP16 at full size, the card
+    caps the device itself and the checkpoint's weights are held on it for real)."""
+    gpu, device = device is not None, torch.device(device or "cpu")
+    cuda = device.type == "cuda"
+    dtype, scale = (torch.float16, 1.0) if cuda else (torch.float32, SCALE)
+    module, plain, guarded, data_range = stage_fns(stage, px, device, dtype)
     ref, _, ref_cpu = timed(plain)
-    records = []
+    ref, records = ref.float().cpu(), []
+    resident = 0 if cuda else int(RESIDENT_REAL * scale) + (0 if gpu else module_bytes([module]))
     for gb in cards:
-        cap = int(gb * GB * SCALE)
-        resident = int(RESIDENT_REAL * SCALE) + EmulatedCard(1, resident=[module]).resident_bytes
-        rec = {"stage": stage, "image_px": px, "card_gb": gb, "card_bytes": cap, "resident_bytes": resident,
-               "scale": SCALE}  # fmt: skip
-        label = f"emulated {gb} GB card (x{SCALE} scale)"
-        card = EmulatedCard(cap, resident=resident, label=label)
-        got = attempt(plain, card)
-        rec.update(plain_ok=got.ok, plain_error=None if got.ok else got.error.split(".")[0])
-        rec["plain_peak_bytes"] = card.peak_bytes
-        del got
-        release()
-        card, reports = EmulatedCard(cap, resident=resident, label=label), []
-        got = attempt(lambda reports=reports: guarded(reports), card, install=True)
-        plan = _plan_of(reports[-1]) if reports else None
-        if got.ok:
-            rec.update(guarded_ok=True, plan=plan, seconds=round(got.seconds, 2),
-                       cpu_ratio=round(got.cpu_seconds / ref_cpu, 3))  # fmt: skip
-            rec.update(fidelity(got.out, ref, data_range))
-        else:
-            rec.update(guarded_ok=False, plan=plan, error=got.error[:200])
-        del got
-        rec["peak_bytes"] = card.peak_bytes
-        rec["peak_over_cap"] = round(card.peak_bytes / cap, 3)
+        cap, reports = int(gb * GB * scale), []
+        rec = {"stage": stage, "image_px": px, "card_gb": gb, "card_bytes": cap}
+        rec.update({"device": str(device)} if gpu else {"resident_bytes": resident, "scale": scale})
+        label = None if gpu else f"emulated {gb} GB card (x{scale} scale)"
+        for which, fn in (("plain", plain), ("guarded", lambda reports=reports: guarded(reports))):
+            reset_memory(device)
+            card = EmulatedCard(cap, device=device.type, resident=resident, label=label)
+            got = attempt(lambda fn=fn: _on_card(fn, device), card, install=True)
+            out, secs, cpu_secs = got.out if got.ok else (None, 0.0, 0.0)
+            if gpu:
+                done = {f"{which}_seconds": round(secs, 3), f"{which}_ok": True}
+                rec.update(done if got.ok else {f"{which}_ok": False, f"{which}_error": got.error[:160]})
+            elif which == "plain":
+                rec.update(plain_ok=got.ok, plain_error=None if got.ok else got.error.split(".")[0])
+            else:
+                rec.update(guarded_ok=got.ok, plan=_plan_of(reports[-1]) if reports else None)
+                done = {"seconds": round(secs, 2), "cpu_ratio": round(cpu_secs / ref_cpu, 3)}
+                rec.update(done if got.ok else {"error": got.error[:200]})
+            if got.ok and which == "guarded":
+                rec.update(fidelity(out, ref, data_range))
+                if gpu:
+                    rec["plan"] = getattr(reports[-1], "plan", None)
+            peak = peak_memory(device, card)
+            rec[f"{which}_peak_bytes" if gpu or which == "plain" else "peak_bytes"] = peak
+            del got, out
+        rec["peak_over_cap"] = round(peak / cap, 3)
+        if gpu:
+            rec["ref_cpu_s"] = round(ref_cpu, 3)
         records.append(rec)
-        release()
-    del ref
+    reset_memory(device)
     torch.manual_seed(0)
     return records
 

@@ -6,7 +6,6 @@ file): the capped 4/6/8 GB ``matrix``, ``decode_2048``, ``upscale_batch``, ``cud
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from pathlib import Path
@@ -16,11 +15,11 @@ import torch
 from lib_vram.cli.common import MAX_SECONDS, bounded_float
 from lib_vram.cli.hostmodels import SD_VAE, build_ldm
 from lib_vram.core.device import capabilities, memory_info, resolve_device
-from lib_vram.core.emulate import EmulatedCard
+from lib_vram.core.files import write_atomic
 
 from ..models.synthetic import image_like
-from ._harness import Bench, attempt, runner, timed
-from .emulate import GB, RESIDENT_REAL, add_cards, fidelity, latent, rrdb, stage_fns
+from ._harness import Bench, runner, timed
+from .emulate import add_cards, fidelity, latent, peak_memory, reset_memory, rrdb, run_stage
 from .sampling_stream import gpu_stream
 
 JSON = False
@@ -65,81 +64,28 @@ def bench(args: argparse.Namespace) -> Bench:
         t0 = time.perf_counter()
         result[name] = parts[name](device, clock, skipped)
         result.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 2)
-        _write(args.out, {**result, "skipped": skipped})  # what is done survives a later failure
+        text = json.dumps({**result, "skipped": skipped}, indent=1, default=str)
+        write_atomic(args.out, lambda tmp: tmp.write_text(text), overwrite=True)  # survives a later failure
         return {"part": name, "seconds": result["seconds"][name]}
 
     def finish(records: list[dict]) -> str:
-        _write(args.out, {**result, "skipped": skipped})
         lines = [f"wrote {args.out} ({sum(result['seconds'].values()):.0f} s)"]
         return "\n".join(lines + [f"skipped: {line}" for line in skipped])
 
     return Bench(list(parts), part, finish)
 
 
-def _reset(device) -> None:  # noqa: ANN001
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak(device, card=None) -> int | None:  # noqa: ANN001
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return None if card is None else card.peak_bytes
-
-
 def matrix(device, cards: list[int], clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
     cuda = device.type == "cuda"
-    dtype = torch.float16 if cuda else torch.float32
-    scale = 1.0 if cuda else 0.5  # the CPU run stands for FP16 at full width (see bench emulate)
     sizes = {"vae_decode": (1024, 2048), "vae_encode": (2048,), "upscale": (512,)} if cuda else {
         "vae_decode": (512,), "vae_encode": (512,), "upscale": (128,)}  # fmt: skip
     out = []
     for stage, pxs in sizes.items():
         for px in pxs:
             if not clock.late(skipped, f"matrix {stage} {px}²", 60):
-                _reset(device)
-                out += _matrix_rows(stage, px, device, dtype, scale, cards)
+                reset_memory(device)
+                out += run_stage(stage, px, cards, device)
     return out
-
-
-def _matrix_rows(stage: str, px: int, device, dtype, scale: float, cards: list[int]) -> list[dict]:  # noqa: ANN001
-    """``stage`` at ``px``, plain then guarded, on a card of each size."""
-    cuda = device.type == "cuda"
-    module, plain, guarded, rng = stage_fns(stage, px, device, dtype)
-    ref, _, ref_cpu = timed(plain)
-    ref = ref.float().cpu()
-    rows = []
-    for gb in cards:
-        cap = int(gb * GB * scale)
-        rec = {"stage": stage, "image_px": px, "card_gb": gb, "card_bytes": cap, "device": str(device)}
-        for which in ("plain", "guarded"):
-            _reset(device)
-            card = EmulatedCard(cap, device=device.type, resident=0 if cuda else int(RESIDENT_REAL * scale))
-            reports: list = []
-
-            def step(which=which, reports=reports, rec=rec) -> None:  # noqa: ANN001
-                # the checkpoint's weights on the card, for real (CUDA)
-                held = torch.empty(RESIDENT_REAL, dtype=torch.uint8, device=device) if cuda else None
-                run = plain if which == "plain" else lambda: guarded(reports)
-                res, secs, _ = timed(run, device)
-                rec[f"{which}_seconds"] = round(secs, 3)
-                rec[f"{which}_ok"] = True
-                if which == "guarded":
-                    rec.update(fidelity(res.float().cpu(), ref, rng))
-                    rec["plan"] = getattr(reports[-1], "plan", None)
-                del res, held
-
-            got = attempt(step, card, install=True)
-            if not got.ok:
-                rec[f"{which}_ok"], rec[f"{which}_error"] = False, got.error[:160]
-            rec[f"{which}_peak_bytes"] = _peak(device, card)
-        rec["peak_over_cap"] = round((rec["guarded_peak_bytes"] or 0) / cap, 3)
-        rec["ref_cpu_s"] = round(ref_cpu, 3)
-        rows.append(rec)
-    return rows
 
 
 def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noqa: ANN001
@@ -150,7 +96,7 @@ def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noq
         return []
     dec = build_ldm("decoder", SD_VAE).to(device)
     z = latent(2048).to(device)
-    _reset(device)
+    reset_memory(device)
     with torch.no_grad():
         ref = dec(z).float().cpu()
     dec.half()
@@ -161,12 +107,12 @@ def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noq
     for name, cfg in cases:
         if clock.late(skipped, f"decode_2048 {name}", 30):
             continue
-        _reset(device)
+        reset_memory(device)
         rep = VAEReport()
         with torch.no_grad():
             y, secs, _ = timed(lambda cfg=cfg, rep=rep: dec(z.half()) if cfg is None else
                                tiled_decode(dec, z.half(), config=cfg, report=rep), device)  # fmt: skip
-        out.append({"case": name, "seconds": round(secs, 3), "max_memory_allocated": _peak(device),
+        out.append({"case": name, "seconds": round(secs, 3), "max_memory_allocated": peak_memory(device),
                     "recomputed": len(rep.recomputed), **fidelity(y.float().cpu(), ref, 2.0)})  # fmt: skip
         del y
     return out
@@ -183,13 +129,12 @@ def upscale_batch(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # n
     for name, batch in (("batched (auto)", None), ("one tile at a time", 1)):
         if clock.late(skipped, f"upscale_batch {name}", 20):
             continue
-        _reset(device)
+        reset_memory(device)
         rep = UpscaleReport()
         cfg = UpscaleConfig(tile=128 if cuda else 32, batch=batch, precision="fp16" if cuda else "fp32")
         _, secs, _ = timed(lambda cfg=cfg, rep=rep: upscale_tensor(desc, x, config=cfg, report=rep), device)
-        out.append(
-            {"case": name, "plan": rep.plan, "seconds": round(secs, 3), "max_memory_allocated": _peak(device)}
-        )
+        peak = peak_memory(device)
+        out.append({"case": name, "plan": rep.plan, "seconds": round(secs, 3), "max_memory_allocated": peak})
     return out
 
 
@@ -223,12 +168,6 @@ def cudnn_workspace(device, clock: _Clock, skipped: list[str]) -> dict:  # noqa:
     fit = sum(a * w for a, w in pairs) / den if den else None
     return {"rows": rows, "fit_bytes_per_max_in_out": fit,
             "benchmark_flag": bool(torch.backends.cudnn.benchmark)}  # fmt: skip
-
-
-def _write(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
 
 
 run = runner(bench)

@@ -107,8 +107,7 @@ def _measure(name: str, job, reps: int, device: str) -> dict:  # noqa: ANN001
     return {
         "job": name, "reps": reps, "clock": "wall" if cuda else "cpu",
         "wall_s": {k: round(statistics.median(v), 3) for k, v in wall.items()},
-        "none_s": round(med["none"], 4), "tracker_s": round(med["tracker"], 4),
-        "timeline_s": round(med["timeline"], 4),
+        **{f"{k}_s": round(v, 4) for k, v in med.items()},
         "timeline_vs_tracker_pct": round(100 * (med["timeline"] / med["tracker"] - 1), 2),
         "timeline_vs_none_pct": round(100 * (med["timeline"] / med["none"] - 1), 2),
         "min_s": {k: round(v, 4) for k, v in low.items()},
@@ -137,8 +136,7 @@ def _table(rows: list[dict], device: str) -> str:
     what = "process CPU time" if r0["clock"] == "cpu" else "wall time"
     lines = [f"device {device} ({torch.get_num_threads()} threads); {what}, medians of {r0['reps']} "
              "interleaved runs per variant", "", grid([
-        "job", ("none s", fmt("none_s", ".3f")), ("tracker s", fmt("tracker_s", ".3f")),
-        ("timeline s", fmt("timeline_s", ".3f")),
+        "job", *[(f"{k} s", fmt(f"{k}_s", ".3f")) for k in VARIANTS],
         ("timeline vs tracker", fmt("timeline_vs_tracker_pct", "+.2f", " %")),
         ("timeline vs none", fmt("timeline_vs_none_pct", "+.2f", " %")), "samples", "points",
         ("µs/sample (tracker / +timeline)",
