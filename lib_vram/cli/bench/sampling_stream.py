@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 
@@ -70,10 +69,9 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
         return micro_batched(lambda **k: unet(**k), m, memory=planner.PlanMemory())
 
     @functools.cache
-    def unstreamed(m: int) -> tuple[torch.Tensor, float]:
-        """The output and CPU seconds of the unstreamed forward at micro-batch ``m``."""
-        out, _, cpu = timed(lambda: micro(m)(**kw))
-        return out, cpu
+    def unstreamed(m: int) -> tuple[torch.Tensor, float, float]:
+        """The output, wall and CPU seconds of the unstreamed forward at micro-batch ``m``."""
+        return timed(lambda: micro(m)(**kw))
 
     def streamed(s: StreamedUNet, fwd) -> list[torch.Tensor]:  # noqa: ANN001
         with s:
@@ -83,7 +81,7 @@ def run_case(shape: str, mc: int, side: int, fraction: float, *, steps: int = 2,
     plain = attempt(lambda: micro(sp.micro_batch)(**kw), EmulatedCard(capacity, resident=[unet]))
     for tries in range(1, attempts + 1):  # noqa: B007 (re-planned after an out-of-memory error)
         plan = plan_stream(unet, spec, budget_bytes=capacity, backend="cpu", memory=mem, **step)
-        ref, plain_cpu = unstreamed(plan.micro_batch)  # the micro-batch that moves the fewest bytes
+        ref, _, plain_cpu = unstreamed(plan.micro_batch)  # the micro-batch that moves the fewest bytes
         s, card = StreamedUNet(unet, plan, "cpu", memory=mem), EmulatedCard(capacity, resident=[unet])
         got = attempt(functools.partial(streamed, s, micro(plan.micro_batch)), card)
         if got.ok:
@@ -230,13 +228,10 @@ def gpu_stream(  # noqa: ANN001
         its order in it), the last output and the peak allocated."""
         with torch.no_grad():
             fn()
-            torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                out = fn()
-            torch.cuda.synchronize(device)
-        return (time.perf_counter() - t0) / steps, out, int(torch.cuda.max_memory_allocated(device))
+            # (each call's output is dropped when the next one returns, as a sampler's are)
+            out, seconds, _ = timed(lambda: functools.reduce(lambda _, __: fn(), range(steps), None), device)
+        return seconds / steps, out, int(torch.cuda.max_memory_allocated(device))
 
     rows = []
     t_plain, ref, peak = per_step()
