@@ -89,13 +89,12 @@ class _Library:
         # and room for the VAE's and the upscaler's working memory beside the resident UNet (the
         # placement leaves room for the VAE's weights; its tiles are what is free then)
         self.card = emulate.EmulatedCard(card + 6 * (1 << 20))
-        cpu = torch.device("cpu")
-        self.streamer = sampling.StreamedUNet(self.unet, cp.stream, cpu, card=self.card).__enter__()
+        self.streamer = sampling.StreamedUNet(self.unet, cp.stream, "cpu", card=self.card).__enter__()
         self.card.set_resident(cp.unet_resident_bytes)
         self.owner = Owner(lambda: self.card.free_bytes)
         self.models = {}
         for name, module in parts.items():
-            mover, home = ModuleMover(module, cpu, self.card), STREAMED if name == "UNet" else HOST
+            mover, home = ModuleMover(module, "cpu", self.card), STREAMED if name == "UNet" else HOST
             m = Model(name, name, nbytes[name], mover, home=home, where=home, movable=home == HOST)
             self.models[name] = self.owner.join(m)
             if home == HOST:  # (the UNet's streamer moves it)
@@ -220,8 +219,7 @@ class _WebUI:
         self.poller = threading.Thread(target=self._poll, daemon=True) if a.poll else None
 
     def call(self, path: str, payload: dict | None = None, timeout: float = 3600) -> tuple[dict, str | None]:
-        """The answer and None, or ``{}`` and why not (a failed call or an answer that is not JSON:
-        the job keeps its record, the poller goes on)."""
+        """The answer and None, or ``{}`` and why not (failed, or not JSON): the caller goes on."""
         data = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"}  # (urllib POSTs what has data, GETs the rest)
         req = urllib.request.Request(self.a.url.rstrip("/") + path, data, headers)
