@@ -69,7 +69,6 @@ class _Library:
     def __enter__(self) -> _Library:
         from lib_vram.residency import HOST, STREAMED, Model, Owner, plan_checkpoint
         from lib_vram.residency._modules import ModuleMover, nbytes_of, tensors_of
-        from lib_vram.vae import TiledVAEConfig
 
         self.unet = build_unet("sd15", 32, context_dim=64, seed=4, init=True)
         cfg = {**SD_VAE, "ch": 32, "ch_mult": (1, 2), "num_res_blocks": 1, "resolution": 64}
@@ -111,7 +110,6 @@ class _Library:
         self.deltas = [torch.randn(m.weight.shape[0], 4, generator=g) @ torch.randn(4, m.weight.shape[1],
                        generator=g) * 0.01 for m in self.lora]  # fmt: skip
         self.img = image_like(32, 32, 3, seed=2) * 2 - 1
-        self.vae_cfg = TiledVAEConfig(mode="exact", tile=8)
         self.first: dict = {}
         self.mem = planner.PlanMemory()  # what the engines learn, kept for the session as in the WebUI
         self.ctx = torch.randn(1, 77, 64, generator=torch.Generator().manual_seed(6))
@@ -133,15 +131,15 @@ class _Library:
         return x
 
     def _vae(self, kind: str, x):  # noqa: ANN001, ANN202
-        from lib_vram.vae import tiled_decode, tiled_encode
+        from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
 
-        vae = self.models["VAE"]
+        vae, cfg = self.models["VAE"], TiledVAEConfig(mode="exact", tile=8)
         self.owner.begin(kind, busy=[vae])
         try:
             self.owner.use(vae, kind)
             if kind == "decode":
-                return tiled_decode(self.decoder, x, config=self.vae_cfg, memory=planner.PlanMemory())
-            return tiled_encode(self.encoder, x, config=self.vae_cfg, memory=planner.PlanMemory())[:, :4]
+                return tiled_decode(self.decoder, x, config=cfg, memory=planner.PlanMemory())
+            return tiled_encode(self.encoder, x, config=cfg, memory=planner.PlanMemory())[:, :4]
         finally:
             self.owner.end(kind)
 
