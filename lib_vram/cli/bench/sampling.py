@@ -90,11 +90,9 @@ def _case_records(case: tuple, models: dict, idle_full: int, control: bool = Fal
     """The step plain, then as planned, on each card scaled by f (``models``: those built so far;
     ``idle_full``: the full-size idle models' bytes; ``control``: with one ControlNet unit)."""
     shape, h, w, batch, attention = case
-    if shape not in models:
-        models[shape] = build_unet(shape, 32, context_dim=CTX)
-    unet = models[shape]
-    if control and ("controlnet", shape) not in models:
-        models["controlnet", shape] = ControlNet(unet)
+    unet = models[shape] = models.get(shape) or build_unet(shape, 32, context_dim=CTX)
+    if control:
+        models["controlnet", shape] = models.get(("controlnet", shape)) or ControlNet(unet)
     nets = [unet, models["controlnet", shape]] if control else [unet]
     spec, controls = unet_spec(unet), tuple(unet_spec(n) for n in nets[1:])
     full_controls = (reference_control(shape),) if control else ()

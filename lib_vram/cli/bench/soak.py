@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import psutil
@@ -54,8 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _kind(n: int) -> tuple[str, bool]:
-    """Job ``n``'s kind, and whether its round is one with the LoRA."""
-    return KINDS[n % len(KINDS)], (n // len(KINDS)) % 2 == 1
+    """Job ``n``'s kind, and whether it runs with the LoRA (every other round; Extras never)."""
+    kind = KINDS[n % len(KINDS)]
+    return kind, (n // len(KINDS)) % 2 == 1 and kind != "extras"
 
 
 # -- library level -----------------------------------------------------------------------------
@@ -67,7 +69,6 @@ class _Library:
     def __enter__(self) -> _Library:
         from lib_vram.residency import HOST, STREAMED, Model, Owner, plan_checkpoint
         from lib_vram.residency._modules import ModuleMover, nbytes_of, tensors_of
-        from lib_vram.vae import TiledVAEConfig
 
         self.unet = build_unet("sd15", 32, context_dim=64, seed=4, init=True)
         cfg = {**SD_VAE, "ch": 32, "ch_mult": (1, 2), "num_res_blocks": 1, "resolution": 64}
@@ -87,13 +88,12 @@ class _Library:
         # and room for the VAE's and the upscaler's working memory beside the resident UNet (the
         # placement leaves room for the VAE's weights; its tiles are what is free then)
         self.card = emulate.EmulatedCard(card + 6 * (1 << 20))
-        cpu = torch.device("cpu")
-        self.streamer = sampling.StreamedUNet(self.unet, cp.stream, cpu, card=self.card).__enter__()
+        self.streamer = sampling.StreamedUNet(self.unet, cp.stream, "cpu", card=self.card).__enter__()
         self.card.set_resident(cp.unet_resident_bytes)
         self.owner = Owner(lambda: self.card.free_bytes)
         self.models = {}
         for name, module in parts.items():
-            mover, home = ModuleMover(module, cpu, self.card), STREAMED if name == "UNet" else HOST
+            mover, home = ModuleMover(module, "cpu", self.card), STREAMED if name == "UNet" else HOST
             m = Model(name, name, nbytes[name], mover, home=home, where=home, movable=home == HOST)
             self.models[name] = self.owner.join(m)
             if home == HOST:  # (the UNet's streamer moves it)
@@ -110,7 +110,6 @@ class _Library:
         self.deltas = [torch.randn(m.weight.shape[0], 4, generator=g) @ torch.randn(4, m.weight.shape[1],
                        generator=g) * 0.01 for m in self.lora]  # fmt: skip
         self.img = image_like(32, 32, 3, seed=2) * 2 - 1
-        self.vae_cfg = TiledVAEConfig(mode="exact", tile=8)
         self.first: dict = {}
         self.mem = planner.PlanMemory()  # what the engines learn, kept for the session as in the WebUI
         self.ctx = torch.randn(1, 77, 64, generator=torch.Generator().manual_seed(6))
@@ -132,15 +131,15 @@ class _Library:
         return x
 
     def _vae(self, kind: str, x):  # noqa: ANN001, ANN202
-        from lib_vram.vae import tiled_decode, tiled_encode
+        from lib_vram.vae import TiledVAEConfig, tiled_decode, tiled_encode
 
-        vae = self.models["VAE"]
+        vae, cfg = self.models["VAE"], TiledVAEConfig(mode="exact", tile=8)
         self.owner.begin(kind, busy=[vae])
         try:
             self.owner.use(vae, kind)
             if kind == "decode":
-                return tiled_decode(self.decoder, x, config=self.vae_cfg, memory=planner.PlanMemory())
-            return tiled_encode(self.encoder, x, config=self.vae_cfg, memory=planner.PlanMemory())[:, :4]
+                return tiled_decode(self.decoder, x, config=cfg, memory=planner.PlanMemory())
+            return tiled_encode(self.encoder, x, config=cfg, memory=planner.PlanMemory())[:, :4]
         finally:
             self.owner.end(kind)
 
@@ -168,7 +167,6 @@ class _Library:
 
     def job(self, n: int) -> dict:
         kind, with_lora = _kind(n)
-        with_lora = with_lora and kind != "extras"
         t0, error, backups = time.perf_counter(), None, []
         try:
             with torch.no_grad(), emulate.running_on(self.card):
@@ -218,20 +216,21 @@ class _WebUI:
         self.init = base64.b64encode(buf.getvalue()).decode()
         self.poller = threading.Thread(target=self._poll, daemon=True) if a.poll else None
 
-    def call(self, path: str, payload: dict | None = None, timeout: float = 3600) -> dict:
+    def call(self, path: str, payload: dict | None = None, timeout: float = 3600) -> tuple[dict, str | None]:
+        """The answer and None, or ``{}`` and why not (failed, or not JSON): the caller goes on."""
         data = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"}  # (urllib POSTs what has data, GETs the rest)
         req = urllib.request.Request(self.a.url.rstrip("/") + path, data, headers)
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read().decode())
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read().decode()), None
+        except (OSError, ValueError) as exc:
+            return {}, str(exc)[:200]
 
     def _poll(self) -> None:
         while not self.stop.is_set():
-            try:
-                self.call("/vram-guard/v1/status", timeout=30)
-                self.polls["polls"] += 1
-            except OSError:
-                self.polls["poll_errors"] += 1
+            failed = self.call("/vram-guard/v1/status", timeout=30)[1] is not None
+            self.polls["poll_errors" if failed else "polls"] += 1
             time.sleep(0.2)
 
     def __enter__(self) -> _WebUI:
@@ -246,7 +245,7 @@ class _WebUI:
             if self.a.json:
                 print(json.dumps(self.polls), flush=True)
 
-    def _job(self, n: int, out: dict) -> None:
+    def _job(self, n: int) -> dict:
         kind, with_lora = _kind(n)
         name = self.a.lora or ""
         lora = f" <lora:{name if ':' in name else name + ':1'}>" if name and with_lora else ""
@@ -261,30 +260,21 @@ class _WebUI:
             "extras": ({"image": self.init, "upscaling_resize": 2, "upscaler_1": "Lanczos"},
                        "/sdapi/v1/extra-single-image"),
         }[kind]  # fmt: skip
-        t0, error = time.perf_counter(), None
-        try:
-            self.call(path, payload)
-        except (OSError, ValueError) as exc:  # (ValueError: an answer that is not JSON)
-            error = str(exc)[:200]
-        try:
-            st = self.call("/vram-guard/v1/status", timeout=60)
-        except (OSError, ValueError) as exc:  # the job keeps its record (a lost one would not fail the soak)
-            st, error = {}, error or f"status route: {str(exc)[:180]}"
+        t0 = time.perf_counter()
+        error = self.call(path, payload)[1]
+        st, failed = self.call("/vram-guard/v1/status", timeout=60)
+        if error is None and failed is not None:
+            error = f"status route: {failed[:180]}"
         card = st.get("card") or {}
         at_rest = None if st.get("job_running") else card.get("used_bytes")  # (another client's job)
         values = (n + 1, kind, "<lora:" in str(payload.get("prompt")), error is None, error,
                   (st.get("memory") or {}).get("process_rss_bytes"), at_rest,
                   card.get("resident_bytes"), round(time.perf_counter() - t0, 2))  # fmt: skip
-        out[n] = dict(zip(FIELDS, values))
+        return dict(zip(FIELDS, values))
 
     def jobs(self, ns: list[int]) -> list[dict]:
-        out: dict[int, dict] = {}
-        threads = [threading.Thread(target=self._job, args=(n, out)) for n in ns]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return [out[n] for n in sorted(out)]
+        with ThreadPoolExecutor(len(ns)) as pool:  # (a job's unexpected error stops the soak)
+            return list(pool.map(self._job, ns))
 
 
 SETTLE_JOBS = 2 * len(KINDS)
@@ -299,8 +289,7 @@ def summary(records: list[dict], settle: int = 0) -> dict:
     rss = [r["rss_bytes"] for r in records if r.get("rss_bytes")]
     growth = round(rss[-1] / rss[9] - 1, 4) if len(rss) >= 10 else None
     at_rest = [r for r in records if r.get("card_bytes_at_rest") is not None]
-    first = [r["card_bytes_at_rest"] for r in at_rest if r["job"] <= settle]
-    settled = max(first) if first else None
+    settled = max((r["card_bytes_at_rest"] for r in at_rest if r["job"] <= settle), default=None)
     tenth = max(1, len(records) // 10)
     secs = [r["seconds"] for r in records]
     s = {
