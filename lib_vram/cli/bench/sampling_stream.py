@@ -222,11 +222,17 @@ def gpu_stream(device, clock=None, skipped: list[str] | None = None) -> list[dic
     def per_step(fn=forward):  # noqa: ANN001, ANN202
         """Seconds per call of ``fn`` over ``steps`` calls after one to warm up (the streamer learns
         its order in it), the last output and the peak allocated."""
+
+        def run():  # noqa: ANN202 (each output is dropped when the next returns, as a sampler's)
+            for _ in range(steps):
+                out = fn()
+            return out
+
         with torch.no_grad():
             fn()
+            torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            # (each call's output is dropped when the next one returns, as a sampler's are)
-            out, seconds, _ = timed(lambda: functools.reduce(lambda _, __: fn(), range(steps), None), device)
+            out, seconds, _ = timed(run, device)
         return seconds / steps, out, int(torch.cuda.max_memory_allocated(device))
 
     rows = []
