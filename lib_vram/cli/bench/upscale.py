@@ -258,9 +258,8 @@ def _table(records: list[dict]) -> str:
 
 
 def _tiled_rows(names, workdir: Path, prefix: str, device, image, tiles, columns) -> list[dict]:  # noqa: ANN001
-    """Per architecture (saved to a file, loaded through spandrel), each tile against the untiled
-    call on ``image(spec)`` (8-bit: max error, % of values more than 1 step off, PSNR): the row's
-    ``columns`` and its seconds."""
+    """Per architecture (saved to a file, loaded through spandrel), each tile against the untiled call
+    on ``image(spec)`` in 8 bits: the row's ``columns`` and its seconds."""
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, as_spec, upscale_tensor
 
     rows = []
