@@ -40,10 +40,8 @@ FULL_CASES = [
     # 2048²: the untiled decode needs ~17 GiB of RAM here (run with --sizes 2048 on a quiet machine)
     ("decode", "untiled", 2048, None), ("decode", "exact", 2048, 64), ("decode", "fast", 2048, 64),
 ]  # fmt: skip
-QUICK_CASES = [
-    ("decode", "untiled", 256, None), ("decode", "exact", 256, 16), ("decode", "fast", 256, 16),
-    ("decode", "diffusers", 256, 16), ("encode", "untiled", 256, None), ("encode", "exact", 256, 16),
-]  # fmt: skip
+QUICK_CASES = [(kind, mode, 256, tile and tile // 2) for kind, mode, px, tile in FULL_CASES if px == 512]
+"""The 512² cases at 256², each with as many tiles."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -80,8 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def select_cases(args: argparse.Namespace) -> list[tuple]:
     cases = QUICK_CASES if args.quick else FULL_CASES
     if args.sizes:
-        keep = {int(s) for s in args.sizes.split(",")}
-        cases = [c for c in cases if c[2] in keep]
+        cases = [c for c in cases if str(c[2]) in args.sizes.split(",")]
     else:
         cases = [c for c in cases if c[2] < 2048]  # 2048² only when asked for by --sizes
     if args.modes:
@@ -97,24 +94,14 @@ def bench(args: argparse.Namespace) -> Bench:
                      label=lambda px: f"decode {px}² on fake tensors")  # fmt: skip
     cases = select_cases(args)
     biggest_fast = max((c[2] for c in cases if c[1] == "fast"), default=None)
+    options = ("device", "dtype", "workdir", "threads", "state_offload", "fast_sample")
     specs = [
-        {"kind": kind, "mode": mode, "image_px": px, "tile": tile, "device": args.device, "dtype": args.dtype,
-         "workdir": args.workdir, "threads": args.threads, "state_offload": args.state_offload,
-         "fast_sample": args.fast_sample,
+        {"kind": kind, "mode": mode, "image_px": px, "tile": tile, **{o: getattr(args, o) for o in options},
          "diff_image": args.diff_image if (mode == "fast" and px == biggest_fast) else None}
         for kind, mode, px, tile in cases
     ]  # fmt: skip
-    return Bench(specs, None, table, label=_label, done=_row,
+    return Bench(specs, None, table, label=lambda c: f"{c['kind']} {c['mode']} {c['image_px']} t{c['tile']}",
                  prepare=lambda: Path(args.workdir).mkdir(parents=True, exist_ok=True))  # fmt: skip
-
-
-def _label(r: dict) -> str:
-    return f"{r.get('method', r.get('kind'))} {r['mode']} {r['image_px']} t{r['tile']}"
-
-
-def _row(r: dict) -> str:
-    return (f"{_label(r)}: {r['seconds']:.1f}s peak {r['peak_bytes'] / 2**20:.0f} MiB psnr {r['psnr_db']} "
-            f"maxerr {r['max_abs_err']}")  # fmt: skip
 
 
 def _vs(records: list[dict], key: str, form) -> Column:  # noqa: ANN001
@@ -149,35 +136,33 @@ def table(records: list[dict]) -> str:
 def _worker(spec: dict) -> dict:
     from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
 
-    if spec.get("threads"):
+    if spec["threads"]:
         torch.set_num_threads(int(spec["threads"]))
     dtype = DTYPES[spec["dtype"]]
     device = torch.device(spec["device"])
     kind, mode, px, tile = spec["kind"], spec["mode"], spec["image_px"], spec["tile"]
     dec = build_ldm("decoder")
     enc = build_ldm("encoder", seed=None)  # drawn after the decoder, as the references were made
-    if mode == "diffusers":
-        module = diffusers_from_ldm(dec, enc).to(device=device, dtype=dtype)
+    module = diffusers_from_ldm(dec, enc) if mode == "diffusers" else dec if kind == "decode" else enc
+    del dec, enc
+    if mode == "diffusers":  # (decode only)
         module.enable_tiling()
         module.tile_sample_min_size, module.tile_latent_min_size = tile * 8, tile
-    else:
-        module = (dec if kind == "decode" else enc).to(device=device, dtype=dtype)
-        if mode == "untiled" and kind == "decode":
-            module.mid.attn_1.forward = sdp_attn_forward(module.mid.attn_1)
-    del dec, enc
+    elif mode == "untiled" and kind == "decode":
+        module.mid.attn_1.forward = sdp_attn_forward(module.mid.attn_1)
+    module.to(device=device, dtype=dtype)
     x = (image_latent(px) if kind == "decode" else picture(px)).to(device=device, dtype=dtype)
     tracker, report = StageTracker(device, owns_peak_counters=True), VAEReport()
     if mode in ("exact", "fast"):
-        offload = spec.get("state_offload", "cpu")
-        cfg = TiledVAEConfig(mode=mode, tile=tile, state_offload=offload, fast_sample=spec.get("fast_sample"))
+        cfg = TiledVAEConfig(mode=mode, tile=tile, **{k: spec[k] for k in ("state_offload", "fast_sample")})
     gc.collect()
-    counter = _device_counter(device)
+    counter = _device_counter() if device.type == "cpu" else None  # a GPU: the allocator's peak
 
     def run() -> torch.Tensor:
         if mode == "untiled":
             return module(x)
         if mode == "diffusers":
-            return module.tiled_decode(x).sample if kind == "decode" else module.encoder(x)
+            return module.tiled_decode(x).sample
         return (tiled_decode if kind == "decode" else tiled_encode)(module, x, config=cfg, report=report)
 
     with torch.no_grad(), tracker.stage("case") as rec, counter or contextlib.nullcontext():
@@ -195,7 +180,7 @@ def _worker(spec: dict) -> dict:
         err, db = float(diff.max()), psnr(float((diff**2).mean()), float(ref.max() - ref.min()))
         if kind == "decode" and report.tiles > 1 and mode in ("exact", "fast"):
             seam = _seam_ratio(diff, px, report.tile * 8)
-        if spec.get("diff_image"):
+        if spec["diff_image"]:
             _save_diff(diff, Path(spec["diff_image"]))
     return {
         "method": kind, "mode": mode, "image_px": px, "tile": tile, "device": spec["device"],
@@ -210,11 +195,8 @@ def _worker(spec: dict) -> dict:
     }  # fmt: skip
 
 
-def _device_counter(device):
-    """On the CPU: a live-tensor counter whose peak leaves out tile state parked "off the device";
-    on a GPU: None (``max_memory_allocated`` is the measurement)."""
-    if device.type != "cpu":
-        return None
+def _device_counter() -> LiveBytesCounter:
+    """A live-tensor counter whose ``device_peak_bytes`` leaves out tile state parked "off the device"."""
     from lib_vram.vae import parked_bytes
 
     class DeviceBytes(LiveBytesCounter):
@@ -243,13 +225,12 @@ def predict_device_peaks(px: int, tile: int, fast_sample: int | None = None) -> 
     for mode in ("untiled", "exact", "fast"):
         fmode = new_fake_mode()
         state = {f"inner.{k}": v for k, v in fake_state(dec, fmode, torch.float32).items()}
-        if mode == "untiled":
-            call = Loop(dec, lambda m, x: m(x))
-        else:
+        call = Loop(dec, lambda m, x: m(x))
+        if mode != "untiled":
             cfg = TiledVAEConfig(mode=mode, tile=tile, guard=False, state_offload="cpu", budget_bytes=2**50,
                                  fast_sample=fast_sample)  # fmt: skip
-            call = Loop(dec, lambda m, x, cfg=cfg: tiled_decode(m, x, config=cfg))
-        counter, flops = _device_counter(torch.device("cpu")), FlopCounterMode(display=False)
+            call = Loop(dec, tiled_decode, config=cfg)
+        counter, flops = _device_counter(), FlopCounterMode(display=False)
         t0 = time.perf_counter()
         with torch.no_grad(), fmode:
             x = torch.empty((1, 4, px // 8, px // 8))
