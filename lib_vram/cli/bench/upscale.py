@@ -60,7 +60,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "architecture of lib_vram.cli.models.archs, or the named ones)")
     add("--fallback", nargs="?", const="auto", default=None, metavar="A,B,...",
         help="instead: the tiled error of models flagged inexact at a real image size (--fallback-px), "
-        "for the named architectures of lib_vram.cli.models.archs (default: every one the engine flags)")
+        "for the named architectures of lib_vram.cli.models.archs (default: all of them; exact ones show 0)")
     add("--fallback-px", type=bounded_int("--fallback-px", 64, 4096), default=FALLBACK_PX,
         help=f"input side for --fallback (default {FALLBACK_PX}; 64-4096)")
     # fmt: on
