@@ -47,7 +47,6 @@ class Bench:
     label: Callable[[Any], str] = str
     done: Callable[[dict], str] | None = None
     """The progress line after a case, from its record."""
-    prepare: Callable[[], object] | None = None
     env: dict[str, str] = field(default_factory=dict)
     """Set in the child processes' environment."""
     timeout: float | None = None
@@ -67,8 +66,8 @@ class CaseFailed(Exception):
 def runner(
     make: Callable[[argparse.Namespace], Bench], child: Callable[[Any], dict | list[dict]] | None = None
 ) -> Callable[[argparse.Namespace], int]:
-    """A target's ``run(args)``: ``make(args)`` (options are checked there, before any work), then
-    the run. In a child process (``--child CASE``) only ``child(case)`` runs: the record(s) of one
+    """A target's ``run(args)``: ``make(args)`` (options checked first, then what the cases share set
+    up), then the run. In a child process (``--child CASE``) only ``child(case)`` runs: the record(s) of one
     case of a bench whose cases run in fresh processes."""
 
     def run(args: argparse.Namespace) -> int:
@@ -81,8 +80,6 @@ def runner(
 
 
 def _run(bench: Bench, args: argparse.Namespace) -> int:
-    if bench.prepare is not None:
-        bench.prepare()
     as_json, records = getattr(args, "json", False), []
     failed: dict[int, str] = {}  # id(record) -> the case's label
     with bench.hold or contextlib.nullcontext():

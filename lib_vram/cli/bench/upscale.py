@@ -112,9 +112,9 @@ def bench(args: argparse.Namespace) -> Bench:
         if not cases:
             raise ValueError(f"`--only {args.only}` matches no case (try --large for the large sizes)")
     work = workdir("upscale")
+    build_models(work, {c["arch"] for c in cases})
     full = [dict(c, workdir=str(work), device=args.device, precision=args.precision) for c in cases]
     return Bench(full, None, _table, lines=False, timeout=1800,
-                 prepare=lambda: build_models(work, {c["arch"] for c in cases}),
                  label=lambda c: f"{c['method']} {c['arch']} {c['image_px']}² t{c['tile']} b{c['batch']}",
                  done=lambda r: f"{r['seconds']:.2f}s (cpu {r['cpu_seconds']:.2f}s) psnr "
                  f"{cell(r['psnr_db'])} {r['plan']}")  # fmt: skip

@@ -100,8 +100,8 @@ def bench(args: argparse.Namespace) -> Bench:
          "diff_image": args.diff_image if (mode == "fast" and px == biggest_fast) else None}
         for kind, mode, px, tile in cases
     ]  # fmt: skip
-    return Bench(specs, None, table, label=lambda c: f"{c['kind']} {c['mode']} {c['image_px']} t{c['tile']}",
-                 prepare=lambda: Path(args.workdir).mkdir(parents=True, exist_ok=True))  # fmt: skip
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    return Bench(specs, None, table, label=lambda c: f"{c['kind']} {c['mode']} {c['image_px']} t{c['tile']}")
 
 
 def _vs(records: list[dict], key: str, form) -> Column:  # noqa: ANN001
