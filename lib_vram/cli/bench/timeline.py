@@ -37,18 +37,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def bench(args: argparse.Namespace) -> Bench:
     if args.threads is not None:  # (both bounded by their parsers)
         torch.set_num_threads(args.threads)
-    costs: dict[bool, float] = {}
+    costs: dict[str, float] = {}
 
     def run_case(job: tuple) -> dict:
         rec = _measure(*job, args.reps, args.device)
         if not costs:  # one sample measured alone, once
-            costs.update({tl: _sample_cost(args.device, tl) for tl in (False, True)})
-        rec["sample_us_tracker"] = round(costs[False] * 1e6, 2)
-        rec["sample_us_timeline"] = round(costs[True] * 1e6, 2)
-        rec["implied_timeline_pct"] = round(
-            100 * rec["samples"] * (costs[True] - costs[False]) / rec["tracker_s"], 4
-        )
-        rec["implied_all_sampling_pct"] = round(100 * rec["samples"] * costs[True] / rec["none_s"], 4)
+            costs.update({k: _sample_cost(args.device, k == "timeline") for k in ("tracker", "timeline")})
+        rec.update({f"sample_us_{k}": round(cost * 1e6, 2) for k, cost in costs.items()})
+        n, tracker, timeline = rec["samples"], costs["tracker"], costs["timeline"]
+        rec["implied_timeline_pct"] = round(100 * n * (timeline - tracker) / rec["tracker_s"], 4)
+        rec["implied_all_sampling_pct"] = round(100 * n * timeline / rec["none_s"], 4)
         return rec
 
     return Bench(_jobs(args.quick, args.device), run_case, lambda rows: _table(rows, args.device),
@@ -89,8 +87,7 @@ def _measure(name: str, job, reps: int, device: str) -> dict:  # noqa: ANN001
     processes disturb it far less than wall time), wall time after a synchronize on CUDA."""
     cuda = device.startswith("cuda")
     job(StageTracker(device))  # warm-up (the upscale engine measures a model once)
-    times: dict[str, list[float]] = {k: [] for k in VARIANTS}
-    wall: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    times, wall = {k: [] for k in VARIANTS}, {k: [] for k in VARIANTS}
     samples = points = 0
     for _ in range(reps):
         for variant in VARIANTS:
