@@ -50,9 +50,7 @@ def bench(args: argparse.Namespace) -> Bench:
     sizes = QUICK if args.quick else FULL
     stages = known("--stages", args.stages, list(FULL))
     cards = [int(c) for c in args.cards.split(",")]
-    cases = [(stage, px) for stage in stages for px in sizes[stage]] + (
-        [("overhead", 0)] if args.overhead else []
-    )
+    cases = [(stage, px) for stage in stages for px in sizes[stage]] + [("overhead", 0)] * args.overhead
     return Bench(cases, lambda c: overhead() if c[0] == "overhead" else run_stage(*c, cards), _table,
                  label=lambda c: c[0] if c[0] == "overhead" else f"{c[0]} {c[1]}²")  # fmt: skip
 
@@ -95,35 +93,33 @@ def stage_fns(stage: str, px: int, device=None, dtype=None, full: bool | None = 
     full = device.type == "cuda" if full is None else full
     if stage in ("vae_decode", "vae_encode"):
         kind = "decoder" if stage == "vae_decode" else "encoder"
-        mod = build_ldm(kind, SD_VAE if full else VAE_NARROW).to(device, dtype)
+        mod = net = build_ldm(kind, SD_VAE if full else VAE_NARROW).to(device, dtype)
         x = (latent(px) if kind == "decoder" else image_like(px, px) * 2 - 1).to(device, dtype)
         fn = tiled_decode if kind == "decoder" else tiled_encode
+        no_grad, report, data_range = torch.no_grad, VAEReport, 2.0
 
-        def plain():
-            with torch.no_grad():
-                return mod(x)
+        def run(rep):
+            return fn(mod, x, config=TiledVAEConfig(mode="auto"), report=rep, original_forward=mod.forward,
+                      memory=planner.PlanMemory())  # fmt: skip
+    else:
+        net = (rrdb(64, 23) if full else rrdb()).to(device, dtype)
+        mod, x = net.model, image_like(px, px).to(device, dtype)
+        prec = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+        no_grad, report, data_range = torch.inference_mode, UpscaleReport, 1.0
 
-        def guarded(reports):
-            reports.append(VAEReport())
-            return fn(mod, x, config=TiledVAEConfig(mode="auto"), report=reports[-1],
-                      original_forward=mod.forward, memory=planner.PlanMemory())  # fmt: skip
+        def run(rep):
+            return upscale_tensor(net, x.float(), config=UpscaleConfig(precision=prec), report=rep,
+                                  memory=planner.PlanMemory())  # fmt: skip
 
-        return mod, plain, guarded, 2.0
-    desc = rrdb(64, 23) if full else rrdb()
-    desc.to(device, dtype)
-    x = image_like(px, px).to(device, dtype)
-    prec = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+    def plain():
+        with no_grad():
+            return net(x)
 
-    def plain_up():
-        with torch.inference_mode():
-            return desc(x)
+    def guarded(reports):
+        reports.append(report())
+        return run(reports[-1])
 
-    def guarded_up(reports):
-        reports.append(UpscaleReport())
-        return upscale_tensor(desc, x.float(), config=UpscaleConfig(precision=prec), report=reports[-1],
-                              memory=planner.PlanMemory())  # fmt: skip
-
-    return desc.model, plain_up, guarded_up, 1.0
+    return mod, plain, guarded, data_range
 
 
 def _plan_of(rep) -> str:
