@@ -101,10 +101,8 @@ def decode_2048(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # noq
         ref = dec(z).float().cpu()
     dec.half()
     out = []
-    half = torch.float16
-    cases = (("untiled", None), ("exact t64", TiledVAEConfig(mode="exact", tile=64, dtype=half)),
-             ("fast t64", TiledVAEConfig(mode="fast", tile=64, dtype=half)))  # fmt: skip
-    for name, cfg in cases:
+    fp16 = {f"{m} t64": TiledVAEConfig(mode=m, tile=64, dtype=torch.float16) for m in ("exact", "fast")}
+    for name, cfg in {"untiled": None, **fp16}.items():
         if clock.late(skipped, f"decode_2048 {name}", 30):
             continue
         reset_memory(device)
@@ -122,8 +120,7 @@ def upscale_batch(device, clock: _Clock, skipped: list[str]) -> list[dict]:  # n
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
 
     cuda = device.type == "cuda"
-    desc = rrdb(64, 23) if cuda else rrdb()
-    desc.to(device)
+    desc = (rrdb(64, 23) if cuda else rrdb()).to(device)
     x = (image_like(512, 512) if cuda else image_like(96, 96)).to(device)
     out = []
     for name, batch in (("batched (auto)", None), ("one tile at a time", 1)):
