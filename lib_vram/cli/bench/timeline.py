@@ -59,7 +59,7 @@ def _jobs(quick: bool, device: str) -> list[tuple[str, object]]:
     from lib_vram.upscale import UpscaleConfig, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, tiled_decode
 
-    px = 256 if quick else 512
+    px, upx = (256, 64) if quick else (512, 128)
     dec = build_ldm("decoder", VAE_NARROW).to(device)
     z = (image_like(px // 8, px // 8, 4, seed=3) * 4 - 2).to(device)
 
@@ -69,7 +69,6 @@ def _jobs(quick: bool, device: str) -> list[tuple[str, object]]:
                                 memory=planner.PlanMemory())  # fmt: skip
 
     desc = rrdb(16, 3)
-    upx = 64 if quick else 128
     x = image_like(upx, upx, 3, seed=5).to(device)
 
     def upscale(tracker):  # noqa: ANN001, ANN202
