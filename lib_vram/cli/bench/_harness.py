@@ -182,9 +182,9 @@ def psnr(mse: float, peak: float) -> float:
     return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
 
 
-def ok(key: str, yes: str = "OK") -> Callable[[dict], str]:
-    """A table cell: ``yes`` or ``OOM``, by the record's ``key``."""
-    return lambda r: yes if r[key] else "OOM"
+def ok(key: str, yes: str = "OK", no: str = "OOM") -> Callable[[dict], str]:
+    """A table cell: ``yes`` or ``no``, by the record's ``key``."""
+    return lambda r: yes if r[key] else no
 
 
 def timed(fn: Callable[[], Any], device: object = None) -> tuple[Any, float, float]:

@@ -32,7 +32,7 @@ from lib_vram.planning import planner
 from ..models.archs import save
 from ..models.synthetic import image_like, rrdb_net
 from ..models.unet import build_unet
-from ._harness import Bench, mib_of, runner
+from ._harness import Bench, mib_of, ok, runner
 
 HELP = "Soak: many mixed jobs in one process (RSS, the card at rest, time per job); --quick without a WebUI."
 KINDS = ("txt2img", "img2img", "hires", "extras")
@@ -308,7 +308,7 @@ def summary(records: list[dict], settle: int = 0) -> dict:
     return {**s, "passed": s["ok"] == s["jobs"] and s["card_at_baseline"] and (growth or 0) <= RSS_GROWTH}
 
 
-COLUMNS = ("job", "kind", "lora", ("ok", lambda r: "yes" if r["ok"] else "NO"), "seconds",
+COLUMNS = ("job", "kind", "lora", ("ok", ok("ok", "yes", "NO")), "seconds",
            ("RSS MiB", mib_of("rss_bytes", 0)), ("card at rest MiB", mib_of("card_bytes_at_rest")),
            "error")  # fmt: skip
 

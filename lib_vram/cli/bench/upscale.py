@@ -25,7 +25,7 @@ from lib_vram.core.tracker import _read_vm_hwm, _reset_vm_hwm
 
 from ..models.archs import BUILDERS, build, save, save_and_load
 from ..models.synthetic import compact_net, image_like, rrdb_net
-from ._harness import Bench, cell, known, mib_of, psnr, runner, table, timed
+from ._harness import Bench, cell, known, mib_of, ok, psnr, runner, table, timed
 
 HELP = "Tiled upscaling: untiled vs this engine (tiles x batches) vs a one-tile-at-a-time PIL loop."
 
@@ -311,8 +311,7 @@ def fallback_rows(names: list[str], workdir: Path, px: int, device: object = Non
 
 
 def _exact_table(columns: list[str], no: str) -> Callable[[list[dict]], str]:
-    exact = ("exact", lambda r: "yes" if r["exact"] else no)
-    return lambda rows: table([exact if c == "exact" else c for c in columns], rows)
+    return lambda rows: table([(c, ok(c, "yes", no)) if c == "exact" else c for c in columns], rows)
 
 
 arch_table, fallback_table = _exact_table(ARCH_COLUMNS, "**no**"), _exact_table(FALLBACK_COLUMNS, "no")
