@@ -278,11 +278,10 @@ def test_timeline_records(capsys):
     assert all(set(r["wall_s"]) == set(r["min_s"]) == VARIANTS for r in recs)
 
 
-def test_sampling_records(monkeypatch):
+def test_sampling_records():
     from lib_vram.cli.bench import sampling
 
-    monkeypatch.setattr(sampling, "QUICK", (("sd15", 16, 16, 2, "none"),))  # the smallest case
-    recs = sampling.records(True)
+    recs = sampling.case_records(("sd15", 16, 16, 2, "none"), {})  # the smallest case
     assert [r["card_gib"] for r in recs] == list(sampling.CARDS)
     _keys(recs, SAMPLING)
 
@@ -294,11 +293,11 @@ def test_sampling_stream_records():
     _keys([sampling_stream.plan_case("sd15", 3.0, 512, 12.0, torch.float32)], STREAM_PLAN)
 
 
-def test_sampling_controlnet_records(monkeypatch):
+def test_sampling_controlnet_records():
     """``bench sampling``'s ControlNet records (issue 30 item 5) on the smallest case."""
     from lib_vram.cli.bench import sampling
 
-    recs = sampling.control_records(("sd15", 16, 16, 2, "none"), {}, sampling._idle_bytes("sd15"))
+    recs = sampling.case_records(("sd15", 16, 16, 2, "none"), {}, control=True)
     assert [r["card_gib"] for r in recs] == list(sampling.CARDS)
     keys = ("plain_ok", "guarded_ok", "controlnet_bytes", "controlnet_resident_bytes", "bytes_moved_per_step",
             "controlnet_lowvram_bytes_per_step", "predicted_bytes", "peak_bytes")  # fmt: skip

@@ -58,9 +58,8 @@ def bench(args: argparse.Namespace) -> Bench:
     def run_case(case: tuple) -> list[dict]:
         if case in streamed:
             return [sampling_stream.run_one(case)]
-        if case in controls:
-            return control_records(case[1:], models, _idle_bytes(case[1]))
-        return _case_records(case, models, _idle_bytes(case[0]))
+        control = case in controls
+        return case_records(case[1:] if control else case, models, control)
 
     def label(case: tuple) -> str:
         return "streamed: " + sampling_stream.label(case) if case in streamed else " ".join(map(str, case))
@@ -68,28 +67,13 @@ def bench(args: argparse.Namespace) -> Bench:
     return Bench([*step, *streamed, *controls], run_case, _table, lines=False, label=label)
 
 
-def records(quick: bool) -> list[dict]:
-    """The sampling-step records (without the streamed ones), in this process."""
-    models: dict = {}
-    return [r for c in (QUICK if quick else FULL) for r in _case_records(c, models, _idle_bytes(c[0]))]
-
-
-def _idle_bytes(shape: str) -> int:
-    """The full-size idle models during sampling (fp16): the VAE and the text encoders."""
+def case_records(case: tuple, models: dict, control: bool = False) -> list[dict]:
+    """The step plain, then as planned, on each card scaled by f (``models``: those built so far;
+    ``control``: with one ControlNet unit; plain: its model on the card beside everything)."""
     from lib_vram.cli.stageplan import vae_weights
 
-    return sum(vae_weights(shape, "fp16")) + vae_arch(shape).text_encoder_bytes
-
-
-def control_records(case: tuple, models: dict, idle_full: int) -> list[dict]:
-    """One ControlNet case on each card (plain: the control model on the card beside everything)."""
-    return _case_records(case, models, idle_full, control=True)
-
-
-def _case_records(case: tuple, models: dict, idle_full: int, control: bool = False) -> list[dict]:
-    """The step plain, then as planned, on each card scaled by f (``models``: those built so far;
-    ``idle_full``: the full-size idle models' bytes; ``control``: with one ControlNet unit)."""
     shape, h, w, batch, attention = case
+    idle_full = sum(vae_weights(shape, "fp16")) + vae_arch(shape).text_encoder_bytes  # VAE, text encoders
     unet = models[shape] = models.get(shape) or build_unet(shape, 32, context_dim=CTX)
     if control:
         models["controlnet", shape] = models.get(("controlnet", shape)) or ControlNet(unet)
