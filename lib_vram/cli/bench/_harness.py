@@ -40,8 +40,6 @@ class Bench:
     """Runs one case in this process (``None``: in a fresh process, :func:`runner`'s ``child``)."""
     table: Sequence[Column] | Callable[[list[dict]], str] = ()
     """The table's columns, or the function that writes the whole text from the records."""
-    merge: Callable[[Any, Any], dict | list[dict]] | None = None
-    """Fresh processes: the record(s) from the case and what its process returned (default: that)."""
     lines: bool = True
     """``--json``: a record a line as each case ends (else one indented list at the end)."""
     label: Callable[[Any], str] = str
@@ -87,11 +85,7 @@ def _run(bench: Bench, args: argparse.Namespace) -> int:
             label = bench.label(case)
             print(f"[{i}/{len(bench.cases)}] {label}", file=sys.stderr, flush=True)
             try:
-                if bench.run_case is not None:
-                    got = bench.run_case(case)
-                else:
-                    got = _child(args.target, case, bench)
-                    got = bench.merge(case, got) if bench.merge is not None else got
+                got = bench.run_case(case) if bench.run_case is not None else _child(args.target, case, bench)
             except CaseFailed as exc:
                 print(f"{label} failed:\n{exc}", file=sys.stderr, flush=True)
                 got = exc.record

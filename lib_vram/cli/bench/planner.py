@@ -1,5 +1,5 @@
-"""``python -m lib_vram bench planner``: predicted (a fake run here) vs measured (peak RSS above the
-start, in a fresh process) peak memory per case. Method: docs/benchmarks.md, "Planner".
+"""``python -m lib_vram bench planner``: predicted (a fake run) vs measured (peak RSS above the start)
+peak memory per case, each in a fresh process. Method: docs/benchmarks.md, "Planner".
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _loop(case: Case):
 
 
 def measure(name: str) -> dict:
-    """Run the case ``name`` (in a fresh process): its peak RSS above the start."""
+    """Run the case ``name`` (in a fresh process): its record (:func:`_record`)."""
     case = BY_NAME[name]
     torch.manual_seed(0)
     model, shape = _build(case)
@@ -116,8 +116,7 @@ def measure(name: str) -> dict:
         with tracker.stage(case.name) as rec:
             loop(model, x)  # the output is freed inside the stage
         seconds = time.perf_counter() - t0
-    return {"measured_delta_bytes": rec.delta_peak_bytes, "exact": rec.exact, "seconds": seconds,
-            "threads": torch.get_num_threads()}  # fmt: skip
+    return _record(case, rec.delta_peak_bytes, rec.exact, seconds)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -141,15 +140,15 @@ def bench(args: argparse.Namespace) -> Bench:
                 f"{mib(r['measured_bytes']):>8} MiB  err {100 * (r['error'] or 0):+6.1f} %  "
                 f"({r['run_seconds']:.0f} s)")  # fmt: skip
 
-    return Bench([c.name for c in cases], None, _table, merge=_record, lines=False, done=done,
+    return Bench([c.name for c in cases], None, _table, lines=False, done=done,
                  env={} if args.glibc_default else MALLOC_ENV, timeout=args.timeout)  # fmt: skip
 
 
-def _record(name: str, meas: dict) -> dict:
-    """The case's prediction (:func:`_loop` on fake tensors, here) beside what its process measured."""
+def _record(case: Case, measured: int, exact: bool, seconds: float) -> dict:
+    """The case's prediction (:func:`_loop` on fake tensors, after the measured run) beside what
+    :func:`measure` measured."""
     from lib_vram.cli.stageplan import predict_loop
 
-    case, measured = BY_NAME[name], meas["measured_delta_bytes"]
     with torch.device("meta"):
         model, shape = _build(case)
     t0 = time.perf_counter()
@@ -162,7 +161,7 @@ def _record(name: str, meas: dict) -> dict:
         "predicted_bytes": p.activation_bytes, "measured_bytes": measured,
         "error": p.activation_bytes / measured - 1 if measured else None,
         "weights_bytes": p.weights_bytes, "input_bytes": p.input_bytes, "predict_seconds": predict_seconds,
-        "run_seconds": meas["seconds"], "exact": meas["exact"],
+        "run_seconds": seconds, "exact": exact,
     }  # fmt: skip
 
 
