@@ -175,10 +175,9 @@ def int_list(
     max_items: int = MAX_COUNT,
     multiple_of: int = 1,
 ):
-    """An argparse ``type=`` for a comma-separated list of integers, each in ``[lo, hi]``; the value
-    stays the text (normalised: ``"512,1024"``) for the code that splits it."""
+    """An argparse ``type=`` for a comma-separated list of integers, each in ``[lo, hi]``: the list."""
 
-    def parse(value: str) -> str:
+    def parse(value: str) -> list[int]:
         parts = [p.strip() for p in str(value).split(",")]
         if not value.strip() or any(not p for p in parts):
             raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}")
@@ -191,7 +190,7 @@ def int_list(
             except ValueError:
                 raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {p!r}") from None
             out.append(_arg_int(n, option, lo, hi, why=why, unit=unit, multiple_of=multiple_of))
-        return ",".join(str(n) for n in out)
+        return out
 
     parse.__name__ = option.lstrip("-")
     return parse

@@ -49,9 +49,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def bench(args: argparse.Namespace) -> Bench:
     sizes = QUICK if args.quick else FULL
     stages = known("--stages", args.stages, list(FULL))
-    cards = [int(c) for c in args.cards.split(",")]
     cases = [(stage, px) for stage in stages for px in sizes[stage]] + [("overhead", 0)] * args.overhead
-    return Bench(cases, lambda c: overhead() if c[0] == "overhead" else run_stage(*c, cards), _table,
+    return Bench(cases, lambda c: overhead() if c[0] == "overhead" else run_stage(*c, args.cards), _table,
                  label=lambda c: c[0] if c[0] == "overhead" else f"{c[0]} {c[1]}²")  # fmt: skip
 
 

@@ -78,7 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def select_cases(args: argparse.Namespace) -> list[tuple]:
     cases = QUICK_CASES if args.quick else FULL_CASES
     if args.sizes:
-        cases = [c for c in cases if str(c[2]) in args.sizes.split(",")]
+        cases = [c for c in cases if c[2] in args.sizes]
     else:
         cases = [c for c in cases if c[2] < 2048]  # 2048² only when asked for by --sizes
     if args.modes:
@@ -89,9 +89,8 @@ def select_cases(args: argparse.Namespace) -> list[tuple]:
 
 def bench(args: argparse.Namespace) -> Bench:
     if args.predict:
-        sizes = [int(s) for s in args.predict.split(",")]
-        return Bench(sizes, lambda px: predict_device_peaks(px, args.tile, args.fast_sample), _predict_table,
-                     label=lambda px: f"decode {px}² on fake tensors")  # fmt: skip
+        return Bench(args.predict, lambda px: predict_device_peaks(px, args.tile, args.fast_sample),
+                     _predict_table, label=lambda px: f"decode {px}² on fake tensors")  # fmt: skip
     cases = select_cases(args)
     biggest_fast = max((c[2] for c in cases if c[1] == "fast"), default=None)
     options = ("device", "dtype", "workdir", "threads", "state_offload", "fast_sample")
