@@ -83,8 +83,8 @@ def fidelity(out, ref, data_range: float) -> dict:
 
 
 def stage_fns(stage: str, px: int, device=None, dtype=None, full: bool | None = None):  # noqa: ANN001
-    """(module on the card, plain(), guarded(reports), data range) of ``stage``: full-size models
-    if ``full`` (default: on CUDA), else the narrow ones."""
+    """(module on the card, plain(), guarded(report), its report class, data range) of ``stage``:
+    full-size models if ``full`` (default: on CUDA), else the narrow ones."""
     from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
     from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode, tiled_encode
 
@@ -97,7 +97,7 @@ def stage_fns(stage: str, px: int, device=None, dtype=None, full: bool | None = 
         fn = tiled_decode if kind == "decoder" else tiled_encode
         no_grad, report, data_range = torch.no_grad, VAEReport, 2.0
 
-        def run(rep):
+        def guarded(rep):
             return fn(mod, x, config=TiledVAEConfig(mode="auto"), report=rep, original_forward=mod.forward,
                       memory=planner.PlanMemory())  # fmt: skip
     else:
@@ -106,7 +106,7 @@ def stage_fns(stage: str, px: int, device=None, dtype=None, full: bool | None = 
         prec = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
         no_grad, report, data_range = torch.inference_mode, UpscaleReport, 1.0
 
-        def run(rep):
+        def guarded(rep):
             return upscale_tensor(net, x.float(), config=UpscaleConfig(precision=prec), report=rep,
                                   memory=planner.PlanMemory())  # fmt: skip
 
@@ -114,11 +114,7 @@ def stage_fns(stage: str, px: int, device=None, dtype=None, full: bool | None = 
         with no_grad():
             return net(x)
 
-    def guarded(reports):
-        reports.append(report())
-        return run(reports[-1])
-
-    return mod, plain, guarded, data_range
+    return mod, plain, guarded, report, data_range
 
 
 def _plan_of(rep) -> str:
@@ -159,16 +155,16 @@ def run_stage(stage: str, px: int, cards: list[int], device: torch.device | None
     gpu, device = device is not None, torch.device(device or "cpu")
     cuda = device.type == "cuda"
     dtype, scale = (torch.float16, 1.0) if cuda else (torch.float32, SCALE)
-    module, plain, guarded, data_range = stage_fns(stage, px, device, dtype)
+    module, plain, guarded, report, data_range = stage_fns(stage, px, device, dtype)
     ref, _, ref_cpu = timed(plain)
     ref, records = ref.float().cpu(), []
     resident = 0 if cuda else int(RESIDENT_REAL * scale) + (0 if gpu else module_bytes([module]))
     for gb in cards:
-        cap, reports = int(gb * GB * scale), []
+        cap, rep = int(gb * GB * scale), report()
         rec = {"stage": stage, "image_px": px, "card_gb": gb, "card_bytes": cap}
         rec.update({"device": str(device)} if gpu else {"resident_bytes": resident, "scale": scale})
         label = None if gpu else f"emulated {gb} GB card (x{scale} scale)"
-        for which, fn in (("plain", plain), ("guarded", lambda reports=reports: guarded(reports))):
+        for which, fn in (("plain", plain), ("guarded", lambda rep=rep: guarded(rep))):
             reset_memory(device)
             card = EmulatedCard(cap, device=device.type, resident=resident, label=label)
             got = attempt(lambda fn=fn: _on_card(fn, device), card, install=True)
@@ -179,13 +175,13 @@ def run_stage(stage: str, px: int, cards: list[int], device: torch.device | None
             elif which == "plain":
                 rec.update(plain_ok=got.ok, plain_error=None if got.ok else got.error.split(".")[0])
             else:
-                rec.update(guarded_ok=got.ok, plan=_plan_of(reports[-1]) if reports else None)
+                rec.update(guarded_ok=got.ok, plan=_plan_of(rep))
                 done = {"seconds": round(secs, 2), "cpu_ratio": round(cpu_secs / ref_cpu, 3)}
                 rec.update(done if got.ok else {"error": got.error[:200]})
             if got.ok and which == "guarded":
                 rec.update(fidelity(out, ref, data_range))
                 if gpu:
-                    rec["plan"] = getattr(reports[-1], "plan", None)
+                    rec["plan"] = rep.plan
             peak = peak_memory(device, card)
             rec[f"{which}_peak_bytes" if gpu or which == "plain" else "peak_bytes"] = peak
             del got, out
