@@ -118,9 +118,9 @@ def stage_fns(stage: str, px: int, device=None, dtype=None, full: bool | None = 
 
 
 def _plan_of(rep) -> str:
-    plan = getattr(rep, "plan", "") or ""
+    """The report's plan and its out-of-memory retries (VAE: ``oom_retries``; upscale: ``events``)."""
     retries = getattr(rep, "oom_retries", None) or getattr(rep, "events", None)
-    return f"{plan} (after OOM: {retries})" if retries else plan
+    return f"{rep.plan} (after OOM: {retries})" if retries else rep.plan
 
 
 def reset_memory(device: torch.device) -> None:
