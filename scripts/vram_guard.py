@@ -140,7 +140,7 @@ def _on_model_loaded(sd_model):
 
 
 def _on_cfg_denoiser(params):
-    SESSION.sampling_step()
+    SESSION.sampling_step(params)
 
 
 def _on_script_unloaded():

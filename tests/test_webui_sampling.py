@@ -439,18 +439,31 @@ def test_a_part_run_mid_pass_comes_back_and_goes_home_after_the_pass():
 def test_a_card_too_small_for_any_plan_gets_the_named_error_before_the_unet_runs():
     from lib_vram.webui.sampling import SamplingOutOfMemory
 
-    ran: list[int] = []
-    handle = UNET.input_blocks[0].register_forward_hook(lambda *a: ran.append(1))
-    try:
-        ref = _reference()
-        ran.clear()
-        r = _sampling(ref.resident_before + 512 * 1024)  # the sampler's own inputs fit, no forward does
-    finally:
-        handle.remove()
+    class Watched(Step):
+        """Counts the card's allocations of each UNet call, also of one that raised (a hook on the
+        UNet would be an extension's change to its forward: VRAM Guard would not predict it)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.allocated: list[int] = []
+
+        def __call__(self, *args: Any) -> Any:
+            card = emulate.installed()
+            start = card.allocations
+            try:
+                return super().__call__(*args)
+            finally:
+                self.allocated.append(card.allocations - start)
+
+    ref = _reference()
+    step = Watched()
+    r = _sampling(
+        ref.resident_before + 512 * 1024, step=step
+    )  # the sampler's own inputs fit, no forward does
     assert isinstance(r.error, SamplingOutOfMemory), r.error
     text = str(r.error)
     assert "\n" not in text and "out of memory" in text and "px" in text and "fits" in text, text
-    assert ran == []  # stopped before the UNet computed anything
+    assert step.allocated == [0]  # stopped before the UNet computed anything
     assert not any("off the card for this pass" in n for n in r.notes)
     failed = [st for st in r.final["stages"] if st["stage"] == "sampling"]
     assert failed and failed[0]["ok"] is False and "VRAM Guard stopped" in (failed[0]["error"] or ""), failed

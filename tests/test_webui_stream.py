@@ -244,7 +244,7 @@ def test_in_a_job_a_pass_the_guard_would_stop_streams_and_gives_the_plain_sample
     VAE engine here (``vae_tiling="Auto"``), as it does by default."""
     import test_webui_sampling as ws
 
-    from lib_vram.webui.sampling import _attention
+    from lib_vram.webui.passplan import _attention
 
     caplog.set_level(logging.INFO, logger="lib_vram.webui.stream")
     caplog.set_level(logging.INFO, logger="lib_vram.residency")

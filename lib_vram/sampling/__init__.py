@@ -12,6 +12,8 @@ Public API:
 * :func:`plan_sampling` -> :class:`SamplingPlan`: the largest micro-batch that fits a budget,
   through :data:`lib_vram.planning.planner.MEMORY`; a one-line suggestion when nothing fits.
 * :func:`micro_batched`: a forward that splits its batch, halving it on an out-of-memory error.
+* :func:`inspect_unet` -> :class:`ForwardCheck`: what of a UNet's forward is not the stock one
+  (modules, replaced forwards, hooks of other extensions), per-sample or not, modelled or not.
 * :func:`plan_stream` -> :class:`StreamPlan`, :class:`StreamedUNet`: when the step does not fit
   even at micro-batch 1, keep the largest UNet units resident within the budget and stream the
   others with prefetch (units ``_units``, plan ``_stream_plan``, copies ``_copy``, hooks
@@ -25,6 +27,7 @@ from __future__ import annotations
 from ._attention import ATTENTIONS, attention_of
 from ._copy import StreamStats
 from ._estimate import MAX_BATCH, MAX_LATENT_SIDE, SamplingEstimate, estimate_sampling
+from ._forward import KNOWN, Finding, ForwardCheck, Known, finding, inspect_unet, origin_of
 from ._micro import MicroBatched, micro_batched
 from ._plan import SamplingPlan, plan_sampling
 from ._spec import CONTROLS, REFERENCES, UNetSpec, param_count, reference_control, reference_spec, unet_spec
@@ -41,6 +44,13 @@ from ._units import UNIT_PARTS, unet_units, unit_bytes
 __all__ = [
     "ATTENTIONS",
     "CONTROLS",
+    "KNOWN",
+    "Finding",
+    "ForwardCheck",
+    "Known",
+    "finding",
+    "inspect_unet",
+    "origin_of",
     "MAX_BATCH",
     "MAX_LATENT_SIDE",
     "REFERENCES",

@@ -90,6 +90,9 @@ class Job:
         self.sampled = False
         """``post_sample`` ran for the current batch: a decode now is the final one (also when an
         interrupted hires job skipped its hires pass), not the hires first-pass decode."""
+        self.postprocessing = False
+        """The job post-processes the images of its batch (``postprocess_batch`` ran, no pass of
+        its own started since): a pass now is another extension's, inside the job (ADetailer)."""
         self.notes: list[str] = []
         self.releases: list[dict] = []
         self.plans: dict[str, str] = {}
@@ -113,6 +116,11 @@ class Job:
     @property
     def p(self) -> Any:
         return self._p_ref() if self._p_ref is not None else None
+
+    def adopt(self, p: Any) -> None:
+        """The job now runs ``p`` (a script runs the job's processing with a copy of the ``p`` it
+        was set up with: X/Y/Z plot's cells)."""
+        self._p_ref = weakref.ref(p) if p is not None else None
 
     def current(self) -> bool:
         """True while this job is open and the WebUI is still running the job that opened it."""
@@ -202,6 +210,8 @@ class Job:
         """Readout name of a VAE pass from the job's progress (``p``) and the calling thread."""
         if threading.get_ident() != self.thread:
             return "preview_decode" if kind == "decode" else "other_encode"
+        if self.postprocessing:
+            return "ext_decode" if kind == "decode" else "ext_encode"  # (an extension's pass: ADetailer)
         p = self.p
         hr = bool(getattr(p, "enable_hr", False)) and self.kind == "txt2img"
         in_hr = bool(getattr(p, "is_hr_pass", False))

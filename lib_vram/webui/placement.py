@@ -33,9 +33,9 @@ from lib_vram.residency._modules import tensors_of as _tensors_of
 from .emulation import _weight_modules
 from .host import ask
 from .models import CardModels, checkpoint_parts, loaded_bytes
+from .passplan import _attention, _dtype_of
 from .patching import patch_attr
 from .placed import Placed
-from .sampling import _attention, _dtype_of
 
 logger = logging.getLogger(__name__)
 

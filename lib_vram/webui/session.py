@@ -125,16 +125,20 @@ class Session:
                 if job.unet is not None:
                     job.unet.ensure(sd_model)
 
-    def sampling_step(self) -> None:
+    def sampling_step(self, params: Any = None) -> None:
         """``on_cfg_denoiser`` (every sampling step, after the Refiner may have switched models and
         before the UNet runs): keep the FP16 UNet on whatever model is current now (a cached model
         can be switched in without ``on_model_loaded``). Cheap when nothing changed. Also one
-        sample of the job's memory timeline per step."""
+        sample of the job's memory timeline per step, and a pass another extension runs inside the
+        job without VRAM Guard's script (ADetailer's) planned at its first step
+        (:meth:`~lib_vram.webui.sampling.SamplingGuard.step`; ``params``: ``CFGDenoiserParams``)."""
         for job in self.open_jobs():
             if not job.current():
                 continue
             if job.unet is not None:
                 job.unet.ensure(self.host.sd_model())
+            if params is not None and job.kind != "extras":
+                job.sampling_guard().step(params)
             job.tracker.sample("step")
 
     def note(self, text: str) -> None:
@@ -416,6 +420,10 @@ class ScriptJobs:
         job = self._open(p, options)
         if job is None:
             return None
+        if job.p is not p:
+            if job.postprocessing:  # another extension's call inside the job (ADetailer's passes)
+                return job
+            job.adopt(p)  # a script's own run of the job (X/Y/Z plot: a copy of p per cell)
         job.boundary("process")
         self.refresh(p)
         self._ensure_unet(job)
@@ -450,13 +458,19 @@ class ScriptJobs:
     def before_sampling(self, p: Any, *, x: Any = None, c: Any = None, uc: Any = None) -> None:
         """``process_before_every_sampling`` (first pass, hires pass, img2img): the pass's stage
         opens, and the sampling guard plans it (:mod:`.sampling`); ``x``, ``c``, ``uc``: the
-        latent the pass starts from and its conditioning, as the host passes them."""
+        latent the pass starts from and its conditioning, as the host passes them. A pass of
+        another ``p`` while the job post-processes its images is another extension's pass inside
+        the job (ADetailer's, with VRAM Guard on its script list): planned as ``ext_sampling``."""
         job = self.job
         if job is not None and not job.closed:
             self.refresh(p)
             self._ensure_unet(job)
-            job.sampled = False
-            stage = "hires_sampling" if getattr(p, "is_hr_pass", False) else "sampling"
+            if job.postprocessing and p is not job.p:
+                stage = "ext_sampling"
+            else:
+                job.postprocessing = False
+                job.sampled = False
+                stage = "hires_sampling" if getattr(p, "is_hr_pass", False) else "sampling"
             job.begin_span(stage)
             job.sampling_guard().before(p, stage, x=x, c=c, uc=uc)
 
@@ -478,13 +492,26 @@ class ScriptJobs:
         job = self.job
         if job is not None and not job.closed:
             job.boundary("postprocess_batch")
-            job.begin_span("postprocess")
+            if not (job.postprocessing and p is not job.p):  # (an extension's pass: its own batch)
+                job.postprocessing = True
+                job.begin_span("postprocess")
 
     def postprocess(self, p: Any) -> None:
+        """``postprocess``: the job ends, unless this is another extension calling every script's
+        ``postprocess`` for a ``p`` of its own while the job still post-processes its images:
+        ADetailer does so (with a copy of ``p`` and no images) before its inpaint passes, and its
+        passes' own ``p`` ends the same way when VRAM Guard is on its script list. The job stays
+        open: those passes are passes of this job (the ``p.close`` safety net still ends it)."""
         job = self.job
-        if job is not None:
-            job.postprocessed = True
-            self.close()
+        if job is None:
+            return
+        if job.postprocessing and p is not job.p and not job.closed and job.current():
+            logger.debug(
+                "VRAM Guard: postprocess of another p inside the job (an extension's): job kept open"
+            )
+            return
+        job.postprocessed = True
+        self.close()
 
     # -- Extras ------------------------------------------------------------------------------
     def extras(self, pp: Any, options: Any) -> Job | None:
