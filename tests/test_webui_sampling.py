@@ -694,3 +694,177 @@ def test_an_error_mid_pass_and_a_script_unload_undo_the_patch_and_the_moves():
     wc.close()
     assert patched and during < after and "forward" not in UNET.__dict__
     assert all(not mod._forward_pre_hooks for mod in MODEL.first_stage_model.modules())
+
+
+# -- a forward VRAM Guard does not predict (an extension's change to the UNet) -----------------
+
+
+@pytest.fixture(scope="module")
+def ext_code(tmp_path_factory):
+    from extension_code import extension_module
+
+    root = tmp_path_factory.mktemp("webui")
+    return {
+        "frames": extension_module(root, "sd-webui-animatediff"),
+        "tiles": extension_module(root, "multidiffusion-upscaler-for-automatic1111"),
+    }
+
+
+@dataclass
+class Frames:
+    """A motion module in the UNet's second input block for the test's pass: the batch of one
+    forward is cond and uncond of IMAGES frames (2 videos of IMAGES frames), coupled."""
+
+    module: Any
+
+    def __enter__(self) -> Frames:
+        UNET.input_blocks[1].append(self.module)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del UNET.input_blocks[1][-1]
+
+
+@dataclass
+class Counted:
+    """A pre-hook of a known per-sample extension (Tiled Diffusion's folder) on a UNet block: the
+    estimate does not model it; it records each call's batch."""
+
+    ext: Any
+    batches: list[int] = dataclasses.field(default_factory=list)
+
+    def __enter__(self) -> Counted:
+        self.handle = UNET.middle_block.register_forward_pre_hook(self.ext.count_batches(self.batches))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
+
+
+def _stage(r: Run, name: str) -> list[dict]:
+    return [st for st in (r.final or r.status)["stages"] if st["stage"] == name]
+
+
+def test_a_forward_the_estimate_does_not_know_runs_whole_and_is_planned_from_its_measured_first_step(
+    ext_code,
+):
+    with Counted(ext_code["tiles"]) as counted:
+        off = _sampling(BIG, guard_sampling=False)
+        r = _sampling(BIG)
+    assert off.error is None and r.error is None, (off.error, r.error)
+    assert torch.equal(r.out[0], off.out[0])  # the WebUI's own forward, whole batch: the same bits
+    assert counted.batches == [4] * 4, counted.batches  # (2 steps without VRAM Guard, 2 with)
+    measured = [n for n in r.notes if "planned from its measured first step" in n]
+    assert len(measured) == 1 and "Tiled Diffusion (a hook on middle_block)" in measured[0], r.notes
+    plan = _stage(r, "sampling")[0]["plan"]
+    assert "measured, not predicted" in plan and "micro-batch" not in plan, plan
+    events = [e["text"] for e in r.status["timeline"]["events"] if e["kind"] == "plan"]
+    assert len(events) == 1 and events[0].startswith("sampling: first step measured at "), events
+    assert_clean(r)
+
+
+def test_a_coupled_batch_is_never_split_it_fits_with_the_idle_parts_off(ext_code):
+    with Frames(ext_code["frames"].TemporalMix(IMAGES)) as frames:
+        big = _sampling(BIG, guard_sampling=False)
+        assert big.error is None, big.error
+        cap = big.resident_before - VAE_BYTES - TE_BYTES + _need(big) + 512 * 1024
+        off = _sampling(cap, guard_sampling=False)
+        frames.module.batches.clear()
+        r = _sampling(cap)
+    assert off.error is not None and "out of memory" in str(off.error).lower(), off.error
+    assert r.error is None, r.error
+    assert torch.equal(r.out[0], big.out[0])  # every step whole: the same videos
+    assert set(frames.module.batches) == {4}, frames.module.batches  # never a part of the batch
+    assert any("off the card for this pass" in n and "ran out of memory" in n for n in r.notes), r.notes
+    assert "micro-batch" not in _stage(r, "sampling")[0]["plan"]
+    assert_clean(r)
+
+
+def test_a_coupled_batch_that_does_not_fit_whole_stops_with_the_line_naming_the_extension(ext_code):
+    from lib_vram.webui.sampling import SamplingOutOfMemory
+
+    with Frames(ext_code["frames"].TemporalMix(IMAGES)) as frames:
+        r = _sampling(_reference().resident_before + int(_need(_reference()) * 0.6))
+    assert isinstance(r.error, SamplingOutOfMemory), r.error
+    text = str(r.error)
+    assert "\n" not in text and "AnimateDiff" in text and "never splits" in text, text
+    assert set(frames.module.batches) <= {4}, frames.module.batches  # (the first blocks ran out)
+    failed = _stage(r, "sampling")
+    assert failed and failed[0]["ok"] is False, failed
+    assert_clean(r)
+
+
+def test_a_per_sample_forward_the_estimate_does_not_know_is_split_only_after_its_whole_batch_ran_out(
+    ext_code,
+):
+    ref = _reference()
+    settings = {"offload_unet": False, "offload_text_encoders": False}  # nothing may move: the split alone
+    cap = ref.resident_before + int(_need(ref) * 0.6)
+    with Counted(ext_code["tiles"]) as counted:
+        r = _sampling(cap, settings=settings)
+    assert r.error is None, r.error
+    same_samples(r.out[0], ref.out[0])
+    assert set(counted.batches) <= {1, 2}, counted.batches  # (the whole batch ran out before this block)
+    assert any("out of memory with its whole batch: it runs in micro-batches of 2" in n for n in r.notes), (
+        r.notes
+    )
+    assert r.peak <= cap
+    assert_clean(r)
+
+
+def test_a_change_made_mid_pass_makes_the_rest_of_the_pass_a_measured_whole_one(ext_code):
+    """Kohya's Deep Shrink swaps blocks at a step: the forward is checked at every call."""
+    ref = _reference()
+    frames = ext_code["frames"].TemporalMix(IMAGES)
+
+    def body(jobs: ScriptJobs, p: Any) -> Any:
+        x = X.clone()
+        jobs.before_sampling(p, x=x, c=[COND[0]], uc=[UNCOND[0]])
+        outs = []
+        for i, sigma in enumerate(SIGMAS):
+            jobs.session.sampling_step()
+            if i == 1:
+                UNET.input_blocks[1].append(frames)
+            try:
+                outs.append(UNET(torch.cat([x, x]), sigma, context=torch.cat([COND, UNCOND])))
+            finally:
+                if i == 1:
+                    del UNET.input_blocks[1][-1]
+        jobs.post_sample(p)
+        return outs
+
+    r = run_job(ref.resident_before + int(_need(ref) * 0.6), body, settings=NO_MARGIN)
+    # the first step micro-batched as predicted; the second is coupled: whole, and out of memory
+    assert r.error is not None and "AnimateDiff" in str(r.error), r.error
+    assert set(frames.batches) <= {4}, frames.batches
+    assert any("from this step on" in n and "AnimateDiff" in n for n in r.notes), r.notes
+    assert_clean(r)
+
+
+def test_a_pass_another_extension_runs_inside_the_job_is_planned_as_a_pass_of_the_job():
+    """ADetailer's inpaint: its own img2img ``p``, its scripts filtered (VRAM Guard's
+    ``process_before_every_sampling`` does not run): planned at its first ``on_cfg_denoiser``."""
+    from types import SimpleNamespace
+
+    def body(jobs: ScriptJobs, p: Any) -> Any:
+        sample_pass(jobs, p)
+        jobs.postprocess_batch(p)
+        inner, x = FakeP(), X.clone()
+        inner._ad_inner = True
+        jobs.postprocess(inner)  # ADetailer calls every script's postprocess with a copy of p first
+        x_in = torch.cat([x, x])  # CFGDenoiserParams.x: the cond rows, then the uncond rows
+        params = SimpleNamespace(
+            denoiser=SimpleNamespace(p=inner), x=x_in, text_cond=COND, text_uncond=UNCOND
+        )
+        for sigma in SIGMAS:
+            jobs.session.sampling_step(params)
+            UNET(x_in, sigma, context=torch.cat([COND, UNCOND]))
+        return None
+
+    r = run_job(BIG, body, settings=NO_MARGIN)
+    assert r.error is None, r.error
+    ext = _stage(r, "ext_sampling")
+    assert len(ext) == 1 and ext[0]["plan"].startswith("batch 4 (predicted "), ext
+    assert any("ADetailer's inpainting runs inside this job" in n for n in r.notes), r.notes
+    assert len(_stage(r, "sampling")) == 1
+    assert_clean(r)

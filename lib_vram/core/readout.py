@@ -39,6 +39,9 @@ KNOWN_STAGES: tuple[tuple[str, str], ...] = (
     ("hires_sampling", "Hires sampling"),
     ("decode", "Decode"),
     ("postprocess", "Postprocess"),
+    ("ext_encode", "Extension's encode"),
+    ("ext_sampling", "Extension's sampling"),
+    ("ext_decode", "Extension's decode"),
     ("upscale", "Upscale (Extras)"),
     ("preview_decode", "Live preview decode"),
     ("other_encode", "Other encode"),
@@ -245,9 +248,16 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
     return "".join(parts)
 
 
+FIRST_FORWARD = "_first_forward"
+"""Suffix of the nested stage that measures a pass's first UNet step (a forward VRAM Guard does not
+predict): ``sampling_first_forward``."""
+
+
 def stage_label(name: str) -> str:
     """The readout's label of a tracker stage name (``"vae_decode"`` -> ``"Decode"``)."""
     sid = _stage_id(name)
+    if sid.endswith(FIRST_FORWARD):
+        return stage_label(sid[: -len(FIRST_FORWARD)]) + ": first step, measured"
     return _LABELS.get(sid, sid.replace("_", " ").capitalize())
 
 
@@ -261,6 +271,9 @@ STAGE_WORDS: dict[str, str] = {
     "hires_upscale": "the hires-fix upscale",
     "img2img_upscale": "the img2img upscale",
     "upscale": "the upscale",
+    "ext_encode": "an extension's VAE encode (e.g. ADetailer's inpaint)",
+    "ext_sampling": "an extension's sampling pass (e.g. ADetailer's inpaint)",
+    "ext_decode": "an extension's VAE decode (e.g. ADetailer's inpaint)",
 }
 """What each stage is called in the readout's notes: the words a user knows it by."""
 
@@ -268,6 +281,8 @@ STAGE_WORDS: dict[str, str] = {
 def stage_words(name: str) -> str:
     """The words a note uses for a stage (``"hires_encode"`` -> ``"the hires-fix VAE encode"``)."""
     sid = _stage_id(name)
+    if sid.endswith(FIRST_FORWARD):
+        return "the first step of " + stage_words(sid[: -len(FIRST_FORWARD)]).removeprefix("the ")
     return STAGE_WORDS.get(sid, "the " + sid.replace("_", " "))
 
 

@@ -132,21 +132,19 @@ def _tokens(obj: Any, depth: int) -> int | None:
 
 def plan_pass(
     job: Any, p: Any, stage: str, model: Any, dm: Any, *, x: Any, c: Any, uc: Any, idle: _Idle | None,
-    ctl: Any, check: ForwardCheck, latent_hw: tuple[int, int] | None = None,
+    ctl: Any, check: ForwardCheck,
 ) -> PassPlan:  # fmt: skip
     """Plan one sampling pass (docs/sampling.md, "In the WebUI"): the plan in force, what leaves the
     card, the streamed UNet or the named error. ``idle``: the parts that may leave the card for it;
     ``ctl``: the job's ControlNet models (or None); ``check``: its forward
     (:func:`.forwards.check_pass`): a forward the estimate does not model runs as the WebUI runs
-    it, planned from its measured first forward (:func:`_measured`). ``latent_hw``: the latent's
-    size where ``x`` is not the pass's latent (a pass seen at its first step)."""
+    it, planned from its measured first forward (:func:`_measured`)."""
     from lib_vram import sampling
     from lib_vram.residency.controlnet import whole_batch
 
     host = job.host
     spec = sampling.unet_spec(dm)
     images, hw = _latent_of(p, x)
-    hw = latent_hw or hw
     cond_uncond = bool(ask(host, "batch_cond_uncond", True))
     batch = images * (2 if cond_uncond else 1)
     tokens = context_tokens(c, uc)

@@ -29,8 +29,11 @@ import weakref
 from contextlib import ExitStack
 from typing import Any
 
+import torch
+
 from lib_vram.core import emulate
 from lib_vram.core.device import is_oom_error, release
+from lib_vram.core.readout import FIRST_FORWARD
 
 from .forwards import check_pass
 from .host import ask
@@ -69,9 +72,7 @@ class SamplingGuard:
         """A weak reference to the ``p`` of the last pass :meth:`before` was asked to plan."""
 
     # -- the pass ----------------------------------------------------------------------------
-    def before(
-        self, p: Any, stage: str, *, x: Any = None, c: Any = None, uc: Any = None, latent_hw: Any = None
-    ) -> PassPlan | None:
+    def before(self, p: Any, stage: str, *, x: Any = None, c: Any = None, uc: Any = None) -> PassPlan | None:
         """Plan the pass that starts now; make room, install the wrapper (see the module
         docstring). Never raises for a planning problem: the pass then runs as the WebUI runs it."""
         self.end()
@@ -94,7 +95,7 @@ class SamplingGuard:
             check = self._check(p, model, dm)
             planned = plan_pass(
                 job, p, stage, model, dm, x=x, c=c, uc=uc, idle=self._movable(p, stage, model),
-                ctl=self._job_controls(cards), check=check, latent_hw=latent_hw,
+                ctl=self._job_controls(cards), check=check,
             )  # fmt: skip
         except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
             if is_oom_error(exc):
@@ -145,13 +146,16 @@ class SamplingGuard:
         if p is None or (self._seen is not None and self._seen() is p):
             return None
         x = getattr(params, "x", None)
-        hw = tuple(int(v) for v in x.shape[-2:]) if getattr(x, "dim", lambda: 0)() == 4 else None
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            x = None
+        elif x.shape[0] > 1:  # the UNet's input: cond rows, then one uncond row per image
+            x = x[: _rows(getattr(params, "text_uncond", None), x.shape[0] // 2)]
         job = self.job
         job.begin_span("ext_sampling")
         inner = "ADetailer's inpainting" if getattr(p, "_ad_inner", False) else "another extension's pass"
         job.note(f"VRAM Guard: a sampling pass of {inner} runs inside this job: guarded as one of its passes")
         uc = getattr(params, "text_uncond", None)
-        return self.before(p, "ext_sampling", c=getattr(params, "text_cond", None), uc=uc, latent_hw=hw)
+        return self.before(p, "ext_sampling", x=x, c=getattr(params, "text_cond", None), uc=uc)
 
     def end(self) -> None:
         """Undo the pass's patch and bring moved parts back (idempotent; the job's next stage or
@@ -325,7 +329,7 @@ class SamplingGuard:
         if not planned.measured or planned.measured_bytes is not None:
             return run(*args, **kwargs)
         job = self.job
-        with job.tracker.stage(f"{planned.stage}_first_forward") as rec:
+        with job.tracker.stage(planned.stage + FIRST_FORWARD) as rec:
             out = run(*args, **kwargs)
         planned.measured_bytes, planned.measured_exact = rec.peak_bytes, rec.exact
         self._record_measured(planned)
@@ -447,6 +451,13 @@ def _ref(p: Any) -> Any:
         return weakref.ref(p)
     except TypeError:
         return lambda: p
+
+
+def _rows(cond: Any, default: int) -> int:
+    """The rows of a conditioning (a tensor, or SDXL's dict of them): one per image."""
+    if isinstance(cond, dict):
+        cond = cond.get("crossattn")
+    return int(cond.shape[0]) if isinstance(cond, torch.Tensor) and cond.dim() > 1 else default
 
 
 def _batch_of(args: tuple, kwargs: dict) -> int | None:

@@ -1,0 +1,117 @@
+"""What runs in a UNet's forward (lib_vram.sampling.inspect_unet): the stock blocks, or an
+extension's change, found by where its code lives — on the WebUI's own ldm UNet class."""
+
+from __future__ import annotations
+
+import functools
+from contextlib import ExitStack
+
+import pytest
+import torch
+from extension_code import extension_module
+from webui_fakes import tiny_xattn_unet
+
+from lib_vram.sampling import ForwardCheck, inspect_unet, origin_of
+from lib_vram.webui.patching import patch_attr
+
+
+@pytest.fixture
+def unet():
+    return tiny_xattn_unet()
+
+
+def test_the_stock_ldm_unet_is_the_stock_forward(unet):
+    check = inspect_unet(unet)
+    assert check == ForwardCheck() and check.per_sample and check.modelled
+    assert check.reason() == "the stock forward"
+
+
+def test_a_module_an_extension_puts_into_a_block_is_found_and_named(unet, tmp_path):
+    ext = extension_module(tmp_path, "sd-webui-animatediff")
+    unet.input_blocks[1].append(ext.TemporalMix(2))
+    check = inspect_unet(unet)
+    assert not check.per_sample and not check.modelled
+    assert check.names == ("AnimateDiff",)
+    assert "module TemporalMix in input_blocks.1.2" in check.reason(), check.reason()
+
+
+def test_an_unknown_extension_is_neither_per_sample_nor_modelled(unet, tmp_path):
+    ext = extension_module(tmp_path, "sd-webui-something-new")
+    unet.output_blocks[0].register_forward_pre_hook(ext.count_batches([]))
+    check = inspect_unet(unet)
+    assert not check.per_sample and not check.modelled
+    assert check.names == ("the extension 'sd-webui-something-new'",)
+    assert "a hook on output_blocks.0" in check.reason()
+
+
+def test_a_known_per_sample_change_is_per_sample_but_not_modelled(unet, tmp_path):
+    ext = extension_module(tmp_path, "multidiffusion-upscaler-for-automatic1111")
+    block = unet.middle_block
+    block.forward = ext.wrap(block.forward)
+    check = inspect_unet(unet)
+    assert check.per_sample and not check.modelled
+    assert (
+        check.reason()
+        == "the UNet's forward is changed by Tiled Diffusion (forward of middle_block replaced)"
+    )
+
+
+def test_a_class_forward_replaced_is_found_where_the_replacement_lives(unet, tmp_path):
+    ext = extension_module(tmp_path, "sd-webui-animatediff")
+    norm = type(unet.input_blocks[1][0].in_layers[0])  # ldm's GroupNorm32 (AnimateDiff v1 patches it)
+    saved = norm.__dict__["forward"]
+    norm.forward = ext.wrap(saved)
+    try:
+        check = inspect_unet(unet)
+    finally:
+        norm.forward = saved
+    assert any(f.what == "GroupNorm32.forward replaced" for f in check.findings), check.findings
+    assert check.names == ("AnimateDiff",) and not check.per_sample
+
+
+def test_a_global_hook_is_a_finding_for_every_module(unet, tmp_path):
+    ext = extension_module(tmp_path, "sd-webui-something-new")
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(ext.count_batches([]))
+    try:
+        check = inspect_unet(unet)
+    finally:
+        handle.remove()
+    assert [f.what for f in check.findings] == ["a hook on every module"]
+
+
+def test_the_file_wins_over_a_copied_module_name(tmp_path):
+    """``functools.wraps`` copies ``__module__`` (HyperTile's wrapper says it is the WebUI's)."""
+    ext = extension_module(tmp_path, "sd-webui-animatediff")
+
+    def stock() -> None: ...
+
+    wrapped = functools.wraps(stock)(ext.wrap(stock))
+    assert wrapped.__module__ == __name__ and origin_of(wrapped) == "sd-webui-animatediff"
+    assert origin_of(functools.partial(wrapped, 1)) == "sd-webui-animatediff"
+    assert origin_of(torch.nn.Conv2d.forward) == "torch"
+    assert origin_of(type(tiny_xattn_unet())) == "model"
+
+
+def test_vram_guards_own_wrapper_is_looked_through_to_what_it_wraps(unet, tmp_path):
+    ext = extension_module(tmp_path, "sd-webui-something-new")
+    with ExitStack() as stack:
+        patch_attr(unet, "forward", lambda previous, *a, **k: previous(*a, **k), stack)
+        assert inspect_unet(unet) == ForwardCheck()  # ours over the class forward: stock
+    unet.forward = ext.wrap(unet.forward)
+    with ExitStack() as stack:
+        patch_attr(unet, "forward", lambda previous, *a, **k: previous(*a, **k), stack)
+        assert [f.what for f in inspect_unet(unet).findings] == ["forward of the UNet replaced"]
+
+
+def test_what_the_caller_handles_is_allowed(unet, tmp_path):
+    ext = extension_module(tmp_path, "sd-webui-controlnet")
+    unet.forward = ext.wrap(unet.forward)
+    assert inspect_unet(unet).names == ("ControlNet",)
+    assert inspect_unet(unet, allow=lambda obj, module: module is unet) == ForwardCheck()
+
+
+def test_checks_add_up_without_repeats(unet, tmp_path):
+    ext = extension_module(tmp_path, "sd-webui-animatediff")
+    unet.input_blocks[1].append(ext.TemporalMix(2))
+    a = inspect_unet(unet)
+    assert (a + a) == a and (ForwardCheck() + a) == a
