@@ -387,3 +387,33 @@ def test_a_control_model_that_does_not_fit_beside_the_whole_unet_streams_the_une
     plans = [st["plan"] for st in r.status["stages"] if st["stage"] == "sampling"]
     assert plans and "UNet streamed" in plans[0] and "ControlNet" in plans[0], plans
     assert_clean(r)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_control_model_whose_move_to_the_card_runs_out_of_memory_stops_the_pass_with_the_line(
+    where, monkeypatch
+):
+    """The owner's move of the control model onto the card fails at its first, a middle or its
+    last allocation (issue 42 item 0): no traceback from VRAM Guard's hook, the pass stops at its
+    first forward with one line, nothing left half-moved."""
+    from lib_vram.residency.controlnet import Controls
+    from lib_vram.webui.sampling import SamplingOutOfMemory
+
+    tensors = len(list(CONTROL.parameters())) + len(list(CONTROL.buffers()))
+    n = {"first": 1, "middle": tensors // 2, "last": tensors}[where]
+    start_pass = Controls.start_pass
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        card = emulate.installed()
+        card.inject_oom_at = card.allocations + n
+        return start_pass(self, *args, **kwargs)
+
+    monkeypatch.setattr(Controls, "start_pass", failing)
+    r = _controlnet_run(BIG)
+    assert isinstance(r.error, SamplingOutOfMemory), r.error
+    text = str(r.error)
+    assert "\n" not in text and "moving its models onto the card" in text, text
+    assert r.status["card"]["ooms"] == 1
+    assert not any(m["role"] == "control" and m["where"] == "card" for m in r.status.get("models", []))
+    assert "to" not in CONTROL.__dict__ and "disable_memory_management" not in CONTROL.__dict__
+    assert_clean(r)

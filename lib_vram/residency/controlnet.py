@@ -196,9 +196,10 @@ class Controls:
         mine = self.of(used)
         owner.send_home([m for m in self.models.values() if m not in mine], f"{what} does not use it")
         self.hold(self.units, stack)
+        # (first: a wake that runs out of memory leaves those woken before it going home)
+        stack.callback(owner.send_home, list(mine), f"{what} is done")  # (also one found there)
         for m in mine:
             owner.use(m, stage, why=f"{what} runs it")
-        stack.callback(owner.send_home, list(mine), f"{what} is done")  # (also one found there)
         return mine
 
     def hold(self, found: Iterable[Unit], stack: ExitStack) -> None:

@@ -132,11 +132,30 @@ class SamplingGuard:
             if cards is not None and self._controls is not None:
                 self._computing = self._controls.start_pass(planned.controls, stage, self.stack)
             self._install(dm, planned)
-        except BaseException:
+        except BaseException as exc:
             self.end()
-            raise
+            if not (isinstance(exc, Exception) and is_oom_error(exc)):
+                raise
+            planned.error = self._stop_at_move(planned, dm, exc)
+        if planned.error is not None and self.stack is None:  # (a move ran out of memory)
+            self.stack = ExitStack()
+            self._install(dm, planned)  # the pass's first forward raises the line
         self._record(planned)
         return planned
+
+    def _stop_at_move(self, planned: PassPlan, dm: Any, exc: BaseException) -> str:
+        """A move the pass needed (a control model, a streamed unit, a part woken) ran out of memory
+        in :meth:`before`: everything it moved is back where it was (the stack closed); the pass
+        stops at its first forward with one line, not with a traceback in VRAM Guard's hook (the
+        WebUI would log it and run on into the same error)."""
+        release(dm_device(dm))
+        what = "the hires pass" if planned.stage == "hires_sampling" else planned.stage.replace("_", " ")
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        return (
+            f"VRAM Guard stopped {what} before it ran out of memory: moving its models onto the card "
+            f"for the pass ran out of memory ({first}); nothing was left half-moved. "
+            "Fewer ControlNet units, a smaller image or batch may fit"
+        )
 
     def step(self, params: Any) -> PassPlan | None:
         """``on_cfg_denoiser`` (each step, before the UNet runs): a pass whose ``p`` VRAM Guard has
