@@ -115,3 +115,23 @@ def test_checks_add_up_without_repeats(unet, tmp_path):
     unet.input_blocks[1].append(ext.TemporalMix(2))
     a = inspect_unet(unet)
     assert (a + a) == a and (ForwardCheck() + a) == a
+
+
+def test_the_webuis_hypertile_is_not_the_stock_forward(unet, tmp_path):
+    """HyperTile lives in the WebUI's own ``modules/hypertile.py`` (Settings -> Optimizations):
+    its wrappers are named as HyperTile, not as the WebUI's stock code."""
+    path = tmp_path / "modules" / "hypertile.py"
+    path.parent.mkdir()
+    path.write_text(
+        "def wrap(fn):\n    def forward(*a, **k):\n        return fn(*a, **k)\n\n    return forward\n"
+    )
+    namespace: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    other = tmp_path / "modules" / "sd_samplers.py"
+    other.write_text("def stock(*a, **k):\n    return None\n")
+    exec(compile(other.read_text(), str(other), "exec"), namespace)
+    attn = unet.input_blocks[1][1].transformer_blocks[0].attn1
+    attn.forward = namespace["wrap"](attn.forward)
+    check = inspect_unet(unet)
+    assert check.names == ("HyperTile",) and check.per_sample, check
+    assert origin_of(namespace["stock"]) == "webui"

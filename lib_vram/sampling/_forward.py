@@ -69,6 +69,11 @@ _ALIASES = {
 }
 
 
+_WEBUI_OPTIONS = ("hypertile",)
+"""The WebUI's own modules (``modules/<stem>.py``) that change the forward: its Settings options,
+not the stock forward."""
+
+
 @dataclass(frozen=True)
 class Finding:
     """One change to the stock forward."""
@@ -149,9 +154,9 @@ def _origin(path: str, module: str) -> str:
         return "torch"
     if top in ("ldm", "sgm") or "ldm" in parts or "sgm" in parts:
         return "model"
-    if top == "modules" or (len(parts) > 1 and parts[-2] == "modules"):
-        return "webui"
     stem = parts[-1].rsplit(".", 1)[0].lower() if parts else top.lower()
+    if top == "modules" or (len(parts) > 1 and parts[-2] == "modules"):
+        return stem if stem in _WEBUI_OPTIONS else "webui"
     return top.lower() if top and top not in ("__main__", "builtins") else stem
 
 
