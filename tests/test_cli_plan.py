@@ -654,6 +654,8 @@ def test_token_merging_and_hypertile_are_in_the_sampling_prediction(capsys):
     want = act(SelfAttention(hypertile=HyperTile(max_tile_px=128)), "none")
     assert _stage(tiled, "sample")["activation_bytes"] == want < act(None, "none") / 2
     assert tiled["forward"] == ["HyperTile (max tile 128 px)"]
+    # its tiles are drawn at random per forward (swap size 3): the batch is never split
+    assert [c["batch"] for c in _stage(tiled, "sample")["candidates"]] == [2]
 
 
 def _table(argv, *more: str) -> str:

@@ -247,7 +247,8 @@ class PassOptions:
     """What else shapes the sampling passes' UNet forward (``plan``'s options):
 
     * ``hypertile``: the WebUI's HyperTile on the UNet with this max tile size in px (None: off;
-      depth 3, swap size 3: the WebUI's defaults), and ``token_merging``: its ratio (0: off), both
+      depth 3, swap size 3: the WebUI's defaults; its random tiles keep the batch whole), and
+      ``token_merging``: its ratio (0: off), both
       modelled by the estimate (:class:`lib_vram.sampling.SelfAttention`);
     * ``tiled``: Tiled Diffusion (MultiDiffusion) with latent tiles of this side in image px,
       ``tile_batch`` tiles per forward at most (the extension evens the batches out) and its
@@ -320,7 +321,8 @@ def sampling_pass(
     controls = () if stage == skipped else tuple(reference_control(c) for c in controlnets)
     down = reference.vae_arch(arch).downscale
     hw = (h // down, w // down)
-    n, label, whole = 2 * batch, None, False
+    # HyperTile's swap size 3 draws its tiles per forward: the guard never splits such a pass
+    n, label, whole = 2 * batch, None, opt.hypertile is not None
     if opt.tiled is not None:
         # one tile batch per forward; the whole latent, the extension's sum of the tiles' outputs
         # (its size) and its float32 weights stay on the card beside it
