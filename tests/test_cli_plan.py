@@ -623,3 +623,102 @@ def test_controlnet_units_are_in_the_sampling_stages(capsys):
     assert one["controlnets"] == ["sd15"] and low["controlnet_hires"] == "lowres"
     assert main(["plan", *base, "--controlnet", "sdxl"]) == 2
     assert "is not a ControlNet for `--arch sd15`" in capsys.readouterr().err
+
+
+# -- the sampling forward's options (issue 41 item 4) -------------------------------------------
+
+SD15_2K = ("--arch", "sd15", "--width", "2048", "--height", "2048", "--vram", "6GB", "--no-place")
+
+
+def test_token_merging_and_hypertile_are_in_the_sampling_prediction(capsys):
+    """With SDP token merging's similarity matrix adds to the pass; with ldm's own attention both
+    shrink it; each prediction is the estimate's with the option (lib_vram.sampling.SelfAttention)."""
+    import torch
+
+    from lib_vram.sampling import HyperTile, SelfAttention, TokenMerging, estimate_sampling, reference_spec
+
+    def act(sa: SelfAttention | None, attention: str) -> int:
+        kw = dict(batch=2, latent_hw=(256, 256), context_tokens=77, dtype=torch.float16, attention=attention)
+        return estimate_sampling(reference_spec("sd15"), self_attention=sa, **kw).activation_bytes
+
+    big = ("--vram", "1024GB")
+    _, plain = _plan(capsys, *SD15_2K, *big, "--attention", "sdp")
+    _, merged = _plan(capsys, *SD15_2K, *big, "--attention", "sdp", "--token-merging", "0.5")
+    sample = _stage(merged, "sample")
+    assert sample["activation_bytes"] > _stage(plain, "sample")["activation_bytes"]
+    assert sample["activation_bytes"] == act(SelfAttention(merging=TokenMerging(0.5)), "sdp")
+    assert merged["forward"] == ["token merging 0.5"] and "token merging 0.5" in _table(
+        SD15_2K, "--token-merging", "0.5"
+    )
+    _, tiled = _plan(capsys, *SD15_2K, *big, "--attention", "none", "--hypertile-tile", "128")
+    want = act(SelfAttention(hypertile=HyperTile(max_tile_px=128)), "none")
+    assert _stage(tiled, "sample")["activation_bytes"] == want < act(None, "none") / 2
+    assert tiled["forward"] == ["HyperTile (max tile 128 px)"]
+    # its tiles are drawn at random per forward (swap size 3): the batch is never split
+    assert [c["batch"] for c in _stage(tiled, "sample")["candidates"]] == [2]
+
+
+def _table(argv, *more: str) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["plan", *argv, *more])
+    return out.getvalue()
+
+
+def test_tiled_diffusion_plans_one_tile_batch_whole(capsys):
+    """768 px tiles at 2048 px: MultiDiffusion's 5 x 5 grid (overlap 48), batches of 4 evened to
+    4: the forward is 4 tiles x cond/uncond on a 96 x 96 latent, never micro-batched, far below
+    the whole-latent forward's prediction."""
+    _, plain = _plan(capsys, *SD15_2K, "--vram", "1024GB")
+    _, rep = _plan(capsys, *SD15_2K, "--vram", "1024GB", "--tiled-diffusion", "768")
+    s = _stage(rep, "sample")
+    assert s["plan"].startswith("Tiled Diffusion: 25 tiles of 768x768 px, 4 per forward (7 forwards of 8")
+    assert s["batch"] == 8 and [c["batch"] for c in s["candidates"]] == [8]
+    assert s["predicted_peak_bytes"] < _stage(plain, "sample")["predicted_peak_bytes"] / 2
+    rc, small = _plan(capsys, *SD15_2K, "--tiled-diffusion", "2048", "--vram", "3GB", "--medvram")
+    assert rc == 3 and "Tiled Diffusion needs" in _stage(small, "sample")["suggestion"]
+
+
+def test_animatediff_frames_are_never_split(capsys):
+    """The batch is frames x cond/uncond in one forward: no micro-batch candidate even where it
+    does not fit; the line says which frame count would."""
+    rc, rep = _plan(capsys, "--arch", "sd15", "--width", "512", "--height", "512", "--vram", "6GB",
+                    "--no-place", "--animatediff", "16", "--attention", "none")  # fmt: skip
+    s = _stage(rep, "sample")
+    assert "frames are never split" in s["plan"]
+    assert [c["batch"] for c in s["candidates"]] == [32] and s["batch"] == 32
+    assert rc == 3 and not s["fits"] and s["suggestion"].startswith("AnimateDiff needs")
+    assert s["suggestion"].endswith("frames fit")
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--token-merging", "0.95"], "`--token-merging` must be <= 0.9"),
+        (["--token-merging", "0"], "`--token-merging` must be a finite number > 0"),
+        (["--hypertile-tile", "513"], "`--hypertile-tile` must be <= 512"),
+        (["--tiled-diffusion", "100"], "`--tiled-diffusion` must be >= 128"),
+        (["--tiled-diffusion", "2176"], "`--tiled-diffusion` must be <= 2048"),
+        (["--tiled-diffusion", "700"], "multiple of 128"),
+        (
+            ["--tiled-diffusion", "768", "--tiled-diffusion-batch", "9"],
+            "`--tiled-diffusion-batch` must be <= 8",
+        ),
+        (["--tiled-diffusion", "768", "--tiled-diffusion-batch", "8", "--batch", "5"], "over the UNet batch"),
+        (["--animatediff", "33"], "`--animatediff` must be <= 32"),
+        (["--animatediff", "0"], "`--animatediff` must be >= 1"),
+        (["--animatediff", "16", "--batch", "2"], "AnimateDiff's frames are the batch"),
+        (["--animatediff", "16", "--tiled-diffusion", "768"], "exclude each other"),
+    ],
+)
+def test_forward_options_are_bounded_in_one_line(capsys, argv, words):
+    rc = None
+    try:
+        rc = main(["plan", "--arch", "sd15", "--width", "512", "--height", "512", *argv])
+    except SystemExit as exc:
+        rc = exc.code
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and words in err[0], err

@@ -15,6 +15,7 @@ from lib_vram.planning.presets import Preset, resolve_precision
 
 from .stageplan import (
     MiB,
+    PassOptions,
     StagePlan,
     job_stages,
     plan_upscale_stage,
@@ -224,12 +225,14 @@ def plan_placed_job(
     upscaler: str | None = None,
     controlnets: tuple[str, ...] = (),
     controlnet_hires: str = "both",
+    options: PassOptions | None = None,
 ) -> list[StagePlan]:
     """Plans for every stage of a job with the checkpoint placed, as the WebUI runs it with
-    ``--vram-guard-place-checkpoint``: each stage's part woken beside the UNet's resident part
-    (the text encoders' activations not modelled); sampling as :mod:`lib_vram.webui.sampling`
-    plans a placed pass, its bytes moved per step (streamed bytes x forwards) against
-    ``--lowvram``'s. Budgets are ``free_bytes - safety_margin_bytes`` as in :func:`plan_job`."""
+    ``--vram-guard-place-checkpoint`` (``options``: :class:`PassOptions`): each stage's part woken
+    beside the UNet's resident part (the text encoders' activations not modelled); sampling as
+    :mod:`lib_vram.webui.sampling` plans a placed pass, its bytes moved per step (streamed bytes x
+    forwards) against ``--lowvram``'s. Budgets are ``free_bytes - safety_margin_bytes`` as in
+    :func:`plan_job`."""
     cp = placed.plan
     arch = placed.arch
     st = cp.stream
@@ -269,12 +272,16 @@ def plan_placed_job(
         # count the whole UNet), the peak lowered by as much
         inflate = max(0, st.unet_bytes - unet_res - buffer)
         p = sampling_pass(
-            arch, stage, w, h, batch, controlnets, controlnet_hires, attention=placed.attention,
+            arch, stage, w, h, batch, controlnets, controlnet_hires, options, attention=placed.attention,
             budget_bytes=max(0, budget - cp.leftover_bytes) + inflate, backend=backend,
         )  # fmt: skip
         peak = p.predicted_peak_bytes - inflate + cp.leftover_bytes
         fits = p.fits and placed.fits
-        forwards = -(-(2 * batch) // p.micro_batch)
+        forwards = -(-p.batch // p.micro_batch)
+        if options is not None and options.tiled is not None:  # each tile batch's forwards
+            down = a.downscale
+            _, count, per = options.tiles((h // down, w // down))
+            forwards *= -(-count // per)
         suggestion = None
         if not placed.fits:
             suggestion = placed.line

@@ -76,6 +76,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="with --hires: which passes the units run in (both, lowres: the first pass only, highres: "
         "the hires pass only), ControlNet's Hires-fix option",
     )
+    _add_forward_options(parser)
     parser.add_argument(
         "--vram",
         default=None,
@@ -109,6 +110,75 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.set_defaults(place=None)
     parser.add_argument("--json", action="store_true", help="print JSON: one record per stage")
+
+
+FRAMES_WHY = "AnimateDiff's frames x cond/uncond make the UNet's batch, at most 64"
+
+
+def _add_forward_options(parser: argparse.ArgumentParser) -> None:
+    """What else shapes the sampling passes' forward (:class:`.stageplan.PassOptions`)."""
+    from .stageplan import TILE_BATCH, TILE_OVERLAP
+
+    g = parser.add_argument_group(
+        "the sampling forward", "the WebUI's own options and extensions that change the UNet's forward"
+    )
+    g.add_argument(
+        "--hypertile",
+        action="store_true",
+        help="the WebUI's HyperTile on the UNet (Settings > Optimizations; its default max tile 256 px, "
+        "depth 3, swap size 3): the estimate counts its self-attention tiles",
+    )
+    g.add_argument(
+        "--hypertile-tile",
+        type=bounded_int("--hypertile-tile", 0, 512, why="HyperTile's max tile size setting", unit="px"),
+        default=None,
+        metavar="PX",
+        help="HyperTile's max tile size in px (0-512, the setting's range; implies --hypertile)",
+    )
+    g.add_argument(
+        "--token-merging",
+        type=bounded_float("--token-merging", 0.0, 0.9, why="the WebUI's token merging ratio setting"),
+        default=0.0,
+        metavar="RATIO",
+        help="the WebUI's token merging ratio (tomesd; 0 < RATIO <= 0.9) for every sampling pass: the "
+        "estimate counts the merged self-attention and tomesd's similarity matrix",
+    )
+    g.add_argument(
+        "--tiled-diffusion",
+        type=bounded_int(
+            "--tiled-diffusion", 128, 2048, why="its latent tile 16-256", unit="px", multiple_of=128
+        ),
+        default=None,
+        metavar="TILE",
+        help="Tiled Diffusion (MultiDiffusion) with latent tiles of TILE image px (128-2048, e.g. 768 = its "
+        f"default 96 latent px; overlap {TILE_OVERLAP} latent px): a sampling forward is one tile batch",
+    )  # fmt: skip
+    g.add_argument(
+        "--tiled-diffusion-batch",
+        type=bounded_int("--tiled-diffusion-batch", 1, 8, why="Tiled Diffusion's latent tile batch size"),
+        default=TILE_BATCH,
+        metavar="N",
+        help=f"Tiled Diffusion's latent tile batch size (1-8, default {TILE_BATCH})",
+    )
+    g.add_argument(
+        "--animatediff",
+        type=bounded_int("--animatediff", 1, 32, why=FRAMES_WHY),
+        default=None,
+        metavar="FRAMES",
+        help="AnimateDiff with FRAMES frames per forward (its context batch size, 16 by default; 1-32): the "
+        "batch is FRAMES x cond/uncond in one forward, frames are never split (motion modules not counted)",
+    )
+
+
+def pass_options(args: argparse.Namespace) -> object:
+    """The :class:`.stageplan.PassOptions` of ``args`` (checked by :func:`check_options`)."""
+    from .stageplan import PassOptions
+
+    tile = args.hypertile_tile if args.hypertile_tile is not None else (256 if args.hypertile else None)
+    return PassOptions(
+        hypertile=tile, token_merging=args.token_merging, tiled=args.tiled_diffusion,
+        tile_batch=args.tiled_diffusion_batch, frames=args.animatediff,
+    )  # fmt: skip
 
 
 def collect(args: argparse.Namespace) -> dict:
@@ -149,6 +219,7 @@ def collect(args: argparse.Namespace) -> dict:
         upscaler=args.upscaler,
         controlnets=tuple(args.controlnet),
         controlnet_hires=args.controlnet_hires,
+        options=pass_options(args),
     )
     placed = note = None
     placing = args.place is not False and not args.medvram
@@ -197,6 +268,9 @@ def collect(args: argparse.Namespace) -> dict:
         )
         if note:
             extra = {"placed": False, "place_note": note}
+    forward = job["options"].describe()
+    if forward:  # (only where an option is given: the plain record is unchanged)
+        extra = extra | {"forward": forward}
     return extra | {
         "schema": SCHEMA_VERSION,
         "arch": args.arch,
@@ -231,6 +305,7 @@ def format_table(report: dict) -> str:
         + (f", hires x{report['hires']:g}" if report["hires"] else "")
         + (f", upscaler {report['upscaler']}" if report["upscaler"] else "")
         + (f", ControlNet {' + '.join(report['controlnets'])}" if report.get("controlnets") else "")
+        + "".join(f", {f}" for f in report.get("forward", ()))
         + f"; preset {report['preset']}"
         + (f" ({report['resolved_from']})" if report["resolved_from"] else "")
         + f"; {_gib(report['free_bytes'])} free of {_gib(report['total_bytes'])}"
@@ -278,6 +353,12 @@ def format_table(report: dict) -> str:
             lines.append(f"does not fit: {s['stage']}: {s['suggestion']}")
         elif s["warning"]:
             lines.append(f"warning: {s['stage']}: {s['warning']}")
+    if any(f.startswith(("Tiled Diffusion", "AnimateDiff")) for f in report.get("forward", ())):
+        lines.append(
+            "Tiled Diffusion / AnimateDiff: the stock UNet's forward at that batch (AnimateDiff's motion "
+            "modules not counted); in the WebUI VRAM Guard plans these passes from their measured first "
+            "forward"
+        )
     lines.append(
         "peak = stage model weights + resident weights still on the card + input + predicted activations; "
         "budget = free - safety margin"
@@ -393,6 +474,26 @@ def check_options(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"`--controlnet {unit}` is not a ControlNet for `--arch {args.arch}` ({args.arch})"
             )
+    if args.tiled_diffusion is not None and args.animatediff is not None:
+        raise UsageError("`--tiled-diffusion` and `--animatediff` exclude each other in a plan")
+    if args.animatediff is not None and args.batch > 1:
+        raise UsageError(
+            f"`--animatediff {args.animatediff}` with `--batch {args.batch}`: AnimateDiff's frames are the "
+            "batch; leave --batch at 1"
+        )
+    if args.tiled_diffusion is not None and 2 * args.batch * args.tiled_diffusion_batch > 64:
+        raise UsageError(
+            f"`--tiled-diffusion-batch {args.tiled_diffusion_batch}` with `--batch {args.batch}`: a tile "
+            f"batch of {args.tiled_diffusion_batch} x 2 x {args.batch} samples is over the UNet batch the "
+            "sampling plan takes (64)"
+        )
+    if (args.hypertile or args.hypertile_tile is not None or args.token_merging) and (
+        args.arch not in SAMPLING_ARCHS
+    ):
+        raise UsageError(
+            "`--hypertile`/`--token-merging`: the sampling plan knows the sd15 and sdxl UNets, "
+            f"not {args.arch}'s"
+        )
     if args.place and args.medvram:
         raise UsageError(
             "`--place` and `--medvram` exclude each other: the WebUI does not place a checkpoint with "

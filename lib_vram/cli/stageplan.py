@@ -236,27 +236,128 @@ def sampling_stage(
     })  # fmt: skip
 
 
+TILE_BATCH = 4
+"""Tiled Diffusion's default latent tile batch size (MultiDiffusion's "Latent tile batch size")."""
+TILE_OVERLAP = 48
+"""Tiled Diffusion's default latent tile overlap in txt2img (latent px)."""
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """What else shapes the sampling passes' UNet forward (``plan``'s options):
+
+    * ``hypertile``: the WebUI's HyperTile on the UNet with this max tile size in px (None: off;
+      depth 3, swap size 3: the WebUI's defaults; its random tiles keep the batch whole), and
+      ``token_merging``: its ratio (0: off), both
+      modelled by the estimate (:class:`lib_vram.sampling.SelfAttention`);
+    * ``tiled``: Tiled Diffusion (MultiDiffusion) with latent tiles of this side in image px,
+      ``tile_batch`` tiles per forward at most (the extension evens the batches out) and its
+      txt2img overlap: the pass's forward is one tile batch (x cond/uncond x images), whole;
+    * ``frames``: AnimateDiff's frames of one forward (its context batch): the batch is the frames
+      x cond/uncond, coupled (never split).
+
+    In the WebUI VRAM Guard plans Tiled Diffusion's and AnimateDiff's passes from their measured
+    first forward; ``plan`` can only predict their stock forward (motion modules not counted)."""
+
+    hypertile: int | None = None
+    token_merging: float = 0.0
+    tiled: int | None = None
+    tile_batch: int = TILE_BATCH
+    frames: int | None = None
+
+    def self_attention(self, arch: str) -> object:
+        from lib_vram.sampling import HyperTile, SelfAttention, TokenMerging
+
+        ht = (
+            HyperTile(max_tile_px=self.hypertile, sdxl=arch == "sdxl") if self.hypertile is not None else None
+        )
+        tm = TokenMerging(self.token_merging) if self.token_merging else None
+        return SelfAttention(ht, tm) if ht is not None or tm is not None else None
+
+    def tiles(self, latent_hw: tuple[int, int]) -> tuple[tuple[int, int], int, int]:
+        """Tiled Diffusion at a latent of ``latent_hw``: the tile (latent px, at most the latent),
+        the tiles in all and the tiles per forward (MultiDiffusion's grid: columns and rows of
+        ``ceil((side - overlap) / (tile - overlap))``, the batches evened out)."""
+        t = self.tiled // 8
+        th, tw = min(t, latent_hw[0]), min(t, latent_hw[1])
+        overlap = max(0, min(TILE_OVERLAP, t - 4))
+
+        def count(side: int, tile: int) -> int:
+            return 1 if tile >= side else math.ceil((side - overlap) / (tile - overlap))
+
+        n = count(latent_hw[0], th) * count(latent_hw[1], tw)
+        return (th, tw), n, math.ceil(n / math.ceil(n / self.tile_batch))
+
+    def describe(self) -> list[str]:
+        out = []
+        if self.hypertile is not None:
+            out.append(f"HyperTile (max tile {self.hypertile} px)")
+        if self.token_merging:
+            out.append(f"token merging {self.token_merging:g}")
+        if self.tiled is not None:
+            out.append(f"Tiled Diffusion ({self.tiled} px tiles, up to {self.tile_batch} per forward)")
+        if self.frames is not None:
+            out.append(f"AnimateDiff ({self.frames} frames)")
+        return out
+
+
 CONTROLNET_HIRES = ("both", "lowres", "highres")
 """Which passes of a hires job the ControlNet units run in (ControlNet's "Hires-fix option")."""
 
 
 def sampling_pass(
-    arch: str, stage: str, w: int, h: int, batch: int, controlnets: tuple[str, ...], hires_option: str, **kw
-) -> object:
+    arch: str, stage: str, w: int, h: int, batch: int, controlnets: tuple[str, ...], hires_option: str,
+    options: PassOptions | None = None, **kw,
+) -> object:  # fmt: skip
     """:func:`lib_vram.sampling.plan_sampling` of one forward of the reference UNet of ``arch`` over
     ``2 x batch`` samples (the WebUI batches cond and uncond), 77 tokens, FP16; one reference spec per
     ControlNet unit, none in the hires pass with ``lowres`` or in the first pass with ``highres``.
-    ``kw``: ``attention``, ``budget_bytes``, ``backend``, ``resident_bytes``."""
+    ``options``: what else shapes the forward (:class:`PassOptions`). ``kw``: ``attention``,
+    ``budget_bytes``, ``backend``, ``resident_bytes``."""
     from lib_vram.sampling import plan_sampling, reference_control, reference_spec
 
+    opt = options or PassOptions()
     skipped = {"lowres": "sample_hires", "highres": "sample"}.get(hires_option)
     controls = () if stage == skipped else tuple(reference_control(c) for c in controlnets)
     down = reference.vae_arch(arch).downscale
     hw = (h // down, w // down)
-    return plan_sampling(
-        reference_spec(arch), batch=2 * batch, latent_hw=hw, context_tokens=77, dtype=dtype_of("fp16"),
-        controls=controls, **kw,
+    # HyperTile's swap size 3 draws its tiles per forward: the guard never splits such a pass
+    n, label, whole = 2 * batch, None, opt.hypertile is not None
+    if opt.tiled is not None:
+        # one tile batch per forward; the whole latent, the extension's sum of the tiles' outputs
+        # (its size) and its float32 weights stay on the card beside it
+        tile, count, per = opt.tiles(hw)
+        n, whole = 2 * batch * per, True
+        latent = 2 * batch * 4 * hw[0] * hw[1] * 2  # (cond/uncond x images) x 4 channels, FP16
+        kw["resident_bytes"] = kw.get("resident_bytes", 0) + 2 * latent + hw[0] * hw[1] * 4
+        forwards = math.ceil(count / per)
+        label = (
+            f"Tiled Diffusion: {count} tile{'s' * (count > 1)} of {tile[1] * down}x{tile[0] * down} px, "
+            f"{per} per forward ({forwards} forward{'s' * (forwards > 1)} of {n} per step)"
+        )
+    elif opt.frames is not None:
+        n, whole = 2 * opt.frames, True
+        label = f"AnimateDiff: {opt.frames} frames x cond/uncond in one forward (frames are never split)"
+    shape = dict(
+        latent_hw=tile if opt.tiled is not None else hw, context_tokens=77, dtype=dtype_of("fp16"),
+        controls=controls, whole=whole, self_attention=opt.self_attention(arch), **kw,
     )  # fmt: skip
+    p = plan_sampling(reference_spec(arch), batch=n, **shape)
+    if label is None:
+        return p
+    suggestion = p.suggestion
+    if not p.fits:
+        # what would fit is a smaller tile batch or fewer frames, not a smaller image
+        unit = 2 * batch if opt.tiled is not None else 2
+        what = "a tile batch of {} fits" if opt.tiled is not None else "{} frames fit"
+        smaller = range(n // unit - 1, 0, -1)
+        spec = reference_spec(arch)
+        k = next((k for k in smaller if plan_sampling(spec, batch=k * unit, **shape).fits), None)
+        need = p.predicted_peak_bytes / MiB
+        head = f"{label.split(':')[0]} needs {need:.0f} MiB, the card offers {p.budget_bytes / MiB:.0f} MiB"
+        none = "a smaller tile may fit" if opt.tiled is not None else "no fewer frames fit either"
+        suggestion = f"{head}: {what.format(k) if k else none}"
+    return dataclasses.replace(p, label=label, suggestion=suggestion)
 
 
 def vae_weights(arch: str, dtype: str) -> tuple[int, int]:
@@ -291,8 +392,9 @@ def plan_job(
     attention: str | None = None,
     controlnets: tuple[str, ...] = (),
     controlnet_hires: str = "both",
+    options: PassOptions | None = None,
 ) -> list[StagePlan]:
-    """Plans for every memory-heavy stage of a job.
+    """Plans for every memory-heavy stage of a job (``options``: :class:`PassOptions`).
 
     ``free_bytes``: what the job may use with the models *off* the device (the UNet/text encoders
     are added per stage). The WebUI decodes a batch one image at a time: ``batch`` adds only the
@@ -342,8 +444,8 @@ def plan_job(
     def sample(stage: str, w: int, h: int) -> StagePlan:
         def at(on_card: int) -> StagePlan:
             p = sampling_pass(
-                arch, stage, w, h, batch, controlnets, controlnet_hires, attention=att, budget_bytes=budget,
-                resident_bytes=on_card, backend=backend,
+                arch, stage, w, h, batch, controlnets, controlnet_hires, options, attention=att,
+                budget_bytes=budget, resident_bytes=on_card, backend=backend,
             )  # fmt: skip
             return sampling_stage(
                 stage, p, budget, margin, resident_bytes=on_card, dtype="fp16", attention=att

@@ -12,6 +12,8 @@ Public API:
 * :func:`plan_sampling` -> :class:`SamplingPlan`: the largest micro-batch that fits a budget,
   through :data:`lib_vram.planning.planner.MEMORY`; a one-line suggestion when nothing fits.
 * :func:`micro_batched`: a forward that splits its batch, halving it on an out-of-memory error.
+* :class:`SelfAttention` (:class:`HyperTile`, :class:`TokenMerging`): the WebUI's own options that
+  shrink the self-attention's tokens, an option of the estimate, the plan and the streamed plan.
 * :func:`inspect_unet` -> :class:`ForwardCheck`: what of a UNet's forward is not the stock one
   (modules, replaced forwards, hooks of other extensions), per-sample or not, modelled or not.
 * :func:`plan_stream` -> :class:`StreamPlan`, :class:`StreamedUNet`: when the step does not fit
@@ -39,6 +41,7 @@ from ._stream_plan import (
     more_streamed,
     plan_stream,
 )
+from ._tokens import HyperTile, SelfAttention, TokenMerging
 from ._units import UNIT_PARTS, unet_units, unit_bytes
 
 __all__ = [
@@ -46,6 +49,9 @@ __all__ = [
     "CONTROLS",
     "KNOWN",
     "Finding",
+    "HyperTile",
+    "SelfAttention",
+    "TokenMerging",
     "ForwardCheck",
     "Known",
     "finding",

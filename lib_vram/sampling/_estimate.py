@@ -27,6 +27,7 @@ from lib_vram.core.predict import WORKSPACE_TERMS
 
 from ._attention import ATTENTIONS, Walk, attend
 from ._spec import HINT_BLOCK, UNetSpec
+from ._tokens import SelfAttention
 
 MAX_BATCH = 64
 """The largest UNet batch estimated or planned (the WebUI's batch size x batch count bound is 8 x
@@ -71,10 +72,15 @@ def _check(batch: int, latent_hw: tuple[int, int], context_tokens: int, attentio
 
 
 class _UNetWalk:
-    def __init__(self, spec: UNetSpec, b: int, m: int, attention: str, s: int, backend: str, w: Walk) -> None:
+    def __init__(
+        self, spec: UNetSpec, b: int, m: int, attention: str, s: int, backend: str, w: Walk,
+        sa: SelfAttention | None = None,
+    ) -> None:  # fmt: skip
         self.spec, self.b, self.m, self.attention = spec, b, m, attention
         self.s, self.backend, self.w = s, backend, w
         self.ws_term = WORKSPACE_TERMS.get(backend)
+        self.sa = sa if sa is not None and sa.active else None
+        self.hw0 = (1, 1)
 
     def conv(self, cin: int, cout: int, k: int, hw_in: tuple[int, int], hw_out: tuple[int, int]) -> int:
         b, s = self.b, self.s
@@ -117,7 +123,11 @@ class _UNetWalk:
         w.drop(sk, c2)
         return out
 
-    def transformer(self, c: int, depth: int, heads: int, hw: tuple[int, int]) -> int:
+    def transformer(
+        self, c: int, depth: int, heads: int, hw: tuple[int, int], site: tuple[str, int] | None = None
+    ) -> int:
+        """A SpatialTransformer (``site``: the UNet block it is in, for HyperTile and token
+        merging; None: a ControlNet's, which neither patches)."""
         if depth == 0:
             return 0
         w, s, px = self.w, self.s, hw[0] * hw[1]
@@ -133,8 +143,8 @@ class _UNetWalk:
             w.drop(n)
             x = w.hold(c * u * s)
             w.drop(p)
-        for _ in range(depth):
-            x2 = self.block(c, heads, px, x)
+        for j in range(depth):
+            x2 = self.block(c, heads, px, x, None if site is None else (site, j))
             w.drop(x)
             x = x2
         if self.spec.use_linear:
@@ -151,15 +161,20 @@ class _UNetWalk:
         w.drop(r)
         return out
 
-    def block(self, d: int, heads: int, n: int, x0: int) -> int:
+    def block(self, d: int, heads: int, n: int, x0: int, where: tuple | None = None) -> int:
         """One BasicTransformerBlock on tokens of width ``d`` (its input ``x0`` is held by the
-        caller throughout). Returns its output's bytes (held)."""
+        caller throughout; ``where``: its site and index, see :meth:`self_attention`). Returns its
+        output's bytes (held)."""
         w, s, u = self.w, self.s, self.b * n
         t = d * u * s
         kw = dict(batch=self.b, tokens=n, query_dim=d, heads=heads, s=s, backend=self.backend)
-        n1 = w.hold(t)
-        a1 = attend(w, self.attention, ctx_tokens=n, ctx_dim=d, self_attn=True, **kw)
-        w.drop(n1)
+        if self.sa is not None and where is not None:
+            a1, kept = self.self_attention(d, heads, n, where)
+        else:
+            n1 = w.hold(t)
+            a1 = attend(w, self.attention, ctx_tokens=n, ctx_dim=d, self_attn=True, **kw)
+            w.drop(n1)
+            kept = 0
         x1 = w.hold(t)
         w.drop(a1)
         n2 = w.hold(t)
@@ -177,14 +192,83 @@ class _UNetWalk:
         f = w.hold(t)
         w.drop(o, n3)
         x3 = w.hold(t)
-        w.drop(f, x2)
+        w.drop(f, x2, kept)
         del x0
         return x3
 
-    def res_attn(self, cin: int, cout: int, depth: int, heads: int, hw: tuple[int, int]) -> int:
+    def self_attention(self, d: int, heads: int, n: int, where: tuple) -> tuple[int, int]:
+        """``attn1(norm1(x))`` of a block at ``where`` (``((kind, index), block)``: ``input_blocks``,
+        ``output_blocks`` or the middle) as HyperTile and token merging run it (:mod:`._tokens`).
+        Returns the bytes of its output (held; the norm dropped) and of what stays until the block
+        returns (token merging's index tensors).
+
+        Token merging (tomesd, on the block's input): its cosine-normalised copy, the copy split into
+        source and destination tokens, their similarity matrix, its row maxima and their order;
+        kept: the source/destination order and the merge's indices. Then the norm's output is split
+        and merged (the unmerged and merged rows, the destinations' scatter-reduced copy, their
+        concatenation), the attention runs on the ``N - r`` tokens, and its output is scattered back
+        into a new ``N``-token tensor. HyperTile: the attention's input rearranged into the tiles'
+        batch (a copy unless the tiles are whole rows) and its output back (a copy likewise)."""
+        w, s, b = self.w, self.s, self.b
+        t = b * n * d * s
+        (site, j), sa = where, self.sa
+        r, dst = sa.merging.merged(self.hw0, n) if sa.merging is not None else (0, 0)
+        src = n - dst
+        kept = 0
+        if r:
+            kept = w.hold(n * 8)  # the dst|src order of the token grid (int64, one image)
+            w.moment(2 * n * 8)  # the index buffer and its transposed copy it was sorted from
+            metric = w.hold(t)
+            halves = w.hold(b * src * d * s) + w.hold(b * dst * d * s)
+            scores = w.hold(b * src * dst * s)
+            best = w.hold(b * src * s) + w.hold(b * src * 8)  # row maxima and their columns
+            w.moment(b * src * s)  # argsort's sorted values
+            kept += w.hold(b * src * 8) + w.hold(b * r * 8)  # edge order, destination of each merged
+            w.drop(metric, halves, scores, best)
+        n1 = w.hold(t)
+        inp, tokens = n1, n
+        if r:
+            sp, dp = w.hold(b * src * d * s), w.hold(b * dst * d * s)  # the norm's output split
+            unm = w.hold(b * (src - r) * d * s)
+            moved = w.hold(b * r * d * s)
+            w.drop(sp)
+            reduced = w.hold(b * dst * d * s)  # scatter_reduce: a new tensor
+            w.drop(dp)
+            inp, tokens = w.hold(b * (n - r) * d * s), n - r
+            w.drop(unm, moved, reduced, n1)
+        out = self._tiled_attn1(d, heads, tokens, inp, site, j)
+        w.drop(inp)
+        if r:
+            back = w.hold(b * r * d * s)
+            full = w.hold(t)
+            w.moment(b * max(src - r, r) * 8)  # the scatter's index
+            w.drop(back, out)
+            out = full
+        return out, kept
+
+    def _tiled_attn1(self, d: int, heads: int, tokens: int, inp: int, site: tuple, j: int) -> int:
+        w, ht = self.w, self.sa.hypertile
+        tiles, copies = 1, False
+        depth = ht.depth_of(site, j) if ht is not None else None
+        if depth is not None:
+            h0, w0 = self.hw0
+            tiles, copies = ht.split(depth, tokens, (w0 * 8, h0 * 8))
+        kw = dict(query_dim=d, heads=heads, s=self.s, backend=self.backend, ctx_dim=d, self_attn=True)
+        b, n = self.b * tiles, tokens // tiles
+        xr = w.hold(inp) if copies else 0
+        out = attend(w, self.attention, batch=b, tokens=n, ctx_tokens=n, **kw)
+        if copies:
+            back = w.hold(out)
+            w.drop(out, xr)
+            out = back
+        return out
+
+    def res_attn(
+        self, cin: int, cout: int, depth: int, heads: int, hw: tuple[int, int], site: tuple | None = None
+    ) -> int:
         """A ResBlock and (where the level has one) its SpatialTransformer: the output's bytes."""
         r = self.resblock(cin, cout, hw)
-        t = self.transformer(cout, depth, heads, hw)
+        t = self.transformer(cout, depth, heads, hw, site)
         if t:
             self.w.drop(r)
             r = t
@@ -195,14 +279,15 @@ class _UNetWalk:
         mc = spec.model_channels
         emb = w.hold(b * 4 * mc * s)
         h0, w0 = hw
-        cur = (h0, w0)
+        cur = self.hw0 = (h0, w0)
         skips: list[tuple[int, int]] = []  # (bytes, channels)
         hcur = self.conv(spec.in_channels, mc, 3, cur, cur)
         skips.append((hcur, mc))
         ch = mc
         for lv in range(spec.levels):
             for _ in range(spec.num_res_blocks[lv]):
-                r = self.res_attn(ch, spec.channels(lv), spec.depth[lv], spec.heads[lv], cur)
+                site = ("input", len(skips))
+                r = self.res_attn(ch, spec.channels(lv), spec.depth[lv], spec.heads[lv], cur, site)
                 ch = spec.channels(lv)
                 skips.append((r, ch))
             if lv != spec.levels - 1:
@@ -211,16 +296,19 @@ class _UNetWalk:
                 cur = nxt
                 skips.append((d, ch))
         # middle block: its input is the last skip (held)
-        r1 = self.res_attn(ch, ch, spec.depth_middle, spec.heads_middle, cur)
+        r1 = self.res_attn(ch, ch, spec.depth_middle, spec.heads_middle, cur, ("middle", 0))
         r2 = self.resblock(ch, ch, cur)
         w.drop(r1)
         h = r2
+        out_index = 0
         for lv in reversed(range(spec.levels)):
             for i in range(spec.num_res_blocks[lv] + 1):
                 sk, skc = skips.pop()
                 cat = w.hold(b * (ch + skc) * cur[0] * cur[1] * s)
                 w.drop(h, sk)
-                r = self.res_attn(ch + skc, spec.channels(lv), spec.depth[lv], spec.heads[lv], cur)
+                site = ("output", out_index)
+                out_index += 1
+                r = self.res_attn(ch + skc, spec.channels(lv), spec.depth[lv], spec.heads[lv], cur, site)
                 ch = spec.channels(lv)
                 if lv and i == spec.num_res_blocks[lv]:
                     up = (cur[0] * 2, cur[1] * 2)
@@ -310,6 +398,7 @@ def estimate_sampling(
     dtype: torch.dtype,
     free_bytes: int | None = None,
     backend: str = "cuda",
+    self_attention: SelfAttention | None = None,
 ) -> SamplingEstimate:
     """The memory of one UNet forward of ``batch`` samples (the WebUI batches cond and uncond and
     the images into one forward: ``batch = 2 x images`` by default) on a ``latent_hw`` latent with
@@ -320,10 +409,12 @@ def estimate_sampling(
     InvokeAI (CUDA) and sub-quadratic size their slices from (``None``: unlimited, one slice).
     ``backend``: ``"cuda"`` (default: the WebUI's target; no convolution scratch counted, SDP on
     flash/memory-efficient kernels, see :func:`._attention.flash_kernel`) or ``"cpu"`` (oneDNN's
-    convolution scratch, InvokeAI's fixed 32 MiB slices)."""
+    convolution scratch, InvokeAI's fixed 32 MiB slices). ``self_attention``: the WebUI's HyperTile
+    and token merging as the pass runs them (:class:`~._tokens.SelfAttention`; None: neither, the
+    stock forward)."""
     h, w = _check(batch, latent_hw, context_tokens, attention)
     walk = Walk(free_bytes)
-    unet = _UNetWalk(spec, batch, context_tokens, attention, itemsize(dtype), backend, walk)
+    unet = _UNetWalk(spec, batch, context_tokens, attention, itemsize(dtype), backend, walk, self_attention)
     (unet.control if spec.is_control else unet.forward)((h, w))
     wb = weights_bytes(spec, dtype)
     ib = input_bytes(spec, batch, latent_hw, context_tokens, dtype)
@@ -362,6 +453,8 @@ class Step:
     backend: str = "cuda"
     controls: tuple[UNetSpec, ...] = ()
     whole: bool = False
+    self_attention: SelfAttention | None = None
+    """HyperTile and token merging on the UNet (:class:`~._tokens.SelfAttention`; None: off)."""
 
     @property
     def weights_bytes(self) -> int:
@@ -406,7 +499,7 @@ class Step:
             latent_hw=self.latent_hw, context_tokens=self.context_tokens, attention=self.attention,
             dtype=self.dtype, free_bytes=free_bytes, backend=self.backend,
         )  # fmt: skip
-        est = estimate_sampling(self.spec, batch=m, **kw)
+        est = estimate_sampling(self.spec, batch=m, self_attention=self.self_attention, **kw)
         act = est.activation_bytes + self.outputs(m)
         if not self.controls:
             return act, est

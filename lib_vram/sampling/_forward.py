@@ -42,8 +42,10 @@ KNOWN: dict[str, Known] = {
     # the WebUI and the model code: the stock forward (its attention optimizations, hypernetworks)
     "webui": Known("the WebUI", True, True),
     "lora": Known("LoRA", True, True),  # extensions-builtin/Lora: merges weights at each layer
-    "hypertile": Known("HyperTile", True, False),  # tiles of one sample's tokens
-    "tomesd": Known("token merging", True, False),  # merges tokens within each sample
+    # tiles of one sample's tokens; tokens merged within each sample: both modelled where
+    # lib_vram.webui.selfattn reads their state off the UNet (else the pass is measured)
+    "hypertile": Known("HyperTile", True, True),
+    "tomesd": Known("token merging", True, True),
     "sd-webui-freeu": Known("FreeU", True, False),  # per-sample scales and FFT of the skips
     "sd-webui-kohya-hiresfix": Known("Kohya Hires.fix (Deep Shrink)", True, False),  # interpolate
     "multidiffusion-upscaler-for-automatic1111": Known("Tiled Diffusion", True, False),

@@ -22,6 +22,7 @@ from lib_vram.planning import planner
 
 from ._estimate import SamplingEstimate, Step
 from ._spec import UNetSpec
+from ._tokens import SelfAttention
 
 MiB = 1 << 20
 BUDGET_BUCKET = 256 * MiB
@@ -77,7 +78,8 @@ def step_key(step: Step, budget_bytes: int) -> tuple:
         int(step.context_tokens),
         int(budget_bytes) // BUDGET_BUCKET,
     )
-    return key + tuple(c.signature() for c in step.controls) + (("whole",) if step.whole else ())
+    sa = step.self_attention.key() if step.self_attention is not None else ()
+    return key + tuple(c.signature() for c in step.controls) + (("whole",) if step.whole else ()) + sa
 
 
 _PEAKS: OrderedDict[Hashable, dict[int, int]] = OrderedDict()
@@ -151,6 +153,7 @@ def plan_sampling(
     memory: planner.PlanMemory | None = None,
     controls: tuple[UNetSpec, ...] = (),
     whole: bool = False,
+    self_attention: SelfAttention | None = None,
 ) -> SamplingPlan:
     """The micro-batch one sampling step runs and its predicted peak (see the module docstring).
 
@@ -163,8 +166,10 @@ def plan_sampling(
         memory: the planner memory consulted (default :data:`lib_vram.planning.planner.MEMORY`).
         controls: the ControlNets of the pass (their weights and activations are in the peak).
         whole: the forward cannot split its batch (only ``batch`` is a candidate).
+        self_attention: HyperTile and token merging on the UNet (see :func:`estimate_sampling`).
     """
     step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend, tuple(controls), whole)
+    step = replace(step, self_attention=self_attention)
     return plan_step(step, budget_bytes, resident_bytes, memory)
 
 

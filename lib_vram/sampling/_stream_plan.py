@@ -23,6 +23,7 @@ from lib_vram.planning import planner
 from ._estimate import Step
 from ._plan import MAX_BUDGET, SamplingPlan, check_bytes, learned_choice, plan_step, step_key
 from ._spec import UNetSpec
+from ._tokens import SelfAttention
 from ._units import unit_bytes
 
 MiB = 1 << 20
@@ -246,6 +247,7 @@ def plan_stream(
     memory: planner.PlanMemory | None = None,
     controls: tuple[UNetSpec, ...] = (),
     whole: bool = False,
+    self_attention: SelfAttention | None = None,
 ) -> StreamPlan:
     """The streamed plan of a sampling step that does not fit with the whole UNet resident.
 
@@ -260,12 +262,13 @@ def plan_stream(
 
     ``unet``: the live module, or its :func:`unit_bytes`. ``sampling``: a plan already made for the
     same step (the same ``batch``). ``controls``: the pass's ControlNets (resident); ``whole``: as
-    :func:`plan_sampling` takes it."""
+    :func:`plan_sampling` takes them (and ``self_attention``)."""
     units = unit_bytes(unet) if isinstance(unet, torch.nn.Module) else list(unet)
     mem = planner.MEMORY if memory is None else memory
     if sampling is not None and sampling.batch != batch:
         raise ValueError(f"`sampling` plans a batch of {sampling.batch}, not the step's {batch}")
     step = Step(spec, batch, latent_hw, context_tokens, attention, dtype, backend, tuple(controls), whole)
+    step = replace(step, self_attention=self_attention)
     sp = plan_step(step, budget_bytes, resident_bytes, mem) if sampling is None else sampling
     notes = list(sp.notes)
     wb, ib, res = sp.weights_bytes, sp.input_bytes, sp.resident_bytes

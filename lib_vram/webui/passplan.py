@@ -142,6 +142,10 @@ def plan_pass(
     from lib_vram import sampling
     from lib_vram.residency.controlnet import whole_batch
 
+    from .selfattn import read
+
+    # the WebUI's HyperTile and token merging as the UNet carries them for this pass: modelled
+    sa, check, random_tiles = read(model, dm, check)
     host = job.host
     spec = sampling.unet_spec(dm)
     images, hw = _latent_of(p, x)
@@ -169,6 +173,7 @@ def plan_pass(
     whole = whole_batch(p, dm) if used else None  # (a unit that cannot split: the pass runs whole)
     if whole is None and not check.per_sample:
         whole = check.reason()
+    whole = whole or random_tiles
     # the checkpoint placement (issue 22 item 2): its streamer is the UNet's; plan with what
     # it keeps on the card (resident part + stream buffer; the plans count the whole UNet: inflate);
     # a pass that is short streams more of it with a second streamer for the pass (_more_streamed)
@@ -178,6 +183,7 @@ def plan_pass(
     kw = dict(
         batch=batch, latent_hw=hw, context_tokens=tokens, attention=attention, dtype=dtype,
         budget_bytes=budget + inflate, backend=backend, controls=controls, whole=whole is not None,
+        self_attention=sa,
     )  # fmt: skip
     plan = sampling.plan_sampling(spec, resident_bytes=others, **kw)
     if not check.modelled:
@@ -218,7 +224,7 @@ def plan_pass(
         streamed = plan_pass(
             model, dm, spec, base, latent_hw=hw, context_tokens=tokens, attention=attention,
             dtype=dtype, budget_bytes=budget, resident_bytes=rest, backend=backend, settings=job.settings,
-            controls=controls, whole=whole is not None,
+            controls=controls, whole=whole is not None, self_attention=sa,
         )  # fmt: skip
         if streamed is not None:
             # the readout's prediction for the pass: the resident part of the UNet, the
