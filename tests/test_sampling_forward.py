@@ -133,5 +133,5 @@ def test_the_webuis_hypertile_is_not_the_stock_forward(unet, tmp_path):
     attn = unet.input_blocks[1][1].transformer_blocks[0].attn1
     attn.forward = namespace["wrap"](attn.forward)
     check = inspect_unet(unet)
-    assert check.names == ("HyperTile",) and check.per_sample, check
+    assert [f.name for f in check.findings] == ["HyperTile"] and check.per_sample, check
     assert origin_of(namespace["stock"]) == "webui"

@@ -23,6 +23,7 @@ turns into a pass-through under theirs and a warning says so once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import weakref
@@ -34,6 +35,7 @@ import torch
 from lib_vram.core import emulate
 from lib_vram.core.device import is_oom_error, release
 from lib_vram.core.readout import FIRST_FORWARD
+from lib_vram.sampling import Finding, ForwardCheck
 
 from .forwards import check_pass
 from .host import ask
@@ -362,9 +364,12 @@ class SamplingGuard:
         if planned.p_ref is None:
             return False  # (a pass not planned by :meth:`before`)
         now = self._check(planned.p_ref(), self.job.current_model(), dm)
-        new = [f for f in now.findings if f not in planned.check.findings]
+        seen = {(f.what, f.origin) for f in planned.check.findings}
+        # (new ones are not in the pass's plan, HyperTile's and token merging's neither)
+        new = [_unmodelled(f) for f in now.findings if (f.what, f.origin) not in seen]
         if not new:
             return False
+        now = ForwardCheck(tuple(new))
         planned.check = planned.check + now
         changed = False
         if not now.modelled and not planned.measured:
@@ -463,6 +468,10 @@ class SamplingGuard:
         )
         if planned.changed:
             job.plans[planned.stage] = planned.label()
+
+
+def _unmodelled(f: Finding) -> Finding:
+    return dataclasses.replace(f, known=dataclasses.replace(f.known, modelled=False))
 
 
 def _ref(p: Any) -> Any:
