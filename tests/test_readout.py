@@ -115,8 +115,11 @@ def test_html_lists_every_stage_with_peak_and_plan():
     assert "device memory: used 5.00 GiB of 8.00 GiB, free 3.00 GiB" in text
     for label in ("Sampling", "Hires upscale", "Hires encode", "Decode ×2", "Postprocess", "Extras upscale"):
         assert label in text
-    assert "≥ 4.50 GiB exact t64" in text
+    # each plan in words; a plan no phrase knows is shown as it is
+    assert "≥ 4.50 GiB tiles of 512 px, exact mode" in text
     assert "2.00 GiB t192 b4 fp16" in text
+    # "≥" says why, once, under the table
+    assert text.count("≥") == 2 and text.endswith(R.AT_LEAST_NOTE)
     assert "CPU only" not in text
 
 
@@ -255,3 +258,23 @@ def test_plans_read_in_words_a_webui_user_knows():
     assert w(placed, said=[placed]) == "—"
     for plan in ("whole b1 float32 acc=cpu", "tiled t512 o32 f16 b4 float16 acc=cuda", f"batch 2, {placed}"):
         assert not re.search(r"\bacc=|\bb\d+\b|float\d+|\bt\d+\b", w(plan, said=[placed])), plan
+
+
+def test_notes_say_only_what_the_rest_of_the_readout_does_not():
+    placed = PLACED.format(unet="1 of 4")
+    notes = [
+        R.CPU_ONLY_NOTE,
+        f"VRAM Guard: {placed}",
+        f"VRAM Guard: sampling: predicted peak 4 MiB (UNet 4 MiB) for 2 sample(s): batch 2, {placed}",
+        "VRAM Guard: untiled",
+        "VRAM Guard: The upscale ran out of memory 1 time. It then ran on the whole image at once.",
+        "VRAM Guard: The upscale ran out of memory 1 time. Once more.",
+    ]
+    out = R.readout_notes(
+        notes, said=[placed], tails=["batch 2"], shown=["Decode untiled"], drop=[R.CPU_ONLY_NOTE]
+    )
+    assert out == [
+        "Sampling: predicted peak 4 MiB (UNet 4 MiB) for 2 sample(s)",
+        "The upscale ran out of memory 1 time. It then ran on the whole image at once.",
+        "Once more.",
+    ]

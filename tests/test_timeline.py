@@ -148,7 +148,7 @@ def test_svg_is_valid_xml_with_labelled_bands_total_peak_events_and_hover_values
     assert "total 6.00 GiB" in text  # the card's total line
     assert "peak 2.90 GiB" in text
     tips = titles(root)
-    assert any(t.startswith("Decode:") and "plan exact t64" in t for t in tips)
+    assert any(t.startswith("Decode:") and "plan: exact t64" in t for t in tips)
     assert any("out of memory" in t and "tile 96" in t for t in tips)
     assert any("released memory" in t for t in tips)
     hover = [t for t in tips if "allocated" in t and "reserved" in t]

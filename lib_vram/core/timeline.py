@@ -330,10 +330,12 @@ MEASURE_WORDS = {
 }
 
 
-def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) -> str:
+def render_svg(
+    data: Mapping[str, Any], *, label: Callable[[str], str] = str, plan: Callable[[str], str] = str
+) -> str:
     """The timeline ``data`` (:meth:`Timeline.to_dict`) as an inline ``<svg>`` element (valid XML,
     everything escaped); ``""`` when there is nothing to draw. ``label`` maps a stage id to its
-    readable name."""
+    readable name, ``plan`` a band's plan to the words its hover text uses."""
     pts = data.get("points") or {}
     ts = list(pts.get("t") or [])
     used = list(pts.get("used") or [])
@@ -371,13 +373,12 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
         lanes[lane : lane + 1] = [t1]  # (the first free lane, else a new one)
         bx0, bx1 = X(t0), X(t1)
         name = label(str(b.get("stage")))
-        plan = b.get("plan")
         peak = b.get("peak_bytes")
         tip = f"{name}: {t0:.2f}-{t1:.2f} s"
         if peak:
-            tip += f", peak {'' if b.get('exact', True) else '>= '}{_fmt(peak)}"
-        if plan:
-            tip += f", plan {plan}"
+            tip += f", peak {'' if b.get('exact', True) else 'at least '}{_fmt(peak)}"
+        if b.get("plan"):
+            tip += f", plan: {plan(str(b['plan']))}"
         if b.get("samples"):
             tip += f", {b['samples']} samples"
         if not b.get("ok", True):
