@@ -319,12 +319,16 @@ async def scenario(url: str, ws_url: str, server, shot: Path, timeline_shot: Pat
             " text: Array.from(s.querySelectorAll('text')).map(t => t.textContent).join('|'),"
             " titles: Array.from(s.querySelectorAll('title')).map(t => t.textContent),"
             " events: s.querySelectorAll('.vram-guard-tl-event').length,"
+            " legend: s.parentElement.querySelector('.vram-guard-tl-legend').textContent,"
             " state: s.parentElement.getAttribute('data-state')}; })()"
         )
         assert plot["ns"] == "http://www.w3.org/2000/svg" and plot["w"] > 300 and plot["h"] > 80, plot
         assert plot["state"] == "done" and plot["events"] == 2
-        for label in ("Sampling", "Hires upscale", "Decode", "total 6.00 GiB", "peak 3.60 GiB"):
+        for label in ("total 6.00 GiB", "peak 3.60 GiB"):
             assert label in plot["text"], (label, plot["text"])
+        # each stage named: on its band where it is wide enough, else by its number in the legend
+        for label in ("Sampling", "Hires upscale", "Hires encode", "Decode", "Postprocess"):
+            assert label in plot["text"] or label in plot["legend"], (label, plot["text"], plot["legend"])
         assert any(t.startswith("Hires encode:") and ENCODE_WORDS in t for t in plot["titles"])
         assert any("out of memory" in t for t in plot["titles"])
         assert sum("allocated" in t for t in plot["titles"]) >= 20

@@ -457,7 +457,7 @@ def render_timeline_html(timeline: Mapping[str, Any] | None, *, said: Iterable[s
     return (
         f'<div class="vram-guard-timeline-box" data-state="{state}" '
         f'data-points="{len((timeline.get("points") or {}).get("t") or [])}">'
-        f"{svg}{legend_html(timeline)}</div>"
+        f"{svg}{legend_html(timeline, label=stage_label)}</div>"
     )
 
 
