@@ -13,6 +13,7 @@ import pytest
 
 from lib_vram.core import readout as R
 from lib_vram.core.device import MemoryInfo, memory_info
+from lib_vram.core.plan_words import plan_words
 from lib_vram.core.tracker import StageTracker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,8 +115,11 @@ def test_html_lists_every_stage_with_peak_and_plan():
     assert "device memory: used 5.00 GiB of 8.00 GiB, free 3.00 GiB" in text
     for label in ("Sampling", "Hires upscale", "Hires encode", "Decode ×2", "Postprocess", "Extras upscale"):
         assert label in text
-    assert "≥ 4.50 GiB exact t64" in text
+    # each plan in words; a plan no phrase knows is shown as it is
+    assert "≥ 4.50 GiB tiles of 512 px, exact mode" in text
     assert "2.00 GiB t192 b4 fp16" in text
+    # "≥" says why, once, under the table
+    assert text.count("≥") == 2 and text.endswith(R.AT_LEAST_NOTE)
     assert "CPU only" not in text
 
 
@@ -222,3 +226,55 @@ def test_notes_say_what_a_pass_did_in_words():
         "hires_upscale", tiled=True, tiles=2, tile=64, batch=1, budget_bytes=1, exact=False
     )
     assert "not exactly the untiled picture" in inexact
+
+
+PLACED = (
+    "checkpoint placed by VRAM Guard: UNet {unet} MiB resident, text encoders and VAE on the CPU until used"
+)
+"""The placement's label (lib_vram.webui.placed.Placed.label)."""
+
+
+def test_plans_read_in_words_a_webui_user_knows():
+    """The plan strings the engines and the adapter record, as the stage table says them."""
+    w = plan_words
+    assert w("whole b1 float32 acc=cpu") == "whole image at once, FP32, picture assembled in RAM"
+    assert w("tiled t512 o32 f16 b4 float16 acc=cuda") == (
+        "tiles of 512 px, 4 at a time, FP16, picture assembled on the card"
+    )
+    assert w("tiled t192 o16 f8 b1 (model takes one image at a time) bfloat16 acc=cpu inexact after OOM") == (
+        "tiles of 192 px, 1 at a time (model takes one image at a time), BF16, picture assembled in RAM, "
+        "tiles not exactly the untiled picture, retried after running out of memory"
+    )
+    assert w("exact t64 x6") == "6 tiles of 512 px, exact mode"
+    assert w("fast t32 x1, VAE off the card") == "1 tile of 256 px, fast mode, VAE off the card"
+    assert w("untiled") == "untiled" and w(None) == "—"
+    assert w("micro-batch 1 of 2 (predicted 1704 MiB)") == "micro-batch 1 of 2 (predicted 1704 MiB)"
+    assert w("UNet streamed: 1234 of 4900 MiB resident, batch 2 in one forward") == (
+        "UNet streamed, 1234 of 4900 MiB kept on the card, batch of 2 at once"
+    )
+    placed = PLACED.format(unet="1474 of 3279")
+    plan = f"batch 2, {placed} (predicted 1704 MiB)"
+    assert w(plan, said=[placed]) == "batch of 2 at once (predicted 1704 MiB)"
+    assert w(placed, said=[placed]) == "—"
+    for plan in ("whole b1 float32 acc=cpu", "tiled t512 o32 f16 b4 float16 acc=cuda", f"batch 2, {placed}"):
+        assert not re.search(r"\bacc=|\bb\d+\b|float\d+|\bt\d+\b", w(plan, said=[placed])), plan
+
+
+def test_notes_say_only_what_the_rest_of_the_readout_does_not():
+    placed = PLACED.format(unet="1 of 4")
+    notes = [
+        R.CPU_ONLY_NOTE,
+        f"VRAM Guard: {placed}",
+        f"VRAM Guard: sampling: predicted peak 4 MiB (UNet 4 MiB) for 2 sample(s): batch 2, {placed}",
+        "VRAM Guard: untiled",
+        "VRAM Guard: The upscale ran out of memory 1 time. It then ran on the whole image at once.",
+        "VRAM Guard: The upscale ran out of memory 1 time. Once more.",
+    ]
+    out = R.readout_notes(
+        notes, said=[placed], tails=["batch 2"], shown=["Decode untiled"], drop=[R.CPU_ONLY_NOTE]
+    )
+    assert out == [
+        "Sampling: predicted peak 4 MiB (UNet 4 MiB) for 2 sample(s)",
+        "The upscale ran out of memory 1 time. It then ran on the whole image at once.",
+        "Once more.",
+    ]

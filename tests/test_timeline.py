@@ -143,12 +143,12 @@ def test_svg_is_valid_xml_with_labelled_bands_total_peak_events_and_hover_values
     d = _known_job()
     root = svg_of(d)
     assert root.tag == f"{SVG}svg" and root.get("viewBox")
-    text = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
-    assert "Sampling" in text and "Decode" in text  # bands labelled with the readout's names
+    text = " ".join("".join(t.itertext()) for t in root.iter(f"{SVG}text"))
+    assert "1 Sampling" in text and "2 Decode" in text  # bands numbered, named by the readout's names
     assert "total 6.00 GiB" in text  # the card's total line
     assert "peak 2.90 GiB" in text
     tips = titles(root)
-    assert any(t.startswith("Decode:") and "plan exact t64" in t for t in tips)
+    assert any(t.startswith("Decode:") and "plan: exact t64" in t for t in tips)
     assert any("out of memory" in t and "tile 96" in t for t in tips)
     assert any("released memory" in t for t in tips)
     hover = [t for t in tips if "allocated" in t and "reserved" in t]
@@ -213,14 +213,125 @@ def test_y_axis_spans_the_range_used_and_the_total_is_a_labelled_line_near_the_t
     (label,) = total.iter(f"{SVG}text")
     yt = float(line.get("y1"))
     assert line.get("y2") == line.get("y1") and line.get("stroke") == "#dc2626"
-    assert label.text == "total 4.15 GiB" and abs(value_at(yt) - 4.15) < 0.005
+    assert "".join(label.itertext()) == "total 4.15 GiB" and abs(value_at(yt) - 4.15) < 0.005
     assert plot_top < yt < min(ys)
-    # its label sits just above the line, inside the plot, and clear of the peak's label
-    assert plot_top <= float(label.get("y")) - 11 and float(label.get("y")) < yt
+    # its label sits at the line's right end, outside the plot (where no marker is): "total" just
+    # above the line, the size just below it; the peak's label stays inside the plot
+    assert float(label.get("x")) > float(line.get("x2"))
+    word, size = label.iter(f"{SVG}tspan")
+    assert yt - 12 < float(label.get("y")) < yt < float(label.get("y")) + float(size.get("dy")) < yt + 12
+    assert (word.text, size.text) == ("total ", "4.15 GiB")
     (peak,) = [g for g in root.iter(f"{SVG}g") if g.get("class") == "vram-guard-tl-peak"]
     (peak_label,) = peak.iter(f"{SVG}text")
-    assert abs(float(peak_label.get("y")) - float(label.get("y"))) >= 12
+    right = float(peak_label.get("x")) + T.text_width(peak_label.text, T.FONT + 1)
+    assert right <= float(line.get("x2"))
     assert "total" not in T.legend_html(d)  # on the plot, so not in the legend
+
+
+def _crowded_hires_job() -> dict:
+    """A hires-fix job on a card it nearly fills (the issue's picture): long passes and short VAE
+    stages, a release event at the start and at every boundary, an out-of-memory event near the
+    peak and a plan event at each pass's start."""
+    clock = Clock()
+    total = int(2.15 * GiB)
+    tl = Timeline(total_bytes=total, measure="emulated", clock=clock)
+    stages = (
+        ("sampling", 33.0, 1.45),
+        ("hires_decode", 3.9, 1.75),
+        ("hires_upscale", 164.0, 1.47),
+        ("hires_encode", 6.4, 1.82),
+        ("hires_sampling", 36.0, 1.96),
+        ("vae_decode", 13.0, 2.04),
+        ("postprocess", 0.01, 1.50),
+    )
+    tl.add(int(1.4 * GiB), None, "start")
+    tl.event("release", "released memory at process: 0 MiB of cache returned", freed_bytes=0)
+    for stage, seconds, top in stages:
+        tl.begin(stage)
+        if stage.endswith("sampling"):
+            tl.event("plan", f"{stage}: predicted peak 1704 MiB (batch 2)")
+        for i in range(8):
+            clock.t += seconds / 8
+            tl.add(int((1.4 + (top - 1.4) * (i % 4) / 3) * GiB), None, "step")
+            if stage == "vae_decode" and i == 3:
+                tl.event("oom", "decoder: out of memory at tile 96: released, retrying at tile 64")
+        tl.end(stage, plan="untiled", peak_bytes=int(top * GiB), exact=stage == "vae_decode")
+        tl.event("release", f"released memory at {stage}: 0 MiB of cache returned", freed_bytes=0)
+    tl.finish()
+    return tl.to_dict()
+
+
+def _boxes(root: ET.Element) -> tuple[list[tuple[str, tuple]], list[tuple[str, tuple]]]:
+    """(label text, box) of every label, and (what, box) of every marker: the events' circles and
+    dashed lines, the peak's circle. Boxes are (x0, y0, x1, y1), text by the layout's own generous
+    width estimate (timeline.text_width) and its font size."""
+    from lib_vram.core import timeline as T
+
+    labels, markers = [], []
+    inside_markers = set()
+    for g in root.iter(f"{SVG}g"):
+        cls = g.get("class") or ""
+        if cls in ("vram-guard-tl-event", "vram-guard-tl-peak"):
+            for c in g.iter(f"{SVG}circle"):
+                cx, cy, r = (float(c.get(k)) for k in ("cx", "cy", "r"))
+                markers.append((cls, (cx - r, cy - r, cx + r, cy + r)))
+            for ln in g.iter(f"{SVG}line"):
+                x, y_a, y_b = float(ln.get("x1")), float(ln.get("y1")), float(ln.get("y2"))
+                markers.append((cls, (x - 1, y_a, x + 1, y_b)))
+            if cls == "vram-guard-tl-event":  # (the glyph inside the marker is the marker)
+                inside_markers.update(id(t) for t in g.iter(f"{SVG}text"))
+    for t in root.iter(f"{SVG}text"):
+        if id(t) in inside_markers:
+            continue
+        size = float(t.get("font-size") or T.FONT) + (1 if t.get("font-weight") == "bold" else 0)
+        x, y = float(t.get("x")), float(t.get("y"))
+        spans = list(t.iter(f"{SVG}tspan"))
+        lines = [(x, y, t.text or "")] if not spans else []
+        for sp in spans:
+            y += float(sp.get("dy") or 0)
+            lines.append((float(sp.get("x") or x), y, sp.text or ""))
+        for lx, ly, text in lines:
+            w = T.text_width(text, size)
+            left = {"end": lx - w, "middle": lx - w / 2}.get(t.get("text-anchor") or "start", lx)
+            labels.append((text, (left, ly - 0.8 * size, left + w, ly + 0.2 * size)))
+    return labels, markers
+
+
+@pytest.mark.parametrize("job", [_known_job, _near_the_top_job, _crowded_hires_job])
+def test_no_label_sits_on_a_marker_or_another_label_and_every_stage_is_named(job):
+    """Issue 43: the total's label sat under the first event marker, the short stages had no name.
+    Now: labels clear of every marker and of each other, the card's total labelled at the line's
+    right end, and each stage named, on its band or in the legend."""
+    from lib_vram.core import timeline as T
+
+    d = job()
+    root = svg_of(d)
+    labels, markers = _boxes(root)
+    assert labels and markers
+    for text, box in labels:
+        hit = [what for what, m in markers if T._boxes_overlap(box, m)]
+        assert not hit, (text, box, hit)
+    for i, (a, box_a) in enumerate(labels):
+        for b, box_b in labels[i + 1 :]:
+            assert not T._boxes_overlap(box_a, box_b), (a, b)
+    # the capacity line: labelled right of the plot, where it ends
+    (total,) = [g for g in root.iter(f"{SVG}g") if g.get("class") == "vram-guard-tl-total"]
+    (line,) = total.iter(f"{SVG}line")
+    (label,) = total.iter(f"{SVG}text")
+    assert float(label.get("x")) > float(line.get("x2")) and "".join(label.itertext()).startswith("total ")
+    # every stage named: on one of its bands ("3 Hires upscale"), or by its number in the legend
+    drawn = [
+        "".join(t.itertext())
+        for g in root.iter(f"{SVG}g")
+        if "vram-guard-tl-band" in (g.get("class") or "")
+        for t in g.iter(f"{SVG}text")
+    ]
+    legend = T.legend_html(d, label=R.stage_label)
+    for n, stage in enumerate(dict.fromkeys(b["stage"] for b in d["bands"]), start=1):
+        name = R.stage_label(stage)
+        assert f"{n} {name}" in drawn or f"{n} {name}" in legend, (n, name, drawn, legend)
+    # plan events are the stage table's: no marker says them again
+    assert not [g for g in root.iter(f"{SVG}g") if g.get("data-kind") == "plan"]
 
 
 def test_a_small_job_zooms_onto_its_range_and_the_legend_gives_the_total():

@@ -323,7 +323,7 @@ def test_placed_at_load_it_samples_the_plain_output_bit_for_bit_within_the_card(
         # where each model is: the status route's models and the readout's line
         models = {m["name"]: m["where"] for m in r.status["models"]}
         assert models == {"UNet": "streamed", "text encoders": "host", "VAE": "host"}, r.status["models"]
-        assert "Models now — UNet: streamed, " in r.status["html"], r.status["html"]
+        assert "Models now, placed by VRAM Guard — UNet: streamed, " in r.status["html"], r.status["html"]
         # once in the notes (the job's "VRAM Guard: <label>"; the real WebUI's readout showed it twice)
         said = [n for n in r.status["notes"] if n in (label, f"VRAM Guard: {label}")]
         assert said == [f"VRAM Guard: {label}"], r.status["notes"]

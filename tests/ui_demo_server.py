@@ -61,8 +61,8 @@ def demo_memory(used_gib: float = 2.0) -> MemoryInfo:
 DEMO_JOB: tuple[tuple[str, float, int, float, float, str | None], ...] = (
     # stage, seconds, samples, base GiB, swing GiB, plan (a simulated hires job on a 6 GB card)
     ("sampling", 6.2, 20, 2.1, 1.5, "sdp"),
-    ("hires_upscale", 3.1, 24, 2.0, 0.4, "t192 b4 fp16"),
-    ("hires_encode", 1.4, 12, 2.0, 1.0, "exact t64 bf16"),
+    ("hires_upscale", 3.1, 24, 2.0, 0.4, "tiled t192 o16 f8 b4 float16 acc=cuda"),
+    ("hires_encode", 1.4, 12, 2.0, 1.0, "exact t64 x4"),
     ("vae_decode", 2.9, 40, 2.1, 1.2, "exact t64"),
     ("postprocess", 0.2, 2, 2.0, 0.1, None),
 )

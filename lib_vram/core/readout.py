@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .device import MemoryInfo
+from .plan_words import plan_words, remove_phrase, strip_predicted
 from .profiling import mib as _mib
 from .timeline import _e, format_bytes, legend_html, render_svg
 
@@ -167,16 +169,33 @@ def status_payload(
     return payload
 
 
-def _where(model: Mapping[str, Any]) -> str:
-    """``"card (160 MiB)"``, ``"CPU"``, ``"streamed, 2168 of 3279 MiB on the card"``."""
+def _where(model: Mapping[str, Any], placed: bool = False) -> str:
+    """``"card (160 MiB)"``, ``"CPU"`` (``"CPU until used"`` for a placed checkpoint's parked part),
+    ``"streamed, 2168 of 3279 MiB on the card"``."""
     where = model.get("where")
     if where == "streamed":
         return f"streamed, {model.get('card_mib', 0):.0f} of {model.get('mib', 0):.0f} MiB on the card"
-    return f"card ({model.get('mib', 0):.0f} MiB)" if where == "card" else "CPU"
+    if where == "card":
+        return f"card ({model.get('mib', 0):.0f} MiB)"
+    return "CPU until used" if placed else "CPU"
+
+
+PLACED_PREFIX = "checkpoint placed"
+"""How the checkpoint placement's status line (the payload's ``placement``) starts when it placed
+the loaded checkpoint (:attr:`lib_vram.webui.placed.Placed.label`)."""
+AT_LEAST_NOTE = (
+    "≥ at least: the stage stayed below an earlier peak of the job, and VRAM Guard leaves the "
+    "card's peak counter to the WebUI (it never resets it), so this is the highest value sampled "
+    "during the stage."
+)
+"""The footnote of a peak marked "≥" (a record with ``exact=False``, :mod:`lib_vram.core.tracker`)."""
 
 
 def render_readout_body(payload: Mapping[str, Any]) -> str:
-    """The readout's inner HTML (everything escaped)."""
+    """The readout's inner HTML (everything escaped). Each thing is said once: the checkpoint
+    placement in the "Models now" line (not in the plans or the notes), each stage's plan in words
+    (:func:`~lib_vram.core.plan_words.plan_words`), and only the notes that say something the rest
+    does not (:func:`readout_notes`)."""
     mem = payload.get("memory") or {}
     total = mem.get("total_bytes") or 0
     used = mem.get("used_bytes") or 0
@@ -196,19 +215,34 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
         "</div>",
         f'<div class="vram-guard-bar"><span style="width:{pct:.1f}%"></span></div>',
     ]
+    shown: list[str] = []  # what the head and the table say (a note saying no more is left out)
+    drop: list[str] = []  # notes the head says in its own words
     if payload.get("emulated"):
-        parts.append(
-            f'<div class="vram-guard-emulated">{_e(payload["emulated"])}: emulated device memory, '
-            "not a real GPU — out-of-memory errors are raised at its capacity.</div>"
+        text = (
+            f"{payload['emulated']} (--vram-guard-emulate-vram): memory is counted and capped in "
+            "software, not a real GPU; out-of-memory errors are raised at its capacity."
         )
+        parts.append(f'<div class="vram-guard-emulated">{_e(text)}</div>')
+        drop.append(EMULATED_NOTE.format(label=payload["emulated"]))
     elif payload.get("cpu_only"):
         rss = format_bytes(mem.get("process_rss_bytes"))
-        parts.append(f'<div class="vram-guard-cpu">CPU only — this process uses {_e(rss)} of RAM.</div>')
+        text = f"{CPU_ONLY_NOTE.removesuffix('.')}; this process uses {rss}."
+        parts.append(f'<div class="vram-guard-cpu">{_e(text)}</div>')
+        drop.append(CPU_ONLY_NOTE)
+    placement = str(payload.get("placement") or "")
+    placement = placement if placement.startswith(PLACED_PREFIX) else ""
+    said = [placement] if placement else []  # (said in the "Models now" line only)
     models = payload.get("models") or []
+    line = ""
     if models:
-        cells = " · ".join(f"{_e(m['name'])}: {_e(_where(m))}" for m in models)
-        parts.append(f'<div class="vram-guard-models">Models now — {cells}</div>')
-    parts.append(render_timeline_html(payload.get("timeline")))
+        cells = " · ".join(f"{m['name']}: {_where(m, bool(placement))}" for m in models)
+        line = f"Models now{', placed by VRAM Guard' if placement else ''} — {cells}"
+    elif placement:
+        line = f"Models now — {placement}"
+    if line:
+        parts.append(f'<div class="vram-guard-models">{_e(line)}</div>')
+        shown.append(line)
+    parts.append(render_timeline_html(payload.get("timeline"), said=said))
     stages = payload.get("stages") or []
     listed = {s["stage"] for s in stages}
     rows = list(stages) + [
@@ -217,6 +251,8 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
     rows.sort(key=lambda r: _ORDER.get(r["stage"], len(_ORDER)))
     parts.append('<table class="vram-guard-stages"><thead><tr>')
     parts.append("<th>stage</th><th>peak</th><th>plan</th><th>time</th></tr></thead><tbody>")
+    at_least = False
+    tails: list[str] = []  # each plan as a note may end with it (the sampling guard's)
     for row in rows:
         sid = _e(row["stage"])
         if row.get("missing"):
@@ -225,27 +261,83 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
                 f"<td>{_e(row['label'])}</td><td>—</td><td>—</td><td></td></tr>"
             )
             continue
-        peak = format_bytes(row.get("peak_bytes"))
+        peak, tip = format_bytes(row.get("peak_bytes")), ""
         if not row.get("exact", True):
-            peak = "≥ " + peak
+            peak, tip, at_least = "≥ " + peak, f' title="{_e(AT_LEAST_NOTE)}"', True
         count = f" ×{int(row['count'])}" if int(row.get("count", 1)) > 1 else ""
         cls = "vram-guard-stage" + ("" if row.get("ok", True) else " vram-guard-failed")
-        plan = row.get("plan") or "—"
+        raw = str(row.get("plan") or "")
+        plan = plan_words(raw, said=said)
         if not row.get("ok", True):
             plan = f"{plan} — failed: {row.get('error') or 'error'}"
+        shown += [f"{row['label']} {raw}", plan]
+        tails.append(strip_predicted(remove_phrase(raw, placement)))
         parts.append(
             f'<tr class="{cls}" data-stage="{sid}"><td>{_e(row["label"])}{_e(count)}</td>'
-            f'<td class="vram-guard-peak">{_e(peak)}</td><td class="vram-guard-plan">{_e(plan)}</td>'
+            f'<td class="vram-guard-peak"{tip}>{_e(peak)}</td><td class="vram-guard-plan">{_e(plan)}</td>'
             f"<td>{float(row.get('seconds') or 0.0):.2f} s</td></tr>"
         )
     parts.append("</tbody></table>")
+    if at_least:
+        parts.append(f'<div class="vram-guard-footnote">{_e(AT_LEAST_NOTE)}</div>')
     parts.append(render_profile_section(payload.get("profile")))
-    notes = payload.get("notes") or []
+    notes = readout_notes(payload.get("notes") or [], said=said, tails=tails, shown=shown, drop=drop)
     if notes:
         parts.append('<ul class="vram-guard-notes">')
         parts.extend(f"<li>{_e(n)}</li>" for n in notes)
         parts.append("</ul>")
     return "".join(parts)
+
+
+NOTE_PREFIX = "VRAM Guard: "
+"""How the adapter's notes start (they are log lines too); the readout, VRAM Guard's own box,
+leaves it out."""
+_SENTENCE_END = re.compile(r"(?<=\.)\s+(?=[A-Z])")
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split()).strip(" .;,").lower()
+
+
+def readout_notes(
+    notes: Iterable[str],
+    *,
+    said: Iterable[str] = (),
+    tails: Iterable[str] = (),
+    shown: Iterable[str] = (),
+    drop: Iterable[str] = (),
+) -> list[str]:
+    """The notes the readout lists, each saying what the rest of it does not.
+
+    ``drop``: notes the readout says in its own words (left out); ``said``: texts it shows once
+    elsewhere (the checkpoint placement), cut out of every note with their separator; ``tails``:
+    the stage table's plans, cut from a note's end after ``": "`` (the sampling guard's note ends
+    with its pass's plan); ``shown``: what the head and the table say: a note sentence equal to or
+    contained in one of them is left out, as is a sentence an earlier note said."""
+    drop, said = set(drop), [s for s in said if s]
+    tails = sorted({t for t in tails if t}, key=len, reverse=True)
+    shown_n = [_norm(s) for s in shown if s]
+    seen: set[str] = set()
+    out: list[str] = []
+    for note in notes:
+        if note in drop:
+            continue
+        text = str(note).removeprefix(NOTE_PREFIX)
+        for s in said:
+            text = remove_phrase(text, s)
+        for t in tails:
+            if text.endswith(f": {t}"):
+                text = text[: -len(t) - 2]
+                break
+        keep = []
+        for sentence in _SENTENCE_END.split(text):
+            n = _norm(sentence)
+            if n and n not in seen and not any(n in s for s in shown_n):
+                seen.add(n)
+                keep.append(sentence.strip())
+        if keep:
+            out.append(_sentence(" ".join(keep)))
+    return out
 
 
 FIRST_FORWARD = "_first_forward"
@@ -368,16 +460,19 @@ def upscale_pass_note(
     return f"{failed}{done}; {picture}"
 
 
-def render_timeline_html(timeline: Mapping[str, Any] | None) -> str:
-    """The memory timeline's plot and legend (``""`` without one), see :mod:`lib_vram.core.timeline`."""
-    svg = render_svg(timeline, label=stage_label) if timeline else ""
+def render_timeline_html(timeline: Mapping[str, Any] | None, *, said: Iterable[str] = ()) -> str:
+    """The memory timeline's plot and legend (``""`` without one), see :mod:`lib_vram.core.timeline`;
+    its stage plans in words, without ``said`` (what the readout shows elsewhere)."""
+    said = list(said)
+    words = lambda plan: plan_words(plan, said=said)  # noqa: E731
+    svg = render_svg(timeline, label=stage_label, plan=words) if timeline else ""
     if not svg:
         return ""
     state = "running" if timeline.get("running") else "done"
     return (
         f'<div class="vram-guard-timeline-box" data-state="{state}" '
         f'data-points="{len((timeline.get("points") or {}).get("t") or [])}">'
-        f"{svg}{legend_html(timeline)}</div>"
+        f"{svg}{legend_html(timeline, label=stage_label)}</div>"
     )
 
 

@@ -20,8 +20,10 @@ maxima. Bands and events are capped too (``max_bands``, ``max_events``; what did
 counted in ``dropped``).
 
 :func:`render_svg` draws :meth:`Timeline.to_dict` as inline SVG (no dependency): stage bands
-labelled, the card's total, the memory line(s), the peak marked, events as markers, and hover
-values (``<title>`` elements) per column, per band and per event.
+numbered and named (by number only where a band is narrow: :func:`legend_html` names those), the
+card's total labelled at its right end, the memory line(s), the peak marked, events as markers in a
+strip of their own, and hover values (``<title>`` elements) per column, per band and per event. No
+label is drawn on a marker.
 """
 
 from __future__ import annotations
@@ -248,12 +250,30 @@ def _stage_at(spans: list[tuple[float, float | None, str]], t: float) -> str | N
 
 
 # -- SVG ---------------------------------------------------------------------------------------
-W, H = 480, 170
+W, H = 480, 184
 """The SVG's viewBox (it scales to the readout's width)."""
-_PAD_L, _PAD_R, _PAD_T, _PAD_B = 50, 8, 16, 22
+_PAD_L, _PAD_R, _PAD_T, _PAD_B = 50, 8, 30, 22
+"""Room around the plot: the y axis's labels (left), the x axis's (bottom), and above the plot two
+strips: the stage bands' names (baseline :data:`_LABEL_Y`) and the event markers (centred on
+:data:`_EVENT_Y`), so that no label sits on a marker. The card's total is labelled right of the plot
+(the right pad grows by its label's width)."""
+_LABEL_Y, _EVENT_Y, _EVENT_R = 12, 22, 5
+FONT = 12
+"""The SVG's text size (px of the viewBox)."""
 COLUMNS = 64
 """Hover columns: each carries a ``<title>`` with the highest values in its time range."""
 EVENT_LABELS = {"release": "released memory", "oom": "out of memory", "offload": "idle models off the card"}
+EVENT_GLYPHS = {"release": "↓", "offload": "↓", "oom": "!"}
+"""The glyph in an event's marker (another kind: its first letter); the legend says what each means."""
+HIDDEN_EVENTS = frozenset({"plan"})
+"""Event kinds the plot leaves out: a sampling pass's plan is its stage row's (and its band's hover
+text), a marker would say it again."""
+
+
+def text_width(text: str, size: float = FONT) -> float:
+    """A generous estimate of ``text``'s width in a sans-serif font of ``size`` px (the layout keeps
+    labels apart with it; the browser's own measure is narrower)."""
+    return 0.62 * size * len(text)
 
 
 def _e(value: Any) -> str:
@@ -330,10 +350,90 @@ MEASURE_WORDS = {
 }
 
 
-def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) -> str:
+@dataclass
+class _Frame:
+    """Where the plot sits in the viewBox and what its axes span."""
+
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+    t_end: float
+    y_lo: float
+    y_max: float
+    total_on_scale: bool
+    total_label: tuple[str, str] | None
+
+    def X(self, t: float) -> float:
+        return self.x0 + (self.x1 - self.x0) * max(0.0, min(1.0, t / self.t_end))
+
+    def Y(self, b: float) -> float:
+        span = self.y_max - self.y_lo
+        return self.y1 - (self.y1 - self.y0) * max(0.0, min(1.0, (b - self.y_lo) / span))
+
+
+def _frame(data: Mapping[str, Any]) -> _Frame:
+    ts = list((data.get("points") or {}).get("t") or [0.0])
+    t_end = max(float(data.get("seconds") or 0.0), ts[-1], 1e-3)
+    y_lo, y_max, on_scale = _y_range(data)
+    total = data.get("total_bytes") or None
+    label = ("total", _fmt(total)) if total and on_scale else None
+    pad_r = _PAD_R + (6 + max(text_width(t, FONT - 1) for t in label) if label else 0)
+    return _Frame(_PAD_L, W - pad_r, _PAD_T, H - _PAD_B, t_end, y_lo, y_max, on_scale, label)
+
+
+@dataclass
+class _BandLabel:
+    index: int
+    """The band's position in ``data["bands"]``."""
+    number: int
+    """The stage's number (stages numbered in the order they first ran)."""
+    name: str
+    text: str | None
+    """What the strip above the plot shows (``"3 Hires upscale"``, ``"3"``), None where no room."""
+    x: float
+
+
+def _band_labels(data: Mapping[str, Any], frame: _Frame, label: Callable[[str], str]) -> list[_BandLabel]:
+    """Each band's label in the strip above the plot: its stage's number and name where the band is
+    wide enough, else the number alone, left out where an earlier label takes the room (the
+    legend names every stage a band does not)."""
+    numbers: dict[str, int] = {}
+    out: list[_BandLabel] = []
+    free = frame.x0  # (the strip is free from here on)
+    bands = list(data.get("bands") or [])
+    order = sorted(range(len(bands)), key=lambda i: float(bands[i].get("t0") or 0.0))
+    for i in order:
+        b = bands[i]
+        stage = str(b.get("stage"))
+        n = numbers.setdefault(stage, len(numbers) + 1)
+        name = label(stage)
+        t1 = float(b["t1"]) if b.get("t1") is not None else frame.t_end
+        bx0, bx1 = frame.X(float(b.get("t0") or 0.0)), frame.X(t1)
+        x = max(bx0 + 2, free)
+        full, num = f"{n} {name}", str(n)
+        text = None
+        if x + text_width(full) <= bx1 - 2:
+            text = full
+        elif x < max(bx1, bx0 + 3) and x + text_width(num) <= W - 2:  # (it starts inside its band)
+            text = num
+        if text is not None:
+            free = x + text_width(text) + 4
+        out.append(_BandLabel(i, n, name, text, x))
+    return out
+
+
+def _boxes_overlap(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
+    """Two (x0, y0, x1, y1) boxes share some area."""
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def render_svg(
+    data: Mapping[str, Any], *, label: Callable[[str], str] = str, plan: Callable[[str], str] = str
+) -> str:
     """The timeline ``data`` (:meth:`Timeline.to_dict`) as an inline ``<svg>`` element (valid XML,
     everything escaped); ``""`` when there is nothing to draw. ``label`` maps a stage id to its
-    readable name."""
+    readable name, ``plan`` a band's plan to the words its hover text uses."""
     pts = data.get("points") or {}
     ts = list(pts.get("t") or [])
     used = list(pts.get("used") or [])
@@ -341,28 +441,24 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
     if not ts or len(ts) != len(used):
         return ""
     bands = list(data.get("bands") or [])
-    events = list(data.get("events") or [])
+    events = [ev for ev in data.get("events") or [] if str(ev.get("kind")) not in HIDDEN_EVENTS]
     total = data.get("total_bytes") or None
     measure = str(data.get("measure") or "allocated")
     used_word, res_word = MEASURE_WORDS.get(measure, (measure, "reserved"))
-    t_end = max(float(data.get("seconds") or 0.0), ts[-1], 1e-3)
-    y_lo, y_max, total_on_scale = _y_range(data)
-    x0, x1 = _PAD_L, W - _PAD_R
-    y0, y1 = _PAD_T, H - _PAD_B
-
-    def X(t: float) -> float:
-        return x0 + (x1 - x0) * max(0.0, min(1.0, t / t_end))
-
-    def Y(b: float) -> float:
-        return y1 - (y1 - y0) * max(0.0, min(1.0, (b - y_lo) / (y_max - y_lo)))
+    f = _frame(data)
+    t_end, y_lo, y_max = f.t_end, f.y_lo, f.y_max
+    x0, x1, y0, y1 = f.x0, f.x1, f.y0, f.y1
+    X, Y = f.X, f.Y
 
     out = [
         f'<svg class="vram-guard-timeline" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" '
-        f'width="100%" role="img" aria-label="memory timeline" font-size="12" '
+        f'width="100%" role="img" aria-label="memory timeline" font-size="{FONT}" '
         f'font-family="sans-serif">',
         f"<title>Memory over the job ({_e(used_word)}), {t_end:.1f} s</title>",
     ]
-    # stage bands (overlapping ones, e.g. a live preview, go to a second lane of labels)
+    # stage bands: a tinted column each (overlapping ones, e.g. a live preview, a second lane,
+    # tinted darker), its number and name in the strip above the plot
+    labels = {bl.index: bl for bl in _band_labels(data, f, label)}
     lanes: list[float] = []
     for i, b in enumerate(bands):
         t0 = float(b.get("t0") or 0.0)
@@ -370,14 +466,13 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
         lane = next((k for k, end in enumerate(lanes) if end <= t0 + 1e-9), len(lanes))
         lanes[lane : lane + 1] = [t1]  # (the first free lane, else a new one)
         bx0, bx1 = X(t0), X(t1)
-        name = label(str(b.get("stage")))
-        plan = b.get("plan")
+        bl = labels[i]
         peak = b.get("peak_bytes")
-        tip = f"{name}: {t0:.2f}-{t1:.2f} s"
+        tip = f"{bl.name}: {t0:.2f}-{t1:.2f} s"
         if peak:
-            tip += f", peak {'' if b.get('exact', True) else '>= '}{_fmt(peak)}"
-        if plan:
-            tip += f", plan {plan}"
+            tip += f", peak {'' if b.get('exact', True) else 'at least '}{_fmt(peak)}"
+        if b.get("plan"):
+            tip += f", plan: {plan(str(b['plan']))}"
         if b.get("samples"):
             tip += f", {b['samples']} samples"
         if not b.get("ok", True):
@@ -386,7 +481,7 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
         fill = "#dc2626" if not b.get("ok", True) else ("#3b82f6" if i % 2 == 0 else "#8b5cf6")
         out.append(
             f'<g class="{cls}" data-stage="{_e(b.get("stage"))}"><title>{_e(tip)}</title>'
-            f'<rect x="{bx0:.1f}" y="{y0}" width="{max(0.8, bx1 - bx0):.1f}" height="{y1 - y0}" '
+            f'<rect x="{bx0:.1f}" y="0" width="{max(0.8, bx1 - bx0):.1f}" height="{y1}" '
             f'fill="{fill}" fill-opacity="{0.06 if lane == 0 else 0.12}"/>'
         )
         if peak:
@@ -395,12 +490,10 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
                 f'<line class="vram-guard-tl-bandpeak" x1="{bx0:.1f}" x2="{bx1:.1f}" y1="{yp:.1f}" '
                 f'y2="{yp:.1f}" stroke="{fill}" stroke-dasharray="3 2" stroke-width="1"/>'
             )
-        text = name if (bx1 - bx0) >= 6.8 * len(name) + 2 else ""  # narrow: its <title> only
-        if text:
-            ty = y0 - 5 if lane == 0 else y0 + 10 * lane
+        if bl.text:
             out.append(
-                f'<text x="{bx0 + 2:.1f}" y="{ty}" fill="currentColor" class="vram-guard-tl-label">'
-                f"{_e(text)}</text>"
+                f'<text x="{bl.x:.1f}" y="{_LABEL_Y}" fill="currentColor" class="vram-guard-tl-label">'
+                f"{_e(bl.text)}</text>"
             )
         out.append("</g>")
     # axes: y ticks in bytes, x ticks in seconds
@@ -421,14 +514,16 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
             f'<text x="{X(k):.1f}" y="{H - 6}" text-anchor="middle" fill="currentColor" '
             f'fill-opacity="0.7">{k:g} s</text>'
         )
-    # the card's total: a red line, labelled just above it at the left
-    if total and total_on_scale:  # (off the scale: the legend says where it is)
+    # the card's total: a red line, labelled right of the plot (no marker is there)
+    if total and f.total_label is not None:  # (off the scale: the legend says where it is)
         yt = Y(total)
+        word, size = f.total_label
         out.append(
             f'<g class="vram-guard-tl-total"><title>card total {_e(_fmt(total))}</title>'
             f'<line x1="{x0}" x2="{x1}" y1="{yt:.1f}" y2="{yt:.1f}" stroke="#dc2626" '
-            f'stroke-width="1.5"/><text x="{x0 + 3}" y="{yt - 4:.1f}" '
-            f'fill="#dc2626">total {_e(_fmt(total))}</text></g>'
+            f'stroke-width="1.5"/><text x="{x1 + 6:.1f}" y="{yt - 2:.1f}" fill="#dc2626" '
+            f'font-size="{FONT - 1}"><tspan>{_e(word)} </tspan>'
+            f'<tspan x="{x1 + 6:.1f}" dy="{FONT}">{_e(size)}</tspan></text></g>'
         )
     # the memory line(s)
     if res is not None and len(res) == len(ts):
@@ -442,19 +537,22 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
         f'<polyline class="vram-guard-tl-used" points="{line}" fill="none" stroke="#f97316" '
         f'stroke-width="1.6" stroke-linejoin="round"/>'
     )
-    # events
+    # events: a marker in their strip above the plot, a dashed line down through it
+    event_xs = []
     for ev in events:
         ex = X(float(ev.get("t") or 0.0))
+        event_xs.append(ex)
         kind = str(ev.get("kind"))
         color = "#dc2626" if kind == "oom" else "#16a34a"
-        glyph = "!" if kind == "oom" else "↓"
+        glyph = EVENT_GLYPHS.get(kind, kind[:1].upper())
         tip = f"{float(ev.get('t') or 0.0):.2f} s: {EVENT_LABELS.get(kind, kind)} — {ev.get('text', '')}"
         out.append(
             f'<g class="vram-guard-tl-event" data-kind="{_e(kind)}"><title>{_e(tip)}</title>'
-            f'<line x1="{ex:.1f}" x2="{ex:.1f}" y1="{y0}" y2="{y1}" stroke="{color}" stroke-width="1" '
-            f'stroke-dasharray="2 2"/><circle cx="{ex:.1f}" cy="{y0 + 6}" r="5" fill="{color}"/>'
-            f'<text x="{ex:.1f}" y="{y0 + 9}" text-anchor="middle" fill="#fff" font-size="9">{glyph}</text>'
-            "</g>"
+            f'<line x1="{ex:.1f}" x2="{ex:.1f}" y1="{_EVENT_Y + _EVENT_R}" y2="{y1}" stroke="{color}" '
+            f'stroke-width="1" stroke-dasharray="2 2"/>'
+            f'<circle cx="{ex:.1f}" cy="{_EVENT_Y}" r="{_EVENT_R}" fill="{color}"/>'
+            f'<text x="{ex:.1f}" y="{_EVENT_Y + 3}" text-anchor="middle" fill="#fff" font-size="9">'
+            f"{_e(glyph)}</text></g>"
         )
     # the peak: the highest sample, and a band's recorded peak where that is higher
     peak = data.get("peak") or None
@@ -469,16 +567,12 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
                 f"{_fmt(int(best_band['peak_bytes']))} between samples"
             )
         px, py = X(float(peak["t"])), Y(pb)
-        anchor = "end" if px > (x0 + x1) / 2 else "start"
-        dx = -6 if anchor == "end" else 6
-        ty = max(y0 + 8, py - 4)
-        if total and total_on_scale and py - Y(total) < 16:  # under the total's label: go below
-            ty = min(py + 14, y1 - 2)
+        text = f"peak {_fmt(pb)}"
+        tx, ty = _peak_label_at(f, px, py, text_width(text, FONT + 1), event_xs, Y(total) if total else None)
         out.append(
             f'<g class="vram-guard-tl-peak"><title>{_e(note)}</title>'
             f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3.5" fill="none" stroke="#dc2626" stroke-width="1.5"/>'
-            f'<text x="{px + dx:.1f}" y="{ty:.1f}" text-anchor="{anchor}" '
-            f'fill="currentColor" font-weight="bold">peak {_e(_fmt(pb))}</text></g>'
+            f'<text x="{tx:.1f}" y="{ty:.1f}" fill="currentColor" font-weight="bold">{_e(text)}</text></g>'
         )
     # hover columns: the highest values in each slice of time
     n_cols = min(COLUMNS, len(ts))
@@ -510,8 +604,31 @@ def render_svg(data: Mapping[str, Any], *, label: Callable[[str], str] = str) ->
     return "".join(out)
 
 
-def legend_html(data: Mapping[str, Any]) -> str:
-    """One line under the plot: what the lines are, how many samples, what was left out."""
+def _peak_label_at(
+    f: _Frame, px: float, py: float, w: float, event_xs: list[float], y_total: float | None
+) -> tuple[float, float]:
+    """(left x, baseline y) of the peak's label: inside the plot, clear of the events' dashed lines
+    and of the total's line, as near the peak's circle as that allows (beside it, else beside the
+    nearest event line), above the point where there is room, else below it."""
+    above = max(f.y0 + FONT, py - 4)
+    below = min(py + 14, f.y1 - 2)
+    near_total = y_total is not None and f.total_on_scale and py - y_total < 16
+    lefts = [px + 6, px - 6 - w] + [x for ex in event_xs for x in (ex + 3, ex - 3 - w)]
+    ok = [
+        left
+        for left in lefts
+        if f.x0 <= left <= f.x1 - w
+        and (left >= px + 5 or left + w <= px - 5)  # (not on the peak's own circle)
+        and not any(left - 2 <= ex <= left + w + 2 for ex in event_xs)
+    ]
+    # (beside the point first: the nearer side; then the place nearest to it)
+    left = min(ok, key=lambda x: abs(x + w / 2 - px)) if ok else min(max(px + 6, f.x0), f.x1 - w)
+    return left, below if near_total else above  # (above a point near the total would cross it)
+
+
+def legend_html(data: Mapping[str, Any], *, label: Callable[[str], str] = str) -> str:
+    """One line under the plot: what the lines and markers are, the stages the plot shows by number
+    only, how many samples, what was left out."""
     measure = str(data.get("measure") or "allocated")
     used_word, res_word = MEASURE_WORDS.get(measure, (measure, "reserved"))
     pts = data.get("points") or {}
@@ -521,6 +638,24 @@ def legend_html(data: Mapping[str, Any]) -> str:
     total = data.get("total_bytes")
     if total and pts.get("t") and not _y_range(data)[2]:
         parts.append(f"total {_fmt(total)}: far above the plot")
+    kinds = [str(ev.get("kind")) for ev in data.get("events") or []]
+    glyphs: dict[str, list[str]] = {}
+    for kind in kinds:
+        if kind not in HIDDEN_EVENTS:
+            words = glyphs.setdefault(EVENT_GLYPHS.get(kind, kind[:1].upper()), [])
+            if EVENT_LABELS.get(kind, kind) not in words:
+                words.append(EVENT_LABELS.get(kind, kind))
+    parts += [f"{g}: {' or '.join(w)}" for g, w in glyphs.items()]
+    if pts.get("t"):
+        names: dict[int, str] = {}
+        named: set[int] = set()  # (stages a band shows by name)
+        for bl in _band_labels(data, _frame(data), label):
+            names.setdefault(bl.number, bl.name)
+            if bl.text is not None and bl.text != str(bl.number):
+                named.add(bl.number)
+        stages = [f"{n} {name}" for n, name in names.items() if n not in named]
+        if stages:
+            parts.append("stages " + ", ".join(stages))
     n = sum(int(v) for v in (data.get("samples") or {}).values())
     parts.append(f"{n} samples, {len(pts.get('t') or [])} points")
     dropped = data.get("dropped") or {}
