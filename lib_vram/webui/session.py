@@ -228,9 +228,10 @@ class Session:
         if last:
             notes += [n for n in last["notes"] if n not in notes]
             notes += [
-                f"release at {rel['at']}: {rel['freed_device_bytes'] / 2**20:.0f} MiB returned"
+                f"{rel['freed_device_bytes'] / 2**20:.0f} MiB of cached memory released "
+                f"{_BOUNDARY_WORDS.get(rel['at'], 'at ' + rel['at'].replace('_', ' '))}"
                 for rel in last.get("releases", [])
-                if rel["freed_device_bytes"]
+                if rel["freed_device_bytes"] >= 2**20
             ]
         placed = self.placement.status_line() if self.placement is not None else None
         if (placed or "").startswith("checkpoint placed") and not any(placed in n for n in notes):
@@ -293,6 +294,15 @@ _WIDTH = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
     return {torch.float16: "FP16", torch.bfloat16: "BF16", torch.float32: "FP32"}.get(dtype, str(dtype))
+
+
+_BOUNDARY_WORDS = {
+    "process": "as the job began",
+    "post_sample": "after sampling",
+    "postprocess_batch": "after the batch",
+    "postprocess": "after the job",
+}
+"""Where a release between stages happened, in a note's words."""
 
 
 class ScriptJobs:
