@@ -135,3 +135,16 @@ def test_the_webuis_hypertile_is_not_the_stock_forward(unet, tmp_path):
     check = inspect_unet(unet)
     assert [f.name for f in check.findings] == ["HyperTile"] and check.per_sample, check
     assert origin_of(namespace["stock"]) == "webui"
+
+
+def test_vram_guard_installed_as_a_webui_extension_is_its_own_code(unet, tmp_path, monkeypatch):
+    """In the WebUI VRAM Guard lives under ``extensions/<folder>/lib_vram/``: its own wrapper on
+    the UNet is not another extension's (the real WebUI named it 'vram-guard')."""
+    import lib_vram.webui.patching as patching
+
+    path = tmp_path / "extensions" / "vram-guard" / "lib_vram" / "webui" / "patching.py"
+    monkeypatch.setattr(patching, "__file__", str(path))  # where the WebUI loads it from
+    with ExitStack() as stack:
+        patch = patch_attr(unet, "forward", lambda previous, *a, **k: previous(*a, **k), stack)
+        assert origin_of(patch) == "lib_vram"
+        assert inspect_unet(unet) == ForwardCheck()

@@ -146,11 +146,11 @@ def origin_of(obj: object) -> str:
 
 def _origin(path: str, module: str) -> str:
     parts = [p for p in path.split("/") if p]
+    if "lib_vram" in parts or module.startswith("lib_vram"):
+        return "lib_vram"  # (first: VRAM Guard is itself under extensions/ in the WebUI)
     for i, part in enumerate(parts[:-1]):
         if part in ("extensions", "extensions-builtin"):
             return parts[i + 1].lower()
-    if "lib_vram" in parts or module.startswith("lib_vram"):
-        return "lib_vram"
     top = module.split(".", 1)[0]
     if "torch" in parts or top == "torch":
         return "torch"
