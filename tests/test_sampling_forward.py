@@ -148,3 +148,39 @@ def test_vram_guard_installed_as_a_webui_extension_is_its_own_code(unet, tmp_pat
         patch = patch_attr(unet, "forward", lambda previous, *a, **k: previous(*a, **k), stack)
         assert origin_of(patch) == "lib_vram"
         assert inspect_unet(unet) == ForwardCheck()
+
+
+def test_a_torch_decorator_over_an_extensions_forward_is_looked_through(tmp_path):
+    """Tiled Diffusion's ``kdiff_forward`` is ``@torch.no_grad()`` over its own function: the
+    outer code is torch's (the real WebUI planned the stock forward for it)."""
+    ext = extension_module(tmp_path, "multidiffusion-upscaler-for-automatic1111")
+
+    class Delegate:
+        forward = torch.no_grad()(ext.wrap(lambda *a: None))
+
+    assert origin_of(Delegate().forward) == "multidiffusion-upscaler-for-automatic1111"
+    assert origin_of(torch.no_grad()(torch.nn.functional.relu)) == "torch"
+
+
+def test_tiled_diffusions_sampler_model_in_the_webui_is_found_around_the_unet(unet, tmp_path):
+    """MultiDiffusion sets ``p.sampler.model_wrap_cfg.inner_model.forward`` to its own (decorated)
+    method when the sampler is made, before ``process_before_every_sampling``."""
+    from types import SimpleNamespace
+
+    from lib_vram.webui.forwards import check_pass
+
+    ext = extension_module(tmp_path, "multidiffusion-upscaler-for-automatic1111")
+    denoiser = torch.nn.Module()
+
+    class Cfg:  # the WebUI's CFGDenoiserKDiffusion: inner_model is a property
+        @property
+        def inner_model(self) -> torch.nn.Module:
+            return denoiser
+
+    p = SimpleNamespace(sampler=SimpleNamespace(model_wrap_cfg=Cfg()))
+    model = SimpleNamespace()
+    assert check_pass(p, model, unet) == ForwardCheck()
+    denoiser.forward = torch.no_grad()(ext.wrap(lambda *a: None))
+    check = check_pass(p, model, unet)
+    assert check.names == ("Tiled Diffusion",) and check.per_sample and not check.modelled
+    assert "the sampler's model replaced" in check.reason()

@@ -127,7 +127,9 @@ def origin_of(obj: object) -> str:
     """Where the code of a function, method, ``functools.partial`` or class lives: ``"webui"``,
     ``"lib_vram"``, ``"torch"``, ``"model"`` (ldm/sgm), an extension's folder name (lower case),
     a package name or a module name. The file wins over ``__module__``: ``functools.wraps`` copies
-    the wrapped function's ``__module__`` onto the wrapper (HyperTile's), not its code."""
+    the wrapped function's ``__module__`` onto the wrapper (HyperTile's), not its code. A torch
+    decorator (``@torch.no_grad()`` over Tiled Diffusion's forward) is looked through to what it
+    decorates (its ``__wrapped__``)."""
     fn = obj
     for _ in range(8):
         if isinstance(fn, functools.partial):
@@ -141,7 +143,11 @@ def origin_of(obj: object) -> str:
     module = getattr(fn, "__module__", None) or ""
     if not path:
         path = getattr(sys.modules.get(module), "__file__", None) or ""
-    return _origin(path.replace("\\", "/"), module)
+    origin = _origin(path.replace("\\", "/"), module)
+    inner = getattr(fn, "__wrapped__", None)
+    if origin == "torch" and inner is not None and inner is not fn:
+        return origin_of(inner)
+    return origin
 
 
 def _origin(path: str, module: str) -> str:
