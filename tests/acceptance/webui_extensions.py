@@ -28,7 +28,7 @@ Cases (txt2img unless said; seed 1234, Euler a, CFG 7, ``--size``/``--steps``):
   hypertile   the WebUI's HyperTile U-Net (``override_settings``: max tile ``--hypertile-tile``)
   tome        the WebUI's token merging (``override_settings``: ratio 0.5)
   adetailer   ADetailer with the random YOLOv8n at confidence 0 (always detects: its inpaint pass
-              always runs), mask top 1
+              always runs), mask top 1, inpaint at ``--ad-inpaint`` px
   usdu        img2img of a synthetic ``--size`` picture with Ultimate SD Upscale x2 (``--usdu-upscaler``,
               256-px tiles, denoising 0.35); with the fixed-RNG helper (``VG_FIXED_RNG``)
   kohya       Kohya Hires.fix (Deep Shrink), its defaults (depth 3 / 4, stop at 0.15 / 0.3)
@@ -78,10 +78,14 @@ def cases(a: argparse.Namespace, upscalers: list[str]) -> dict[str, tuple[str, d
     def animatediff(frames: int, model: str) -> dict:
         p = dict(base, width=a.ad_size, height=a.ad_size)
         return alwayson(p, "AnimateDiff", [{"model": model, "enable": True, "video_length": frames,
-                                            "batch_size": frames, "fps": 8, "format": ["Frame"]}])  # fmt: skip
+                                            "batch_size": frames, "fps": 8, "format": ["PNG"]}])  # fmt: skip
 
     usdu_index = upscalers.index(a.usdu_upscaler) if a.usdu_upscaler in upscalers else -1
     ad = {"ad_model": "vg-yolov8n-random.pt", "ad_confidence": 0.0, "ad_mask_k": 1}
+    if a.ad_inpaint:  # ADetailer's own "use separate width/height" (its default size is 512)
+        ad.update(
+            ad_use_inpaint_width_height=True, ad_inpaint_width=a.ad_inpaint, ad_inpaint_height=a.ad_inpaint
+        )
     freeu = {"enable": True, "start_ratio": 0.0, "stop_ratio": 1.0, "transition_smoothness": 0.0, "version": "2",
              "stage_infos": [{"backbone_factor": 1.2, "skip_factor": 0.9}, {"backbone_factor": 1.4, "skip_factor": 0.2},
                              {}]}  # fmt: skip
@@ -114,13 +118,15 @@ def _log_size(path: str | None) -> int:
     return Path(path).stat().st_size if path and Path(path).exists() else 0
 
 
-def _log_since(path: str | None, offset: int) -> list[str]:
+def _log_since(path: str | None, offset: int, every: bool = False) -> list[str]:
+    """The WebUI log's lines after ``offset``: VRAM Guard's and the errors' (every line with
+    ``every``: a failed job's traceback frames)."""
     if not path or not Path(path).exists():
         return []
     with open(path, "rb") as fh:
         fh.seek(offset)
         text = fh.read().decode(errors="replace")
-    return [ln.rstrip() for ln in text.splitlines() if VG_LINE.search(ln)]
+    return [ln.rstrip() for ln in text.splitlines() if every or VG_LINE.search(ln)]
 
 
 def max_levels(imgs: list[np.ndarray], ref: list[np.ndarray]) -> int | None:
@@ -152,6 +158,9 @@ def main() -> int:
     ap.add_argument("--td-batch", type=int, default=4)
     ap.add_argument("--hypertile-tile", type=int, default=128)
     ap.add_argument("--ad-size", type=int, default=128)
+    ap.add_argument(
+        "--ad-inpaint", type=int, default=384, help="ADetailer's inpaint width/height (0: the image's)"
+    )
     ap.add_argument("--usdu-upscaler", default="ESRGAN_x4-large-random")
     ap.add_argument("--tag", default="", help="a label for this run in results.jsonl")
     a = ap.parse_args()
@@ -204,7 +213,7 @@ def main() -> int:
             infotexts = json.loads(info).get("infotexts") or [""]
             rec["infotext_tail"] = infotexts[0].split("\n")[-1][:600]
         ref = load_pngs(out / "ref", f"{name}-uncapped")
-        if imgs and ref:
+        if imgs and ref and mode != "ref":
             rec["max_levels_vs_ref"] = max_levels(imgs, ref)
         if mode == "vg" and imgs:
             plain = load_pngs(out / "plain", f"{name}-{card}")
@@ -219,7 +228,7 @@ def main() -> int:
                 rec["notes"] = st.get("notes")
                 rec["stages"] = [(s["stage"], s.get("plan"), round((s.get("peak_bytes") or 0) / MIB, 1))
                                  for s in st.get("stages", []) if not s.get("missing")]  # fmt: skip
-        rec["log"] = _log_since(a.log, log0)[-60:]
+        rec["log"] = _log_since(a.log, log0, every=err is not None)[-80:]
         with open(out / "results.jsonl", "a") as fh:
             fh.write(json.dumps(rec) + "\n")
         short = {k: rec.get(k) for k in ("case", "mode", "card", "finished", "seconds", "images", "peak_mib",
