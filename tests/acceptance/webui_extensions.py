@@ -2,7 +2,8 @@
 their own (issue 41), against a running AUTOMATIC1111 v1.10.1 (``--api``); see
 docs/webui-extensions.md for the host, the commands and the results.
 
-usage: webui_extensions.py ref|run [--plain] --cases base,td_multi,... [--url URL] [--out DIR]
+usage: webui_extensions.py table --out DIR   (the last record of each case/card/mode, as Markdown)
+       webui_extensions.py ref|run [--plain] --cases base,td_multi,... [--url URL] [--out DIR]
        [--log WEBUI_LOG] [--size PX] [--steps N]
 
 * ``ref`` — the plain WebUI without VRAM Guard (a ``--data-dir`` without the ``vram-guard`` link,
@@ -141,13 +142,39 @@ def load_pngs(folder: Path, stem: str) -> list[np.ndarray]:
     return [np.asarray(Image.open(f).convert("RGB")) for f in files]
 
 
+def table(out: Path) -> int:
+    """The last record of each (case, card, mode) in ``OUT/results.jsonl`` as a Markdown table."""
+    last: dict = {}
+    for line in (out / "results.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        last[(r["case"], r["card"], r["mode"])] = r
+    print("| case | card | mode | result | peak MiB | levels vs ref | vs plain same card | s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (case, card, mode), r in sorted(last.items()):
+        err = r["error"].split('"errors":"', 1)[-1]
+        res = "finished" if r["finished"] else "failed: " + re.sub(r"\s+", " ", err)[:90]
+        if r.get("wrong_picture_count"):
+            res += f" ({r['wrong_picture_count']})"
+        same = ""
+        if mode == "vg":  # the plain run on the same card, whichever ran first
+            vg, plain = load_pngs(out / "vg", f"{case}-{card}"), load_pngs(out / "plain", f"{case}-{card}")
+            same = (
+                max_levels(vg, plain)
+                if vg and plain and (case, card, "plain") in last and last[(case, card, "plain")]["finished"]
+                else ""
+            )
+        print(f"| {case} | {card} | {mode} | {res} | {r.get('peak_mib', '')} | {r.get('max_levels_vs_ref', '')} "
+              f"| {same} | {r['seconds']} |")  # fmt: skip
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["ref", "run"])
+    ap.add_argument("mode", choices=["ref", "run", "table"])
     ap.add_argument(
         "--plain", action="store_true", help="run: the accordion off (the plain WebUI on the card)"
     )
-    ap.add_argument("--cases", required=True)
+    ap.add_argument("--cases", default="")
     ap.add_argument("--url", default="http://127.0.0.1:7861")
     ap.add_argument("--out", default="/tmp/vg-ext")
     ap.add_argument("--log", help="the WebUI's log file: the job's VRAM Guard / error lines are recorded")
@@ -165,6 +192,8 @@ def main() -> int:
     ap.add_argument("--tag", default="", help="a label for this run in results.jsonl")
     a = ap.parse_args()
     out = Path(a.out)
+    if a.mode == "table":
+        return table(out)
     upscalers = [u["name"] for u in call(a.url, "/sdapi/v1/upscalers")[0]]
     jobs = cases(a, upscalers)
     names = [c for c in a.cases.split(",") if c]
@@ -213,6 +242,9 @@ def main() -> int:
             infotexts = json.loads(info).get("infotexts") or [""]
             rec["infotext_tail"] = infotexts[0].split("\n")[-1][:600]
         ref = load_pngs(out / "ref", f"{name}-uncapped")
+        if imgs and ref and len(imgs) != len(ref):
+            # e.g. AnimateDiff's before_process failed (the WebUI logs it and goes on): one picture
+            rec["wrong_picture_count"] = f"{len(imgs)} picture(s), the reference has {len(ref)}"
         if imgs and ref and mode != "ref":
             rec["max_levels_vs_ref"] = max_levels(imgs, ref)
         if mode == "vg" and imgs:
@@ -232,11 +264,11 @@ def main() -> int:
         with open(out / "results.jsonl", "a") as fh:
             fh.write(json.dumps(rec) + "\n")
         short = {k: rec.get(k) for k in ("case", "mode", "card", "finished", "seconds", "images", "peak_mib",
-                                         "max_levels_vs_ref", "max_levels_vs_plain_same_card")}  # fmt: skip
+                                         "max_levels_vs_ref", "max_levels_vs_plain_same_card", "wrong_picture_count")}  # fmt: skip
         print(json.dumps(short), flush=True)
         if err:
             print(f"  error: {err[:400]}", flush=True)
-        ok_all &= err is None
+        ok_all &= err is None and "wrong_picture_count" not in rec
     return 0 if ok_all else 1
 
 
