@@ -14,6 +14,8 @@ WEBUI=/work/webui VENV=/work/webui-venv EXT_DIR=/work/webui-ext
 # shellcheck disable=SC1091
 [ -f "$TOOLS/host.env" ] && . "$TOOLS/host.env"
 VG=${VG:-/work/main}
+# this repository (for fixed-rng): REPO, else the checkout this script runs from (the copy build.sh
+# installs into $TOOLS is outside it: pass REPO then)
 REPO=${REPO:-$(git -C "$(dirname "$(readlink -f "$0")")" rev-parse --show-toplevel 2> /dev/null || echo "$VG")}
 [ $# -ge 1 ] || { echo "usage: datadir.sh DIR [NAME ...]" >&2; exit 2; }
 DIR=$1
