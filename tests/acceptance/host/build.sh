@@ -6,7 +6,8 @@
 #   bash tests/acceptance/host/build.sh            # every step, skipping what is already done
 #   bash tests/acceptance/host/build.sh venv models # only these steps
 #
-# Steps: sources venv tokenizer tools models config link, and smoke (not run by default).
+# Steps: sources venv tokenizer tools models config link, and (not run by default) extensions
+# (the third-party extensions of docs/webui-extensions.md, checked out into $EXT_DIR) and smoke.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(git -C "$HERE" rev-parse --show-toplevel)
@@ -16,6 +17,7 @@ TOOLS=${TOOLS:-/work/webui-tools}
 MIRRORS=${MIRRORS:-/work/.mirror}
 PYTHON=${PYTHON:-python3.11}
 EXT_LINK=${EXT_LINK:-/work/main}  # what extensions/vram-guard points at (the team relinks it)
+EXT_DIR=${EXT_DIR:-/work/webui-ext}  # the extensions of `build.sh extensions` (linked per run by datadir.sh)
 NICE=(nice -n "${NICE_LEVEL:-5}")
 PY="$VENV/bin/python"
 PIP=("${NICE[@]}" "$PY" -m pip --disable-pip-version-check -q)
@@ -31,6 +33,19 @@ SOURCES=(
   "crowsonkb+k-diffusion ab527a9a6d347f364e3d185ba6d714e22d80cb3c $WEBUI/repositories/k-diffusion"
   "openai+CLIP d50d76daa670286dd6cacf3bcd80b5e4823fc8e1 $TOOLS/src/CLIP"
   "Mikubill+sd-webui-controlnet 56cec5b2958edf3b1807b7e7b2b1b5186dbd2f81 $WEBUI/extensions/sd-webui-controlnet v1.1.455"
+)
+
+# `build.sh extensions`: the extensions whose forwards or passes VRAM Guard must not make worse
+# (issue 41), each at a pinned commit: snapshot folder, commit, folder name under $EXT_DIR. They are
+# not linked into $WEBUI/extensions: datadir.sh links the ones a run wants into its own --data-dir.
+EXTENSIONS=(
+  "pkuliyi2015+multidiffusion-upscaler-for-automatic1111 22798f6822bc9c8a905b51da8954ee313b973331 multidiffusion-upscaler-for-automatic1111"
+  "continue-revolution+sd-webui-animatediff a88e88912bcbae0531caccfc50fd639f6ea83fd0 sd-webui-animatediff"
+  "Bing-su+adetailer 36189cbea735b85fd01e98ac42002b8ce6f0e41d adetailer"
+  "Coyote-A+ultimate-upscale-for-automatic1111 2322caa480535b1011a1f9c18126d85ea444f146 ultimate-upscale-for-automatic1111"
+  "wcde+sd-webui-kohya-hiresfix 05af98743ef57838d6c83bfbe07a2920dd339a7c sd-webui-kohya-hiresfix"
+  "ljleb+sd-webui-freeu 75684923858445df87f7287192731e57d09def81 sd-webui-freeu"
+  "ashen-sensored+sd_webui_SAG 83d66a6cd8af4b6c6d087f8f1c979f0da188d40b sd_webui_SAG"
 )
 
 log() { echo "[build $(date -u +%T)] $*"; }
@@ -105,7 +120,7 @@ step_models() {
 step_tools() {
   mkdir -p "$TOOLS/run"
   local f
-  for f in launch.sh stop.sh checkout.sh make_models.py make_esrgan.py make_tokenizer.py smoke.py README.md; do
+  for f in launch.sh stop.sh checkout.sh datadir.sh make_models.py make_esrgan.py make_tokenizer.py smoke.py README.md; do
     install -m 0755 "$HERE/$f" "$TOOLS/$f"
   done
   # launch.sh reads these paths
@@ -113,6 +128,7 @@ step_tools() {
 WEBUI=$WEBUI
 VENV=$VENV
 TOOLS=$TOOLS
+EXT_DIR=$EXT_DIR
 EOF2
   touch "$TOOLS/lock"
   log "tools: $TOOLS"
@@ -145,6 +161,38 @@ step_link() {
   fi
   ln -sfn "$EXT_LINK" "$link"
   log "link: $link -> $EXT_LINK"
+}
+
+# the extensions (checkouts only: their install.py never runs, as with --skip-install), ADetailer's
+# requirements (ultralytics >= 8.3.75 and rich, under constraints.txt: mediapipe stays 0.10.9, which
+# sd-webui-controlnet needs; ADetailer only imports mediapipe for its mediapipe models), and the
+# random-weight models they load: AnimateDiff motion modules (V2 and V1 layouts, from AnimateDiff's
+# own motion_module.py) in its model folder, a YOLOv8n detector (ultralytics' own yaml) in
+# models/adetailer
+step_extensions() {
+  local t0 line name commit dest missing=()
+  t0=$(date +%s)
+  for line in "${EXTENSIONS[@]}"; do
+    read -r name commit dest <<< "$line"
+    [ -d "$MIRRORS/$name/repo" ] || missing+=("github:${name/+//}")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "missing snapshots in $MIRRORS; bring them with the search tool's fetch:" >&2
+    printf '  fetch %s\n' "${missing[@]}" >&2
+    exit 2
+  fi
+  for line in "${EXTENSIONS[@]}"; do
+    read -r name commit dest <<< "$line"
+    bash "$HERE/checkout.sh" "$MIRRORS/$name/repo" "$commit" "$EXT_DIR/$dest"
+  done
+  if ! "$PY" -c "import ultralytics, rich" 2> /dev/null; then
+    log "extensions: ultralytics 8.3.75, rich (ADetailer)"
+    pip_q install -c "$HERE/constraints.txt" "ultralytics==8.3.75" "rich>=13"
+  fi
+  "${NICE[@]}" "$PY" "$HERE/make_animatediff.py" --webui "$WEBUI" --animatediff "$EXT_DIR/sd-webui-animatediff"
+  "${NICE[@]}" "$PY" "$HERE/make_adetailer.py" --webui "$WEBUI"
+  install -m 0755 "$HERE/datadir.sh" "$TOOLS/datadir.sh"
+  step_time extensions "$t0"
 }
 
 step_smoke() {
