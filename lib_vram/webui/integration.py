@@ -208,10 +208,11 @@ def configure_logging(host: Any = None) -> None:
 
 
 def check_conflicts(session: Any, host: Any = None) -> None:
-    """Tell the user when the Tiled VAE extension is enabled next to us (log + readout note)."""
+    """Log that the Tiled VAE extension is installed next to us. Only a job where its hook is on the
+    VAE gets a readout note (``ScriptJobs.refresh``: "another extension wraps the VAE decoder")."""
     where = (host or default_host).tiled_vae_extension_installed()
     if where:
-        session.note(TILED_VAE_NOTE.format(where=where))
+        logger.info(TILED_VAE_NOTE.format(where=where))
 
 
 def start_emulation(session: Any, host: Any = None) -> Any:

@@ -33,8 +33,8 @@ from .settings import resolve
 logger = logging.getLogger(__name__)
 
 TILED_VAE_NOTE = (
-    "The Tiled VAE (multidiffusion-upscaler) extension is also enabled ({where}). Both tile the VAE: "
-    "use one of them (disable Tiled VAE in its accordion, or VRAM Guard's 'Tiled VAE' = Off)."
+    "VRAM Guard: the Tiled VAE (multidiffusion-upscaler) extension is installed ({where}). Both tile "
+    "the VAE: turn one of them off in a job (its 'Tiled VAE' accordion, or VRAM Guard's 'Tiled VAE')."
 )
 REVERT_NOTE = (
     "The WebUI switched its VAE from {old} to {new} after a NaN (its automatic VAE precision "
