@@ -261,7 +261,9 @@ def test_plans_read_in_words_a_webui_user_knows():
     assert w("exact t64 x6") == "6 tiles of 512 px, exact mode"
     assert w("fast t32 x1, VAE off the card") == "1 tile of 256 px, fast mode, VAE off the card"
     assert w("untiled") == "untiled" and w(None) == "—"
-    assert w("micro-batch 1 of 2 (predicted 1704 MiB)") == "micro-batch 1 of 2 (predicted 1704 MiB)"
+    assert w("micro-batch 1 of 2 (predicted 1704 MiB)") == (
+        "batch of 2 in parts, 1 at a time (predicted 1704 MiB)"
+    )
     assert w("UNet streamed: 1234 of 4900 MiB resident, batch 2 in one forward") == (
         "UNet streamed, 1234 of 4900 MiB kept on the card, batch of 2 at once"
     )
