@@ -2,8 +2,8 @@
 tab's VRAM Guard section after an upscale.
 
 Against a running AUTOMATIC1111 WebUI v1.10.1 with this extension, started with ``--api`` (and, for
-the pictures in docs/, on the emulated card ``--vram-guard-emulate-vram 4246MB``: the small card of
-docs/webui.md's "Plain WebUI vs VRAM Guard" table). It
+the pictures in docs/, ``--vram-guard-emulate-vram 3253MB --vram-guard-place-checkpoint``: a card
+the SD1.5 checkpoint does not fit, so VRAM Guard places it). It
 
 1. runs a hires-fix txt2img with VRAM Guard on (defaults) through the API,
 2. opens the WebUI's page in headless Chromium (DevTools protocol, as ``tests/test_ui_browser.py``
