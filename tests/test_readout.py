@@ -123,6 +123,19 @@ def test_html_lists_every_stage_with_peak_and_plan():
     assert "CPU only" not in text
 
 
+def test_an_extras_job_lists_its_upscale_only():
+    """The Extras section's readout after an upscale: the generation stages it never has are not
+    listed as skipped rows (the real WebUI's picture showed five rows of dashes above it)."""
+    up = [{"name": "upscale", "peak_bytes": GiB, "seconds": 0.5, "plan": "whole b1 float32 acc=cpu"}]
+    markup = R.render_readout_html(R.status_payload(GPU, up, job_running=False))
+    assert re.findall(r'data-stage="([^"]*)"', markup.split("<table", 1)[1]) == ["upscale"]
+    text, _tags = text_of(markup)
+    assert "Upscale (Extras) 1.00 GiB whole image at once, FP32, picture assembled in RAM" in text
+    # a generation job still lists the stages it skipped
+    gen = R.render_readout_html(R.status_payload(GPU, RECORDS[:1], job_running=False))
+    assert "vram-guard-skipped" in gen and 'data-stage="hires_upscale"' in gen
+
+
 def test_cpu_only_says_so_and_shows_ram():
     mem = memory_info("cpu")
     payload = R.status_payload(mem, [], job_running=False)
@@ -206,7 +219,7 @@ def test_notes_say_what_a_pass_did_in_words():
     pixels, the memory it fitted in, what happened to the picture; nothing for a plain pass."""
     note = R.vae_pass_note("decode", mode="exact", tiles=6, tile=64, budget_bytes=int(3.2 * 2**30))
     assert note == (
-        "The VAE decode was done in 6 tiles of up to 512x512 px to fit in 3.2 GB (the free memory "
+        "The VAE decode was done in 6 tiles of up to 512x512 px to fit in 3.2 GiB (the free memory "
         "less a safety margin); exact tiles: the same picture as untiled."
     )
     assert R.vae_pass_note("decode", mode="untiled", tiles=0, tile=None, budget_bytes=2**30) is None
@@ -216,11 +229,11 @@ def test_notes_say_what_a_pass_did_in_words():
     )
     assert oom.startswith(
         "The hires-fix VAE encode ran out of memory untiled and with 256x256-px tiles; then it was "
-        "done in 4 tiles of up to 128x128 px to fit in 300 MB"
+        "done in 4 tiles of up to 128x128 px to fit in 300 MiB"
     ) and oom.endswith("not exactly the untiled picture.")
     up = R.upscale_pass_note("upscale", tiled=True, tiles=9, tile=192, batch=4, budget_bytes=2**31, ooms=1)
     assert up.startswith("The upscale ran out of memory 1 time; then it was done in 9 tiles of up to 192x192")
-    assert "4 at a time" in up and "2.0 GB" in up
+    assert "4 at a time" in up and "2.0 GiB" in up
     assert R.upscale_pass_note("upscale", tiled=False, tiles=1, tile=0, batch=1, budget_bytes=1) is None
     inexact = R.upscale_pass_note(
         "hires_upscale", tiled=True, tiles=2, tile=64, batch=1, budget_bytes=1, exact=False
@@ -248,7 +261,9 @@ def test_plans_read_in_words_a_webui_user_knows():
     assert w("exact t64 x6") == "6 tiles of 512 px, exact mode"
     assert w("fast t32 x1, VAE off the card") == "1 tile of 256 px, fast mode, VAE off the card"
     assert w("untiled") == "untiled" and w(None) == "—"
-    assert w("micro-batch 1 of 2 (predicted 1704 MiB)") == "micro-batch 1 of 2 (predicted 1704 MiB)"
+    assert w("micro-batch 1 of 2 (predicted 1704 MiB)") == (
+        "batch of 2 in parts, 1 at a time (predicted 1704 MiB)"
+    )
     assert w("UNet streamed: 1234 of 4900 MiB resident, batch 2 in one forward") == (
         "UNet streamed, 1234 of 4900 MiB kept on the card, batch of 2 at once"
     )

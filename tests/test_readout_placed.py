@@ -190,7 +190,12 @@ def test_the_readout_of_a_placed_hires_job_says_each_thing_once(esrgan_file):
     everything = " ".join(t for _where, t in parts)
     assert not ABBREVIATIONS.search(everything), ABBREVIATIONS.search(everything)
     assert plans["hires_upscale"] == "whole image at once, FP32, picture assembled in RAM", plans
-    assert plans["sampling"].startswith("batch of 2 at once (predicted "), plans
+    # the pass's predicted peak once: in its note, with what it is made of (the real WebUI's readout
+    # said it in the plan and again in the note)
+    assert plans["sampling"] == "batch of 2 at once", plans
+    predicted = re.findall(r"predicted (?:peak )?(\d+) MiB", text)
+    assert len(predicted) == 2, predicted  # (one per pass: sampling, hires sampling)
+    assert any(n.startswith("Sampling: predicted peak ") and " attention" in n for n in notes), notes
 
     # "≥" says why, once
     if "≥" in " ".join(t for where, t in parts if where == "td"):

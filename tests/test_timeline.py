@@ -314,6 +314,15 @@ def test_no_label_sits_on_a_marker_or_another_label_and_every_stage_is_named(job
     for i, (a, box_a) in enumerate(labels):
         for b, box_b in labels[i + 1 :]:
             assert not T._boxes_overlap(box_a, box_b), (a, b)
+    # nor does a marker sit on another: events close in time share one (the real WebUI's hires job
+    # released memory at post sample, postprocess batch and job end within 3 s of 218)
+    circles = [m for what, m in markers if what == "vram-guard-tl-event" and m[3] - m[1] < 20]
+    for i, a in enumerate(circles):
+        assert not any(T._boxes_overlap(a, b) for b in circles[i + 1 :]), (a, circles)
+    events = [g for g in root.iter(f"{SVG}g") if g.get("class") == "vram-guard-tl-event"]
+    titles = [g.findtext(f"{SVG}title") for g in events]
+    shown = [ev for ev in d["events"] if ev["kind"] != "plan"]
+    assert sum(t.count("\n") + 1 for t in titles) == len(shown)  # (each event in one marker's hover)
     # the capacity line: labelled right of the plot, where it ends
     (total,) = [g for g in root.iter(f"{SVG}g") if g.get("class") == "vram-guard-tl-total"]
     (line,) = total.iter(f"{SVG}line")

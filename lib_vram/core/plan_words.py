@@ -6,7 +6,8 @@ tiled VAE ``"exact t64 x6"`` or ``"untiled"``, the sampling guard its pass label
 2 (predicted 1704 MiB)"``, ``"UNet streamed: 1474 of 3279 MiB resident, batch 2 in one forward"``),
 the adapter a suffix (``" after OOM"``, ``", VAE off the card"``). Those strings stay what the
 status route, the infotext and the benchmarks carry; :func:`plan_words` says them for the readout:
-``"whole image at once, FP32, picture assembled in RAM"``, ``"6 tiles of 512 px, exact mode"``.
+``"whole image at once, FP32, picture assembled in RAM"``, ``"6 tiles of 512 px, exact mode"``,
+``"batch of 2 in parts, 1 at a time"``.
 
 Table-driven: :data:`PLAN_PHRASES` maps each comma-separated part of a plan (a regular expression
 matching all of it) to its words; a part no entry matches is shown as it is.
@@ -72,6 +73,10 @@ PLAN_PHRASES: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...]
     ),
     (re.compile(rf"(?P<mode>exact|fast) t(?P<tile>\d+)(?: x(?P<tiles>\d+))?(?: (?P<dtype>{_DT}))?"), _vae),
     (re.compile(r"batch (?P<n>\d+)(?: in one forward)?"), lambda m: f"batch of {m['n']} at once"),
+    (
+        re.compile(r"micro-batch (?P<m>\d+) of (?P<n>\d+)"),
+        lambda m: f"batch of {m['n']} in parts, {m['m']} at a time",
+    ),
     (
         re.compile(r"UNet streamed: (?P<kept>\d+) of (?P<all>\d+) MiB resident"),
         lambda m: f"UNet streamed, {m['kept']} of {m['all']} MiB kept on the card",

@@ -69,7 +69,7 @@ _LABELS = dict(KNOWN_STAGES)
 STAGES: tuple[tuple[str, str], ...] = tuple(
     (sid, _LABELS[sid]) for sid in ("sampling", "hires_upscale", "hires_encode", "decode", "postprocess")
 )
-"""The pipeline stages the readout always lists, in order: (id, label)."""
+"""The pipeline stages the readout lists after a generation job (ran or not), in order: (id, label)."""
 _ORDER = {sid: i for i, (sid, _label) in enumerate(KNOWN_STAGES)}
 _MEMORY_FIELDS = (  # the MemoryInfo readings the payload's "memory" carries, each as <name>_bytes
     "total", "used", "free", "allocated", "reserved", "process_rss", "system_total", "system_available",
@@ -245,13 +245,15 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
     parts.append(render_timeline_html(payload.get("timeline"), said=said))
     stages = payload.get("stages") or []
     listed = {s["stage"] for s in stages}
+    always = STAGES if listed != {"upscale"} else ()  # (an Extras job has no generation stages)
     rows = list(stages) + [
-        {"stage": sid, "label": label, "missing": True} for sid, label in STAGES if sid not in listed
+        {"stage": sid, "label": label, "missing": True} for sid, label in always if sid not in listed
     ]
     rows.sort(key=lambda r: _ORDER.get(r["stage"], len(_ORDER)))
     parts.append('<table class="vram-guard-stages"><thead><tr>')
     parts.append("<th>stage</th><th>peak</th><th>plan</th><th>time</th></tr></thead><tbody>")
     at_least = False
+    told = " ".join(str(n) for n in payload.get("notes") or [])
     tails: list[str] = []  # each plan as a note may end with it (the sampling guard's)
     for row in rows:
         sid = _e(row["stage"])
@@ -267,7 +269,11 @@ def render_readout_body(payload: Mapping[str, Any]) -> str:
         count = f" ×{int(row['count'])}" if int(row.get("count", 1)) > 1 else ""
         cls = "vram-guard-stage" + ("" if row.get("ok", True) else " vram-guard-failed")
         raw = str(row.get("plan") or "")
-        plan = plan_words(raw, said=said)
+        # (the sampling guard's note gives the prediction with what it is made of: said there only)
+        pred = re.search(r"\(predicted (\d+ MiB)\)$", raw)
+        plan = plan_words(
+            strip_predicted(raw) if pred and f"predicted peak {pred[1]}" in told else raw, said=said
+        )
         if not row.get("ok", True):
             plan = f"{plan} — failed: {row.get('error') or 'error'}"
         shown += [f"{row['label']} {raw}", plan]
@@ -379,10 +385,10 @@ def stage_words(name: str) -> str:
 
 
 def size_words(n: int | float) -> str:
-    """A size for a note: ``"3.2 GB"``, ``"750 MB"`` (binary, like a card's label: 1 GB = 2**30 bytes)."""
+    """A size for a note: ``"3.2 GiB"``, ``"750 MiB"`` (the units of the rest of the readout)."""
     if n >= 2**30:
-        return f"{n / 2**30:.1f} GB"
-    return f"{max(n, 0) / 2**20:.0f} MB"
+        return f"{n / 2**30:.1f} GiB"
+    return f"{max(n, 0) / 2**20:.0f} MiB"
 
 
 def _sentence(text: str) -> str:
@@ -410,7 +416,7 @@ def vae_pass_note(
     ``tile`` is in latent pixels (x8 on the image); ``budget_bytes`` is the memory it planned
     within (free memory less a safety margin); ``retries`` the tiles that ran out of memory first
     (0 = untiled), ``whole`` the engine's out-of-memory remarks. E.g. "The VAE decode was done in 6
-    tiles of 512x512 px to fit in 3.2 GB (the free memory less a safety margin); exact tiles: the
+    tiles of 512x512 px to fit in 3.2 GiB (the free memory less a safety margin); exact tiles: the
     same picture as untiled."."""
     what = stage_words(stage)
     retries, whole = list(retries), [w.removeprefix("out of memory ") for w in whole]

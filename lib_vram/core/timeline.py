@@ -537,15 +537,20 @@ def render_svg(
         f'<polyline class="vram-guard-tl-used" points="{line}" fill="none" stroke="#f97316" '
         f'stroke-width="1.6" stroke-linejoin="round"/>'
     )
-    # events: a marker in their strip above the plot, a dashed line down through it
+    # events: a marker in their strip above the plot, a dashed line down through it; events whose
+    # markers would touch share one (its hover lists each; red when one was out of memory)
     event_xs = []
-    for ev in events:
-        ex = X(float(ev.get("t") or 0.0))
+    for group in _marker_groups(events, X):
+        ex = X(float(group[0].get("t") or 0.0))
         event_xs.append(ex)
-        kind = str(ev.get("kind"))
+        kinds = [str(ev.get("kind")) for ev in group]
+        kind = "oom" if "oom" in kinds else kinds[0]
         color = "#dc2626" if kind == "oom" else "#16a34a"
         glyph = EVENT_GLYPHS.get(kind, kind[:1].upper())
-        tip = f"{float(ev.get('t') or 0.0):.2f} s: {EVENT_LABELS.get(kind, kind)} — {ev.get('text', '')}"
+        tip = "\n".join(
+            f"{float(ev.get('t') or 0.0):.2f} s: {EVENT_LABELS.get(k, k)} — {ev.get('text', '')}"
+            for ev, k in zip(group, kinds, strict=True)
+        )
         out.append(
             f'<g class="vram-guard-tl-event" data-kind="{_e(kind)}"><title>{_e(tip)}</title>'
             f'<line x1="{ex:.1f}" x2="{ex:.1f}" y1="{_EVENT_Y + _EVENT_R}" y2="{y1}" stroke="{color}" '
@@ -602,6 +607,19 @@ def render_svg(
         )
     out.append("</svg>")
     return "".join(out)
+
+
+def _marker_groups(events: list[Mapping[str, Any]], X: Callable[[float], float]) -> list[list[Mapping]]:
+    """The events in time order, grouped so that no two markers touch: an event whose marker would
+    touch its group's first joins that group."""
+    groups: list[list[Mapping[str, Any]]] = []
+    for ev in sorted(events, key=lambda e: float(e.get("t") or 0.0)):
+        x = X(float(ev.get("t") or 0.0))
+        if groups and x - X(float(groups[-1][0].get("t") or 0.0)) < 2 * _EVENT_R + 1:
+            groups[-1].append(ev)
+        else:
+            groups.append([ev])
+    return groups
 
 
 def _peak_label_at(

@@ -5,7 +5,8 @@ Public API:
 * :class:`UNetSpec`, :func:`unet_spec` (from a live ldm/sgm ``UNetModel``, duck-typed),
   :func:`reference_spec` (``"sd15"``, ``"sd2"``, ``"sdxl"``: no weights, no ldm); a cldm
   ControlNet's (``is_control``; :func:`reference_control`): a pass's ``controls``.
-* :data:`ATTENTIONS`, :func:`attention_of`: the WebUI's cross-attention optimizations.
+* :data:`ATTENTIONS`, :data:`ATTENTION_WORDS`, :func:`attention_of`: the WebUI's cross-attention
+  optimizations.
 * :func:`estimate_sampling` -> :class:`SamplingEstimate`: closed-form weights, activations and
   peak of one UNet forward (no fitted factors; checked against the real ldm ``UNetModel`` on fake
   tensors in ``tests/test_sampling_estimate.py``).
@@ -26,7 +27,7 @@ The package never imports ``ldm``, ``sgm`` or the WebUI.
 
 from __future__ import annotations
 
-from ._attention import ATTENTIONS, attention_of
+from ._attention import ATTENTION_WORDS, ATTENTIONS, attention_of
 from ._copy import StreamStats
 from ._estimate import MAX_BATCH, MAX_LATENT_SIDE, SamplingEstimate, estimate_sampling
 from ._forward import KNOWN, Finding, ForwardCheck, Known, finding, inspect_unet, origin_of
@@ -46,6 +47,7 @@ from ._units import UNIT_PARTS, unet_units, unit_bytes
 
 __all__ = [
     "ATTENTIONS",
+    "ATTENTION_WORDS",
     "CONTROLS",
     "KNOWN",
     "Finding",

@@ -37,6 +37,15 @@ _HOST_NAMES = {
     "none": "none",
 }
 
+ATTENTION_WORDS = {
+    "sdp": "scaled dot product",
+    "doggettx": "Doggettx",
+    "invokeai": "InvokeAI",
+    "split-v1": "V1",
+}
+"""An id of :data:`ATTENTIONS` as the WebUI's "Cross attention optimization" setting names it
+(``none``: ldm's own); the other ids are the setting's own names."""
+
 SUB_QUAD_Q_CHUNK = 1024
 """The WebUI's ``--sub-quad-q-chunk-size`` default."""
 INVOKEAI_CPU_MB = 32

@@ -221,7 +221,7 @@ class Job:
 
     def pass_note(self, stage: str, report: Any) -> bool:
         """Say in words what a tiled VAE pass did to fit (readout, log), e.g. "The VAE decode was
-        done in 6 tiles of up to 512x512 px to fit in 3.2 GB ..."; nothing for a pass that simply
+        done in 6 tiles of up to 512x512 px to fit in 3.2 GiB ..."; nothing for a pass that simply
         ran untiled. True if the pass ran out of memory before it finished."""
         whole = [n for n in report.notes if "out of memory" in n]
         oom = bool(report.oom_retries or whole)

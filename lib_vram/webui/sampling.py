@@ -35,7 +35,7 @@ import torch
 from lib_vram.core import emulate
 from lib_vram.core.device import is_oom_error, release
 from lib_vram.core.readout import FIRST_FORWARD
-from lib_vram.sampling import Finding, ForwardCheck
+from lib_vram.sampling import ATTENTION_WORDS, Finding, ForwardCheck
 
 from .forwards import check_pass
 from .host import ask
@@ -442,10 +442,11 @@ class SamplingGuard:
         )
         job.tracker.event("plan", f"{peak} ({label})", at=stage, predicted_bytes=plan.predicted_peak_bytes)
         h, w = planned.latent_hw
+        attention = ATTENTION_WORDS.get(planned.attention, planned.attention)
         job.note(
             f"VRAM Guard: {peak} (UNet {plan.weights_bytes / MiB:.0f} MiB, "
             f"activations {plan.activation_bytes / MiB:.0f} MiB) "
-            f"for {planned.batch} sample(s) of {w * 8}x{h * 8} px, {planned.attention} attention: "
+            f"for {planned.batch} sample(s) of {w * 8}x{h * 8} px, {attention} attention: "
             + (label if planned.error is None else "does not fit")
         )
         if planned.changed and planned.error is None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_ui_browser import CDP, launch_chromium, page_ws_url  # noqa: E402
+from webui_screenshots import small_png  # noqa: E402
 
 ROOT_JS = "gradioApp()"
 
@@ -65,7 +66,7 @@ async def take(url: str, ws_url: str, out: Path, must_show: str) -> None:
         clip = {"x": max(0, box["x"] - 8), "y": max(0, box["y"] - 8), "width": box["width"] + 16,
                 "height": box["height"] + 16, "scale": 1}  # fmt: skip
         data = await cdp.call("Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=True)
-        out.write_bytes(base64.b64decode(data["data"]))
+        out.write_bytes(small_png(base64.b64decode(data["data"])))
         print(f"wrote {out} ({int(box['width'])}x{int(box['height'])} px)")
 
 

@@ -2,8 +2,8 @@
 tab's VRAM Guard section after an upscale.
 
 Against a running AUTOMATIC1111 WebUI v1.10.1 with this extension, started with ``--api`` (and, for
-the pictures in docs/, on the emulated card ``--vram-guard-emulate-vram 4246MB``: the small card of
-docs/webui.md's "Plain WebUI vs VRAM Guard" table). It
+the pictures in docs/, ``--vram-guard-emulate-vram 3253MB --vram-guard-place-checkpoint``: a card
+the SD1.5 checkpoint does not fit, so VRAM Guard places it). It
 
 1. runs a hires-fix txt2img with VRAM Guard on (defaults) through the API,
 2. opens the WebUI's page in headless Chromium (DevTools protocol, as ``tests/test_ui_browser.py``
@@ -93,6 +93,19 @@ def without_html(status: dict) -> dict:
 
 
 ROOT_JS = "gradioApp()"
+COLORS = 128
+"""The pictures are saved with a palette of this many colours (a few markers' and lines' colours
+among the page's greys): a third of the browser's PNG, no visible change."""
+
+
+def small_png(data: bytes) -> bytes:
+    """``data`` (a PNG) with a palette of :data:`COLORS` colours, no dithering, optimised."""
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    out = io.BytesIO()
+    img.quantize(COLORS, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(
+        out, "PNG", optimize=True
+    )
+    return out.getvalue()
 
 
 async def shot(cdp: CDP, selector: str, path: Path, pad: int = 8) -> None:
@@ -112,8 +125,8 @@ async def shot(cdp: CDP, selector: str, path: Path, pad: int = 8) -> None:
         "scale": 1,
     }
     data = await cdp.call("Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=True)
-    path.write_bytes(base64.b64decode(data["data"]))
-    print(f"wrote {path} ({int(box['width'])}x{int(box['height'])} px)")
+    path.write_bytes(small_png(base64.b64decode(data["data"])))
+    print(f"wrote {path} ({int(box['width'])}x{int(box['height'])} px, {path.stat().st_size // 1024} KiB)")
 
 
 async def open_section(cdp: CDP, accordion_id: str, readout_id: str, must_show: str) -> None:
