@@ -281,13 +281,10 @@ class _UNetWalk:
     def ip_cache(self) -> int:
         """IP-Adapter's cache: each unit's image keys and values at every cross-attention of the
         UNet, made at the pass's first forward and kept through its last (0: no IP-Adapter)."""
-        spec, sa = self.spec, self.sa
+        sa = self.sa
         if sa is None or not sa.image_tokens:
             return 0
-        levels = range(spec.levels)
-        width = sum(spec.depth[lv] * (2 * spec.num_res_blocks[lv] + 1) * spec.channels(lv) for lv in levels)
-        width += spec.depth_middle * spec.channels(spec.levels - 1)
-        return 2 * self.b * sum(sa.image_tokens) * width * sa.cache_itemsize
+        return 2 * self.b * sum(sa.image_tokens) * self.spec.cross_width * sa.cache_itemsize
 
     def forward(self, hw: tuple[int, int]) -> None:
         spec, w, b, s = self.spec, self.w, self.b, self.s
