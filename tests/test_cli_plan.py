@@ -625,6 +625,33 @@ def test_controlnet_units_are_in_the_sampling_stages(capsys):
     assert "is not a ControlNet for `--arch sd15`" in capsys.readouterr().err
 
 
+def test_ip_adapter_is_in_the_plan(capsys):
+    """``--ip-adapter`` (issue 42 item 4): its CLIP vision encoder's stage first (the weights of
+    transformers' CLIPVisionModelWithProjection with sd-webui-controlnet's configs, float32: 632 M
+    parameters for ViT-H, 1845 M for ViT-bigG, counted once with transformers 4.30.2), the
+    adapter in host memory (ip-adapter_sd15: 22.3 M parameters; ip-adapter-plus_sdxl_vit-h: 423.7 M,
+    counted on sd-webui-controlnet's own classes), the sampling passes with its image tokens, whole."""
+    from lib_vram.cli.stageplan import ip_adapter_bytes
+
+    base = ("--arch", "sd15", "--width", "512", "--height", "512", "--vram", "24GB", "--no-place")
+    _, bare = _plan(capsys, *base)
+    _, ip = _plan(capsys, *base, "--ip-adapter", "sd15")
+    _, plus = _plan(capsys, *base, "--ip-adapter", "sd15-plus")
+    enc = _stage(ip, "ip_adapter_encode")
+    assert ip["stages"][0]["stage"] == "ip_adapter_encode"
+    assert enc["model_weights_bytes"] == 4 * 632_076_800 and "adapter 85 MiB in host memory" in enc["plan"]
+    assert ip_adapter_bytes("sd15", "sd15")["adapter"] == 4 * 22_319_616
+    assert ip_adapter_bytes("sdxl-plus", "sdxl")["adapter"] == 4 * 423_748_864
+    assert ip_adapter_bytes("sdxl", "sdxl")["encoder"] == 4 * 1_844_907_264
+    peaks = [_stage(r, "sample")["predicted_peak_bytes"] for r in (bare, ip, plus)]
+    assert peaks[0] < peaks[1] < peaks[2]  # the encoder's output, then 16 image tokens
+    assert main(["plan", *base, "--ip-adapter", "sdxl"]) == 2
+    assert "is not an IP-Adapter for `--arch sd15`" in capsys.readouterr().err
+    _, placed = _plan(capsys, "--arch", "sdxl", "--width", "1024", "--height", "1024", "--vram", "8GB",
+                      "--ip-adapter", "sdxl-plus", "--place")  # fmt: skip
+    assert [s["stage"] for s in placed["stages"]][:2] == ["ip_adapter_encode", "conditioning"]
+
+
 # -- the sampling forward's options (issue 41 item 4) -------------------------------------------
 
 SD15_2K = ("--arch", "sd15", "--width", "2048", "--height", "2048", "--vram", "6GB", "--no-place")

@@ -17,6 +17,7 @@ from .stageplan import (
     MiB,
     PassOptions,
     StagePlan,
+    ip_encode_stage,
     job_stages,
     plan_upscale_stage,
     plan_vae_stage,
@@ -199,6 +200,7 @@ def place_checkpoint(
 
 
 PLACED_STAGES = {
+    "ip_adapter_encode": "",
     "conditioning": "text encoders",
     "sample": "UNet",
     "sample_hires": "UNet",
@@ -313,6 +315,9 @@ def plan_placed_job(
 
     stages = job_stages(width, height, hires, upscaler, a.downscale, sample=sample, vae=vae, upscale=upscale)
     # each stage with where the checkpoint's models are during it
+    encode = () if options is None or options.ip_adapter is None else (
+        ip_encode_stage(options.ip_adapter, arch, free_bytes, margin, base),
+    )  # fmt: skip
     return [
         dataclasses.replace(
             sp,
@@ -320,5 +325,5 @@ def plan_placed_job(
             card_bytes=base + sum(b for n, b in cp.parked if n == PLACED_STAGES[sp.stage]),
             streamed_bytes=streamed,
         )
-        for sp in (conditioning, *stages)
+        for sp in (*encode, conditioning, *stages)
     ]

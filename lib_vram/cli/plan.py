@@ -117,7 +117,7 @@ FRAMES_WHY = "AnimateDiff's frames x cond/uncond make the UNet's batch, at most 
 
 def _add_forward_options(parser: argparse.ArgumentParser) -> None:
     """What else shapes the sampling passes' forward (:class:`.stageplan.PassOptions`)."""
-    from .stageplan import TILE_BATCH, TILE_OVERLAP
+    from .stageplan import IP_ADAPTERS, TILE_BATCH, TILE_OVERLAP
 
     g = parser.add_argument_group(
         "the sampling forward", "the WebUI's own options and extensions that change the UNet's forward"
@@ -168,6 +168,13 @@ def _add_forward_options(parser: argparse.ArgumentParser) -> None:
         help="AnimateDiff with FRAMES frames per forward (its context batch size, 16 by default; 1-32): the "
         "batch is FRAMES x cond/uncond in one forward, frames are never split (motion modules not counted)",
     )
+    g.add_argument(
+        "--ip-adapter",
+        choices=sorted(IP_ADAPTERS),
+        default=None,
+        help="an IP-Adapter unit (ip-adapter or ip-adapter-plus for sd15/sdxl): its CLIP vision encoder's "
+        "stage, its image tokens in every cross-attention, the batch kept whole",
+    )
 
 
 def pass_options(args: argparse.Namespace) -> object:
@@ -177,7 +184,7 @@ def pass_options(args: argparse.Namespace) -> object:
     tile = args.hypertile_tile if args.hypertile_tile is not None else (256 if args.hypertile else None)
     return PassOptions(
         hypertile=tile, token_merging=args.token_merging, tiled=args.tiled_diffusion,
-        tile_batch=args.tiled_diffusion_batch, frames=args.animatediff,
+        tile_batch=args.tiled_diffusion_batch, frames=args.animatediff, ip_adapter=args.ip_adapter,
     )  # fmt: skip
 
 
@@ -494,6 +501,8 @@ def check_options(args: argparse.Namespace) -> None:
             "`--hypertile`/`--token-merging`: the sampling plan knows the sd15 and sdxl UNets, "
             f"not {args.arch}'s"
         )
+    if args.ip_adapter is not None and args.ip_adapter.split("-")[0] != args.arch:
+        raise UsageError(f"`--ip-adapter {args.ip_adapter}` is not an IP-Adapter for `--arch {args.arch}`")
     if args.place and args.medvram:
         raise UsageError(
             "`--place` and `--medvram` exclude each other: the WebUI does not place a checkpoint with "

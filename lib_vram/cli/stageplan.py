@@ -264,6 +264,9 @@ class PassOptions:
     tiled: int | None = None
     tile_batch: int = TILE_BATCH
     frames: int | None = None
+    ip_adapter: str | None = None
+    """An IP-Adapter unit (:data:`IP_ADAPTERS`): its image tokens in every cross-attention
+    (modelled), its encoder's output on the card, its encoder's own stage (:func:`ip_encode_stage`)."""
 
     def self_attention(self, arch: str) -> object:
         from lib_vram.sampling import HyperTile, SelfAttention, TokenMerging
@@ -272,7 +275,8 @@ class PassOptions:
             HyperTile(max_tile_px=self.hypertile, sdxl=arch == "sdxl") if self.hypertile is not None else None
         )
         tm = TokenMerging(self.token_merging) if self.token_merging else None
-        return SelfAttention(ht, tm) if ht is not None or tm is not None else None
+        ip = (ip_adapter_bytes(self.ip_adapter, arch)["tokens"],) if self.ip_adapter else ()
+        return SelfAttention(ht, tm, ip) if ht is not None or tm is not None or ip else None
 
     def tiles(self, latent_hw: tuple[int, int]) -> tuple[tuple[int, int], int, int]:
         """Tiled Diffusion at a latent of ``latent_hw``: the tile (latent px, at most the latent),
@@ -298,7 +302,45 @@ class PassOptions:
             out.append(f"Tiled Diffusion ({self.tiled} px tiles, up to {self.tile_batch} per forward)")
         if self.frames is not None:
             out.append(f"AnimateDiff ({self.frames} frames)")
+        if self.ip_adapter is not None:
+            out.append(f"IP-Adapter {self.ip_adapter} ({IP_ADAPTERS[self.ip_adapter]})")
         return out
+
+
+IP_ADAPTERS = {"sd15": "ViT-H", "sd15-plus": "ViT-H", "sdxl": "ViT-bigG", "sdxl-plus": "ViT-H"}
+"""IP-Adapter models ``plan`` knows (ip-adapter_sd15, ip-adapter-plus_sd15, ip-adapter_sdxl,
+ip-adapter-plus_sdxl_vit-h) and the CLIP vision encoder of each."""
+_VISION = {"ViT-H": (1280, 5120, 32, 1024), "ViT-bigG": (1664, 8192, 48, 1280)}
+"""sd-webui-controlnet's CLIP vision configs (``annotator/clipvision``): hidden width, MLP width,
+layers, projection; 224 px images in 14 px patches (257 tokens), 16 heads, float32."""
+
+
+def ip_adapter_bytes(kind: str, arch: str) -> dict[str, int]:
+    """IP-Adapter ``kind`` (:data:`IP_ADAPTERS`) on ``arch``'s UNet, float32 as sd-webui-controlnet
+    v1.1.455 runs it: ``tokens``; ``encoder``: the CLIP vision model's weights (closed form of
+    transformers' ``CLIPVisionModelWithProjection``); ``encode``: its run's activations (the
+    image, every layer's hidden states, which it returns, and the larger of a layer's attention
+    scores or MLP); ``output``: what it returns, kept on the card as the unit's input for the job;
+    ``adapter``: the image projection (a linear map, or plus's 4-layer resampler) and a key and a
+    value projection of the image tokens per cross-attention, kept in host memory."""
+    from lib_vram.sampling import reference_spec
+
+    d, mlp, layers, proj = _VISION[IP_ADAPTERS[kind]]
+    n, spec = 257, reference_spec(arch)
+    encoder = d * (3 * 14 * 14 + n + 5) + layers * (4 * d * d + 9 * d + 2 * d * mlp + mlp) + d * proj
+    kept = (layers + 1) * n * d + d + proj
+    encode = 4 * (3 * 224 * 224 + kept + max(2 * n * mlp, 4 * n * d + 2 * 16 * n * n))
+    ctx, plus = spec.context_dim, kind.endswith("plus")
+    if plus:  # Resampler: 16 latents, proj_in/out, 4 x (2 norms, q, kv, out; norm, 4x feed-forward)
+        dim, inner = (1280, 1280) if arch == "sdxl" else (ctx, 768)
+        block = 6 * dim + 4 * dim * inner + 8 * dim * dim
+        adapter = 16 * dim + d * dim + dim + dim * ctx + 3 * ctx + 4 * block
+    else:  # ImageProjModel: 4 tokens from the projected embedding, a norm
+        adapter = proj * 4 * ctx + 4 * ctx + 2 * ctx
+    adapter += 2 * ctx * spec.cross_width
+    return dict(
+        tokens=16 if plus else 4, encoder=4 * encoder, encode=encode, output=4 * kept, adapter=4 * adapter
+    )
 
 
 CONTROLNET_HIRES = ("both", "lowres", "highres")
@@ -338,6 +380,9 @@ def sampling_pass(
     elif opt.frames is not None:
         n, whole = 2 * opt.frames, True
         label = f"AnimateDiff: {opt.frames} frames x cond/uncond in one forward (frames are never split)"
+    if opt.ip_adapter is not None:  # its encoder's output stays on the card; its cache: whole
+        kw["resident_bytes"] = kw.get("resident_bytes", 0) + ip_adapter_bytes(opt.ip_adapter, arch)["output"]
+        whole = True
     shape = dict(
         latent_hw=tile if opt.tiled is not None else hw, context_tokens=77, dtype=dtype_of("fp16"),
         controls=controls, whole=whole, self_attention=opt.self_attention(arch), **kw,
@@ -358,6 +403,18 @@ def sampling_pass(
         none = "a smaller tile may fit" if opt.tiled is not None else "no fewer frames fit either"
         suggestion = f"{head}: {what.format(k) if k else none}"
     return dataclasses.replace(p, label=label, suggestion=suggestion)
+
+
+def ip_encode_stage(kind: str, arch: str, free_bytes: int, margin: int, resident: int) -> StagePlan:
+    """IP-Adapter's encoder run (its preprocessor) beside ``resident`` bytes: the CLIP vision model
+    on the card for it (VRAM Guard sends it to host memory after), its activations; the plan says
+    where the adapter's weights are (host memory: sd-webui-controlnet runs them there)."""
+    b = ip_adapter_bytes(kind, arch)
+    label = f"{IP_ADAPTERS[kind]} encoder on the card, adapter {b['adapter'] / MiB:.0f} MiB in host memory"
+    return _stage(
+        "ip_adapter_encode", label, None, 1, b["encode"], [], free_bytes=free_bytes, margin=margin,
+        weights=b["encoder"], resident=resident, input_bytes=4 * 3 * 224 * 224, dtype="fp32", key=(),
+    )  # fmt: skip
 
 
 def vae_weights(arch: str, dtype: str) -> tuple[int, int]:
@@ -453,12 +510,17 @@ def plan_job(
 
         return _moving_off(at, sum(n for _, n in idle), idle)
 
-    return job_stages(
+    stages = job_stages(
         width, height, hires, upscaler, a.downscale, sample=sample if sampling else None, vae=vae,
         upscale=lambda stage, w, h: plan_upscale_stage(
             stage, upscaler, w, h, free_bytes, margin, dtype=up_dtype,
             resident_bytes=resident if stage == "hires_upscale" else 0, backend=backend),
     )  # fmt: skip
+    if sampling and options is not None and options.ip_adapter is not None:  # (its preprocessor first)
+        kind = options.ip_adapter
+        encode = _moving_off(lambda n: ip_encode_stage(kind, arch, free_bytes, margin, n), resident, movable)
+        stages.insert(0, encode)
+    return stages
 
 
 def job_stages(

@@ -11,9 +11,10 @@ While VRAM Guard guards a sampling pass (:class:`Controls`, used by ``SamplingGu
 units (:func:`units`) are in its plan (:class:`lib_vram.sampling.Step`'s ``controls``; a unit that
 cannot split its batch: :func:`whole_batch`), join the owner and wake on the card for the pass,
 ControlNet's own moves held until its end. A unit whose model is not a cldm ControlNet (a T2I
-adapter, IP-Adapter, a ControlLoRA) is placed by its bytes; its activations are not counted (a
-note says so once). On the emulated card :func:`emulate_moves` makes ControlNet's moves count as
-a GPU would see them.
+adapter, a ControlLoRA) is placed by its bytes; its activations are not counted (a note says so
+once). IP-Adapter is no unit here: sd-webui-controlnet keeps its weights in host memory; its
+per-step cost is in the estimate (:mod:`lib_vram.webui.selfattn` reads it). On the emulated card
+:func:`emulate_moves` makes ControlNet's moves count as a GPU would see them.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def units(p: Any, unet: Any) -> list[Unit]:
         if not isinstance(module, torch.nn.Module):
             continue
         if getattr(module, "disable_memory_management", False) and not getattr(module, "_vram_guard", False):
-            continue  # (IP-Adapter: ControlNet leaves it where it is; so do we)
+            continue  # (IP-Adapter: ControlNet keeps it in host memory; so do we)
         inner = getattr(module, "control_model", module)
         try:
             spec = unet_spec(inner)

@@ -313,6 +313,37 @@ def attend(
     raise ValueError(f"`attention` must be one of {ATTENTIONS}, got {attention!r}")
 
 
+def attend_ip(
+    w: Walk, *, batch: int, tokens: int, ctx_tokens: int, image_tokens: tuple[int, ...], query_dim: int,
+    heads: int, s: int, cache_itemsize: int, **_: object,
+) -> int:  # fmt: skip
+    """A cross-attention as IP-Adapter (sd-webui-controlnet v1.1.455) replaces its ``forward``,
+    whatever the WebUI's optimization: torch's SDP (flash or memory-efficient kernels) on the
+    prompt's keys and values, which go; then for each unit an SDP of the same queries on its
+    ``image_tokens`` keys/values (held in its cache, see :meth:`._estimate._UNetWalk.forward`;
+    copied to the model's dtype where the cache's differs), scaled (a new tensor) and added to
+    the output (a new tensor); the output projection last. Returns the output's bytes (held)."""
+    b, n, d = batch, tokens, query_dim
+    q_b = b * n * d * s
+    q, k, v = w.hold(q_b), w.hold(b * ctx_tokens * d * s), w.hold(b * ctx_tokens * d * s)
+    o = w.hold(q_b)
+    w.moment(b * heads * n * 4)  # the log-sum-exp rows
+    w.drop(k, v)
+    for t in image_tokens:
+        cast = w.hold(2 * b * t * d * s) if cache_itemsize != s else 0
+        ip = w.hold(q_b)
+        w.moment(b * heads * n * 4)
+        scaled = w.hold(q_b)
+        w.drop(ip, cast)
+        total = w.hold(q_b)
+        w.drop(o, scaled)
+        o = total
+    w.drop(q)
+    out = w.hold(q_b)
+    w.drop(o)
+    return out
+
+
 def _slice(w: Walk, score_bytes: int, out_bytes: int) -> None:
     """One slice of a sliced attention: its scores, their softmax (both alive), then the slice's
     result next to the softmax (copied into the preallocated result)."""

@@ -25,7 +25,7 @@ import torch
 from lib_vram.core.livebytes import itemsize
 from lib_vram.core.predict import WORKSPACE_TERMS
 
-from ._attention import ATTENTIONS, Walk, attend
+from ._attention import ATTENTIONS, Walk, attend, attend_ip
 from ._spec import HINT_BLOCK, UNetSpec
 from ._tokens import SelfAttention
 
@@ -178,9 +178,13 @@ class _UNetWalk:
         x1 = w.hold(t)
         w.drop(a1)
         n2 = w.hold(t)
-        a2 = attend(
-            w, self.attention, ctx_tokens=self.m, ctx_dim=self.spec.context_dim, self_attn=False, **kw
-        )
+        if self.sa is not None and self.sa.image_tokens and where is not None:
+            ip = dict(image_tokens=self.sa.image_tokens, cache_itemsize=self.sa.cache_itemsize)
+            a2 = attend_ip(w, ctx_tokens=self.m, **ip, **kw)
+        else:
+            a2 = attend(
+                w, self.attention, ctx_tokens=self.m, ctx_dim=self.spec.context_dim, self_attn=False, **kw
+            )
         w.drop(n2)
         x2 = w.hold(t)
         w.drop(a2, x1)
@@ -274,9 +278,18 @@ class _UNetWalk:
             r = t
         return r
 
+    def ip_cache(self) -> int:
+        """IP-Adapter's cache: each unit's image keys and values at every cross-attention of the
+        UNet, made at the pass's first forward and kept through its last (0: no IP-Adapter)."""
+        sa = self.sa
+        if sa is None or not sa.image_tokens:
+            return 0
+        return 2 * self.b * sum(sa.image_tokens) * self.spec.cross_width * sa.cache_itemsize
+
     def forward(self, hw: tuple[int, int]) -> None:
         spec, w, b, s = self.spec, self.w, self.b, self.s
         mc = spec.model_channels
+        cache = w.hold(self.ip_cache())
         emb = w.hold(b * 4 * mc * s)
         h0, w0 = hw
         cur = self.hw0 = (h0, w0)
@@ -323,7 +336,7 @@ class _UNetWalk:
         a = w.hold(b * mc * cur[0] * cur[1] * s)
         w.drop(n)
         out = self.conv(mc, spec.out_channels, 3, cur, cur)
-        w.drop(a, h, emb)
+        w.drop(a, h, emb, cache)
         del out
 
     def control(self, hw: tuple[int, int]) -> int:

@@ -69,6 +69,14 @@ class UNetSpec:
         """How much the latent shrinks down to the middle block."""
         return 2 ** (self.levels - 1)
 
+    @property
+    def cross_width(self) -> int:
+        """The widths of the UNet's cross-attentions summed (one per transformer block: each
+        level's on the down path, one more ResBlock's on the up path, the middle's)."""
+        levels = range(self.levels)
+        width = sum(self.depth[lv] * (2 * self.num_res_blocks[lv] + 1) * self.channels(lv) for lv in levels)
+        return width + self.depth_middle * self.channels(self.levels - 1)
+
     def signature(self) -> tuple:
         """A hashable key of the architecture (the planner memory's ``model`` part)."""
         return (

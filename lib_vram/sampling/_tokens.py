@@ -136,20 +136,33 @@ class TokenMerging:
 @dataclass(frozen=True)
 class SelfAttention:
     """What the WebUI's own options do to the UNet's self-attention (see the module docstring):
-    ``hypertile`` (None: off) and ``merging`` (None: off)."""
+    ``hypertile`` (None: off) and ``merging`` (None: off); and what IP-Adapter does to its
+    cross-attention: ``image_tokens``, the image tokens of each IP-Adapter unit (4 for ip-adapter,
+    16 for ip-adapter-plus), whose keys and values, cached per layer at ``cache_itemsize`` bytes
+    (sd-webui-controlnet runs IP-Adapter's layers in float32), every cross-attention of the UNet
+    attends to beside the prompt's (:func:`._attention.attend_ip`)."""
 
     hypertile: HyperTile | None = None
     merging: TokenMerging | None = None
+    image_tokens: tuple[int, ...] = ()
+    cache_itemsize: int = 4
+
+    def __post_init__(self) -> None:
+        t = self.image_tokens
+        if not isinstance(t, tuple) or not all(isinstance(n, int) and 1 <= n <= 1024 for n in t):
+            raise ValueError(f"`image_tokens` must be a tuple of integers in 1..1024, got {t!r}")
 
     @property
     def active(self) -> bool:
-        return self.hypertile is not None or (self.merging is not None and self.merging.ratio > 0)
+        merging = self.merging is not None and self.merging.ratio > 0
+        return self.hypertile is not None or merging or bool(self.image_tokens)
 
     def key(self) -> tuple:
         """A hashable key for the planner memory (empty when nothing is active)."""
         if not self.active:
             return ()
-        return tuple(o.key() for o in (self.hypertile, self.merging) if o is not None)
+        ip = (("ip-adapter", self.image_tokens, self.cache_itemsize),) if self.image_tokens else ()
+        return tuple(o.key() for o in (self.hypertile, self.merging) if o is not None) + ip
 
     def describe(self) -> str:
         parts = []
@@ -157,6 +170,8 @@ class SelfAttention:
             parts.append(f"HyperTile (max tile {self.hypertile.max_tile_px} px)")
         if self.merging is not None and self.merging.ratio > 0:
             parts.append(f"token merging {self.merging.ratio:g}")
+        if self.image_tokens:
+            parts.append(f"IP-Adapter ({' + '.join(map(str, self.image_tokens))} image tokens)")
         return ", ".join(parts)
 
 

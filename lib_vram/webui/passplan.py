@@ -144,8 +144,8 @@ def plan_pass(
 
     from .selfattn import read
 
-    # the WebUI's HyperTile and token merging as the UNet carries them for this pass: modelled
-    sa, check, random_tiles = read(model, dm, check)
+    # the WebUI's HyperTile and token merging, IP-Adapter, as the UNet carries them for this pass
+    sa, check, random_tiles = read(model, dm, check, p)
     host = job.host
     spec = sampling.unet_spec(dm)
     images, hw = _latent_of(p, x)

@@ -7,7 +7,10 @@ image is the hint as it is, so no annotator download and no preprocessor roundin
 * ``one`` — one unit; ``two`` — two units with two model files (two models on the card);
 * ``lowres`` — hires fix (Latent) with the unit on "Low res only" (the hires pass does not use it);
 * ``img2img`` — img2img with one unit; ``off`` — a job without ControlNet (run it after one with);
-* ``one_lowvram`` — one unit with ControlNet's own Low VRAM.
+* ``one_lowvram`` — one unit with ControlNet's own Low VRAM;
+* ``ip`` / ``ip_plus`` — one IP-Adapter unit (``ip-adapter(-plus)_sd15_random``, made by
+  ``host/make_ipadapter.py``) whose CLIP vision output comes through the API's ``ipadapter_input``
+  (random, seed fixed: no encoder model needed).
 
 ``--batch N``: N images per job (the UNet's batch is 2N with cond and uncond; where its whole batch
 does not fit VRAM Guard micro-batches through ControlNet's hook); the first image is compared.
@@ -33,8 +36,25 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from webui_acceptance import call, decode, init_image  # noqa: E402
 
-CASES = ("one", "two", "lowres", "img2img", "off", "one_lowvram")
+CASES = ("one", "two", "lowres", "img2img", "off", "one_lowvram", "ip", "ip_plus")
 MODELS = ("control_sd15_random", "control_sd15_random-b")
+IP_MODELS = {"ip": "ip-adapter_sd15_random", "ip_plus": "ip-adapter-plus_sd15_random"}
+
+
+def clip_output() -> str:
+    """A CLIP ViT-H output as sd-webui-controlnet's encoder returns it (``image_embeds``; the
+    hidden states, of which plus reads the second last), torch-saved and base64-encoded."""
+    import base64
+    import io
+
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    out = {"image_embeds": torch.randn(1, 1024, generator=g),
+           "hidden_states": [torch.randn(1, 257, 1280, generator=g) for _ in range(2)]}  # fmt: skip
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def unit(a: argparse.Namespace, model: str, *, hr_option: str = "Both", low_vram: bool = False) -> dict:
@@ -65,6 +85,9 @@ def job(case: str, a: argparse.Namespace, vg: bool, models: list[str]) -> tuple[
         base.update(
             enable_hr=True, hr_scale=2, hr_second_pass_steps=1, denoising_strength=0.5, hr_upscaler="Latent"
         )
+    elif case in IP_MODELS:
+        hit = next((n for n in models if n.split(" [")[0] == IP_MODELS[case]), IP_MODELS[case])
+        units = [dict(unit(a, hit), ipadapter_input=clip_output())]
     elif case != "off":
         raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
     if case == "img2img":
@@ -83,9 +106,9 @@ def model_names(url: str) -> list[str]:
     for want in MODELS:
         hit = next((n for n in names if n.split(" [")[0] == want), None)
         if hit is None:
-            raise SystemExit(f"ControlNet model {want!r} not listed by the WebUI: {names}")
-        out.append(hit)
-    return out
+            print(f"ControlNet model {want!r} not listed by the WebUI (its cases fail): {names}", flush=True)
+        out.append(hit or want)
+    return out + [n for n in names if n.split(" [")[0] in IP_MODELS.values()]
 
 
 def status(url: str) -> dict:

@@ -1,0 +1,86 @@
+"""Random-weight IP-Adapter models for the offline host (run with the host venv).
+
+  models/ControlNet/ip-adapter_sd15_random.safetensors       ip-adapter_sd15's layout: the image
+      projection (a linear map of ViT-H's 1024-wide image embedding to 4 tokens of 768, a norm)
+  models/ControlNet/ip-adapter-plus_sd15_random.safetensors  ip-adapter-plus_sd15's: a 4-layer
+      resampler (16 queries of 768, 12 heads of 64) over ViT-H's 1280-wide hidden states
+
+Both carry a key and a value projection of the image tokens (768 -> the layer's width) for each
+of the UNet's 16 cross-attentions, keyed ``ip_adapter.{2n+1}.to_k_ip.weight`` with ``n`` in the
+order sd-webui-controlnet v1.1.455 numbers them (its ``StableDiffusionVersion.transformer_ids``
+for SD1: input blocks 1, 2, 4, 5, 7, 8, output blocks 3-11, then the middle), in the flat
+``image_proj.`` / ``ip_adapter.`` safetensors layout its loader takes. Weights N(0, 0.02) from a
+fixed seed (reproducible), saved in FP16 as the published files are. The plus layout's names and
+shapes are those of the extension's own ``Resampler`` (imported from the extension checkout to
+get them; nothing of it is copied here). No CLIP vision model is needed: the acceptance client
+passes the encoder's output through the API's ``ipadapter_input``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+WIDTHS = [320, 320, 640, 640, 1280, 1280] + [1280] * 3 + [640] * 3 + [320] * 3 + [1280]
+"""SD1.5's cross-attention widths in sd-webui-controlnet's order (see the docstring)."""
+CTX = 768
+FILES = {
+    "ip-adapter_sd15_random.safetensors": (False, 11),
+    "ip-adapter-plus_sd15_random.safetensors": (True, 12),
+}
+
+
+def _resampler_shapes(webui: Path) -> dict[str, tuple[int, ...]]:
+    path = webui / "extensions/sd-webui-controlnet/scripts/ipadapter/image_proj_models.py"
+    spec = importlib.util.spec_from_file_location("vg_ip_proj", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with torch.device("meta"):
+        r = mod.Resampler(dim=CTX, depth=4, dim_head=64, heads=12, num_queries=16, embedding_dim=1280,
+                          output_dim=CTX, ff_mult=4)  # fmt: skip
+    return {k: tuple(v.shape) for k, v in r.state_dict().items()}
+
+
+def build(plus: bool, seed: int, webui: Path) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if plus:
+        shapes = {f"image_proj.{k}": s for k, s in _resampler_shapes(webui).items()}
+    else:
+        shapes = {"image_proj.proj.weight": (4 * CTX, 1024), "image_proj.proj.bias": (4 * CTX,),
+                  "image_proj.norm.weight": (CTX,), "image_proj.norm.bias": (CTX,)}  # fmt: skip
+    for n, width in enumerate(WIDTHS):
+        for kv in ("k", "v"):
+            shapes[f"ip_adapter.{2 * n + 1}.to_{kv}_ip.weight"] = (width, CTX)
+    out = {}
+    for key, shape in shapes.items():
+        t = torch.randn(shape, generator=g) * 0.02
+        if len(shape) == 1 and "norm" in key and key.endswith("weight"):
+            t = torch.ones(shape)
+        out[key] = t.to(torch.float16).contiguous()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--webui", type=Path, default=Path("/work/webui"))
+    ap.add_argument("--force", action="store_true", help="rebuild files that exist")
+    a = ap.parse_args()
+    from safetensors.torch import save_file
+
+    for name, (plus, seed) in FILES.items():
+        path = a.webui / "models" / "ControlNet" / name
+        if path.exists() and not a.force:
+            print(f"kept {path}")
+            continue
+        tensors = build(plus, seed, a.webui)
+        save_file(tensors, str(path))
+        print(f"wrote {path}: {sum(t.numel() for t in tensors.values()):,} values", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
