@@ -461,12 +461,14 @@ def test_a_placed_pass_that_does_not_fit_even_so_stops_with_the_named_error_sayi
 
 
 class _Control:
-    """One ControlNet unit over MODEL's UNet as sd-webui-controlnet hooks it (tests/controlnet_model.py)."""
+    """``n`` ControlNet units (each its own model) over MODEL's UNet as sd-webui-controlnet hooks
+    them (tests/controlnet_model.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int = 1) -> None:
         from controlnet_model import ControlNet, PlugableControlModel, UnetHook
 
-        self.model = PlugableControlModel(ControlNet(unet_of(MODEL)))
+        self.models = [PlugableControlModel(ControlNet(unet_of(MODEL), seed=7 + i)) for i in range(n)]
+        self.model = self.models[0]
         self.nbytes = emulate.module_bytes([self.model])
         self.hint = torch.rand(1, 3, HW[0] * 8, HW[1] * 8, generator=torch.Generator().manual_seed(9))
         self.hook = UnetHook()
@@ -478,7 +480,7 @@ class _Control:
 
         def run(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
             p.scripts = Runner(ControlNetScript(self.hook))
-            self.hook.hook(unet_of(model), [ControlParams(self.model, self.hint)])
+            self.hook.hook(unet_of(model), [ControlParams(m, self.hint) for m in self.models])
             try:
                 return body(jobs, p, model)
             finally:
@@ -490,7 +492,12 @@ class _Control:
         return self.hooked(lambda jobs, p, model: reference(model))(None, FakeP(), MODEL)
 
     def home(self) -> bool:
-        return "to" not in self.model.__dict__ and "disable_memory_management" not in self.model.__dict__
+        """Every model as ControlNet left it: nothing of VRAM Guard's on it, no hook on any module."""
+        return all(
+            "to" not in m.__dict__ and "disable_memory_management" not in m.__dict__
+            and not any(x._forward_pre_hooks or x._forward_hooks for x in m.modules())
+            for m in self.models
+        )  # fmt: skip
 
 
 def test_a_controlnet_beside_the_placed_checkpoint_streams_more_of_the_unet_for_its_pass():
@@ -529,6 +536,44 @@ def test_a_controlnet_beside_the_placed_checkpoint_streams_more_of_the_unet_for_
         assert all(u.state == "away" for u in placed.streamer._units)
         assert all(not unet_of(MODEL).get_submodule(n)._forward_pre_hooks for n in more.plan)
         assert cn.home()
+    finally:
+        w.close()
+    assert same_bits(MODEL, before)
+    untouched(w.host, MODEL)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_controlnets_that_do_not_fit_beside_the_placed_checkpoint_stream_block_by_block(n):
+    """Issue 42 item 0: two and three units (each a model of 86 % of the UNet's bytes) on the card
+    where one fits only with more of the UNet streamed: streaming every resident UNet block is not
+    enough, so the control models stream block by block as well (the UNet's streamer over their
+    input blocks, zero convolutions and middle); the outputs are the uncapped ones (the same
+    kernels on the same weights: bit for bit where the pass runs its whole batch), nothing is left
+    on the card after the job and every model is as it was."""
+    from lib_vram.webui.stream import MoreStreamed
+
+    cn = _Control(n)
+    ref = cn.reference()
+    before, control_bits = bits(MODEL), [bits(m) for m in cn.models]
+    w = world(cn.cap)
+    try:
+        w.host.sd_models.load_model(MODEL, w.session)
+        placed = w.session.placement.placed_for(MODEL)
+        resident = w.card.resident_bytes
+        assert n * cn.nbytes > cn.cap - placed.leftover_bytes - SAFETY  # (nor beside no UNet block)
+        r = job(w, cn.hooked(sample))
+        assert r.error is None, r.error
+        more = r.passes[0].stream
+        assert isinstance(more, MoreStreamed) and more.controls, more
+        assert f"ControlNet model{'s' if len(more.controls) > 1 else ''} (" in r.passes[0].label()
+        same = float((r.out - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+        assert same if r.passes[0].plan.micro_batch < 2 else torch.equal(r.out, ref)
+        assert r.peak <= cn.cap and w.card.ooms == 0
+        streams = [m for m in r.status["moves"] if m.startswith("ControlNet unit") and "stream" in m]
+        assert len(streams) == len(more.controls), r.status["moves"]
+        assert w.card.resident_bytes == resident
+        assert all(u.state == "away" for u in placed.streamer._units)
+        assert cn.home() and all(same_bits(m, b) for m, b in zip(cn.models, control_bits))
     finally:
         w.close()
     assert same_bits(MODEL, before)
