@@ -99,8 +99,8 @@ class PassPlan:
             parts.append(f"{self.moved} off the card")
         if self.placed:
             parts += [self.stream.label, self.placed] if self.stream is not None else [self.placed]
-        if self.controls:
-            n = len(self.controls)
+        flow = {id(u.module) for u in getattr(self.stream, "controls", ())}  # (streamed: the stream's label)
+        if n := sum(id(u.module) not in flow for u in self.controls):
             parts.append(f"{n} ControlNet unit{'s' if n > 1 else ''} on the card")
         if self.measured:
             parts.append("measured, not predicted")
