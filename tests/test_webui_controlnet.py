@@ -417,3 +417,32 @@ def test_a_control_model_whose_move_to_the_card_runs_out_of_memory_stops_the_pas
     assert not any(m["role"] == "control" and m["where"] == "card" for m in r.status.get("models", []))
     assert "to" not in CONTROL.__dict__ and "disable_memory_management" not in CONTROL.__dict__
     assert_clean(r)
+
+
+def test_a_controlnets_units_are_what_its_forward_calls_in_order_and_hold_every_weight_once():
+    """Issue 42: a control model streams by the UNet's units (lib_vram.sampling.unet_units knows
+    the cldm layout); the streamer's prefetch follows the order the first forward called them."""
+    from lib_vram.sampling import unet_units
+
+    net = CONTROL.control_model
+    top = [n for n, _ in unet_units(net, 1)]
+    assert top[:4] == ["time_embed", "input_hint_block", "input_blocks.0", "zero_convs.0"]
+    assert top[-1] == "middle_block_out" and not any(n.startswith(("output_blocks", "out")) for n in top)
+    units = unet_units(net)  # (split into children where large)
+    names = [n for n, _ in units]
+    called: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda *_, n=n: called.append(n)) for n, m in units]
+    try:
+        with torch.no_grad():
+            net(
+                x=torch.rand(1, 4, *HW),
+                hint=HINT,
+                timesteps=torch.full((1,), 500.0),
+                context=torch.rand(1, 77, 48),
+            )
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sorted(called) == sorted(names)  # (a transformer block calls its children interleaved)
+    held = [id(t) for _, m in units for t in (*m.parameters(), *m.buffers())]
+    assert len(held) == len(set(held)) and set(held) == {id(t) for t in (*net.parameters(), *net.buffers())}

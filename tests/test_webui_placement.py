@@ -461,12 +461,14 @@ def test_a_placed_pass_that_does_not_fit_even_so_stops_with_the_named_error_sayi
 
 
 class _Control:
-    """One ControlNet unit over MODEL's UNet as sd-webui-controlnet hooks it (tests/controlnet_model.py)."""
+    """``n`` ControlNet units (each its own model) over MODEL's UNet as sd-webui-controlnet hooks
+    them (tests/controlnet_model.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int = 1) -> None:
         from controlnet_model import ControlNet, PlugableControlModel, UnetHook
 
-        self.model = PlugableControlModel(ControlNet(unet_of(MODEL)))
+        self.models = [PlugableControlModel(ControlNet(unet_of(MODEL), seed=7 + i)) for i in range(n)]
+        self.model = self.models[0]
         self.nbytes = emulate.module_bytes([self.model])
         self.hint = torch.rand(1, 3, HW[0] * 8, HW[1] * 8, generator=torch.Generator().manual_seed(9))
         self.hook = UnetHook()
@@ -478,7 +480,7 @@ class _Control:
 
         def run(jobs: ScriptJobs, p: Any, model: Checkpoint) -> Any:
             p.scripts = Runner(ControlNetScript(self.hook))
-            self.hook.hook(unet_of(model), [ControlParams(self.model, self.hint)])
+            self.hook.hook(unet_of(model), [ControlParams(m, self.hint) for m in self.models])
             try:
                 return body(jobs, p, model)
             finally:
@@ -490,7 +492,12 @@ class _Control:
         return self.hooked(lambda jobs, p, model: reference(model))(None, FakeP(), MODEL)
 
     def home(self) -> bool:
-        return "to" not in self.model.__dict__ and "disable_memory_management" not in self.model.__dict__
+        """Every model as ControlNet left it: nothing of VRAM Guard's on it, no hook on any module."""
+        return all(
+            "to" not in m.__dict__ and "disable_memory_management" not in m.__dict__
+            and not any(x._forward_pre_hooks or x._forward_hooks for x in m.modules())
+            for m in self.models
+        )  # fmt: skip
 
 
 def test_a_controlnet_beside_the_placed_checkpoint_streams_more_of_the_unet_for_its_pass():
@@ -535,14 +542,84 @@ def test_a_controlnet_beside_the_placed_checkpoint_streams_more_of_the_unet_for_
     untouched(w.host, MODEL)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_controlnets_that_do_not_fit_beside_the_placed_checkpoint_stream_block_by_block(n):
+    """Issue 42 item 0: two and three units (each a model of 86 % of the UNet's bytes) on the card
+    where one fits only with more of the UNet streamed: streaming every resident UNet block is not
+    enough, so the control models stream block by block as well (the UNet's streamer over their
+    input blocks, zero convolutions and middle); the outputs are the uncapped ones (the same
+    kernels on the same weights: bit for bit where the pass runs its whole batch), nothing is left
+    on the card after the job and every model is as it was."""
+    from lib_vram.webui.stream import MoreStreamed
+
+    cn = _Control(n)
+    ref = cn.reference()
+    before, control_bits = bits(MODEL), [bits(m) for m in cn.models]
+    w = world(cn.cap)
+    try:
+        w.host.sd_models.load_model(MODEL, w.session)
+        placed = w.session.placement.placed_for(MODEL)
+        resident = w.card.resident_bytes
+        assert n * cn.nbytes > cn.cap - placed.leftover_bytes - SAFETY  # (nor beside no UNet block)
+        r = job(w, cn.hooked(sample))
+        assert r.error is None, r.error
+        more = r.passes[0].stream
+        assert isinstance(more, MoreStreamed) and more.controls, more
+        label = r.passes[0].label()
+        assert f"ControlNet model{'s' if len(more.controls) > 1 else ''} (" in label, label
+        assert "on the card" not in label or len(more.controls) < n, label
+        same = float((r.out - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+        assert same if r.passes[0].plan.micro_batch < 2 else torch.equal(r.out, ref)
+        assert r.peak <= cn.cap and w.card.ooms == 0
+        streams = [m for m in r.status["moves"] if m.startswith("ControlNet unit") and "stream" in m]
+        assert len(streams) == len(more.controls), r.status["moves"]
+        assert w.card.resident_bytes == resident
+        assert all(u.state == "away" for u in placed.streamer._units)
+        assert cn.home() and all(same_bits(m, b) for m, b in zip(cn.models, control_bits))
+    finally:
+        w.close()
+    assert same_bits(MODEL, before)
+    untouched(w.host, MODEL)
+
+
+def test_controlnets_that_do_not_fit_even_streamed_stop_the_pass_before_anything_moves():
+    """Three units on the card the placement alone needs: even with every UNet block and every
+    control model streamed the pass does not fit. It stops at its first forward with the one line,
+    and nothing moved for it (no control model woke or streamed, no more UNet blocks)."""
+    from lib_vram.webui.sampling import SamplingOutOfMemory
+
+    cn = _Control(3)
+    before = bits(MODEL)
+    w = world(CAP)
+    try:
+        w.host.sd_models.load_model(MODEL, w.session)
+        resident = w.card.resident_bytes
+        r = job(w, cn.hooked(sample))
+        assert isinstance(r.error, SamplingOutOfMemory), r.error
+        text = str(r.error)
+        assert "\n" not in text and text.startswith("VRAM Guard stopped sampling before it ran out of memory")
+        assert r.passes[0].stream is None and w.card.ooms == 0
+        assert not any(m.startswith("ControlNet unit") for m in r.status["moves"]), r.status["moves"]
+        assert w.card.resident_bytes == resident and cn.home()
+    finally:
+        w.close()
+    assert same_bits(MODEL, before)
+    untouched(w.host, MODEL)
+
+
+@pytest.mark.parametrize("units", [1, 3])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_out_of_memory_in_a_placed_pass_with_controlnet_loses_nothing(where):
+def test_out_of_memory_in_a_placed_pass_with_controlnet_loses_nothing(where, units):
     """The out-of-memory error at the first, a middle and the last allocation of the pass's first
-    step (the pass's own streamer fetching, the control model's forward, the UNet's): the guard
-    retries at a smaller micro-batch or the error comes out; either way every unit is back where
-    the placement keeps it, the control model home, the weights the same, and the next job with
-    ControlNet gives the uncapped output."""
-    cn = _Control()
+    step (the pass's own streamer fetching, the control model's forward, the UNet's; with three
+    units the control models' streamers fetching their blocks): the guard retries at a smaller
+    micro-batch or the error comes out; either way every unit is back where the placement keeps
+    it, the control models home, the weights the same, and the next job with ControlNet gives the
+    uncapped output (with three units an error late in the step can leave the planner's memory
+    too cautious for the pass, which then stops with the one line until it is forgotten)."""
+    from lib_vram.webui.sampling import SamplingOutOfMemory
+
+    cn = _Control(units)
     ref = cn.reference()
     before = bits(MODEL)
     w = world(cn.cap)
@@ -577,7 +654,13 @@ def test_out_of_memory_in_a_placed_pass_with_controlnet_loses_nothing(where):
             assert float((r.out - ref[0]).abs().max()) <= 1e-4 * float(ref[0].abs().max())
         assert all(u.state == "away" for u in placed.streamer._units)
         assert same_bits(MODEL, before) and w.card.resident_bytes == resident and cn.home()
+        r = None  # (its error's traceback holds the failed step's tensors, on the card)
         again = job(w, cn.hooked(sample))
+        if again.error is not None and units > 1:
+            assert isinstance(again.error, SamplingOutOfMemory) and "\n" not in str(again.error)
+            assert w.card.resident_bytes == resident and cn.home()
+            planner.MEMORY.clear()  # (the injected error was no real shortfall)
+            again = job(w, cn.hooked(sample))
         assert again.error is None, again.error
         assert float((again.out - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
     finally:

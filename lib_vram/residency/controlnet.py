@@ -19,6 +19,7 @@ per-step cost is in the estimate (:mod:`lib_vram.webui.selfattn` reads it). On t
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterable
 from contextlib import ExitStack
@@ -30,6 +31,8 @@ import torch
 from lib_vram.core import emulate
 from lib_vram.residency import CARD, HOST, Model
 from lib_vram.residency._modules import ModuleMover, admit, nbytes_of, tensors_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -188,17 +191,25 @@ class Controls:
         unsized = sum(nbytes_of(tensors_of([u.module])) for u in distinct(used) if u.spec is None)
         return used, specs, unsized, on_card
 
-    def start_pass(self, used: Iterable[Unit], stage: str, stack: ExitStack) -> list[Model]:
+    def start_pass(
+        self, used: Iterable[Unit], stage: str, stack: ExitStack, streamed: Iterable[Unit] = ()
+    ) -> list[Model]:
         """The pass starts: the job's other control models go home, ControlNet's own moves are
         held (for every unit: its hook moves them all), the pass's models wake on the card (room
-        made first) and go home when ``stack`` closes. Returns the pass's models (busy while a
-        forward runs: :func:`while_running`)."""
+        made first) or, those of ``streamed``, stream block by block from host memory (:func:`stream`),
+        and go home when ``stack`` closes. Returns the pass's models (busy while a forward runs:
+        :func:`while_running`)."""
         owner, what = self.cards.owner, stage.replace("_", " ")
-        mine = self.of(used)
-        owner.send_home([m for m in self.models.values() if m not in mine], f"{what} does not use it")
+        mine, flow = self.of(used), self.of(streamed)
+        away = [m for m in self.models.values() if m not in mine or m in flow]
+        owner.send_home(away, f"{what} does not use it")
         self.hold(self.units, stack)
         # (first: a wake that runs out of memory leaves those woken before it going home)
         stack.callback(owner.send_home, list(mine), f"{what} is done")  # (also one found there)
+        for unit in distinct(streamed):  # (a streamed model is not woken: Owner.use skips it)
+            model = self.models[_key(unit.module)]
+            stack.callback(owner.streams(model, 0, stage, f"{what} does not fit with it on the card"))
+            stream(getattr(unit.module, "control_model", unit.module), self.cards, model.name, stack)
         for m in mine:
             owner.use(m, stage, why=f"{what} runs it")
         return mine
@@ -222,6 +233,27 @@ class Controls:
             for model in models:
                 model.mover.unhook()
                 owner.leave(model)
+
+
+def stream(net: torch.nn.Module, cards: Any, name: str, stack: ExitStack) -> None:
+    """A cldm ``ControlNet`` in host memory streams through the card block by block for the pass
+    (the UNet's streamer over its units, :func:`lib_vram.sampling.unet_units`: each comes to the
+    card for its forward, the next one copied in meanwhile); when ``stack`` closes its weights are
+    in host memory again (nothing moves back to the card)."""
+    from lib_vram.sampling import StreamedUNet, unet_units
+
+    s = StreamedUNet(net, [n for n, _ in unet_units(net)], cards.device(), card=cards.card(), adopt_host=True)
+    s.__enter__()
+
+    def done() -> None:
+        st = s.stats
+        logger.info(
+            "VRAM Guard: %s streamed for %d forward(s): %.0f MiB copied to the card",
+            name, st.forwards, st.bytes_in / (1 << 20),
+        )  # fmt: skip
+        s.release_to_host()
+
+    stack.callback(done)
 
 
 def while_running(owner: Any, models: list[Model], forward: Any) -> Any:

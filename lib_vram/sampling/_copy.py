@@ -109,7 +109,9 @@ class CopyEngine:
         self.adopt_host = bool(adopt_host)
         """(The checkpoint placement, issue 22 item 2) a streamed weight already in host memory while
         ``device`` is CUDA is taken as its host copy (pinned) instead of being left alone: the
-        placement loads the streamed units on the CPU and never has them on the card at once."""
+        placement loads the streamed units on the CPU and never has them on the card at once; a
+        streamed ControlNet's model, issue 42). On the emulated card: the weights are not resident
+        (nothing leaves the card's count)."""
         self.device = torch.device(device)
         self._card_arg = card
         self.card: emulate.EmulatedCard | None = None
@@ -141,7 +143,7 @@ class CopyEngine:
             self._side = torch.cuda.Stream(self.device)
         for name, module in units:
             self._units.append(self._take(name, module, shared))
-        if self.card is not None and self.device.type == "cpu":
+        if self.card is not None and self.device.type == "cpu" and not self.adopt_host:
             # what leaves the card's resident count; given back as a delta at the end, so
             # that parts which came back meanwhile (the idle VAE/text encoders woken by the
             # next stage before this pass's stack closed) stay counted

@@ -17,13 +17,17 @@ def unet_units(unet: torch.nn.Module, parts: int = UNIT_PARTS) -> list[tuple[str
     ``out``), each larger than ``1/parts`` of the UNet split into its weighted children in their
     registration order (ldm's and sgm's blocks call their children in that order), recursively;
     a container that is never called (``ModuleList``) is always split; a module with weights of
-    its own stays whole. ``parts=1``: the top level only. Duck-typed by attribute names (nothing
-    of ldm or sgm is imported); one clear error when ``unet`` does not have the layout."""
+    its own stays whole. ``parts=1``: the top level only. A cldm ``ControlNet`` (``input_hint_block``,
+    ``zero_convs``, ``middle_block_out``; issue 42) has the same kind of units, in its forward's
+    order: the hint block, each input block with its zero convolution, the middle and its zero
+    convolution. Duck-typed by attribute names (nothing of ldm, sgm or cldm is imported); one clear
+    error when ``unet`` does not have the layout."""
     if not isinstance(unet, torch.nn.Module):
         raise ValueError(f"`unet` must be a torch.nn.Module, got {type(unet).__name__}")
     if not isinstance(parts, int) or not 1 <= parts <= 4096:
         raise ValueError(f"`parts` must be an integer in 1..4096, got {parts!r}")
-    names = ("time_embed", "input_blocks", "middle_block", "output_blocks", "out")
+    control = all(hasattr(unet, n) for n in ("input_hint_block", "zero_convs", "middle_block_out"))
+    names = ("time_embed", "input_blocks", "middle_block") + (() if control else ("output_blocks", "out"))
     missing = [n for n in names if not hasattr(unet, n)]
     if missing:
         raise ValueError(
@@ -33,10 +37,16 @@ def unet_units(unet: torch.nn.Module, parts: int = UNIT_PARTS) -> list[tuple[str
     top: list[tuple[str, torch.nn.Module]] = [("time_embed", unet.time_embed)]
     if isinstance(getattr(unet, "label_emb", None), torch.nn.Module):
         top.append(("label_emb", unet.label_emb))
-    top += [(f"input_blocks.{i}", m) for i, m in enumerate(unet.input_blocks)]
-    top.append(("middle_block", unet.middle_block))
-    top += [(f"output_blocks.{i}", m) for i, m in enumerate(unet.output_blocks)]
-    top.append(("out", unet.out))
+    if control:
+        top.append(("input_hint_block", unet.input_hint_block))
+        for i, (m, z) in enumerate(zip(unet.input_blocks, unet.zero_convs)):
+            top += [(f"input_blocks.{i}", m), (f"zero_convs.{i}", z)]
+        top += [("middle_block", unet.middle_block), ("middle_block_out", unet.middle_block_out)]
+    else:
+        top += [(f"input_blocks.{i}", m) for i, m in enumerate(unet.input_blocks)]
+        top.append(("middle_block", unet.middle_block))
+        top += [(f"output_blocks.{i}", m) for i, m in enumerate(unet.output_blocks)]
+        top.append(("out", unet.out))
     if parts == 1:
         return top
     limit = sum(module_bytes(m) for _, m in top) // parts

@@ -99,8 +99,8 @@ class PassPlan:
             parts.append(f"{self.moved} off the card")
         if self.placed:
             parts += [self.stream.label, self.placed] if self.stream is not None else [self.placed]
-        if self.controls:
-            n = len(self.controls)
+        flow = {id(u.module) for u in getattr(self.stream, "controls", ())}  # (streamed: the stream's label)
+        if n := sum(id(u.module) not in flow for u in self.controls):
             parts.append(f"{n} ControlNet unit{'s' if n > 1 else ''} on the card")
         if self.measured:
             parts.append("measured, not predicted")
@@ -206,7 +206,7 @@ def plan_pass(
     if placed is not None:  # (checkpoint placement) its numbers; more of its UNet streams if short
         more = None
         if not plan.fits:
-            more, plan = _more_streamed(placed, dm, spec, plan, kw, rest)
+            more, plan = _more_streamed(placed, dm, spec, plan, kw, rest, used)
         plan = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes - inflate)
         if not plan.fits:
             error = _placed_error(stage, plan, placed, budget, idle, whole)
@@ -287,34 +287,51 @@ def _placed(job: Any, model: Any) -> Any:
     return placement.placed_for(model) if placement is not None else None
 
 
-def _more_streamed(placed: Any, dm: Any, spec: Any, plan: Any, kw: dict, rest: int) -> tuple[Any, Any]:
+def _more_streamed(
+    placed: Any, dm: Any, spec: Any, plan: Any, kw: dict, rest: int, used: list = ()
+) -> tuple[Any, Any]:  # fmt: skip
     """A placed checkpoint's pass that does not fit (``plan``, made with ``kw``'s budget raised by
     what the placement does not keep on the card): resident units of its UNet that stream for this
-    pass as well (:class:`~.stream.MoreStreamed`) and the plan with the room they free; (None,
-    ``plan``) when even streaming every resident unit is not enough. Of the micro-batches, the one
-    whose shortfall costs the fewest bytes streamed per step (both streamers' bytes x forwards)."""
+    pass as well (:class:`~.stream.MoreStreamed`) and the plan with the room they free; where that
+    is not enough, the pass's cldm control models (``used``), the largest first, stream block by
+    block too (:func:`lib_vram.residency.controlnet.stream`; each frees its weights less its own
+    buffer, its two largest blocks); (None, ``plan``) when even streaming all of them is not enough.
+    Of the micro-batches, the one whose shortfall costs the fewest bytes streamed per step (the
+    streamers' bytes x forwards)."""
     from lib_vram import sampling
+    from lib_vram.residency.controlnet import distinct
 
     from .stream import MoreStreamed
 
     units = sampling.unit_bytes(dm)
     already = placed.plan.unet_bytes - placed.unet_resident_bytes
-    best = None
-    for c in plan.candidates:
-        got = sampling.more_streamed(units, placed.plan.resident, c.peak_bytes - kw["budget_bytes"])
-        if got and got[0]:
-            cost = ((already + got[1]) * -(-plan.batch // c.batch), -c.batch)
-            best = min(best, (cost, got)) if best is not None else (cost, got)
-    if best is None:
-        return None, plan
-    names, nbytes, buffer = best[1]
-    freed = nbytes - buffer
-    kw = {**kw, "budget_bytes": kw["budget_bytes"] + freed}
-    wider = sampling.plan_sampling(spec, resident_bytes=rest, **kw)
-    if not wider.fits:
-        return None, plan
-    wider = dataclasses.replace(wider, predicted_peak_bytes=wider.predicted_peak_bytes - freed)
-    return MoreStreamed(names, dm, placed.device, placed=placed, nbytes=nbytes, buffer_bytes=buffer), wider
+    ctl = []  # (unit, its bytes, what streaming it frees), the largest first
+    for u in distinct(used) if used else ():
+        if u.spec is not None:
+            net = getattr(u.module, "control_model", u.module)
+            sizes = sorted((b for _, b in sampling.unit_bytes(net)), reverse=True)
+            ctl.append((u, sum(sizes), sum(sizes) - sum(sizes[:2])))
+    ctl.sort(key=lambda c: -c[1])
+    budget = kw["budget_bytes"]
+    for k in range(len(ctl) + 1):
+        ctl_bytes, ctl_freed = sum(c[1] for c in ctl[:k]), sum(c[2] for c in ctl[:k])
+        best = None
+        for c in plan.candidates:
+            got = sampling.more_streamed(units, placed.plan.resident, c.peak_bytes - budget - ctl_freed)
+            if got and (got[0] or k):
+                cost = ((already + got[1] + ctl_bytes) * -(-plan.batch // c.batch), -c.batch)
+                best = min(best, (cost, got)) if best is not None else (cost, got)
+        if best is None:
+            continue
+        names, nbytes, buffer = best[1]
+        freed = nbytes - buffer + ctl_freed
+        wider = sampling.plan_sampling(spec, resident_bytes=rest, **{**kw, "budget_bytes": budget + freed})
+        if wider.fits:
+            wider = dataclasses.replace(wider, predicted_peak_bytes=wider.predicted_peak_bytes - freed)
+            flows = [c[0] for c in ctl[:k]]
+            args = dict(placed=placed, nbytes=nbytes, buffer_bytes=buffer, controls=flows)
+            return MoreStreamed(names, dm, placed.device, control_bytes=ctl_bytes, **args), wider
+    return None, plan
 
 
 def _placed_error(stage: str, plan: Any, placed: Any, budget: int, idle: Any, whole: str | None) -> str:

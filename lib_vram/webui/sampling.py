@@ -119,20 +119,22 @@ class SamplingGuard:
         if planned.placed and placed is not None:  # (checkpoint placement) its streamer stays in force:
             self.stack.callback(placed.settle)  # a pass cut short leaves no streamed unit on the card
             job.note(f"VRAM Guard: {placed.label}")
+        go = planned.error is None  # (a pass the plan stops moves nothing: its first forward says why)
         try:
-            if planned.moved:
+            if go and planned.moved:
                 self._move_off(
                     stage, planned.moved.split(", "), "the sampling plan does not fit with them there"
                 )
-            if planned.stream is not None:  # (first: the room it frees is what the ControlNets need)
+            if go and planned.stream is not None:  # (first: the room it frees is what the ControlNets need)
                 planned.stream.enter(self.stack)
                 if cards is not None:
                     for m in cards.models(model, ["UNet"]):
                         why = "the pass does not fit with the whole UNet on the card"
                         self.stack.callback(cards.owner.streams(m, planned.stream.resident_bytes, stage, why))
                 job.note(f"VRAM Guard: {stage.replace('_', ' ')}: {planned.stream.describe()}")
-            if cards is not None and self._controls is not None:
-                self._computing = self._controls.start_pass(planned.controls, stage, self.stack)
+            if go and cards is not None and self._controls is not None:
+                flow = getattr(planned.stream, "controls", ())  # (streamed block by block)
+                self._computing = self._controls.start_pass(planned.controls, stage, self.stack, flow)
             self._install(dm, planned)
         except BaseException as exc:
             self.end()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -103,15 +103,23 @@ class MoreStreamed(StreamPass):
     """A placed checkpoint's pass that does not fit beside what the placement keeps on the card
     (a ControlNet, a larger hires pass): ``plan`` names resident units of the placed UNet that a
     second streamer carries for this pass only (:func:`lib_vram.sampling.more_streamed`); at the
-    pass's end they are resident again."""
+    pass's end they are resident again. ``controls``: the ControlNet units whose models stream
+    block by block for the pass as well (:func:`lib_vram.residency.controlnet.stream`)."""
 
     placed: Any = None
     nbytes: int = 0
     buffer_bytes: int = 0
+    controls: list = field(default_factory=list)
+    control_bytes: int = 0
 
     @property
     def label(self) -> str:
-        return f"{len(self.plan)} more UNet blocks ({self.nbytes / MiB:.0f} MiB) stream for the pass"
+        n, mib = len(self.controls), self.control_bytes / MiB
+        also = f" and {n} ControlNet model{'s' if n > 1 else ''} ({mib:.0f} MiB)" if n else ""
+        return f"{len(self.plan)} more UNet blocks ({self.nbytes / MiB:.0f} MiB){also} stream for the pass"
+
+    def enter(self, stack: ExitStack) -> StreamedUNet | None:
+        return super().enter(stack) if self.plan else None
 
     @property
     def resident_bytes(self) -> int:

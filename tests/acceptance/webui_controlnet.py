@@ -4,7 +4,8 @@ Talks to a running AUTOMATIC1111 WebUI (``--api``) with sd-webui-controlnet inst
 Each case is a txt2img/img2img request with ControlNet units (preprocessor ``none``: the control
 image is the hint as it is, so no annotator download and no preprocessor rounding):
 
-* ``one`` — one unit; ``two`` — two units with two model files (two models on the card);
+* ``one`` — one unit; ``two``, ``three`` — two and three units with their own model files;
+* ``two_hires`` — hires fix (Latent) with two units on both passes; ``two_img2img`` — img2img;
 * ``lowres`` — hires fix (Latent) with the unit on "Low res only" (the hires pass does not use it);
 * ``img2img`` — img2img with one unit; ``off`` — a job without ControlNet (run it after one with);
 * ``one_lowvram`` — one unit with ControlNet's own Low VRAM;
@@ -36,8 +37,20 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from webui_acceptance import call, decode, init_image  # noqa: E402
 
-CASES = ("one", "two", "lowres", "img2img", "off", "one_lowvram", "ip", "ip_plus")
-MODELS = ("control_sd15_random", "control_sd15_random-b")
+CASES = (
+    "one",
+    "two",
+    "three",
+    "two_hires",
+    "two_img2img",
+    "lowres",
+    "img2img",
+    "off",
+    "one_lowvram",
+    "ip",
+    "ip_plus",
+)
+MODELS = ("control_sd15_random", "control_sd15_random-b", "control_sd15_random-c")
 IP_MODELS = {"ip": "ip-adapter_sd15_random", "ip_plus": "ip-adapter-plus_sd15_random"}
 
 
@@ -74,23 +87,25 @@ def job(case: str, a: argparse.Namespace, vg: bool, models: list[str]) -> tuple[
     scripts: dict = {"VRAM Guard": {"args": [{"enabled": vg}]}}
     units: list[dict] = []
     path = "/sdapi/v1/txt2img"
+    hires = dict(
+        enable_hr=True, hr_scale=2, hr_second_pass_steps=1, denoising_strength=0.5, hr_upscaler="Latent"
+    )
     if case in ("one", "img2img"):
         units = [unit(a, models[0])]
     elif case == "one_lowvram":
         units = [unit(a, models[0], low_vram=True)]
-    elif case == "two":
-        units = [unit(a, models[0]), unit(a, models[1])]
+    elif case in ("two", "three", "two_hires", "two_img2img"):
+        units = [unit(a, m) for m in models[: 3 if case == "three" else 2]]
+        base.update(hires if case == "two_hires" else {})
     elif case == "lowres":
         units = [unit(a, models[0], hr_option="Low res only")]
-        base.update(
-            enable_hr=True, hr_scale=2, hr_second_pass_steps=1, denoising_strength=0.5, hr_upscaler="Latent"
-        )
+        base.update(hires)
     elif case in IP_MODELS:
         hit = next((n for n in models if n.split(" [")[0] == IP_MODELS[case]), IP_MODELS[case])
         units = [dict(unit(a, hit), ipadapter_input=clip_output())]
     elif case != "off":
         raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
-    if case == "img2img":
+    if case.endswith("img2img"):
         path = "/sdapi/v1/img2img"
         base.update(init_images=[init_image(s)], denoising_strength=0.6)
     if units:

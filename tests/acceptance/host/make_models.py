@@ -5,9 +5,10 @@
               configs/v1-inference.yaml, saved in FP16 (2.1 GB; 4.07 GB as FP32 with --no-half)
   lora        models/Lora/vg-lora-attn.safetensors and vg-lora-mix.safetensors: kohya key names
               (lora_unet_*, lora_te_*; lora_down/lora_up/alpha) with the shapes of that checkpoint
-  controlnet  models/ControlNet/control_sd15_random.safetensors: sd-webui-controlnet's SD1.5
-              ControlNet layout (UNet input/middle blocks + input_hint_block, zero_convs,
-              middle_block_out), its blocks copied from sd15-random, the zero convs random
+  controlnet  models/ControlNet/control_sd15_random.safetensors (and -b, -c: other seeds, for jobs
+              with two and three units): sd-webui-controlnet's SD1.5 ControlNet layout (UNet
+              input/middle blocks + input_hint_block, zero_convs, middle_block_out), its blocks
+              copied from sd15-random, the zero convs random
 
 Existing files are kept unless --force. Needs the offline tokenizer cache (HF_HOME, see
 make_tokenizer.py) for ldm's FrozenCLIPEmbedder; the text model is built from the cached config
@@ -27,7 +28,8 @@ import torch
 
 CKPT_A = "sd15-random.safetensors"
 CKPT_B = "sd15-random-b.safetensors"
-CONTROLNET = "control_sd15_random.safetensors"
+CONTROLNETS = {"control_sd15_random": 21, "control_sd15_random-b": 31, "control_sd15_random-c": 41}
+"""Each ControlNet file and its seed (the random layers: seed + 1)."""
 
 
 def log(msg: str) -> None:
@@ -278,16 +280,21 @@ def _default_config(webui: Path) -> dict:
 
 
 def make_controlnet(webui: Path, force: bool) -> None:
-    path = webui / "models" / "ControlNet" / CONTROLNET
-    if path.exists() and not force:
-        log(f"kept {path}")
-        return
+    for name, seed in CONTROLNETS.items():
+        path = webui / "models" / "ControlNet" / f"{name}.safetensors"
+        if path.exists() and not force:
+            log(f"kept {path}")
+        else:
+            _make_controlnet(webui, path, seed)
+
+
+def _make_controlnet(webui: Path, path: Path, seed: int) -> None:
     ControlNet = _import_controlnet_class(webui)
     from safetensors.torch import load_file
 
     config = _default_config(webui)
     config.update(hint_channels=3, use_fp16=False)
-    torch.manual_seed(21)
+    torch.manual_seed(seed)
     net = ControlNet(**config).eval()
     # the trained-from-the-UNet blocks: copy sd15-random's, so the control signal is shaped like it
     unet = load_file(str(webui / "models" / "Stable-diffusion" / CKPT_A))
@@ -301,7 +308,7 @@ def make_controlnet(webui: Path, force: bool) -> None:
     del unet
     # zero convs, the hint block's last conv, middle_block_out: zero-initialised; give them
     # random weights so the unit changes the picture
-    g = torch.Generator().manual_seed(22)
+    g = torch.Generator().manual_seed(seed + 1)
     revived = 0
     for k, v in sd.items():
         if k.endswith(".weight") and v.ndim > 1 and not v.any():
