@@ -291,23 +291,17 @@ def _more_streamed(placed: Any, dm: Any, spec: Any, plan: Any, kw: dict, rest: i
     """A placed checkpoint's pass that does not fit (``plan``, made with ``kw``'s budget raised by
     what the placement does not keep on the card): resident units of its UNet that stream for this
     pass as well (:class:`~.stream.MoreStreamed`) and the plan with the room they free; (None,
-    ``plan``) when even streaming every resident unit is not enough. Of the micro-batches, the one
-    whose shortfall costs the fewest bytes streamed per step (both streamers' bytes x forwards)."""
+    ``plan``) when even streaming every resident unit is not enough
+    (:func:`~lib_vram.sampling.more_streamed_pass`)."""
     from lib_vram import sampling
 
     from .stream import MoreStreamed
 
-    units = sampling.unit_bytes(dm)
     already = placed.plan.unet_bytes - placed.unet_resident_bytes
-    best = None
-    for c in plan.candidates:
-        got = sampling.more_streamed(units, placed.plan.resident, c.peak_bytes - kw["budget_bytes"])
-        if got and got[0]:
-            cost = ((already + got[1]) * -(-plan.batch // c.batch), -c.batch)
-            best = min(best, (cost, got)) if best is not None else (cost, got)
-    if best is None:
+    got = sampling.more_streamed_pass(sampling.unit_bytes(dm), placed.plan.resident, plan, already)
+    if got is None:
         return None, plan
-    names, nbytes, buffer = best[1]
+    names, nbytes, buffer = got
     freed = nbytes - buffer
     kw = {**kw, "budget_bytes": kw["budget_bytes"] + freed}
     wider = sampling.plan_sampling(spec, resident_bytes=rest, **kw)
