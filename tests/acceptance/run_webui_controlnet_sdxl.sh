@@ -37,7 +37,7 @@ for phase in ref $CARDS; do
   EXTRA=(--vram-guard-log-level INFO)
   [ "$phase" = ref ] || EXTRA+=(--vram-guard-emulate-vram "$phase" --vram-guard-place-checkpoint)
   echo "== $phase $(date -u +%T)"
-  LOG=$OUT/$phase.log /work/webui-tools/launch.sh "${EXTRA[@]}" --ckpt sdxl-random.safetensors || { rc=1; break; }
+  LOG=$OUT/$phase.log /work/webui-tools/launch.sh "${EXTRA[@]}" --ckpt /work/webui/models/Stable-diffusion/sdxl-random.safetensors || { rc=1; break; }
   echo "ready after $((SECONDS - t0)) s"; free -g
   if [ "$phase" = ref ]; then client ref --out "$OUT/ref" || rc=1
   else client run --out "$OUT/vg-$phase" --ref "$OUT/ref" || rc=1; fi
