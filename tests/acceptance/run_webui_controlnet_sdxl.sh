@@ -3,7 +3,7 @@
 # with the WebUI lock: phase ref (uncapped, VRAM Guard's accordion off: the reference pictures), then
 # one phase per card in CARDS (the checkpoint placed on an emulated card of that size). VRAM Guard is a
 # git-archive snapshot of BRANCH; the extension link and config.json are put back on exit.
-# Models: tests/acceptance/host/make_sdxl.py sdxl controlnet.
+# Models: tests/acceptance/host/make_sdxl.py sdxl controlnet approx.
 set -uo pipefail
 OUT=${OUT:-/tmp/vg-cn-sdxl}
 CARDS=${CARDS:-8000MiB}

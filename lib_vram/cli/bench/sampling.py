@@ -37,8 +37,8 @@ FULL = QUICK + (
     ("sdxl", 64, 64, 4, "none"),
 )  # fmt: skip
 # no attention optimization; at full size the plain step with ControlNet and the idle VAE and text
-# encoders needs 5.2 GiB (SD1.5 448 px, 2 images: out of memory on 4 GB, not on 6 GB) and 10.4 GiB
-# (SDXL 512 px, 1 image, its 2386 MiB ControlNet: on every card; 4 GB would need the UNet streamed)
+# encoders needs 5.2 GiB (SD1.5 448 px, 2 images: out of memory on 4 GB, not on 6 GB) and 9.1 GiB
+# (SDXL 512 px, 1 image, its 2386 MiB ControlNet: out of memory on every card)
 CONTROL_CASES = (("sd15", 56, 56, 4, "none"), ("sdxl", 64, 64, 2, "none"))
 STEPS = 20
 """The sampling steps a job runs (the bytes VRAM Guard moves per pass, per step)."""

@@ -8,6 +8,9 @@
               transformer block at the 1280-channel level and in the middle; 271 M parameters),
               its blocks copied from sdxl-random, the zero convs random
 
+  approx      models/VAE-approx/vaeapprox-sdxl.pt: the WebUI's "Approx NN" live-preview model for
+              SDXL (random; the WebUI otherwise downloads it at an SDXL job's start)
+
 Existing files are kept unless --force. Building SDXL holds about 8 GB of host memory: check
 ``free -g`` and hold the WebUI lock. Needs the offline tokenizer cache (make_tokenizer.py); both text
 models are built from configs (no pretrained weights).
@@ -116,18 +119,41 @@ def make_controlnet(webui: Path, force: bool) -> None:
     save_safetensors(sd, path, {"vg_host": "random SDXL ControlNet (mid)"})
 
 
+# the WebUI's VAEApprox (modules/sd_vae_approx.py): conv1..conv8 (in, out, kernel) for 4 latent channels
+APPROX = ((4, 8, 7), (8, 16, 5), (16, 32, 3), (32, 64, 3), (64, 32, 3), (32, 16, 3), (16, 8, 3), (8, 3, 3))
+
+
+def make_approx(webui: Path, force: bool) -> None:
+    from make_esrgan import save_pth, webui_safe_check
+
+    path = webui / "models" / "VAE-approx" / "vaeapprox-sdxl.pt"
+    if path.exists() and not force:
+        log(f"kept {path}")
+        return
+    g = torch.Generator().manual_seed(41)
+    sd = {}
+    for i, (cin, cout, k) in enumerate(APPROX, 1):
+        sd[f"conv{i}.weight"] = torch.randn(cout, cin, k, k, generator=g) / (cin * k * k) ** 0.5
+        sd[f"conv{i}.bias"] = torch.zeros(cout)
+    save_pth(sd, path)  # (without the zip entries the WebUI's torch.load checker rejects)
+    webui_safe_check(webui, path)
+    log(f"wrote {path}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--webui", type=Path, default=Path("/work/webui"))
     ap.add_argument("--force", action="store_true", help="rebuild files that exist")
-    ap.add_argument("what", nargs="+", choices=["sdxl", "controlnet"])
+    ap.add_argument("what", nargs="+", choices=["sdxl", "controlnet", "approx"])
     ap.add_argument("--hf-home", default=os.environ.get("HF_HOME", "/work/webui-tools/hf-home"))
     args = ap.parse_args()
     os.environ.update(HF_HOME=args.hf_home, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     torch.set_grad_enabled(False)
     for what in args.what:
         t0 = time.time()
-        {"sdxl": make_sdxl, "controlnet": make_controlnet}[what](args.webui, args.force)
+        {"sdxl": make_sdxl, "controlnet": make_controlnet, "approx": make_approx}[what](
+            args.webui, args.force
+        )
         log(f"{what}: {time.time() - t0:.0f} s")
     return 0
 
