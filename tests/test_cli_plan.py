@@ -641,7 +641,9 @@ def test_sdxl_controlnets_in_the_placed_plan(capsys):
     assert f["fits"] and "more UNet blocks" in f["plan"] and "more UNet" not in m["plan"] + b["plan"]
     assert f["predicted_peak_bytes"] <= f["budget_bytes"]
     assert f["bytes_moved_per_step"] > b["bytes_moved_per_step"] == m["bytes_moved_per_step"]
-    assert main(["plan", "--arch", "sd15", "--width", "512", "--height", "512", "--controlnet", "sdxl-mid"]) == 2
+    sd15 = ("--arch", "sd15", "--width", "512", "--height", "512")
+    assert main(["plan", *sd15, "--controlnet", "sdxl-mid"]) == 2
+    assert "is not a ControlNet for `--arch sd15`" in capsys.readouterr().err
 
 
 # -- the sampling forward's options (issue 41 item 4) -------------------------------------------
