@@ -652,6 +652,27 @@ def test_ip_adapter_is_in_the_plan(capsys):
     assert [s["stage"] for s in placed["stages"]][:2] == ["ip_adapter_encode", "conditioning"]
 
 
+def test_sdxl_controlnets_in_the_placed_plan(capsys):
+    """``--controlnet sdxl`` (issue 42 item 4) with the SDXL checkpoint placed: the control model's
+    bytes in the pass; where the pass is then short, more UNet blocks stream for it (as the run's
+    second streamer does) and it fits; the smaller SDXL layouts are counted by their own size."""
+    from lib_vram.sampling import reference_control
+
+    base = ("--arch", "sdxl", "--width", "1024", "--height", "1024", "--vram", "6GB", "--place")
+    _, bare = _plan(capsys, *base)
+    _, full = _plan(capsys, *base, "--controlnet", "sdxl")
+    _, mid = _plan(capsys, *base, "--controlnet", "sdxl-mid")
+    b, f, m = (_stage(r, "sample") for r in (bare, full, mid))
+    assert f["controlnet_bytes"] == reference_control("sdxl").params * 2  # FP16
+    assert m["controlnet_bytes"] == reference_control("sdxl-mid").params * 2
+    assert f["fits"] and "more UNet blocks" in f["plan"] and "more UNet" not in m["plan"] + b["plan"]
+    assert f["predicted_peak_bytes"] <= f["budget_bytes"]
+    assert f["bytes_moved_per_step"] > b["bytes_moved_per_step"] == m["bytes_moved_per_step"]
+    sd15 = ("--arch", "sd15", "--width", "512", "--height", "512")
+    assert main(["plan", *sd15, "--controlnet", "sdxl-mid"]) == 2
+    assert "is not a ControlNet for `--arch sd15`" in capsys.readouterr().err
+
+
 # -- the sampling forward's options (issue 41 item 4) -------------------------------------------
 
 SD15_2K = ("--arch", "sd15", "--width", "2048", "--height", "2048", "--vram", "6GB", "--no-place")

@@ -235,6 +235,10 @@ def plan_placed_job(
     :mod:`lib_vram.webui.sampling` plans a placed pass, its bytes moved per step (streamed bytes x
     forwards) against ``--lowvram``'s. Budgets are ``free_bytes - safety_margin_bytes`` as in
     :func:`plan_job`."""
+    from lib_vram.sampling import more_streamed_pass
+
+    from .refunet import reference_units
+
     cp = placed.plan
     arch = placed.arch
     st = cp.stream
@@ -273,10 +277,26 @@ def plan_placed_job(
         # the checkpoint's buffers, raised by what the UNet does not keep on the card (the plans
         # count the whole UNet), the peak lowered by as much
         inflate = max(0, st.unet_bytes - unet_res - buffer)
-        p = sampling_pass(
-            arch, stage, w, h, batch, controlnets, controlnet_hires, options, attention=placed.attention,
-            budget_bytes=max(0, budget - cp.leftover_bytes) + inflate, backend=backend,
-        )  # fmt: skip
+
+        def at(budget_bytes: int) -> object:
+            return sampling_pass(
+                arch, stage, w, h, batch, controlnets, controlnet_hires, options, attention=placed.attention,
+                budget_bytes=budget_bytes, backend=backend,
+            )  # fmt: skip
+
+        p = at(max(0, budget - cp.leftover_bytes) + inflate)
+        freed = nmore = 0
+        if not p.fits and placed.fits:  # more of the UNet streams for a short pass, as in the run
+            got = more_streamed_pass(reference_units(arch), st.resident, p, streamed)
+            wider = at(p.budget_bytes + got[1] - got[2]) if got else None
+            if wider is not None and wider.fits:
+                nmore, freed = got[1], got[1] - got[2]
+                more = f"{len(got[0])} more UNet blocks ({nmore / MiB:.0f} MiB) stream for the pass"
+                p = dataclasses.replace(
+                    wider,
+                    predicted_peak_bytes=wider.predicted_peak_bytes - freed,
+                    label=f"{wider.label}, {more}",
+                )
         peak = p.predicted_peak_bytes - inflate + cp.leftover_bytes
         fits = p.fits and placed.fits
         forwards = -(-p.batch // p.micro_batch)
@@ -295,8 +315,8 @@ def plan_placed_job(
             )
         return sampling_stage(
             stage, p, budget, margin, shift=cp.leftover_bytes - inflate, resident_bytes=cp.leftover_bytes,
-            dtype=UNET_DTYPE, attention=placed.attention, fits=fits, weights_bytes=unet_res + buffer,
-            warning=suggestion, suggestion=suggestion, bytes_moved_per_step=streamed * forwards,
+            dtype=UNET_DTYPE, attention=placed.attention, fits=fits, weights_bytes=unet_res + buffer - freed,
+            warning=suggestion, suggestion=suggestion, bytes_moved_per_step=(streamed + nmore) * forwards,
             lowvram_bytes_per_step=st.lowvram_bytes_per_step,
         )  # fmt: skip
 

@@ -67,7 +67,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         choices=CONTROLS,
-        help="a ControlNet unit of the sampling passes (its model's family: sd15 or sdxl); once per unit",
+        help="a ControlNet unit of the sampling passes (its model's family: sd15, sdxl, or the smaller "
+        "SDXL layouts sdxl-mid and sdxl-small); once per unit",
     )
     parser.add_argument(
         "--controlnet-hires",
@@ -477,7 +478,7 @@ def check_options(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"`--controlnet {unit}`: the sampling plan knows the sd15 and sdxl UNets, not {args.arch}'s"
             )
-        if unit != args.arch:
+        if unit.split("-")[0] != args.arch:
             raise UsageError(
                 f"`--controlnet {unit}` is not a ControlNet for `--arch {args.arch}` ({args.arch})"
             )

@@ -40,6 +40,7 @@ from ._stream_plan import (
     choose_resident,
     lowvram_bytes_per_forward,
     more_streamed,
+    more_streamed_pass,
     plan_stream,
 )
 from ._tokens import HyperTile, SelfAttention, TokenMerging
@@ -74,6 +75,7 @@ __all__ = [
     "choose_resident",
     "lowvram_bytes_per_forward",
     "more_streamed",
+    "more_streamed_pass",
     "plan_stream",
     "unet_units",
     "unit_bytes",

@@ -242,7 +242,8 @@ def param_count(spec: UNetSpec) -> int:
 
 
 REFERENCES = ("sd15", "sd2", "sdxl")
-CONTROLS = ("sd15", "sdxl")
+CONTROLS = ("sd15", "sdxl", "sdxl-mid", "sdxl-small")
+_SDXL_SMALLER = {"sdxl-mid": ((0, 0, 1), 1), "sdxl-small": ((0, 0, 0), 0)}  # (depth, depth_middle)
 
 
 def reference_spec(arch: str) -> UNetSpec:
@@ -268,13 +269,17 @@ def reference_spec(arch: str) -> UNetSpec:
 
 def reference_control(arch: str) -> UNetSpec:
     """The ControlNet of a reference architecture (cldm layout, a 3-channel control image):
-    ``"sd15"`` (the UNet's down path and middle, ~361 M parameters: 1.45 GB in FP32) or ``"sdxl"``."""
+    ``"sd15"`` (the UNet's down path and middle, ~361 M parameters: 1.45 GB in FP32), ``"sdxl"``
+    (1251 M) or sd-webui-controlnet's smaller SDXL layouts ``"sdxl-mid"`` (one transformer block at
+    the deepest level and in the middle, 271 M) and ``"sdxl-small"`` (none, 157 M)."""
     if arch in ("sd1", "sd1.5"):
         arch = "sd15"
     if arch not in CONTROLS:
         raise ValueError(f"a ControlNet's `arch` must be one of {CONTROLS}, got {arch!r}")
-    unet = reference_spec(arch)
-    return _with_params(replace(unet, name=f"controlnet-{arch}", out_channels=0, hint_channels=3))
+    depth, mid = _SDXL_SMALLER.get(arch, (None, None))
+    spec = reference_spec(arch.split("-")[0])
+    spec = replace(spec, name=f"controlnet-{arch}", out_channels=0, hint_channels=3)
+    return _with_params(spec if depth is None else replace(spec, depth=depth, depth_middle=mid))
 
 
 def _with_params(spec: UNetSpec) -> UNetSpec:

@@ -159,6 +159,29 @@ def more_streamed(
     return tuple(n for n, _ in units if n in chosen), total, buf
 
 
+def more_streamed_pass(
+    units: Sequence[tuple[str, int]],
+    resident: Sequence[str],
+    plan: SamplingPlan,
+    already_bytes: int,
+    *,
+    freed_bytes: int = 0,
+    streamed_bytes: int = 0,
+) -> tuple[tuple[str, ...], int, int] | None:
+    """:func:`more_streamed` for a pass whose ``plan`` (its budget raised by what the placement does
+    not keep on the card) does not fit, over its micro-batches: the one whose shortfall costs the
+    fewest bytes streamed per step (``already_bytes`` + these, x forwards). ``freed_bytes``,
+    ``streamed_bytes``: what other streamed models (control models) free and stream. None: none
+    frees enough."""
+    best = None
+    for c in plan.candidates:
+        got = more_streamed(units, resident, c.peak_bytes - plan.budget_bytes - freed_bytes)
+        if got and (got[0] or streamed_bytes):
+            cost = ((already_bytes + got[1] + streamed_bytes) * -(-plan.batch // c.batch), -c.batch)
+            best = min(best, (cost, got)) if best is not None else (cost, got)
+    return best[1] if best is not None else None
+
+
 def stream_key(sampling: SamplingPlan | tuple, forwards_per_step: int = 1) -> tuple:
     """The planner-memory key of a streamed sampling step (the sampling plan's key + ``stream``)."""
     key = sampling.key if isinstance(sampling, SamplingPlan) else tuple(sampling)

@@ -295,15 +295,13 @@ def _more_streamed(
     pass as well (:class:`~.stream.MoreStreamed`) and the plan with the room they free; where that
     is not enough, the pass's cldm control models (``used``), the largest first, stream block by
     block too (:func:`lib_vram.residency.controlnet.stream`; each frees its weights less its own
-    buffer, its two largest blocks); (None, ``plan``) when even streaming all of them is not enough.
-    Of the micro-batches, the one whose shortfall costs the fewest bytes streamed per step (the
-    streamers' bytes x forwards)."""
+    buffer, its two largest blocks); (None, ``plan``) when even streaming all of them is not enough
+    (:func:`~lib_vram.sampling.more_streamed_pass` picks the micro-batch)."""
     from lib_vram import sampling
     from lib_vram.residency.controlnet import distinct
 
     from .stream import MoreStreamed
 
-    units = sampling.unit_bytes(dm)
     already = placed.plan.unet_bytes - placed.unet_resident_bytes
     ctl = []  # (unit, its bytes, what streaming it frees), the largest first
     for u in distinct(used) if used else ():
@@ -312,24 +310,22 @@ def _more_streamed(
             sizes = sorted((b for _, b in sampling.unit_bytes(net)), reverse=True)
             ctl.append((u, sum(sizes), sum(sizes) - sum(sizes[:2])))
     ctl.sort(key=lambda c: -c[1])
-    budget = kw["budget_bytes"]
+    units = sampling.unit_bytes(dm)
     for k in range(len(ctl) + 1):
         ctl_bytes, ctl_freed = sum(c[1] for c in ctl[:k]), sum(c[2] for c in ctl[:k])
-        best = None
-        for c in plan.candidates:
-            got = sampling.more_streamed(units, placed.plan.resident, c.peak_bytes - budget - ctl_freed)
-            if got and (got[0] or k):
-                cost = ((already + got[1] + ctl_bytes) * -(-plan.batch // c.batch), -c.batch)
-                best = min(best, (cost, got)) if best is not None else (cost, got)
-        if best is None:
+        got = sampling.more_streamed_pass(
+            units, placed.plan.resident, plan, already, freed_bytes=ctl_freed, streamed_bytes=ctl_bytes
+        )
+        if got is None:
             continue
-        names, nbytes, buffer = best[1]
+        names, nbytes, buffer = got
         freed = nbytes - buffer + ctl_freed
-        wider = sampling.plan_sampling(spec, resident_bytes=rest, **{**kw, "budget_bytes": budget + freed})
+        wider = sampling.plan_sampling(
+            spec, resident_bytes=rest, **{**kw, "budget_bytes": kw["budget_bytes"] + freed}
+        )
         if wider.fits:
             wider = dataclasses.replace(wider, predicted_peak_bytes=wider.predicted_peak_bytes - freed)
-            flows = [c[0] for c in ctl[:k]]
-            args = dict(placed=placed, nbytes=nbytes, buffer_bytes=buffer, controls=flows)
+            args = dict(placed=placed, nbytes=nbytes, buffer_bytes=buffer, controls=[c[0] for c in ctl[:k]])
             return MoreStreamed(names, dm, placed.device, control_bytes=ctl_bytes, **args), wider
     return None, plan
 

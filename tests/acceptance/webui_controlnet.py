@@ -7,13 +7,16 @@ image is the hint as it is, so no annotator download and no preprocessor roundin
 * ``one`` — one unit; ``two``, ``three`` — two and three units with their own model files;
 * ``two_hires`` — hires fix (Latent) with two units on both passes; ``two_img2img`` — img2img;
 * ``lowres`` — hires fix (Latent) with the unit on "Low res only" (the hires pass does not use it);
+  ``hires`` — the same with the unit on "Both";
 * ``img2img`` — img2img with one unit; ``off`` — a job without ControlNet (run it after one with);
 * ``one_lowvram`` — one unit with ControlNet's own Low VRAM;
 * ``ip`` / ``ip_plus`` — one IP-Adapter unit (``ip-adapter(-plus)_sd15_random``, made by
   ``host/make_ipadapter.py``) whose CLIP vision output comes through the API's ``ipadapter_input``
   (random, seed fixed: no encoder model needed).
 
-``--batch N``: N images per job (the UNet's batch is 2N with cond and uncond; where its whole batch
+``--models A,B``: the ControlNet model files (default the three SD1.5 ones; an SDXL checkpoint takes
+``control_sdxl_mid_random``, the status's placement and notes are kept). ``--batch N``: N images
+per job (the UNet's batch is 2N with cond and uncond; where its whole batch
 does not fit VRAM Guard micro-batches through ControlNet's hook); the first image is compared.
 
 Modes: ``ref`` (a WebUI with nothing capped: VRAM Guard's accordion off; the pictures go to
@@ -44,6 +47,7 @@ CASES = (
     "two_hires",
     "two_img2img",
     "lowres",
+    "hires",
     "img2img",
     "off",
     "one_lowvram",
@@ -97,8 +101,8 @@ def job(case: str, a: argparse.Namespace, vg: bool, models: list[str]) -> tuple[
     elif case in ("two", "three", "two_hires", "two_img2img"):
         units = [unit(a, m) for m in models[: 3 if case == "three" else 2]]
         base.update(hires if case == "two_hires" else {})
-    elif case == "lowres":
-        units = [unit(a, models[0], hr_option="Low res only")]
+    elif case in ("lowres", "hires"):
+        units = [unit(a, models[0], hr_option="Low res only" if case == "lowres" else "Both")]
         base.update(hires)
     elif case in IP_MODELS:
         hit = next((n for n in models if n.split(" [")[0] == IP_MODELS[case]), IP_MODELS[case])
@@ -114,11 +118,11 @@ def job(case: str, a: argparse.Namespace, vg: bool, models: list[str]) -> tuple[
     return path, base
 
 
-def model_names(url: str) -> list[str]:
+def model_names(url: str, wanted: list[str]) -> list[str]:
     body, _ = call(url, "/controlnet/model_list", method="GET", timeout=60)
     names = body.get("model_list") or []
     out = []
-    for want in MODELS:
+    for want in wanted:
         hit = next((n for n in names if n.split(" [")[0] == want), None)
         if hit is None:
             print(f"ControlNet model {want!r} not listed by the WebUI (its cases fail): {names}", flush=True)
@@ -159,6 +163,7 @@ def run_case(a: argparse.Namespace, case: str, vg: bool, models: list[str]) -> d
     rec["card"] = st.get("card")
     rec["models"] = st.get("models")
     rec["stages"] = [{k: s.get(k) for k in ("stage", "plan", "peak_bytes")} for s in st.get("stages") or []]
+    rec["placement"], rec["notes"] = st.get("placement"), st.get("notes")
     return rec
 
 
@@ -171,12 +176,15 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument(
+        "--models", default=",".join(MODELS), help="ControlNet model names (the first for one unit)"
+    )
     ap.add_argument("--batch", type=int, default=1, help="images per job (the first one is compared)")
     ap.add_argument("--plain", action="store_true", help="run: VRAM Guard's accordion off (the plain WebUI)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    models = model_names(a.url)
+    models = model_names(a.url, a.models.split(","))
     failed = 0
     with (out / "run.jsonl").open("a") as log:
         for n, case in enumerate(a.cases.split(",")):

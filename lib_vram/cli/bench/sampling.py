@@ -36,9 +36,10 @@ FULL = QUICK + (
     ("sd15", 48, 48, 8, "sub-quadratic"), ("sd15", 32, 32, 4, "none"), ("sdxl", 96, 96, 8, "doggettx"),
     ("sdxl", 64, 64, 4, "none"),
 )  # fmt: skip
-# 448 px, 2 images, no attention optimization: at full size the plain step with ControlNet and the
-# idle VAE and text encoders needs 5.2 GiB (the estimate): out of memory on a 4 GB card, not on 6 GB
-CONTROL_CASES = (("sd15", 56, 56, 4, "none"),)
+# no attention optimization; at full size the plain step with ControlNet and the idle VAE and text
+# encoders needs 5.2 GiB (SD1.5 448 px, 2 images: out of memory on 4 GB, not on 6 GB) and 9.1 GiB
+# (SDXL 512 px, 1 image, its 2386 MiB ControlNet: out of memory on every card)
+CONTROL_CASES = (("sd15", 56, 56, 4, "none"), ("sdxl", 64, 64, 2, "none"))
 STEPS = 20
 """The sampling steps a job runs (the bytes VRAM Guard moves per pass, per step)."""
 TOKENS = 77

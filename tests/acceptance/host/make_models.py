@@ -263,20 +263,17 @@ def _import_controlnet_class(webui: Path):
     return ControlNet
 
 
-def _default_config(webui: Path) -> dict:
-    """controlnet_model_guess.py's ``controlnet_default_config`` (the SD1.5 config its loader picks
-    for a state dict with ``input_hint_block`` and no ``label_emb``), read from the source: the
+def _default_config(webui: Path, name: str = "controlnet_default_config") -> dict:
+    """A config of controlnet_model_guess.py (``controlnet_default_config``: the SD1.5 one its loader
+    picks for a state dict with ``input_hint_block`` and no ``label_emb``), read from the source: the
     module itself imports half of the WebUI."""
     import ast
 
     src = webui / "extensions" / "sd-webui-controlnet" / "scripts" / "controlnet_model_guess.py"
     for node in ast.parse(src.read_text()).body:
-        if (
-            isinstance(node, ast.Assign)
-            and getattr(node.targets[0], "id", None) == "controlnet_default_config"
-        ):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
             return dict(ast.literal_eval(node.value))
-    raise SystemExit(f"controlnet_default_config not found in {src}")
+    raise SystemExit(f"{name} not found in {src}")
 
 
 def make_controlnet(webui: Path, force: bool) -> None:
