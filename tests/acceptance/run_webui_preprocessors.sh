@@ -32,7 +32,7 @@ restore() {
   echo "restored $(readlink "$L") $(date -u +%T)"
 }
 trap restore EXIT
-$PY "$OUT/snap/tests/acceptance/host/make_preprocessors.py" --root "$ANNOTATORS"
+$PY "$OUT/snap/tests/acceptance/host/make_preprocessors.py" --root "$ANNOTATORS" ${FORCE:+--force}
 ln -sfn "$OUT/snap" "$L"
 rc=0
 for phase in $PHASES; do
@@ -44,7 +44,7 @@ for phase in $PHASES; do
     --vram-guard-log-level INFO --controlnet-annotator-models-path "$ANNOTATORS" || { rc=1; break; }
   echo "ready after $((SECONDS - t0)) s"
   $PY "$OUT/snap/tests/acceptance/webui_preprocessors.py" "$mode" $flag --url "http://127.0.0.1:$PORT" \
-    --out "$OUT/$phase" --ref "$OUT/ref" --cases "$CASES" || rc=1
+    --out "$OUT/$phase" --ref "$OUT/ref" --cases "$CASES" --size "${SIZE:-128}" || rc=1
   grep -n "preprocessor\|Traceback\|out of memory" "$OUT/$phase.log" | grep -v "^.*DEBUG" | tail -25
   PORT=$PORT /work/webui-tools/stop.sh
   echo "$phase took $((SECONDS - t0)) s"

@@ -13,7 +13,8 @@ and downloads nothing):
       (imported from the checkout to get its layout; nothing of it is copied here), FP32
 
 Weights from fixed seeds (reproducible): transformers' / torch's own initialisation after
-``torch.manual_seed``. Existing files are kept unless ``--force``.
+``torch.manual_seed``; written as ``make_esrgan.py`` writes its files (without the zip entries the
+WebUI's pickle check rejects). Existing files are kept unless ``--force``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_esrgan import save_pth  # noqa: E402
 
 VIT_H = dict(
     hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
@@ -69,9 +73,8 @@ def main() -> int:
         if path.exists() and not a.force:
             print(f"kept {path}")
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
         sd = build()
-        torch.save(sd, path)
+        save_pth(sd, path)
         n = sum(t.numel() for t in sd.values())
         print(
             f"wrote {path}: {len(sd)} tensors, {n / 1e6:.1f} M values, {path.stat().st_size / 2**20:.0f} MiB"
