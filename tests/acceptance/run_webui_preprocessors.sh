@@ -3,14 +3,16 @@
 # "Preprocessor models"), with the WebUI lock: one WebUI start per phase, VRAM Guard as a
 # git-archive snapshot of the branch, the annotator models of host/make_preprocessors.py.
 #   ref    accordion off on a card nothing runs out of (REF_CARD): the reference pictures
-#   plain  accordion off on CARD                  vg   VRAM Guard on, on CARD
+#   cap    on CARD, in one start: the plain WebUI's jobs (PLAIN_CASES, accordion off), then
+#          VRAM Guard's (CASES)
 # Restores the extension symlink and config.json on exit.
 set -uo pipefail
 OUT=${OUT:-/work/vg-h42pre/out}
-PHASES=${PHASES:-"ref plain vg"}
+PHASES=${PHASES:-"ref cap"}
 CARD=${CARD:?CARD=<size> (e.g. 6.2GB)}
 REF_CARD=${REF_CARD:-16GB}
-CASES=${CASES:-ip,depth,off,ip}
+CASES=${CASES:-ip,ip,ipdepth,depth,off}
+PLAIN_CASES=${PLAIN_CASES:-ip,ipdepth,off}
 BRANCH=${BRANCH:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}
 ANNOTATORS=/work/webui/models/annotator
 mkdir -p "$OUT"
@@ -37,14 +39,20 @@ ln -sfn "$OUT/snap" "$L"
 rc=0
 for phase in $PHASES; do
   t0=$SECONDS
-  size=$CARD mode=run flag=
-  case $phase in ref) size=$REF_CARD mode=ref ;; plain) flag=--plain ;; vg) ;; *) echo "phase?"; exit 2 ;; esac
+  size=$CARD
+  case $phase in ref) size=$REF_CARD ;; cap) ;; *) echo "phase?"; exit 2 ;; esac
   echo "== $phase on $size $(date -u +%T)"
   LOG=$OUT/$phase.log /work/webui-tools/launch.sh --vram-guard-emulate-vram "$size" \
     --vram-guard-log-level INFO --controlnet-annotator-models-path "$ANNOTATORS" || { rc=1; break; }
   echo "ready after $((SECONDS - t0)) s"
-  $PY "$OUT/snap/tests/acceptance/webui_preprocessors.py" "$mode" $flag --url "http://127.0.0.1:$PORT" \
-    --out "$OUT/$phase" --ref "$OUT/ref" --cases "$CASES" --size "${SIZE:-128}" || rc=1
+  client() { $PY "$OUT/snap/tests/acceptance/webui_preprocessors.py" "$@" --url "http://127.0.0.1:$PORT" \
+    --ref "$OUT/ref" --size "${SIZE:-128}"; }
+  if [ "$phase" = ref ]; then
+    client ref --out "$OUT/ref" --cases ip,ipdepth,depth,off || rc=1
+  else
+    client run --plain --out "$OUT/plain" --cases "$PLAIN_CASES"
+    client run --out "$OUT/vg" --cases "$CASES" || rc=1
+  fi
   grep -n "preprocessor\|Traceback\|out of memory" "$OUT/$phase.log" | grep -v "^.*DEBUG" | tail -25
   PORT=$PORT /work/webui-tools/stop.sh
   echo "$phase took $((SECONDS - t0)) s"

@@ -8,6 +8,7 @@ by HTTP only. Cases, in the order given (``--cases``):
   ``ip-adapter_clip_sd15`` runs IP-Adapter's CLIP vision encoder (ViT-H, 2.5 GB in FP32);
 * ``depth`` — txt2img with one ControlNet unit (``control_sd15_random``) and the ``depth_midas``
   preprocessor (DPT-Hybrid, 0.5 GB);
+* ``ipdepth`` — both units in one job;
 * ``off`` — txt2img without ControlNet.
 
 Modes: ``ref`` (VRAM Guard's accordion off, a card nothing runs out of: the pictures go to
@@ -43,15 +44,15 @@ def job(case: str, a: argparse.Namespace, vg: bool, names: dict[str, str]) -> di
     body = {"prompt": "a red apple on a wooden table", "negative_prompt": "", "cfg_scale": 7,
             "sampler_name": "Euler a", "seed": 1234, "steps": a.steps, "width": s, "height": s}  # fmt: skip
     scripts: dict = {"VRAM Guard": {"args": [{"enabled": vg}]}}
-    if case in UNITS:
-        module, model = UNITS[case]
+    units = {"ip": ["ip"], "depth": ["depth"], "ipdepth": ["ip", "depth"], "off": []}.get(case)
+    if units is None:
+        raise SystemExit(f"unknown case {case!r}: ip, depth, ipdepth or off")
+    if units:
         scripts["controlnet"] = {"args": [{
-            "enabled": True, "module": module, "model": names[model], "weight": 1.0,
+            "enabled": True, "module": UNITS[u][0], "model": names[UNITS[u][1]], "weight": 1.0,
             "image": init_image(s), "resize_mode": "Crop and Resize", "processor_res": s,
             "control_mode": "Balanced", "pixel_perfect": False,
-        }]}  # fmt: skip
-    elif case != "off":
-        raise SystemExit(f"unknown case {case!r}: ip, depth or off")
+        } for u in units]}  # fmt: skip
     body["alwayson_scripts"] = scripts
     return body
 
@@ -74,7 +75,7 @@ def main() -> int:
     ap.add_argument("--url", default="http://127.0.0.1:7872")
     ap.add_argument("--out", required=True)
     ap.add_argument("--ref", help="run: the ref mode's --out")
-    ap.add_argument("--cases", default="ip,depth,off,ip")
+    ap.add_argument("--cases", default="ip,ip,ipdepth,depth,off")
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--plain", action="store_true", help="run: VRAM Guard's accordion off (the plain WebUI)")
