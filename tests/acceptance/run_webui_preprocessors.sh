@@ -11,7 +11,7 @@ OUT=${OUT:-/work/vg-h42pre/out}
 PHASES=${PHASES:-"ref cap"}
 CARD=${CARD:?CARD=<size> (e.g. 6.2GB)}
 REF_CARD=${REF_CARD:-16GB}
-CASES=${CASES:-ip,ip,ipdepth,depth,off}
+CASES=${CASES:-depth,ip,ip,ipdepth,off}
 PLAIN_CASES=${PLAIN_CASES:-ip,ipdepth,off}
 BRANCH=${BRANCH:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}
 ANNOTATORS=/work/webui/models/annotator

@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--url", default="http://127.0.0.1:7872")
     ap.add_argument("--out", required=True)
     ap.add_argument("--ref", help="run: the ref mode's --out")
-    ap.add_argument("--cases", default="ip,ip,ipdepth,depth,off")
+    ap.add_argument("--cases", default="depth,ip,ip,ipdepth,off")
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--plain", action="store_true", help="run: VRAM Guard's accordion off (the plain WebUI)")
