@@ -15,6 +15,7 @@ weights, same kernels; parking copies the weights back and forth unchanged).
 from __future__ import annotations
 
 import logging
+import sys
 import types
 from contextlib import ExitStack
 from typing import Any, ClassVar
@@ -257,3 +258,15 @@ def test_a_model_that_cannot_fit_stops_with_one_line_and_nothing_half_moved(worl
 
 def CLIP_MODEL(w: Any) -> nn.Module:  # noqa: N802
     return processor.clip_encoder["clip_h"].model
+
+
+def test_the_webui_adapter_finds_controlnets_registry_and_holders(monkeypatch):
+    from lib_vram.webui import host
+
+    assert host.controlnet_preprocessors() is None or "supported_preprocessor" in str(sys.modules)
+    mod = types.ModuleType("scripts.supported_preprocessor")
+    mod.Preprocessor = Preprocessor
+    monkeypatch.setitem(sys.modules, "scripts.supported_preprocessor", mod)
+    monkeypatch.setitem(sys.modules, "annotator.midas", midas)
+    cls, roots = host.controlnet_preprocessors()
+    assert cls is Preprocessor and roots()[0] is Preprocessor.all_processors and midas in roots()
