@@ -127,7 +127,6 @@ class Preprocessors:
         self.stopped = stopped
         self.entries: dict[int, _Entry] = {}
         self._calling: list[str] = []
-        self._woken: list[_Entry] = []
 
     # -- ControlNet's classes ----------------------------------------------------------------
     def install(self, cls: type, stack: ExitStack) -> bool:
@@ -175,7 +174,6 @@ class Preprocessors:
         owned = self.active()
         owner = self.cards.owner
         self._calling.append(name)
-        self._woken = []
         try:
             if owned:
                 owner.begin(STAGE)
@@ -192,10 +190,11 @@ class Preprocessors:
                         raise
                     if attempt:
                         raise self._stop(name, exc) from exc
-                    self._found(name, owned)  # (a first load that failed may have left a model)
-                    owner.room(STAGE, [], None, why=f"the {name} preprocessor ran out of memory")
-                    if owner.release is not None:
-                        owner.release()
+                # (out of the except: its traceback, holding what the failed try allocated, is gone)
+                self._found(name, owned)  # (a load that failed in its forward left a model)
+                owner.room(STAGE, [], None, why=f"the {name} preprocessor ran out of memory")
+                if owner.release is not None:
+                    owner.release()
         finally:
             self._calling.pop()
             try:
