@@ -82,7 +82,8 @@ def models_in(roots: Iterable[Any], depth: int = DEPTH, width: int = 64) -> list
                 values = list(vars(obj).values())
             except TypeError:
                 continue
-        todo.extend((v, left - 1, False) for v in values[:width] if v is not None)
+        keep = values if isinstance(obj, types.ModuleType) else values[:width]  # (every global)
+        todo.extend((v, left - 1, False) for v in keep if v is not None)
     inner = {id(m) for outer in found.values() for m in list(outer.modules())[1:]}
     return [m for i, m in found.items() if i not in inner]
 
@@ -138,7 +139,8 @@ class Preprocessors:
         guard = self
 
         def cached_call(pre: Any, *args: Any, **kwargs: Any) -> Any:
-            return guard.call(str(getattr(pre, "name", type(pre).__name__)), call, pre, *args, **kwargs)
+            name = getattr(pre, "label", None) or getattr(pre, "name", type(pre).__name__)
+            return guard.call(str(name), call, pre, *args, **kwargs)
 
         cached_call._vram_guard = True  # type: ignore[attr-defined]
         cls.cached_call = cached_call
