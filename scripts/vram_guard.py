@@ -147,6 +147,7 @@ def _on_script_unloaded():
     SESSION.close_all()
     SESSION.stop_placement()
     SESSION.restore_api_defaults()
+    SESSION.stop_preprocessors()
     SESSION.stop_emulation()
 
 

@@ -25,6 +25,7 @@ NUMERIC_MODULES = frozenset(
         "test_emulate",
         "test_hooks",
         "test_learning",
+        "test_preprocessors",
         "test_upscale",
         "test_upscale_archs",
         "test_upscale_io",

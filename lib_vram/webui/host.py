@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,22 @@ def script_runners() -> dict[str, Any]:
     from modules import scripts
 
     return {"txt2img": scripts.scripts_txt2img, "img2img": scripts.scripts_img2img}
+
+
+def controlnet_preprocessors() -> tuple[Any, Any] | None:
+    """sd-webui-controlnet's preprocessor class (its registry; ``cached_call`` runs every
+    preprocessor) and ``() -> roots`` of where its annotator models are held (the registry, the
+    ``annotator`` modules, its legacy ``processor`` module); None without ControlNet."""
+    mods = [m for n, m in list(sys.modules.items()) if n.endswith("supported_preprocessor")]
+    cls = next((getattr(m, "Preprocessor", None) for m in mods), None)
+    if cls is None or not isinstance(getattr(cls, "all_processors", None), dict):
+        return None
+
+    def roots() -> list[Any]:
+        names = ("annotator.", "scripts.preprocessor")
+        return [cls.all_processors, *(m for n, m in list(sys.modules.items()) if n.startswith(names))]
+
+    return cls, roots
 
 
 # -- job state -----------------------------------------------------------------------------------

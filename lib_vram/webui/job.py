@@ -85,6 +85,8 @@ class Job:
         self.thread = threading.get_ident()
         self.started = time.time()
         self.closed = False
+        self.stop_line: str | None = None
+        """Why the job cannot run (a preprocessor's model did not fit): its sampling raises it."""
         self.failed = False
         self.postprocessed = False
         self.sampled = False

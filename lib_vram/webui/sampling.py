@@ -107,6 +107,7 @@ class SamplingGuard:
             )
             return None
         planned.p_ref = _ref(p)
+        planned.error = planned.error or job.stop_line  # (a preprocessor's model did not fit)
         self.current = planned
         self.passes.append(planned)
         self.stack = ExitStack()

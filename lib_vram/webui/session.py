@@ -67,6 +67,8 @@ class Session:
         self.placement: Any = None
         """The :class:`~lib_vram.webui.placement.Placement` (checkpoint placement), or None."""
         self._cards: Any = None
+        self._pre: Any = None
+        """ControlNet's preprocessor models in the owner (:meth:`preprocessors`) and its patches."""
 
     # -- jobs --------------------------------------------------------------------------------
     def remember_api_defaults(self, values: list, start: int, saved: list) -> None:
@@ -158,6 +160,39 @@ class Session:
 
             self._cards = CardModels(self.host, self.emulated_card)
         return self._cards
+
+    def preprocessors(self) -> Any:
+        """ControlNet's preprocessor models in the owner (:mod:`lib_vram.residency.preprocessors`),
+        its calls wrapped once ControlNet is loaded (every job, the accordion on or off: the
+        emulated card counts them either way); None without ControlNet."""
+        if self._pre is None:
+            found = ask(self.host, "controlnet_preprocessors", None)
+            if found is None:
+                return None
+            from contextlib import ExitStack
+
+            from lib_vram.residency.preprocessors import Preprocessors
+
+            pre = Preprocessors(self.card_models(), found[1], self._owns_now, self._stopped_in_job)
+            self._pre = (pre, ExitStack())
+            pre.install(found[0], self._pre[1])
+        return self._pre[0]
+
+    def stop_preprocessors(self) -> None:
+        """Script unload: the preprocessor models leave the owner, ControlNet's calls unwrapped."""
+        pre, self._pre = self._pre, None
+        if pre is not None:
+            pre[1].close()
+
+    def _owns_now(self) -> bool:
+        """Whether this thread runs a VRAM Guard job whose owner may move models."""
+        return any(j.current() and j.may_make_room("preprocessor") for j in self.open_jobs())
+
+    def _stopped_in_job(self, line: str) -> None:
+        for job in self.open_jobs():
+            if job.current() and job.may_make_room("preprocessor"):
+                job.stop_line = line  # (its sampling pass raises it at the first step)
+                job.note(line, logging.WARNING, log=False)
 
     # -- the checkpoint placement (issue 22 item 2) ------------------------------------------
     def start_placement(self) -> Any:
@@ -417,7 +452,8 @@ class ScriptJobs:
     # -- the WebUI's hooks -------------------------------------------------------------------
     def setup(self, p: Any, options: Any) -> None:
         """``Script.setup``: early, so the SD upscale script's upscale (before any
-        ``process_images``) already goes through us."""
+        ``process_images``) already goes through us (and ControlNet's preprocessors)."""
+        self.session.preprocessors()
         if not options.enabled:
             self.close()
             return
