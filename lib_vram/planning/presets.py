@@ -1,26 +1,12 @@
 """Memory presets: one table of data, one place.
 
-A preset bundles the memory-related choices VRAM Guard makes for one class of card: the VAE
-tiling mode, which precision each stage runs in, where memory is released between stages, whether
-the UNet and text encoder leave the device while the VAE or the upscaler runs, how much memory is
-kept in reserve, and the CUDA caching-allocator settings.
+A preset bundles the memory-related choices VRAM Guard makes for one class of card (the table and
+why each value: docs/how-it-works.md, "Memory presets"). **Auto** is resolved by
+:func:`resolve_preset` from the device the job runs on, at generation time, never copied into other
+options (the Settings page would write the old values back, ``host-api.md`` §7.1). Tile sizes and
+batches are not in a preset: the engines choose them from the stage's budget.
 
-The presets are named after nominal card sizes ("4GB" ... "24GB+") plus **Auto**. Auto is not a
-preset of its own: :func:`resolve_preset` turns it into the tier preset of the device the job runs
-on, at generation time (the WebUI's Settings page would overwrite values copied by an ``onchange``
-callback, see ``host-api.md`` §7.1, so nothing is ever copied into other options).
-
-Tile sizes and batches are not in a preset: the engines choose them from the stage's budget (free
-memory minus the preset's safety margin and what it keeps on the device) with their own planning
-functions (:func:`lib_vram.vae.plan_vae`, :func:`lib_vram.upscale.plan_upscale`), the same ones
-``plan`` reports. A fixed per-card bound would only override the prediction with a guess.
-
-This module is pure data + pure functions: it imports neither torch nor the WebUI, so the UI and
-the settings page can import it cheaply.
-
-Where the numbers come from (measured in this project, see ``docs/benchmarks.md``): SDXL's UNet is
-~5 GB in fp16, SD1.5's ~1.7 GB; SDXL's text encoders ~1.6 GB; the untiled SD VAE decoder needs
-~4.1 KB per output pixel in fp32 (~2 KB in fp16).
+Pure data + pure functions (no torch, no WebUI), so the UI and the settings page import it cheaply.
 """
 
 from __future__ import annotations
