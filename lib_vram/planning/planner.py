@@ -5,9 +5,9 @@ of preference; the first whose predicted peak is within ``free_bytes - safety_ma
 else the smallest peak with ``fits=False`` and a warning. More memory never gives a less preferred
 plan (``tests/test_planner.py`` checks it with hypothesis).
 
-Learning within the process: both engines report every out-of-memory retry and every finished plan to one :class:`PlanMemory`
-(:data:`MEMORY` unless given another) under :func:`plan_key`, and choose through
-:meth:`PlanMemory.adjust` (docs/how-it-works.md, "Planning").
+Learning within the process: both engines report every out-of-memory retry and every finished
+plan to one :class:`PlanMemory` (:data:`MEMORY` unless given another) under :func:`plan_key`, and
+choose through :meth:`PlanMemory.adjust` (docs/how-it-works.md, "Planning").
 """
 
 from __future__ import annotations

@@ -536,11 +536,8 @@ def upscale_tensor(
         progress: called as ``progress(tiles_done, tiles_total)`` after each batch (the total grows
             when an out-of-memory error makes the remaining tiles smaller).
         tracker: a :class:`lib_vram.core.tracker.StageTracker`; the run is its stage ``"upscale"``.
-        memory: where automatic sizing learns (default :data:`lib_vram.planning.planner.MEMORY`): every
-            out-of-memory retry and the finished plan (with the tracker's measured peak when it is
-            an exact accelerator one) are recorded under (``"upscale"``, model signature, input
-            shape, dtype); automatic tile/batch sizing for that key then starts below a plan that
-            failed and scales its predictions by a measured/predicted ratio above 1.
+        memory: where automatic sizing learns (default :data:`lib_vram.planning.planner.MEMORY`),
+            under (``"upscale"``, model signature, input shape, dtype); docs/how-it-works.md, "Planning".
         report: an :class:`UpscaleReport` to fill in (readable also after an exception).
 
     Returns:
