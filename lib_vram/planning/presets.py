@@ -92,19 +92,10 @@ _LIGHT_RELEASES = frozenset({"post_sample", "job_end", "failure"})
 _MINIMAL_RELEASES = frozenset({"job_end", "failure"})
 
 
-# The table. One row per tier; the reasons for each value are in the comments and in
-# docs/how-it-works.md's "Memory presets" table. Every tier:
-# - vae_mode "auto": exact tiling whenever the untiled decode does not fit; fast only as the last
-#   resort;
-# - precision "auto" (half precision halves activations; the guard recomputes overflowing tiles
-#   wider), except the 24GB+ VAE: fp32, memory is plentiful, so skip the guard's recomputes and
-#   keep reference output;
-# - the idle UNet and text encoders leave the card only for a VAE pass whose plan does not fit with
-#   them there (and come back after it): every tier allows it, since the alternative is an
-#   out-of-memory error (SD1.5's UNet, 1.7 GB fp16, is 40 % of a 4 GB card; SDXL's, 5 GB, does not
-#   fit beside the VAE on 6 GB, nor beside a 6144² decode's whole-latent stage, 2.9 GiB, on 8 GB);
-# - expandable_segments: growable segments avoid fragmentation when tile sizes change between
-#   stages.
+# The table, one row per tier; the reason for each value is in docs/how-it-works.md's "Memory
+# presets" table (the idle UNet/text encoders leave the card only for a VAE pass that does not fit
+# with them: SDXL's 5 GB UNet does not fit beside the VAE on 6 GB, nor beside a 6144² decode's
+# 2.9 GiB whole-latent stage on 8 GB).
 _TIERS = (
     # name, GB, release at, safety margin, margin fraction, allocator GC threshold, VAE precision
     # 4GB: release at every boundary (~ms per gc.collect, small next to an OOM); 256 MiB covers the
