@@ -192,16 +192,6 @@ def test_preset_change_event_resets_auto_controls():
     assert all("value" not in u for u in custom)
 
 
-def test_preset_values_callback_and_its_errors():
-    resolved = ui.preset_changed("6GB", lambda name: {"vae_tile": "64", "vae_mode": "fast"})
-    by_name = dict(zip(ui.PRESET_TARGETS, resolved))
-    assert by_name["vae_tile"]["value"] == 64 and by_name["vae_mode"]["value"] == "fast"
-    with pytest.raises(ValueError, match="`tile`"):
-        ui.preset_changed("6GB", lambda name: {"tile": 64})
-    with pytest.raises(ValueError, match="`vae_tile`"):
-        ui.preset_changed("6GB", lambda name: {"vae_tile": 7})
-
-
 def test_free_button_calls_back_into_the_readout():
     calls = []
 

@@ -165,24 +165,16 @@ def bounded_float(option: str, lo: float, hi: float, *, why: str = "", unit: str
     return parse
 
 
-def int_list(
-    option: str,
-    lo: int,
-    hi: int,
-    *,
-    why: str = "",
-    unit: str = "",
-    max_items: int = MAX_COUNT,
-    multiple_of: int = 1,
-):
-    """An argparse ``type=`` for a comma-separated list of integers, each in ``[lo, hi]``: the list."""
+def int_list(option: str, lo: int, hi: int, *, why: str = "", unit: str = "", multiple_of: int = 1):
+    """An argparse ``type=`` for a comma-separated list of integers (at most :data:`MAX_COUNT`), each
+    in ``[lo, hi]``: the list."""
 
     def parse(value: str) -> list[int]:
         parts = [p.strip() for p in str(value).split(",")]
         if not value.strip() or any(not p for p in parts):
             raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}")
-        if len(parts) > max_items:
-            raise argparse.ArgumentTypeError(f"at most {max_items} values, got {len(parts)}")
+        if len(parts) > MAX_COUNT:
+            raise argparse.ArgumentTypeError(f"at most {MAX_COUNT} values, got {len(parts)}")
         out = []
         for p in parts:
             try:

@@ -198,10 +198,6 @@ class ReleaseResult:
     """Objects ``gc.collect()`` found unreachable."""
     freed_device_bytes: int
     """Drop in the allocator's reserved bytes (CUDA/XPU/MPS); 0 on CPU."""
-    freed_rss_bytes: int
-    """Drop in process RSS (may be 0 or noisy: the C allocator keeps freed pages)."""
-    before: MemoryInfo
-    after: MemoryInfo
 
 
 def release(device: torch.device | str | None = None) -> ReleaseResult:
@@ -210,25 +206,15 @@ def release(device: torch.device | str | None = None) -> ReleaseResult:
     The WebUI's own ``torch_gc`` skips ``gc.collect()``, so tensors held only by reference cycles
     (closures, exceptions with tracebacks) stay allocated; this function collects them first.
     """
-    before = memory_info(device)
+    dev = resolve_device(device)
+    reserved = memory_info(dev).reserved or 0
     collected = gc.collect()
-    empty_cache(device)
-    after = memory_info(device)
-    freed_dev = max(0, (before.reserved or 0) - (after.reserved or 0))
-    result = ReleaseResult(
-        collected_objects=collected,
-        freed_device_bytes=freed_dev,
-        freed_rss_bytes=max(0, before.process_rss - after.process_rss),
-        before=before,
-        after=after,
-    )
+    empty_cache(dev)
+    freed = max(0, reserved - (memory_info(dev).reserved or 0))
     logger.debug(
-        "release(%s): %d objects collected, %.1f MiB device memory returned",
-        before.device,
-        collected,
-        freed_dev / 2**20,
+        "release(%s): %d objects collected, %.1f MiB device memory returned", dev, collected, freed / 2**20
     )
-    return result
+    return ReleaseResult(collected_objects=collected, freed_device_bytes=freed)
 
 
 def is_oom_error(exc: BaseException) -> bool:

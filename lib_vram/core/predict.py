@@ -1,16 +1,9 @@
 """Predict a stage's peak memory before it runs, by running its code on fake tensors.
 
-How it works: docs/how-it-works.md, "How the predictor works". :class:`LiveBytesCounter`
-(:mod:`lib_vram.core.livebytes`) counts the stage's activations inside a ``FakeTensorMode``;
-weights (:attr:`PeakPrediction.weights_bytes`) and the input are counted apart (resident before
-the stage: a planner subtracts them from the free memory once); kernel scratch is a per-backend
-term per convolution (:data:`WORKSPACE_TERMS`; the CPU's measured, :func:`cpu_conv_workspace_bytes`;
-CUDA's cuDNN workspace uncalibrated, 0); what is left (allocator rounding, library handles) is the
-per-backend :class:`Calibration`, checked by ``python -m lib_vram bench planner``.
-
-Models never need real weights for a prediction: build them inside the fake mode (see
-:mod:`lib_vram.planning.reference`), or pass a real module, whose weights :func:`fake_state` replaces by fake
-tensors only for the fake run (the module itself is not touched, nothing is allocated).
+How it works (activations counted by :class:`LiveBytesCounter` inside a ``FakeTensorMode``,
+weights and input apart, a per-backend convolution scratch term :data:`WORKSPACE_TERMS`, the rest in
+:class:`Calibration`): docs/how-it-works.md, "How the predictor works". A real module is predicted
+with fake stand-ins for its weights (:func:`fake_state`); the module itself is not touched.
 """
 
 from __future__ import annotations
@@ -54,19 +47,12 @@ def cpu_conv_workspace_bytes(
 ) -> int:
     """Scratch bytes the CPU convolution allocates besides its output.
 
-    On torch's CPU backend (oneDNN available and enabled, the default: ``torch._C._select_conv_backend``
-    returns ``Mkldnn`` for the 2-D float convolutions of VAEs and upscalers) the kernel computes in
-    oneDNN's blocked layout: it reorders the plain input (or the output it then copies back into the
-    NCHW result) into a buffer of the larger of the two, and reorders the weights. Measured per
-    convolution in a fresh process (glibc mmap threshold 64 KiB, ``VmHWM`` around one call, after a
-    warm-up call of the same shape): peak above the output = ``max(input, output) + weight`` bytes
-    within ~1 MiB for 3->64, 64->64, 64->3 channels at 256²-512² and 128..512 channels at 64²-128²;
-    nothing of it stays allocated after the call (the buffers are freed, not cached).
-
-    A non-contiguous input (a cropped view, as tiled engines pass) is first copied to a contiguous
-    tensor inside the operator, below the dispatcher: ``+ input`` bytes while the call runs.
-    (oneDNN also keeps ~15 MiB of lazily created state from its first sizeable convolution on; that
-    is a one-time cost of the process, paid by any earlier convolution, so it is not a stage term.)
+    oneDNN (torch's CPU backend for these 2-D float convolutions) reorders the plain input, or the
+    output it then copies back, into a blocked buffer of the larger of the two, and reorders the
+    weights. Measured per convolution in a fresh process (``VmHWM`` around one warmed-up call): peak
+    above the output = ``max(input, output) + weight`` within ~1 MiB for 3..512 channels at
+    64²-512², all freed after the call. A non-contiguous input (a cropped view) is first copied
+    inside the operator: ``+ input``. (oneDNN's ~15 MiB of lazy state is a one-time process cost.)
     """
     in_bytes = _nbytes(input_shape, elem)
     copy = 0 if input_contiguous else in_bytes
@@ -74,13 +60,8 @@ def cpu_conv_workspace_bytes(
 
 
 def cuda_conv_workspace_bytes(*args: object) -> int:
-    """cuDNN's convolution workspace: not modelled (0) until a GPU measurement calibrates it.
-
-    cuDNN picks an algorithm per shape (``torch.backends.cudnn.benchmark``) and may ask for a
-    workspace of up to its limit; PyTorch allocates it from the caching allocator and frees it after
-    the call. The term is kept separate so that a measured model can replace it. Takes what every
-    :data:`~lib_vram.core.livebytes.WorkspaceTerm` takes (as :func:`cpu_conv_workspace_bytes`).
-    """
+    """cuDNN's convolution workspace (per algorithm, up to its limit, freed after the call): not
+    modelled (0) until a GPU measurement calibrates it; a term of its own so one can replace it."""
     return 0
 
 

@@ -1,12 +1,9 @@
 """What took the memory: one stage under ``torch.profiler`` (``profile_memory=True``), summarised
 per operator, and on CUDA a ``torch.cuda.memory._record_memory_history`` snapshot.
 
-:class:`StageProfiler` is a context manager around a stage. When it ends (also by an exception or
-Ctrl-C: the profiler and the memory history are always stopped) it holds a
-:class:`ProfileSummary`: the operators by the bytes allocated while they ran, and the most tensor
-bytes live at once during the stage. :meth:`StageProfiler.save` writes a Chrome trace
-(``chrome://tracing``, https://ui.perfetto.dev), the summary as JSON and, on CUDA, the snapshot
-pickle that https://pytorch.org/memory_viz opens.
+:class:`StageProfiler` wraps a stage (the profiler and the memory history are stopped also on an
+exception or Ctrl-C) and then holds a :class:`ProfileSummary`; :meth:`StageProfiler.save` writes a
+Chrome trace, the summary as JSON and, on CUDA, the snapshot that https://pytorch.org/memory_viz opens.
 
 Attribution: PyTorch's own "self memory" of an operator credits a convolution's output to the
 ``aten::empty`` it calls, which answers nothing. Here every allocation the profiler saw is credited

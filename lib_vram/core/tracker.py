@@ -3,27 +3,15 @@
 ``with tracker.stage("vae_decode"):`` records the stage's peak memory, duration and outcome.
 Stages nest; an exception inside a stage marks it failed and propagates.
 
-How peaks are measured without corrupting anybody else's numbers
-----------------------------------------------------------------
-The WebUI's memory monitor (``modules/memmon.py``) calls ``torch.cuda.reset_peak_memory_stats()``
-when a job starts and reads ``active_bytes.all.peak``/``reserved_bytes.all.peak`` when it ends, to
-print the "A: x GB, R: y GB" line. A tracker that reset the peak counters at every stage would make
-that line report only the last stage. So on accelerators the tracker has two modes:
-
-* ``owns_peak_counters=False`` (default; what the WebUI integration uses): the global counters are
-  never reset. At stage start the tracker reads the current global peak ``P0``; at the end ``P1``.
-  If ``P1 > P0`` the stage set a new high-water mark and its peak is exactly ``P1``. Otherwise the
-  stage stayed below an earlier peak and its own peak is the largest of the allocations sampled at
-  its start and end, at every :meth:`StageTracker.sample` call (the engines call it after every
-  tile/batch) and by an optional background sampler; such a record has ``exact=False``.
-* ``owns_peak_counters=True`` (CLI, benchmarks: nobody else reads the counters): the counters are
-  reset at every stage boundary, after folding the value read so far into every open (outer)
-  stage, so nested stages are all exact.
-
-On the CPU the "peak" is the process's resident set size. Linux keeps a resettable high-water mark
-(``VmHWM`` in ``/proc/self/status``, reset by writing ``5`` to ``/proc/self/clear_refs``); the
-tracker uses it with the same fold-before-reset rule, so CPU peaks are exact and nest. Nobody else
-reads that counter. Where it is unavailable, sampling is used (``exact=False``).
+How peaks are measured (docs/how-it-works.md, "How per-stage peaks are measured"): the WebUI's
+memory monitor (``modules/memmon.py``) resets the accelerator's peak counters at job start and reads
+them at the end, so with ``owns_peak_counters=False`` (the WebUI) they are never reset: a stage whose
+end peak ``P1`` exceeds its start peak ``P0`` gets ``P1`` exactly, any other the largest allocation
+sampled at its start, end and :meth:`StageTracker.sample` calls (``exact=False``). With
+``owns_peak_counters=True`` (CLI, benchmarks) the counters are reset at every stage boundary after
+folding the value read so far into every open stage, so nested stages are exact. On the CPU the
+same fold-before-reset rule runs on Linux's resettable ``VmHWM`` (reset by writing ``5`` to
+``/proc/self/clear_refs``); without it, sampling (``exact=False``).
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Plan choice: a pure function of numbers (no torch, no device: table-driven tests cover it).
 
-Policy
-------
-Candidate plans (untiled, tile sizes, batches; each with its predicted peak) are ordered by
-preference: untiled first, then larger tiles before smaller, then larger batches before smaller
-(fewer passes, less halo overhead). The first whose predicted peak is within
-``budget = free_bytes - safety_margin_bytes`` is chosen; if none is, the one with the smallest
-predicted peak, with ``fits=False`` and a warning, so the caller can say so *before* the run.
+Policy: candidate plans (untiled, then larger tiles, then larger batches first) are tried in order
+of preference; the first whose predicted peak is within ``free_bytes - safety_margin_bytes`` wins,
+else the smallest peak with ``fits=False`` and a warning. More memory never gives a less preferred
+plan (``tests/test_planner.py`` checks it with hypothesis).
 
-Because more memory only ever adds candidates that fit, more memory never gives a less preferred
-plan (and never a smaller tile): ``tests/test_planner.py`` checks it with hypothesis.
-
-Learning within the process
----------------------------
-Both engines report every out-of-memory retry and every finished plan to one :class:`PlanMemory`
-(:data:`MEMORY` unless given another) under :func:`plan_key`, and choose through
-:meth:`PlanMemory.adjust` (docs/how-it-works.md, "Planning").
+Learning within the process: both engines report every out-of-memory retry and every finished
+plan to one :class:`PlanMemory` (:data:`MEMORY` unless given another) under :func:`plan_key`, and
+choose through :meth:`PlanMemory.adjust` (docs/how-it-works.md, "Planning").
 """
 
 from __future__ import annotations

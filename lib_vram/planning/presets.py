@@ -1,26 +1,12 @@
 """Memory presets: one table of data, one place.
 
-A preset bundles the memory-related choices VRAM Guard makes for one class of card: the VAE
-tiling mode, which precision each stage runs in, where memory is released between stages, whether
-the UNet and text encoder leave the device while the VAE or the upscaler runs, how much memory is
-kept in reserve, and the CUDA caching-allocator settings.
+A preset bundles the memory-related choices VRAM Guard makes for one class of card (the table and
+why each value: docs/how-it-works.md, "Memory presets"). **Auto** is resolved by
+:func:`resolve_preset` from the device the job runs on, at generation time, never copied into other
+options (the Settings page would write the old values back, ``host-api.md`` §7.1). Tile sizes and
+batches are not in a preset: the engines choose them from the stage's budget.
 
-The presets are named after nominal card sizes ("4GB" ... "24GB+") plus **Auto**. Auto is not a
-preset of its own: :func:`resolve_preset` turns it into the tier preset of the device the job runs
-on, at generation time (the WebUI's Settings page would overwrite values copied by an ``onchange``
-callback, see ``host-api.md`` §7.1, so nothing is ever copied into other options).
-
-Tile sizes and batches are not in a preset: the engines choose them from the stage's budget (free
-memory minus the preset's safety margin and what it keeps on the device) with their own planning
-functions (:func:`lib_vram.vae.plan_vae`, :func:`lib_vram.upscale.plan_upscale`), the same ones
-``plan`` reports. A fixed per-card bound would only override the prediction with a guess.
-
-This module is pure data + pure functions: it imports neither torch nor the WebUI, so the UI and
-the settings page can import it cheaply.
-
-Where the numbers come from (measured in this project, see ``docs/benchmarks.md``): SDXL's UNet is
-~5 GB in fp16, SD1.5's ~1.7 GB; SDXL's text encoders ~1.6 GB; the untiled SD VAE decoder needs
-~4.1 KB per output pixel in fp32 (~2 KB in fp16).
+Pure data + pure functions (no torch, no WebUI), so the UI and the settings page import it cheaply.
 """
 
 from __future__ import annotations
@@ -106,19 +92,10 @@ _LIGHT_RELEASES = frozenset({"post_sample", "job_end", "failure"})
 _MINIMAL_RELEASES = frozenset({"job_end", "failure"})
 
 
-# The table. One row per tier; the reasons for each value are in the comments and in
-# docs/how-it-works.md's "Memory presets" table. Every tier:
-# - vae_mode "auto": exact tiling whenever the untiled decode does not fit; fast only as the last
-#   resort;
-# - precision "auto" (half precision halves activations; the guard recomputes overflowing tiles
-#   wider), except the 24GB+ VAE: fp32, memory is plentiful, so skip the guard's recomputes and
-#   keep reference output;
-# - the idle UNet and text encoders leave the card only for a VAE pass whose plan does not fit with
-#   them there (and come back after it): every tier allows it, since the alternative is an
-#   out-of-memory error (SD1.5's UNet, 1.7 GB fp16, is 40 % of a 4 GB card; SDXL's, 5 GB, does not
-#   fit beside the VAE on 6 GB, nor beside a 6144² decode's whole-latent stage, 2.9 GiB, on 8 GB);
-# - expandable_segments: growable segments avoid fragmentation when tile sizes change between
-#   stages.
+# The table, one row per tier; the reason for each value is in docs/how-it-works.md's "Memory
+# presets" table (the idle UNet/text encoders leave the card only for a VAE pass that does not fit
+# with them: SDXL's 5 GB UNet does not fit beside the VAE on 6 GB, nor beside a 6144² decode's
+# 2.9 GiB whole-latent stage on 8 GB).
 _TIERS = (
     # name, GB, release at, safety margin, margin fraction, allocator GC threshold, VAE precision
     # 4GB: release at every boundary (~ms per gc.collect, small next to an OOM); 256 MiB covers the

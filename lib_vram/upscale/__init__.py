@@ -1,11 +1,6 @@
 """Tiled upscaling with ESRGAN-family models (anything spandrel loads) or any callable image model.
 
-Public API::
-
-    from . import (UpscaleConfig, UpscaleReport, upscale_tensor, upscale_image,
-                                  load_model, ModelCache, default_cache, UpscaleError, TileError,
-                                  Interrupted)
-
+Public API: the names in ``__all__`` below (how it works: docs/how-it-works.md, "Tiled upscaling").
 See :mod:`lib_vram.upscale._engine` for the algorithm (geometry, blending, OOM continuation),
 :mod:`lib_vram.upscale._calibrate` for how tile size and overlap are derived, and
 :mod:`lib_vram.upscale._image` for the PIL mode table.

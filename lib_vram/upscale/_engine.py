@@ -1,21 +1,10 @@
 """The tiled upscaling engine: batched tiles on the device, seamless blending, OOM continuation.
 
-Geometry. The (padded) image is split into balanced tile **cores** (:func:`lib_vram.core.geometry.
-split_axis`); each tile reads its core plus ``overlap`` input pixels of context on every side
-(clipped at the image border, grown where the model's size requirements ask for more). Windows
-of equal shape are stacked into one batch per forward pass.
-
-Blending. Every output pixel belongs to one core. Across each boundary between two cores the two
-tiles cross-fade linearly over ``feather`` input pixels centred on the boundary (``feather`` =
-half the overlap); outside that band a tile has weight 1 on its core and 0 elsewhere. So the outer
-three quarters of each halo - the pixels computed with the least context - never reach the
-output, the weights are a partition of unity by construction (no weight buffer), and they remain
-one after a tile is split into smaller tiles (the split only adds boundaries inside its core).
-
-Out of memory. The error is noted inside the ``except`` block, which is then left (its traceback
-holds the batch's tensors), memory is released, and the batch goes back to the queue: first the
-batch is halved, then the tile size (the tiles not yet done are re-split; finished tiles stay in
-the accumulator).
+How tiles, blending and the out-of-memory continuation behave: docs/how-it-works.md, "How the
+upscale engine works". Why the blend needs no weight buffer: every output pixel belongs to one core
+and the cross-fades across core boundaries sum to one by construction, also after a tile is split
+(the split only adds boundaries inside its core). An out-of-memory error is only noted inside the
+``except`` block (its traceback holds the batch's tensors); memory is released after it.
 """
 
 from __future__ import annotations
@@ -547,11 +536,8 @@ def upscale_tensor(
         progress: called as ``progress(tiles_done, tiles_total)`` after each batch (the total grows
             when an out-of-memory error makes the remaining tiles smaller).
         tracker: a :class:`lib_vram.core.tracker.StageTracker`; the run is its stage ``"upscale"``.
-        memory: where automatic sizing learns (default :data:`lib_vram.planning.planner.MEMORY`): every
-            out-of-memory retry and the finished plan (with the tracker's measured peak when it is
-            an exact accelerator one) are recorded under (``"upscale"``, model signature, input
-            shape, dtype); automatic tile/batch sizing for that key then starts below a plan that
-            failed and scales its predictions by a measured/predicted ratio above 1.
+        memory: where automatic sizing learns (default :data:`lib_vram.planning.planner.MEMORY`),
+            under (``"upscale"``, model signature, input shape, dtype); docs/how-it-works.md, "Planning".
         report: an :class:`UpscaleReport` to fill in (readable also after an exception).
 
     Returns:

@@ -128,8 +128,8 @@ class ModelCache:
     A file changed on disk gets a new key (and is reloaded); the oldest entry is dropped when more
     than ``max_models`` are held. :meth:`clear` drops all and releases device memory. A load waits
     (up to ``construction_wait_s``) while another thread has torch.nn's constructors patched (see
-    :func:`patched_construction`), and a model that still came out on the meta device is refused,
-    never cached.
+    :func:`patched_construction`: a model built then has no data, and a cached one would fail every
+    later call), and a model that still came out on the meta device is refused, never cached.
     """
 
     def __init__(self, max_models: int = 2, construction_wait_s: float = CONSTRUCTION_WAIT_S) -> None:
@@ -161,8 +161,6 @@ class ModelCache:
             if key in self._items:
                 self._items.move_to_end(key)
                 return self._items[key]
-        # Never build while another thread has torch.nn's constructors patched (a model built then
-        # has no data, and a cached one would fail every later call); a broken result is refused.
         _wait_for_construction(p.name, self.construction_wait_s)
         model = _load_uncached(p, device, dtype)
         with self._lock:

@@ -1,17 +1,11 @@
 """Tiled VAE engine: exact and fast tiled decode/encode in bounded memory.
 
-Public API (see ``docs/how-it-works.md``, "Tiled VAE"):
-
-* :func:`tiled_decode`, :func:`tiled_encode` with a :class:`TiledVAEConfig`; what ran is written
-  into a :class:`VAEReport`. Exact mode's promise: :data:`EXACT_MAX_ABS_ERR` (max abs, float32).
-* :func:`is_supported_decoder`, :func:`is_supported_encoder`: layout checks (ldm/sgm, diffusers).
-* :func:`plan_vae`: the plan a pass runs (what ``mode="auto"`` decides) and its predicted peak,
-  without running it; :func:`estimate_peak_bytes`: the analytic peak of one plan.
-* Learning: out-of-memory retries and finished passes are recorded in :data:`lib_vram.planning.planner.MEMORY`
-  (or the ``memory`` passed in); ``mode="auto"`` and the automatic tile consult it.
-* :class:`Interrupted`, :class:`VAEOutOfMemory`: the errors it raises besides ``ValueError``.
-* :func:`parked_bytes`: tile state parked off the compute device right now (exact mode).
-* :func:`attention`: the chunked, memory-efficient attention used for the mid block.
+Public API (usage and what each mode promises: docs/how-it-works.md, "Tiled VAE"): :func:`tiled_decode`
+and :func:`tiled_encode` with a :class:`TiledVAEConfig`, reporting into a :class:`VAEReport` (exact
+mode's bound: :data:`EXACT_MAX_ABS_ERR`); :func:`plan_vae`/:func:`plan_pass` (what ``mode="auto"``
+decides, without running) and :func:`estimate_peak_bytes`; the layout checks; the errors
+:class:`Interrupted` and :class:`VAEOutOfMemory`; :func:`parked_bytes`; :func:`attention`. Out-of-memory
+retries and finished passes are learned in :data:`lib_vram.planning.planner.MEMORY`.
 
 The package never imports ``ldm``, ``sgm`` or ``diffusers``: layouts are recognised by attribute
 names.

@@ -562,12 +562,8 @@ def tiled_decode(
         progress: ``progress(done, total)`` after each tile step.
         tracker: records the stage ``"vae_decode"`` and is sampled between tiles.
         report: filled with what ran (mode, tile, retries, recomputed segments, ...).
-        memory: where the automatic tile choice learns (default :data:`lib_vram.planning.planner.MEMORY`):
-            every out-of-memory retry and every finished pass (with its measured peak when the
-            tracker has an exact accelerator one) is recorded under the key (stage, VAE
-            architecture signature, input shape, dtype, mode), and the next automatic choice for
-            that key starts below a plan that failed and scales its estimates by a measured/estimated
-            ratio above 1.
+        memory: where the automatic tile choice learns (default :data:`lib_vram.planning.planner.MEMORY`),
+            under (stage, VAE signature, input shape, dtype, mode); docs/how-it-works.md, "Planning".
 
     Returns:
         the decoded image ``(B, out_ch, 8H, 8W)`` in ``z``'s dtype, on ``z``'s device.

@@ -1,27 +1,12 @@
 """The tile engine: programs that walk a :class:`VAESpec`, and the drivers that run them.
 
-How exact tiling works (see ``docs/how-it-works.md``, "Tiled VAE"):
-
-* Every part of the VAE that needs the whole image (decoder: ``conv_in`` + mid block with its
-  attention; encoder: mid block + ``norm_out``/``conv_out``) runs once on the whole latent, which
-  is small. Its attention uses :func:`lib_vram.vae._attention.attention` (never an N x N matrix).
-* The rest runs per tile. A tile is a generator ("program") that yields at every GroupNorm the
-  per-channel mean/variance of its **core** (the part of the image it owns; the cores partition
-  the image) and receives the combined, exact whole-image statistics back. Tiles therefore
-  advance in lock-step between GroupNorms; while one tile computes, the others wait with their
-  activations parked on the device or in (pinned) CPU memory.
-* A tile's window is its core plus a halo as wide as the remaining receptive field, derived from
-  the layer list. A 3x3 conv is run on the window with the module's own zero padding, and the
-  invalid ring it produces at interior tile edges is cropped: the halo shrinks by one pixel per
-  conv, exactly as far as it must. After each resampling step the window is cropped to the halo
-  still needed. The result equals the untiled pass up to float rounding.
-
-Fast mode uses the same programs, but runs every tile to completion on its own with GroupNorm
-statistics recorded once by a lock-step pass over a subsampled image (``fast_estimate=
-"downsample"``) or a few full-scale sample crops: no parked state, and seamless because every tile
-uses the same statistics. For the decoder the first level's ResNets join the global part
-(:func:`._window.split_first_level`): exact statistics for them, a smaller halo for the tiles, and the
-subsampled estimate continues from their exact output.
+What exact and fast mode compute, and why they match the untiled pass: docs/how-it-works.md,
+"Tiled VAE". Here: the parts that need the whole image run once on the whole latent; a tile is a
+generator ("program") that yields its core's per-channel statistics at every GroupNorm and gets the
+combined whole-image statistics back, so tiles advance in lock-step (the waiting ones parked on the
+device or in pinned CPU memory). A window is its core plus the remaining receptive field; each
+3x3 conv's invalid ring at interior edges is cropped. Fast mode runs the same programs one by one
+with statistics recorded once (:func:`._window.split_first_level` for the decoder).
 
 All ops call the VAE's own submodules (``conv(x)``), so hooks, LoRA patches and weight-casting
 wrappers of the host still apply; GroupNorm and SiLU are computed here.

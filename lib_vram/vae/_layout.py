@@ -179,17 +179,8 @@ def _attention(mod: nn.Module | None, what: str) -> Attention | None:
         _no_extra_parts(mod, _LDM_ATTN_PARTS, what)
         norm = _gn(mod.norm, what + ".norm")
         q = _conv(mod.q, what + ".q", kernel=(1,))
-        return Attention(
-            norm=norm,
-            q=q,
-            k=_conv(mod.k, what + ".k", kernel=(1,)),
-            v=_conv(mod.v, what + ".v", kernel=(1,)),
-            out=_conv(mod.proj_out, what + ".proj_out", kernel=(1,)),
-            linear=False,
-            heads=1,
-            scale=None,
-            channels=q.in_channels,
-        )
+        k, v, out = (_conv(getattr(mod, n), f"{what}.{n}", kernel=(1,)) for n in ("k", "v", "proj_out"))
+        return Attention(norm=norm, q=q, k=k, v=v, out=out, linear=False, channels=q.in_channels)
     if all(hasattr(mod, n) for n in ("to_q", "to_k", "to_v", "to_out", "group_norm")):
         if getattr(mod, "spatial_norm", None) is not None:
             raise UnsupportedLayout(f"{what}: spatial norm")

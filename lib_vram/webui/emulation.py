@@ -1,26 +1,18 @@
 """``--vram-guard-emulate-vram SIZE``: every job of this WebUI on an emulated card.
 
-An :class:`~lib_vram.core.emulate.EmulatedCard` of ``SIZE`` stands for the WebUI's device, so that a
-machine without a (small) GPU shows what the plain WebUI does on a small card (an out-of-memory
-error where the card runs out) and what VRAM Guard does there — with the accordion on or off.
+An :class:`~lib_vram.core.emulate.EmulatedCard` of ``SIZE`` stands for the WebUI's device (what
+counts and what the user sees: docs/webui.md, "A small GPU in software"). How:
 
 * **Which threads run on it.** Dispatch modes are per thread. The card is entered in the job's own
-  thread when the job starts (``shared.state.begin``) and left when it ends, at each of the ends of
-  :func:`~lib_vram.webui.host.job_entry_points` (the UI wrapper, the API routes, the Extras runner:
-  one of them runs even when the job raised). A job that still left the card entered in its thread
-  (a host path we do not know) is left at that thread's next ``state.begin``.
-* **Live previews** decode in the thread of the progress request (``state.do_set_current_image``):
-  they run on the card too, the plain WebUI's (an out-of-memory error there is swallowed by the
-  WebUI: the preview is skipped) and VRAM Guard's (tiled when needed).
-* **Resident bytes** are the loaded checkpoint's weights, updated at every model load; weights
-  loaded inside a job (a checkpoint switch) stop counting as the job's tensors then. A checkpoint
-  placed by VRAM Guard (:mod:`.placement`) counts what a GPU would hold of it: the placement
-  recounts after this update.
-* **LoRA**: the built-in Lora extension's loads and weight backups are host memory, as on a GPU.
-* **ControlNet's models** (sd-webui-controlnet) are built in host memory and count on the card
-  when ControlNet moves them there (:func:`lib_vram.residency.controlnet.emulate_moves`).
-* The card is :func:`~lib_vram.core.emulate.install`\\ ed: the readout, ``GET /vram-guard/v1/status``,
-  the Auto preset and the engines' budgets see its total and free memory.
+  thread at ``shared.state.begin`` and left at each of the ends of
+  :func:`~lib_vram.webui.host.job_entry_points` (one of them runs even when the job raised); a job
+  that still left it entered (a host path we do not know) is left at that thread's next ``begin``.
+* **Live previews** (``state.do_set_current_image``, the progress request's thread) run on it too.
+* **Resident bytes** are the loaded checkpoint's weights, updated at every model load; a checkpoint
+  placed by VRAM Guard (:mod:`.placement`) counts what a GPU would hold (it recounts after this).
+* **LoRA** loads and weight backups, and **ControlNet's models** until ControlNet moves them
+  (:func:`lib_vram.residency.controlnet.emulate_moves`), are host memory, as on a GPU.
+* The card is :func:`~lib_vram.core.emulate.install`\\ ed, so every memory probe sees it.
 
 Everything is undone when the script unloads (:meth:`WebUICard.close`).
 """

@@ -89,18 +89,12 @@ def interrupted() -> bool:
 
 def job_entry_points() -> dict[str, tuple[Any, str]]:
     """Where every WebUI job starts, ends and draws its live previews, as ``{role: (object, name)}``
-    (A1111 v1.10.1; ``--vram-guard-emulate-vram`` wraps them, :mod:`lib_vram.webui.emulation`):
-
-    * ``begin``/``end``: ``shared.state.begin``/``end``, called in the job's thread by the UI wrapper
-      (``call_queue.wrap_gradio_gpu_call``), the txt2img/img2img API routes (``end`` in a
-      ``finally``) and ``postprocessing.run_postprocessing`` (Extras, UI and API);
-    * ``finish_task``: ``progress.finish_task``, which the UI wrapper calls in a ``finally`` (its
-      ``state.end()`` is skipped when the job raised);
-    * ``run_postprocessing``: the Extras runner (its ``state.end()`` is skipped when it raised);
-    * ``preview``: ``shared.state.do_set_current_image``, which decodes a live preview in the
-      thread of the progress request.
-
-    A role whose object the host lacks is left out."""
+    (A1111 v1.10.1; wrapped by :mod:`lib_vram.webui.emulation`): ``begin``/``end``:
+    ``shared.state.begin``/``end`` in the job's thread (UI wrapper, API routes, ``end`` in a
+    ``finally``, and the Extras runner); ``finish_task`` (``progress.finish_task``, the UI wrapper's
+    ``finally``) and ``run_postprocessing`` (the Extras runner) end a job whose ``state.end()`` was
+    skipped because it raised; ``preview``: ``shared.state.do_set_current_image``, on the progress
+    request's thread. A role whose object the host lacks is left out."""
     from modules import shared
 
     points: dict[str, tuple[Any, str]] = {}

@@ -1,18 +1,12 @@
 """One VRAM Guard job inside the WebUI: what it installed, and what it measured.
 
 A :class:`Job` owns an ``ExitStack`` with every patch it made (VAE hooks, upscaler patches, Forge
-wrappers). It is closed
-
-* by the script's ``postprocess`` (success),
-* at the next ``setup``/``process`` of the same script (the WebUI skips ``postprocess`` when the job
-  raised, e.g. an out-of-memory error),
-* by the ``p.close`` safety net (:meth:`~lib_vram.webui.session.ScriptJobs._safety_net`) in the
-  host's own ``finally``, before anything else can run,
-* on script unload (``on_script_unloaded`` → :meth:`Session.close_all`),
-
-and while it is open every hook it installed checks :meth:`Job.current` — the job that installed it
-is still the WebUI's running job (``shared.state.time_start``) — and passes straight through
-otherwise. So even a patch that somehow outlived its job does nothing.
+wrappers). It is closed by the script's ``postprocess``, at the next ``setup``/``process`` of the
+same script (the WebUI skips ``postprocess`` when the job raised), by the ``p.close`` safety net
+(:meth:`~lib_vram.webui.session.ScriptJobs._safety_net`) in the host's own ``finally``, and on script
+unload (:meth:`Session.close_all`). While open, every hook it installed passes straight through
+unless :meth:`Job.current` (its job is still the WebUI's running one, ``shared.state.time_start``),
+so even a patch that outlived its job does nothing.
 
 Host access goes through ``host`` (by default :mod:`lib_vram.webui.host`), so tests can drive a job
 with real torch modules and a plain object for the host state.

@@ -8,24 +8,10 @@ from it, so they cannot drift apart.
 
 Pure: no gradio, no WebUI imports.
 
-Infotext
---------
-One short entry, ``VRAM Guard: "preset 6GB, VAE auto exact t64 fp16, upscale on t192 fp16"``, whose
-value is a comma-separated list of *segments*; the first word of a segment is its group
-(:func:`summary` writes them, :func:`from_infotext` reads them): ``preset <name>``;
-``VAE auto|always|off exact|fast t<N> fp16|bf16|fp32``; ``upscale on|off t<N> b<N> fp16|bf16|fp32``;
-``UNet fp16``; ``release off``; ``sampling off``.
-
-Inside a written segment a missing ``t``/``b``/precision word means Auto (0 / ``"Auto"``); a missing
-``UNet`` segment means ``unet_fp16=False``, a missing ``release`` segment means release on and a
-missing ``sampling`` segment means 'Guard sampling' on. The entry therefore states every option,
-independent of anybody's defaults. The value contains commas, so the WebUI JSON-quotes it on write
-and unquotes it on read. The optional ``VRAM Guard plan`` entry records the plan each stage used
-(informational; never pasted back).
-
-An infotext without the ``VRAM Guard`` key leaves the accordion unchanged when pasted: VRAM Guard
-changes how much memory a job needs, not the picture, so an image made without it is no reason to
-switch it off.
+The infotext entry ``VRAM Guard`` (segments and their words: docs/webui.md, "Infotext") states
+every option, independent of anybody's defaults: a missing ``t``/``b``/precision word means Auto, a
+missing ``UNet``/``release``/``sampling`` segment means its default. The value contains commas, so
+the WebUI JSON-quotes it on write and unquotes it on read.
 """
 
 from __future__ import annotations

@@ -254,7 +254,7 @@ def build_ui(
     inputs = [controls[name] for name in API_ARG_ORDER]
     targets = [controls[name] for name in PRESET_TARGETS]
     controls["preset"].change(
-        fn=lambda preset: preset_changed(preset),
+        fn=preset_changed,
         inputs=[controls["preset"]],
         outputs=targets,
         show_progress="hidden",
@@ -275,26 +275,12 @@ def build_ui(
     )
 
 
-def preset_changed(
-    preset: str, preset_values: Callable[[str], Mapping[str, Any] | None] | None = None
-) -> list[Any]:
-    """Updates for :data:`PRESET_TARGETS` after the preset dropdown changed.
-
-    ``"Custom"``: nothing changes. A preset: controls that can follow a preset go back to Auto, or
-    show ``preset_values(preset)`` when given (unknown keys or bad values raise ``ValueError``).
-    """
+def preset_changed(preset: str) -> list[Any]:
+    """Updates for :data:`PRESET_TARGETS` after the preset dropdown changed: ``"Custom"`` changes
+    nothing; a preset puts the controls that can follow it back to Auto."""
     if preset == "Custom":
         return [gr.update() for _ in PRESET_TARGETS]
-    values: dict[str, Any] = dict(AUTO_VALUES)
-    if preset_values is not None:
-        resolved = preset_values(preset)
-        if resolved:
-            for key, value in resolved.items():
-                f = FIELDS_BY_NAME.get(key)
-                if f is None:
-                    raise ValueError(f"`preset_values` returned unknown option `{key}`")
-                values[key] = f.coerce(value)
-    return [gr.update(value=values[name]) if name in values else gr.update() for name in PRESET_TARGETS]
+    return [gr.update(value=AUTO_VALUES[n]) if n in AUTO_VALUES else gr.update() for n in PRESET_TARGETS]
 
 
 def build_extras_widgets(
