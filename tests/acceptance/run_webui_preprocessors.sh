@@ -11,7 +11,7 @@ OUT=${OUT:-/work/vg-h42pre/out}
 PHASES=${PHASES:-"ref cap"}
 CARD=${CARD:?CARD=<size> (e.g. 6.2GB)}
 REF_CARD=${REF_CARD:-16GB}
-CASES=${CASES:-depth,ip,ip,ipdepth,off}
+CASES=${CASES:-depth,ip,ip2,ipdepth,off}
 PLAIN_CASES=${PLAIN_CASES:-ip,ipdepth,off}
 BRANCH=${BRANCH:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}
 ANNOTATORS=/work/webui/models/annotator
@@ -48,7 +48,7 @@ for phase in $PHASES; do
   client() { $PY "$OUT/snap/tests/acceptance/webui_preprocessors.py" "$@" --url "http://127.0.0.1:$PORT" \
     --ref "$OUT/ref" --size "${SIZE:-128}"; }
   if [ "$phase" = ref ]; then
-    client ref --out "$OUT/ref" --cases ip,ipdepth,depth,off || rc=1
+    client ref --out "$OUT/ref" --cases ip,ip2,ipdepth,depth,off || rc=1
   else
     client run --plain --out "$OUT/plain" --cases "$PLAIN_CASES"
     client run --out "$OUT/vg" --cases "$CASES" || rc=1

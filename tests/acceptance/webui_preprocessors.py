@@ -8,6 +8,8 @@ by HTTP only. Cases, in the order given (``--cases``):
   ``ip-adapter_clip_sd15`` runs IP-Adapter's CLIP vision encoder (ViT-H, 2.5 GB in FP32);
 * ``depth`` — txt2img with one ControlNet unit (``control_sd15_random``) and the ``depth_midas``
   preprocessor (DPT-Hybrid, 0.5 GB);
+* ``ip2`` — ``ip`` with another control image (the picture flipped): ControlNet's preprocessor
+  cache misses, so the encoder runs again (with VRAM Guard: woken from host memory, no disk load);
 * ``ipdepth`` — both units in one job;
 * ``off`` — txt2img without ControlNet.
 
@@ -21,6 +23,8 @@ stays on it between jobs) and the models the status route lists. One JSON line p
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import sys
 import time
@@ -44,13 +48,19 @@ def job(case: str, a: argparse.Namespace, vg: bool, names: dict[str, str]) -> di
     body = {"prompt": "a red apple on a wooden table", "negative_prompt": "", "cfg_scale": 7,
             "sampler_name": "Euler a", "seed": 1234, "steps": a.steps, "width": s, "height": s}  # fmt: skip
     scripts: dict = {"VRAM Guard": {"args": [{"enabled": vg}]}}
-    units = {"ip": ["ip"], "depth": ["depth"], "ipdepth": ["ip", "depth"], "off": []}.get(case)
+    units = {"ip": ["ip"], "ip2": ["ip"], "depth": ["depth"], "ipdepth": ["ip", "depth"], "off": []}.get(case)
     if units is None:
-        raise SystemExit(f"unknown case {case!r}: ip, depth, ipdepth or off")
+        raise SystemExit(f"unknown case {case!r}: ip, ip2, depth, ipdepth or off")
+    image = init_image(s)
+    if case == "ip2":
+        flipped = Image.open(io.BytesIO(base64.b64decode(image))).transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        buf = io.BytesIO()
+        flipped.save(buf, "PNG")
+        image = base64.b64encode(buf.getvalue()).decode()
     if units:
         scripts["controlnet"] = {"args": [{
             "enabled": True, "module": UNITS[u][0], "model": names[UNITS[u][1]], "weight": 1.0,
-            "image": init_image(s), "resize_mode": "Crop and Resize", "processor_res": s,
+            "image": image, "resize_mode": "Crop and Resize", "processor_res": s,
             "control_mode": "Balanced", "pixel_perfect": False,
         } for u in units]}  # fmt: skip
     body["alwayson_scripts"] = scripts
@@ -75,7 +85,7 @@ def main() -> int:
     ap.add_argument("--url", default="http://127.0.0.1:7872")
     ap.add_argument("--out", required=True)
     ap.add_argument("--ref", help="run: the ref mode's --out")
-    ap.add_argument("--cases", default="depth,ip,ip,ipdepth,off")
+    ap.add_argument("--cases", default="depth,ip,ip2,ipdepth,off")
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--plain", action="store_true", help="run: VRAM Guard's accordion off (the plain WebUI)")
