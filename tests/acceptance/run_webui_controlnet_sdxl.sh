@@ -11,24 +11,8 @@ CASES=${CASES:-one,hires,img2img}
 BRANCH=${BRANCH:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}
 export PORT=${PORT:-7874} WAIT_S=1200
 PY=/work/webui-venv/bin/python
-L=/work/webui/extensions/vram-guard
-mkdir -p "$OUT"
-exec 9>/work/webui-tools/lock
-echo "waiting for the lock $(date -u +%T)"
-flock 9
-echo "lock taken $(date -u +%T)"; free -g
-prev=$(readlink "$L" || true)
-cp /work/webui/config.json "$OUT/config.json.before"
-rm -rf "$OUT/snap" && mkdir -p "$OUT/snap" && git -C "$BRANCH" archive HEAD | tar -x -C "$OUT/snap"
-echo "snapshot of $(git -C "$BRANCH" rev-parse --short HEAD)"
-restore() {
-  /work/webui-tools/stop.sh
-  if [ -n "$prev" ]; then ln -sfn "$prev" "$L"; else rm -f "$L"; fi
-  cp "$OUT/config.json.before" /work/webui/config.json
-  echo "restored $(date -u +%T)"
-}
-trap restore EXIT
-ln -sfn "$OUT/snap" "$L"
+source "$(dirname "$0")/host/snapshot.sh"
+vg_snapshot
 client() { $PY "$OUT/snap/tests/acceptance/webui_controlnet.py" "$@" --url "http://127.0.0.1:$PORT" \
   --models control_sdxl_mid_random --cases "$CASES" --size 128; }
 rc=0

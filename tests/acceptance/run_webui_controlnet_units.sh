@@ -10,26 +10,10 @@ CASES=${CASES:-two,three,two_hires,two_img2img}
 CARD=${CARD:-3253MiB}
 BRANCH=${BRANCH:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}
 export PORT=${PORT:-7871} WAIT_S=1200
-mkdir -p "$OUT"
-exec 9>/work/webui-tools/lock
-echo "waiting for the lock $(date -u +%T)"
-flock 9
-echo "lock taken $(date -u +%T)"
+source "$(dirname "$0")/host/snapshot.sh"
+vg_snapshot
 PY=/work/webui-venv/bin/python
 CLIENT="$BRANCH/tests/acceptance/webui_controlnet.py"
-L=/work/webui/extensions/vram-guard
-prev=$(readlink "$L" || true)
-cp /work/webui/config.json "$OUT/config.json.before"
-rm -rf "$OUT/snap" && mkdir -p "$OUT/snap" && git -C "$BRANCH" archive HEAD | tar -x -C "$OUT/snap"
-echo "snapshot of $(git -C "$BRANCH" rev-parse --short HEAD)"
-restore() {
-  /work/webui-tools/stop.sh
-  if [ -n "$prev" ]; then ln -sfn "$prev" "$L"; else rm -f "$L"; fi
-  cp "$OUT/config.json.before" /work/webui/config.json
-  echo "restored $(date -u +%T): $(readlink "$L")"
-}
-trap restore EXIT
-ln -sfn "$OUT/snap" "$L"
 URL=http://127.0.0.1:$PORT
 LOG=$OUT/ref.log /work/webui-tools/launch.sh --vram-guard-log-level INFO || exit 1
 $PY "$CLIENT" ref --url "$URL" --out "$OUT/ref" --cases "$CASES"

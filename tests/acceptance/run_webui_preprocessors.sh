@@ -15,27 +15,11 @@ CASES=${CASES:-depth,ip,ip2,ipdepth,off}
 PLAIN_CASES=${PLAIN_CASES:-ip,ipdepth,off}
 BRANCH=${BRANCH:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}
 ANNOTATORS=/work/webui/models/annotator
-mkdir -p "$OUT"
-exec 9>/work/webui-tools/lock
-echo "waiting for the lock $(date -u +%T)"
-flock 9
-echo "lock taken $(date -u +%T)"; free -g; uptime
 export PORT=${PORT:-7872} WAIT_S=1200
 PY=/work/webui-venv/bin/python
-L=/work/webui/extensions/vram-guard
-prev=$(readlink "$L" || true)
-cp /work/webui/config.json "$OUT/config.json.before"
-rm -rf "$OUT/snap" && mkdir -p "$OUT/snap" && git -C "$BRANCH" archive HEAD | tar -x -C "$OUT/snap"
-echo "snapshot of $(git -C "$BRANCH" rev-parse --short HEAD)"
-restore() {
-  PORT=$PORT /work/webui-tools/stop.sh
-  if [ -n "$prev" ]; then ln -sfn "$prev" "$L"; else rm -f "$L"; fi
-  cp "$OUT/config.json.before" /work/webui/config.json
-  echo "restored $(readlink "$L") $(date -u +%T)"
-}
-trap restore EXIT
+source "$(dirname "$0")/host/snapshot.sh"
+vg_snapshot
 $PY "$OUT/snap/tests/acceptance/host/make_preprocessors.py" --root "$ANNOTATORS" ${FORCE:+--force}
-ln -sfn "$OUT/snap" "$L"
 rc=0
 for phase in $PHASES; do
   t0=$SECONDS

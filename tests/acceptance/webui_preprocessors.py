@@ -35,7 +35,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from webui_acceptance import call, decode, init_image  # noqa: E402
-from webui_controlnet import status  # noqa: E402
+from webui_controlnet import model_names, status  # noqa: E402
 
 UNITS = {
     "ip": ("ip-adapter_clip_sd15", "ip-adapter_sd15_random"),
@@ -67,18 +67,6 @@ def job(case: str, a: argparse.Namespace, vg: bool, names: dict[str, str]) -> di
     return body
 
 
-def model_names(url: str) -> dict[str, str]:
-    body, _ = call(url, "/controlnet/model_list", method="GET", timeout=60)
-    listed = body.get("model_list") or []
-    out = {}
-    for _, want in UNITS.values():
-        hit = next((n for n in listed if n.split(" [")[0] == want), None)
-        if hit is None:
-            raise SystemExit(f"ControlNet model {want!r} not listed by the WebUI: {listed}")
-        out[want] = hit
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=("ref", "run"))
@@ -92,7 +80,8 @@ def main() -> int:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = model_names(a.url)
+    wanted = [m for _, m in UNITS.values()]
+    names = dict(zip(wanted, model_names(a.url, wanted)[: len(wanted)], strict=True))
     failed = 0
     with (out / "run.jsonl").open("a") as log:
         for n, case in enumerate(a.cases.split(",")):
