@@ -314,7 +314,7 @@ class Preprocessors:
         module = e.ref()
         if e.model is not None:
             if e.model.where == CARD and (self.cards.card() is not None or (module and _loaded(module))):
-                e.model.mover.to_host()  # (emulated: its bytes leave the card; a GPU: .to("cpu"))
+                self.cards.owner.send_home([e.model], why)  # (the owner moves it, and logs it)
             e.model.mover.unhook()
             self.cards.owner.leave(e.model)
         logger.info("VRAM Guard: %s left (%s)", e.name, why)
