@@ -663,14 +663,18 @@ def _read_json(path: str | None) -> dict:
 
 def _probe_delta(before: dict, after: dict) -> dict:
     """The lowvram probe's counts for one job (tests/acceptance/webui_lowvram_probe): bytes moved
-    per sampler step, UNet parts (in + out) and everything it moved."""
+    per sampler step: UNet parts (in + out), and those with the control models (ControlNet's Low VRAM)."""
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after if k != "unet_bytes"}
     steps = d.get("steps") or 0
     mib = 2**20
+
+    def per_step(n: int) -> float | None:
+        return round(n / steps / mib, 1) if steps else None
+
     unet = d.get("unet_in_bytes", 0) + d.get("unet_out_bytes", 0)
-    return {**d, "unet_bytes": after.get("unet_bytes"),
-            "unet_moved_mib_per_step": round(unet / steps / mib, 1) if steps else None,
-            "unet_in_mib_per_step": round(d.get("unet_in_bytes", 0) / steps / mib, 1) if steps else None}  # fmt: skip
+    return {**d, "unet_bytes": after.get("unet_bytes"), "unet_moved_mib_per_step": per_step(unet),
+            "unet_in_mib_per_step": per_step(d.get("unet_in_bytes", 0)),
+            "moved_mib_per_step": per_step(unet + d.get("control_in_bytes", 0) + d.get("control_out_bytes", 0))}  # fmt: skip
 
 
 PLACEMENT_LOG = re.compile(

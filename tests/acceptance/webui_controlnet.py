@@ -9,7 +9,9 @@ image is the hint as it is, so no annotator download and no preprocessor roundin
 * ``lowres`` — hires fix (Latent) with the unit on "Low res only" (the hires pass does not use it);
   ``hires`` — the same with the unit on "Both";
 * ``img2img`` — img2img with one unit; ``off`` — a job without ControlNet (run it after one with);
-* ``one_lowvram`` — one unit with ControlNet's own Low VRAM;
+* ``one_lowvram``, ``two_lowvram``, ``three_lowvram`` — the units with ControlNet's own Low VRAM
+  (compared with the case's picture without it; ``--lowvram-probe FILE``: a WebUI started with
+  ``--lowvram`` and ``webui_lowvram_probe/``: the bytes it and ControlNet moved per step);
 * ``ip`` / ``ip_plus`` — one IP-Adapter unit (``ip-adapter(-plus)_sd15_random``, made by
   ``host/make_ipadapter.py``) whose CLIP vision output comes through the API's ``ipadapter_input``
   (random, seed fixed: no encoder model needed).
@@ -38,7 +40,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from webui_acceptance import call, decode, init_image  # noqa: E402
+from webui_acceptance import _probe_delta, _read_json, call, decode, init_image  # noqa: E402
 
 CASES = (
     "one",
@@ -51,6 +53,8 @@ CASES = (
     "img2img",
     "off",
     "one_lowvram",
+    "two_lowvram",
+    "three_lowvram",
     "ip",
     "ip_plus",
 )
@@ -91,15 +95,15 @@ def job(case: str, a: argparse.Namespace, vg: bool, models: list[str]) -> tuple[
     scripts: dict = {"VRAM Guard": {"args": [{"enabled": vg}]}}
     units: list[dict] = []
     path = "/sdapi/v1/txt2img"
+    low_vram = case.endswith("_lowvram")
+    case = case.removesuffix("_lowvram")
     hires = dict(
         enable_hr=True, hr_scale=2, hr_second_pass_steps=1, denoising_strength=0.5, hr_upscaler="Latent"
     )
     if case in ("one", "img2img"):
-        units = [unit(a, models[0])]
-    elif case == "one_lowvram":
-        units = [unit(a, models[0], low_vram=True)]
+        units = [unit(a, models[0], low_vram=low_vram)]
     elif case in ("two", "three", "two_hires", "two_img2img"):
-        units = [unit(a, m) for m in models[: 3 if case == "three" else 2]]
+        units = [unit(a, m, low_vram=low_vram) for m in models[: 3 if case == "three" else 2]]
         base.update(hires if case == "two_hires" else {})
     elif case in ("lowres", "hires"):
         units = [unit(a, models[0], hr_option="Low res only" if case == "lowres" else "Both")]
@@ -141,6 +145,7 @@ def status(url: str) -> dict:
 def run_case(a: argparse.Namespace, case: str, vg: bool, models: list[str]) -> dict:
     path, payload = job(case, a, vg, models)
     before = status(a.url).get("moves") or []
+    probe0 = _read_json(a.lowvram_probe)
     t0 = time.time()
     try:
         body, _ = call(a.url, path, payload)
@@ -164,6 +169,8 @@ def run_case(a: argparse.Namespace, case: str, vg: bool, models: list[str]) -> d
     rec["models"] = st.get("models")
     rec["stages"] = [{k: s.get(k) for k in ("stage", "plan", "peak_bytes")} for s in st.get("stages") or []]
     rec["placement"], rec["notes"] = st.get("placement"), st.get("notes")
+    if a.lowvram_probe:
+        rec["lowvram"] = _probe_delta(probe0, _read_json(a.lowvram_probe))
     return rec
 
 
@@ -181,6 +188,7 @@ def main() -> int:
     )
     ap.add_argument("--batch", type=int, default=1, help="images per job (the first one is compared)")
     ap.add_argument("--plain", action="store_true", help="run: VRAM Guard's accordion off (the plain WebUI)")
+    ap.add_argument("--lowvram-probe", help="the lowvram probe's counter file (its VG_LOWVRAM_PROBE)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,8 +204,11 @@ def main() -> int:
                 if a.mode == "ref":
                     Image.fromarray(imgs[0]).save(out / f"{case}.png")
             diff = None
-            if a.mode == "run" and imgs and a.ref and (Path(a.ref) / f"{case}.png").is_file():
-                r = np.asarray(Image.open(Path(a.ref) / f"{case}.png").convert("RGB")).astype(int)
+            ref = Path(a.ref or "") / f"{case}.png"
+            if not ref.is_file():
+                ref = ref.with_name(case.removesuffix("_lowvram") + ".png")
+            if a.mode == "run" and imgs and a.ref and ref.is_file():
+                r = np.asarray(Image.open(ref).convert("RGB")).astype(int)
                 diff = int(np.abs(r - imgs[0].astype(int)).max()) if r.shape == imgs[0].shape else None
             rec["max_levels_vs_ref"] = diff
             log.write(json.dumps(rec) + "\n")
@@ -205,8 +216,9 @@ def main() -> int:
             failed += not rec["ok"]
             peak = (rec.get("card") or {}).get("peak_bytes")
             cn = [m for m in rec["moves"] if m.startswith("ControlNet")]
+            moved = (rec.get("lowvram") or {}).get("moved_mib_per_step")
             print(f"{n:2d} {case:12s} ok={rec['ok']} {rec['seconds']:6.1f}s max_levels={diff} "
-                  f"card_peak={peak} controlnet_moves={len(cn)} | {(rec['error'] or '')[:160]}", flush=True)  # fmt: skip
+                  f"card_peak={peak} controlnet_moves={len(cn)} moved_mib_per_step={moved} | {(rec['error'] or '')[:160]}", flush=True)  # fmt: skip
     return 1 if failed else 0
 
 

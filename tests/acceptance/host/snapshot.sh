@@ -1,7 +1,7 @@
 # Sourced by the tests/acceptance/run_webui_*.sh runners (bash). `vg_snapshot` takes the machine's
 # WebUI lock (held until the runner exits), puts a git-archive snapshot of $BRANCH's HEAD under
 # $OUT/snap as extensions/vram-guard and, on exit, stops the WebUI on $PORT and puts the previous
-# link and config.json back. Needs OUT, BRANCH and PORT.
+# link and config.json back (and removes the links named in VG_EXTRA_LINKS). Needs OUT, BRANCH and PORT.
 VG_LINK=/work/webui/extensions/vram-guard
 
 vg_snapshot() {
@@ -20,6 +20,7 @@ vg_snapshot() {
 
 vg_restore() {
   /work/webui-tools/stop.sh
+  rm -f ${VG_EXTRA_LINKS:-}
   if [ -n "$VG_PREV" ]; then ln -sfn "$VG_PREV" "$VG_LINK"; else rm -f "$VG_LINK"; fi
   cp "$OUT/config.json.before" /work/webui/config.json
   echo "restored $(date -u +%T): $(readlink "$VG_LINK")"

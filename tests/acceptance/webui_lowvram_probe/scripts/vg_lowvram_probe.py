@@ -7,7 +7,9 @@ WebUI's environment has ``VG_LOWVRAM_PROBE=<file.json>``: it counts the bytes th
 that is about to run to the device and the previous one back to the CPU); the probe wraps
 ``torch.nn.Module.to`` and counts, for each call from that file, the module's parameter and buffer
 bytes, split into moves of UNet parts (``sd_model.model.diffusion_model``'s modules) and of the
-rest, to the device and to the CPU. It also counts the sampler's steps (``on_cfg_denoiser``: once
+rest, to the device and to the CPU. Calls from sd-webui-controlnet's hook and control model classes (its Low VRAM: the control model
+to the device before each forward, back to the CPU after; not its dtype casts) count as ``control``,
+only where the module changes side (it sends a model already on the CPU there again, a no-op). It also counts the sampler's steps (``on_cfg_denoiser``: once
 per step) and UNet forwards. On the CPU (``--use-cpu all``) the moves are no-ops for torch, but the
 calls and their sizes are what ``--lowvram`` does on a GPU, so the counts are its traffic.
 The counters are rewritten to the JSON file after every counted call and every step.
@@ -27,9 +29,13 @@ if PROBE:
     from modules import script_callbacks, shared
 
     _LOWVRAM_FILE = os.path.join("modules", "lowvram.py")
+    _CONTROLNET_FILES = tuple(
+        os.path.join("sd-webui-controlnet", "scripts", f) for f in ("hook.py", "cldm.py", "adapter.py")
+    )
     _counts = {"unet_in_bytes": 0, "unet_out_bytes": 0, "other_in_bytes": 0, "other_out_bytes": 0,
-               "unet_moves": 0, "steps": 0, "unet_bytes": 0}  # fmt: skip
+               "control_in_bytes": 0, "control_out_bytes": 0, "unet_moves": 0, "steps": 0, "unet_bytes": 0}  # fmt: skip
     _unet_ids: dict[int, int] = {}
+    _control_side: dict[int, str] = {}
     _original_to = torch.nn.Module.to
 
     def _save():
@@ -56,12 +62,17 @@ if PROBE:
 
     def _to(self, *args, **kwargs):
         frame = sys._getframe(1)
-        if frame.f_code.co_filename.endswith(_LOWVRAM_FILE):
+        name = frame.f_code.co_filename
+        line = linecache.getline(name, frame.f_lineno).replace('"', "'")
+        control = name.endswith(_CONTROLNET_FILES) and "dtype" not in line
+        if control or name.endswith(_LOWVRAM_FILE):
             # --use-cpu all: the device is the CPU too, so the direction comes from the call's
-            # source line: ``module_in_gpu.to(cpu)`` sends back, ``module.to(devices.device)`` in
-            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-            direction = "out" if ".to(cpu)" in line else "in"
-            where = "unet" if id(self) in _unet_modules() else "other"
+            # source line: ``module_in_gpu.to(cpu)`` / ``.to('cpu')`` send back, ``.to(device)`` in
+            direction = "out" if ".to(cpu)" in line or ".to('cpu')" in line else "in"
+            where = "control" if control else "unet" if id(self) in _unet_modules() else "other"
+            if control and _control_side.get(id(self)) == direction:
+                return _original_to(self, *args, **kwargs)
+            _control_side[id(self)] = direction
             _counts[f"{where}_{direction}_bytes"] += _nbytes(self)
             if where == "unet":
                 _counts["unet_moves"] += 1
