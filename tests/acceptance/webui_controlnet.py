@@ -15,7 +15,8 @@ image is the hint as it is, so no annotator download and no preprocessor roundin
 * ``ip`` / ``ip_plus`` — one IP-Adapter unit (``ip-adapter(-plus)_sd15_random``, made by
   ``host/make_ipadapter.py``) whose CLIP vision output comes through the API's ``ipadapter_input``
   (random, seed fixed: no encoder model needed); ``ip_sdxl`` / ``ip_plus_sdxl`` the same with
-  ``ip-adapter_sdxl_random`` (ViT-bigG's embedding) and ``ip-adapter-plus_sdxl_vit-h_random``.
+  ``ip-adapter_sdxl_random`` (ViT-bigG's embedding) and ``ip-adapter-plus_sdxl_vit-h_random``;
+  ``ip_faceid``: ``ip-adapter-faceid_sd15_random`` given a random insightface embedding (512).
 
 ``--models A,B``: the ControlNet model files (default the three SD1.5 ones; an SDXL checkpoint takes
 ``control_sdxl_mid_random``, the status's placement and notes are kept). ``--batch N``: N images
@@ -60,16 +61,18 @@ CASES = (
     "ip_plus",
     "ip_sdxl",
     "ip_plus_sdxl",
+    "ip_faceid",
 )
 MODELS = ("control_sd15_random", "control_sd15_random-b", "control_sd15_random-c")
 IP_MODELS = {"ip": "ip-adapter_sd15_random", "ip_plus": "ip-adapter-plus_sd15_random",
-             "ip_sdxl": "ip-adapter_sdxl_random", "ip_plus_sdxl": "ip-adapter-plus_sdxl_vit-h_random"}  # fmt: skip
+             "ip_sdxl": "ip-adapter_sdxl_random", "ip_plus_sdxl": "ip-adapter-plus_sdxl_vit-h_random",
+             "ip_faceid": "ip-adapter-faceid_sd15_random"}  # fmt: skip
 
 
 def clip_output(embed: int = 1024) -> str:
     """A CLIP vision output as sd-webui-controlnet's encoder returns it (``image_embeds``: ViT-H's
-    1024, ViT-bigG's 1280; ViT-H's hidden states, of which plus reads the second last),
-    torch-saved and base64-encoded."""
+    1024, ViT-bigG's 1280; ViT-H's hidden states, of which plus reads the second last), or
+    ``embed=512``: insightface's face embedding alone; torch-saved and base64-encoded."""
     import base64
     import io
 
@@ -78,6 +81,7 @@ def clip_output(embed: int = 1024) -> str:
     g = torch.Generator().manual_seed(7)
     out = {"image_embeds": torch.randn(1, embed, generator=g),
            "hidden_states": [torch.randn(1, 257, 1280, generator=g) for _ in range(2)]}  # fmt: skip
+    out = out["image_embeds"] if embed == 512 else out
     buf = io.BytesIO()
     torch.save(out, buf)
     return base64.b64encode(buf.getvalue()).decode()
@@ -115,7 +119,11 @@ def job(case: str, a: argparse.Namespace, vg: bool, models: list[str]) -> tuple[
         base.update(hires)
     elif case in IP_MODELS:
         hit = next((n for n in models if n.split(" [")[0] == IP_MODELS[case]), IP_MODELS[case])
-        units = [dict(unit(a, hit), ipadapter_input=clip_output(1280 if case == "ip_sdxl" else 1024))]
+        units = [
+            dict(
+                unit(a, hit), ipadapter_input=clip_output({"ip_sdxl": 1280, "ip_faceid": 512}.get(case, 1024))
+            )
+        ]
     elif case != "off":
         raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
     if case.endswith("img2img"):

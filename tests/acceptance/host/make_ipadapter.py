@@ -9,6 +9,8 @@
       1280-wide image embedding to 4 tokens of 2048
   models/ControlNet/ip-adapter-plus_sdxl_vit-h_random.safetensors  ip-adapter-plus_sdxl_vit-h's:
       a resampler of width 1280 (20 heads) over ViT-H's hidden states, 16 tokens of 2048
+  models/ControlNet/ip-adapter-faceid_sd15_random.safetensors  ip-adapter-faceid_sd15's: an MLP
+      of insightface's 512-wide face embedding to 4 tokens of 768 (its LoRA is a separate file)
 
 Each carries a key and a value projection of the image tokens (768 or 2048 -> the layer's width)
 for each of the UNet's cross-attentions (SD1.5: 16, SDXL: 70), keyed
@@ -40,10 +42,11 @@ WIDTHS = {
 CTX = {"sd15": 768, "sdxl": 2048}
 EMBED = {"sd15": 1024, "sdxl": 1280}  # the image embedding: ViT-H's, ViT-bigG's
 FILES = {
-    "ip-adapter_sd15_random.safetensors": (False, 11, "sd15"),
-    "ip-adapter-plus_sd15_random.safetensors": (True, 12, "sd15"),
-    "ip-adapter_sdxl_random.safetensors": (False, 13, "sdxl"),
-    "ip-adapter-plus_sdxl_vit-h_random.safetensors": (True, 14, "sdxl"),
+    "ip-adapter_sd15_random.safetensors": ("plain", 11, "sd15"),
+    "ip-adapter-plus_sd15_random.safetensors": ("plus", 12, "sd15"),
+    "ip-adapter_sdxl_random.safetensors": ("plain", 13, "sdxl"),
+    "ip-adapter-plus_sdxl_vit-h_random.safetensors": ("plus", 14, "sdxl"),
+    "ip-adapter-faceid_sd15_random.safetensors": ("faceid", 15, "sd15"),
 }
 
 
@@ -59,11 +62,15 @@ def _resampler_shapes(webui: Path, arch: str) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in r.state_dict().items()}
 
 
-def build(plus: bool, seed: int, webui: Path, arch: str = "sd15") -> dict[str, torch.Tensor]:
+def build(kind: str, seed: int, webui: Path, arch: str = "sd15") -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ctx = CTX[arch]
-    if plus:
+    if kind == "plus":
         shapes = {f"image_proj.{k}": s for k, s in _resampler_shapes(webui, arch).items()}
+    elif kind == "faceid":  # an MLP of insightface's 512-wide face embedding to 4 tokens
+        shapes = {"image_proj.proj.0.weight": (1024, 512), "image_proj.proj.0.bias": (1024,),
+                  "image_proj.proj.2.weight": (4 * ctx, 1024), "image_proj.proj.2.bias": (4 * ctx,),
+                  "image_proj.norm.weight": (ctx,), "image_proj.norm.bias": (ctx,)}  # fmt: skip
     else:
         shapes = {"image_proj.proj.weight": (4 * ctx, EMBED[arch]), "image_proj.proj.bias": (4 * ctx,),
                   "image_proj.norm.weight": (ctx,), "image_proj.norm.bias": (ctx,)}  # fmt: skip
@@ -86,12 +93,12 @@ def main() -> int:
     a = ap.parse_args()
     from safetensors.torch import save_file
 
-    for name, (plus, seed, arch) in FILES.items():
+    for name, (kind, seed, arch) in FILES.items():
         path = a.webui / "models" / "ControlNet" / name
         if path.exists() and not a.force:
             print(f"kept {path}")
             continue
-        tensors = build(plus, seed, a.webui, arch)
+        tensors = build(kind, seed, a.webui, arch)
         save_file(tensors, str(path))
         print(f"wrote {path}: {sum(t.numel() for t in tensors.values()):,} values", flush=True)
     return 0
