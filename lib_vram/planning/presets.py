@@ -16,8 +16,6 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
-from lib_vram.core.release import RELEASE_POINTS
-
 from .tiers import GiB, tier_for_total, tier_label
 
 MiB = 1024**2
@@ -36,6 +34,26 @@ PRESET_NAMES: tuple[str, ...] = ("Auto", "4GB", "6GB", "8GB", "12GB", "16GB", "2
 """Every preset name, in the order a UI shows them."""
 
 AUTO = "Auto"
+
+
+RELEASE_POINTS: tuple[str, ...] = (
+    "process",
+    "before_hr",
+    "post_sample",
+    "postprocess_batch",
+    "job_end",
+    "failure",
+)
+"""Stage boundaries where a preset may run ``gc.collect()`` + cache release:
+
+* ``process`` - job start, before the text encoder and UNet run (drops leftovers of the last job);
+* ``before_hr`` - between the first pass and hires fix (the first-pass decode/upscale leftovers);
+* ``post_sample`` - after sampling, before the VAE decode (the sampler's activations);
+* ``postprocess_batch`` - after each batch's images are decoded;
+* ``job_end`` - after the job;
+* ``failure`` - when a stage raises or the job is interrupted (always recommended: the traceback's
+  frames keep tensors alive until collected).
+"""
 
 
 @dataclass(frozen=True)
