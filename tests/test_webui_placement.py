@@ -403,13 +403,16 @@ def test_the_text_encoders_and_vae_wake_when_used_and_a_pass_puts_them_back_to_s
                 jobs.session.sampling_step()
                 unet_of(model)(torch.cat([x, x]), sigma, context=torch.cat([COND, UNCOND]))
             jobs.post_sample(p)
-            return seen, None
+            return seen, jobs.job.tracker.last("sampling")
 
         r = job(w, body)
         assert r.error is None, r.error
-        seen, _ = r.out
+        seen, sampling = r.out
         assert seen == [base, base + te, base + te + vae], seen  # each woken by its own use
         assert r.passes[0].moved == "", r.passes  # they went home when the pass began
+        # before its stage opened: the pass's measured peak is its own, not the conditioning's (the
+        # real WebUI's SDXL readout said 7600 MiB for a pass predicted at 4867: 3119 MiB of encoders)
+        assert sampling.start_bytes == base + x.nbytes, (sampling, base)  # (and the pass's latent)
         assert w.card.resident_bytes == base and not _awake(placed)  # asleep again after it
         # and the log says each move once, with its reason (it said "the text encoders, VAE are back
         # on the card" while they stayed on the CPU)

@@ -517,6 +517,8 @@ class ScriptJobs:
                 job.postprocessing = False
                 job.sampled = False
                 stage = "hires_sampling" if getattr(p, "is_hr_pass", False) else "sampling"
+            if (cards := job.cards()) is not None:
+                cards.owner.settle()  # the conditioning's wakes go home before the pass's stage opens
             job.begin_span(stage)
             job.sampling_guard().before(p, stage, x=x, c=c, uc=uc)
 
