@@ -215,8 +215,10 @@ def collect(args: argparse.Namespace) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, vram / card), dev)
     if vram is not None:
         total = free = vram
-        # A generic card of that size: half precision, bf16 unknown -> assume fp16 only.
-        caps = SimpleNamespace(backend="cuda", fp16=True, bf16=False)
+        # A generic card of that size: half precision, bf16 unknown -> assume fp16 only. With
+        # --device cpu: the WebUI's emulated card on the CPU (--vram-guard-emulate-vram), CPU kernels.
+        cpu = args.device is not None and dev.type == "cpu"
+        caps = SimpleNamespace(backend="cpu" if cpu else "cuda", fp16=True, bf16=False)
     else:
         total = memory_info(dev).total
         free = free_bytes(dev)
