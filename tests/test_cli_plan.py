@@ -673,6 +673,44 @@ def test_sdxl_controlnets_in_the_placed_plan(capsys):
     assert "is not a ControlNet for `--arch sd15`" in capsys.readouterr().err
 
 
+RUN13 = ("--arch", "sdxl", "--width", "128", "--height", "128", "--vram", "8000MiB", "--hires", "2",
+         "--controlnet", "sdxl-mid", "--attention", "InvokeAI", "--device", "cpu", "--no-half")  # fmt: skip
+"""Run 13's job (docs/webui-acceptance.md): the WebUI with --no-half on an emulated card on the CPU."""
+
+
+def test_no_half_plans_the_checkpoint_in_fp32_and_places_it_as_run_13_did(capsys):
+    """``--no-half`` (issue 42): the whole checkpoint in FP32, as the WebUI loads it with its own
+    ``--no-half`` (UNet, text encoders, VAE, the ControlNet), placed and plain. The pinned numbers
+    are the real WebUI's Run 13 log (docs/webui-acceptance.md: SDXL with --no-half placed on an
+    emulated 8000 MiB card on the CPU: ``--device cpu``): UNet 4479 of 9794 MiB resident, 68 of 111
+    blocks streamed, 5315 MiB per step (--lowvram 19548), text encoders 3119 MiB, VAE 319 MiB,
+    ControlNet 1034 MiB; sampling predicted 5902 MiB (activations 124), the hires pass 5936 (157)."""
+    from lib_vram.planning.reference import vae_arch
+    from lib_vram.sampling import reference_control, reference_spec
+
+    rc, rep = _plan(capsys, *RUN13)
+    p = rep["placement"]
+    assert rc == 0 and rep["placed_by"] == "auto" and p["unet_bytes"] == 4 * reference_spec("sdxl").params
+    got = {k: round(p[k] / MiB) for k in ("unet_bytes", "unet_resident_bytes", "bytes_moved_per_step")}
+    assert got == {"unet_bytes": 9794, "unet_resident_bytes": 4479, "bytes_moved_per_step": 5315}
+    units = (p["units_resident"], p["units_streamed"], round(p["lowvram_bytes_per_step"] / MiB))
+    assert units == (43, 68, 19548)
+    assert {m["name"]: round(m["mib"]) for m in p["parked"]} == {"text encoders": 3119, "VAE": 319}
+    assert p["default_pass"]["dtype"] == "fp32" and {s["dtype"] for s in rep["stages"]} == {"fp32"}
+    assert _stage(rep, "sample")["controlnet_bytes"] == 4 * reference_control("sdxl-mid").params
+    for name, want in (("sample", (5902, 124)), ("sample_hires", (5936, 157))):
+        s = _stage(rep, name)
+        assert (round(s["predicted_peak_bytes"] / MiB), round(s["activation_bytes"] / MiB)) == want
+    # on a GPU of that size (no --device cpu): the same placement
+    _, gpu = _plan(capsys, *RUN13[:-3], "--no-half")
+    assert gpu["placement"]["unet_resident_bytes"] == p["unet_resident_bytes"]
+    # the plain plan: the UNet and text encoders in FP32 beside the decode
+    _, plain = _plan(capsys, *RUN13, "--no-place")
+    a = vae_arch("sdxl")
+    assert plain["models_bytes"] == 2 * (a.unet_bytes + a.text_encoder_bytes)
+    assert _stage(plain, "sample")["model_weights_bytes"] == p["unet_bytes"]
+
+
 # -- the sampling forward's options (issue 41 item 4) -------------------------------------------
 
 SD15_2K = ("--arch", "sd15", "--width", "2048", "--height", "2048", "--vram", "6GB", "--no-place")

@@ -27,11 +27,11 @@ from .stageplan import (
 )
 
 # The default pass the WebUI's placement plans for (lib_vram.webui.placement.native_latent_hw): the
-# native size, one image (cond and uncond in one forward), 77 tokens, the UNet in FP16.
+# native size, one image (cond and uncond in one forward), 77 tokens, the UNet in the checkpoint's
+# dtype (FP16; FP32 with the WebUI's --no-half).
 NATIVE_SIDE = {"sd15": 512, "sdxl": 1024}
 DEFAULT_BATCH = 2
 CONTEXT_TOKENS = 77
-UNET_DTYPE = "fp16"
 LEFTOVER_BYTES = 13 * 1000 * 4
 """The checkpoint's own buffers: ldm's 13 noise schedules of 1000 steps in float32 (sgm's fewer)."""
 
@@ -48,6 +48,7 @@ class PlacedCheckpoint:
     attention: str
     input_bytes: int = 0  # the default pass's inputs (latent, timesteps, context)
     smallest_card_bytes: int | None = None  # not fitting: the smallest card it fits (256 MiB steps)
+    dtype: str = "fp16"  # the UNet's and text encoders' ("fp32": the WebUI's --no-half)
 
     @property
     def needed(self) -> bool:
@@ -121,7 +122,7 @@ class PlacedCheckpoint:
                 "batch": DEFAULT_BATCH,
                 "context_tokens": CONTEXT_TOKENS,
                 "attention": self.attention,
-                "dtype": UNET_DTYPE,
+                "dtype": self.dtype,
             },
             "fits": self.fits,
             "smallest_card_bytes": self.smallest_card_bytes,
@@ -144,10 +145,12 @@ def place_checkpoint(
     attention: str,
     backend: str = "cuda",
     force: bool = True,
+    dtype: str = "fp16",
 ) -> PlacedCheckpoint | None:
     """The placed plan of the reference checkpoint of ``arch`` on a card of ``total_bytes``: the
     WebUI's own :func:`lib_vram.residency.plan_checkpoint` on the reference UNet's units, the text
-    encoders and VAE parked, for the default pass (native size, batch 2, 77 tokens, FP16).
+    encoders and VAE parked, for the default pass (native size, batch 2, 77 tokens, ``dtype``: the
+    UNet's and text encoders', FP32 with the WebUI's ``--no-half``).
     ``margin_of(total)``: a card's safety margin. Not fitting: the smallest card that would is
     searched (256 MiB steps). ``force=False``: None where the WebUI would not place it."""
     from lib_vram.residency import plan_checkpoint
@@ -158,9 +161,9 @@ def place_checkpoint(
 
     spec = reference_spec(arch)
     a = reference.vae_arch(arch)
-    dt = dtype_of(UNET_DTYPE)
+    dt = dtype_of(dtype)
     dec, enc = vae_weights(arch, vae_dtype)
-    parked = (("text encoders", a.text_encoder_bytes), ("VAE", dec + enc))
+    parked = (("text encoders", a.model_bytes(dt.itemsize)[1]), ("VAE", dec + enc))
     side = NATIVE_SIDE[arch]
     hw = (side // a.downscale, side // a.downscale)
     step = dict(
@@ -196,7 +199,7 @@ def place_checkpoint(
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if _fits(at(mid * step_bytes)) else (mid, hi)
         smallest = hi * step_bytes
-    return PlacedCheckpoint(arch, cp, ckpt, margin, side, attention, ib, smallest)
+    return PlacedCheckpoint(arch, cp, ckpt, margin, side, attention, ib, smallest, dtype)
 
 
 PLACED_STAGES = {
@@ -242,6 +245,7 @@ def plan_placed_job(
     cp = placed.plan
     arch = placed.arch
     st = cp.stream
+    dtype = placed.dtype  # the UNet's and text encoders'
     a = reference.vae_arch(arch)
     margin = safety_margin_bytes
     backend = getattr(caps, "backend", "cuda")
@@ -256,7 +260,7 @@ def plan_placed_job(
     itemsize = dtype_of(vae_dtype).itemsize
     rows = {r["stage"]: r["models"] for r in cp.stage_rows(tuple(PLACED_STAGES.items()))}
 
-    te = a.text_encoder_bytes
+    te = dict(cp.parked)["text encoders"]
     warning = None
     if not placed.fits:
         warning = placed.line
@@ -269,7 +273,7 @@ def plan_placed_job(
         stage="conditioning", plan="text encoders on the card", predicted_peak_bytes=base + te,
         fits=base + te <= budget and placed.fits, budget_bytes=budget, safety_margin_bytes=margin,
         resident_bytes=base, weights_bytes=te, input_bytes=0, activation_bytes=0, tile=None, batch=1,
-        dtype=UNET_DTYPE, warning=warning,
+        dtype=dtype, warning=warning,
     )  # fmt: skip
 
     def sample(stage: str, w: int, h: int) -> StagePlan:
@@ -281,13 +285,15 @@ def plan_placed_job(
         def at(budget_bytes: int) -> object:
             return sampling_pass(
                 arch, stage, w, h, batch, controlnets, controlnet_hires, options, attention=placed.attention,
-                budget_bytes=budget_bytes, backend=backend,
+                budget_bytes=budget_bytes, backend=backend, dtype=dtype,
             )  # fmt: skip
 
         p = at(max(0, budget - cp.leftover_bytes) + inflate)
         freed = nmore = 0
         if not p.fits and placed.fits:  # more of the UNet streams for a short pass, as in the run
-            got = more_streamed_pass(reference_units(arch), st.resident, p, streamed)
+            got = more_streamed_pass(
+                reference_units(arch, dtype_of(dtype).itemsize), st.resident, p, streamed
+            )
             wider = at(p.budget_bytes + got[1] - got[2]) if got else None
             if wider is not None and wider.fits:
                 nmore, freed = got[1], got[1] - got[2]
@@ -315,7 +321,7 @@ def plan_placed_job(
             )
         return sampling_stage(
             stage, p, budget, margin, shift=cp.leftover_bytes - inflate, resident_bytes=cp.leftover_bytes,
-            dtype=UNET_DTYPE, attention=placed.attention, fits=fits, weights_bytes=unet_res + buffer - freed,
+            dtype=dtype, attention=placed.attention, fits=fits, weights_bytes=unet_res + buffer - freed,
             warning=suggestion, suggestion=suggestion, bytes_moved_per_step=(streamed + nmore) * forwards,
             lowvram_bytes_per_step=st.lowvram_bytes_per_step,
         )  # fmt: skip

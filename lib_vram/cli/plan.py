@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import threading
@@ -96,6 +97,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the WebUI runs with --medvram/--lowvram (it keeps the UNet and text encoders off the "
         "card outside sampling); assumed anyway when they alone leave no room",
+    )
+    parser.add_argument(
+        "--no-half",
+        action="store_true",
+        help="the WebUI runs with --no-half (cards without FP16): the whole checkpoint in FP32",
     )
     place = parser.add_mutually_exclusive_group()
     place.add_argument(
@@ -209,15 +215,20 @@ def collect(args: argparse.Namespace) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, vram / card), dev)
     if vram is not None:
         total = free = vram
-        # A generic card of that size: half precision, bf16 unknown -> assume fp16 only.
-        caps = SimpleNamespace(backend="cuda", fp16=True, bf16=False)
+        # A generic card of that size: half precision, bf16 unknown -> assume fp16 only. With
+        # --device cpu: the WebUI's emulated card on the CPU (--vram-guard-emulate-vram), CPU kernels.
+        cpu = args.device is not None and dev.type == "cpu"
+        caps = SimpleNamespace(backend="cpu" if cpu else "cuda", fp16=True, bf16=False)
     else:
         total = memory_info(dev).total
         free = free_bytes(dev)
     preset = resolve_preset(args.preset, total, caps)
+    dtype = "fp32" if args.no_half else "fp16"
+    if args.no_half:  # (the VAE too: VRAM Guard's Auto VAE precision is the host's)
+        preset = dataclasses.replace(preset, precision_vae="fp32")
     safety = preset.safety_margin(total) if margin is None else margin
     arch = vae_arch(args.arch)
-    models = arch.unet_bytes + arch.text_encoder_bytes
+    models = sum(arch.model_bytes(4 if args.no_half else 2))
     swaps = "flag" if args.medvram else ("inferred" if models >= free - safety else "")
     t0 = time.perf_counter()
     job = dict(
@@ -250,6 +261,7 @@ def collect(args: argparse.Namespace) -> dict:
             attention=attention_of(args.attention or "Automatic", backend=backend),
             backend=backend,
             force=bool(args.place),
+            dtype=dtype,
         )
     extra: dict = {}
     if placed is not None:
@@ -272,6 +284,7 @@ def collect(args: argparse.Namespace) -> dict:
             safety_margin_bytes=margin,
             host_swaps=bool(swaps),
             attention=args.attention,
+            dtype=dtype,
             **job,
         )
         if note:

@@ -349,13 +349,13 @@ CONTROLNET_HIRES = ("both", "lowres", "highres")
 
 def sampling_pass(
     arch: str, stage: str, w: int, h: int, batch: int, controlnets: tuple[str, ...], hires_option: str,
-    options: PassOptions | None = None, **kw,
+    options: PassOptions | None = None, dtype: str = "fp16", **kw,
 ) -> object:  # fmt: skip
-    """:func:`lib_vram.sampling.plan_sampling` of one forward of the reference UNet of ``arch`` over
-    ``2 x batch`` samples (the WebUI batches cond and uncond), 77 tokens, FP16; one reference spec per
-    ControlNet unit, none in the hires pass with ``lowres`` or in the first pass with ``highres``.
-    ``options``: what else shapes the forward (:class:`PassOptions`). ``kw``: ``attention``,
-    ``budget_bytes``, ``backend``, ``resident_bytes``."""
+    """:func:`lib_vram.sampling.plan_sampling` of one forward of the reference UNet of ``arch`` in
+    ``dtype`` over ``2 x batch`` samples (the WebUI batches cond and uncond), 77 tokens; one
+    reference spec per ControlNet unit, none in the hires pass with ``lowres`` or in the first pass
+    with ``highres``. ``options``: what else shapes the forward (:class:`PassOptions`). ``kw``:
+    ``attention``, ``budget_bytes``, ``backend``, ``resident_bytes``."""
     from lib_vram.sampling import plan_sampling, reference_control, reference_spec
 
     opt = options or PassOptions()
@@ -363,6 +363,7 @@ def sampling_pass(
     controls = () if stage == skipped else tuple(reference_control(c) for c in controlnets)
     down = reference.vae_arch(arch).downscale
     hw = (h // down, w // down)
+    dt = dtype_of(dtype)
     # HyperTile's swap size 3 draws its tiles per forward: the guard never splits such a pass
     n, label, whole = 2 * batch, None, opt.hypertile is not None
     if opt.tiled is not None:
@@ -370,7 +371,7 @@ def sampling_pass(
         # (its size) and its float32 weights stay on the card beside it
         tile, count, per = opt.tiles(hw)
         n, whole = 2 * batch * per, True
-        latent = 2 * batch * 4 * hw[0] * hw[1] * 2  # (cond/uncond x images) x 4 channels, FP16
+        latent = 2 * batch * 4 * hw[0] * hw[1] * dt.itemsize  # (cond/uncond x images) x 4 channels
         kw["resident_bytes"] = kw.get("resident_bytes", 0) + 2 * latent + hw[0] * hw[1] * 4
         forwards = math.ceil(count / per)
         label = (
@@ -384,7 +385,7 @@ def sampling_pass(
         kw["resident_bytes"] = kw.get("resident_bytes", 0) + ip_adapter_bytes(opt.ip_adapter, arch)["output"]
         whole = True
     shape = dict(
-        latent_hw=tile if opt.tiled is not None else hw, context_tokens=77, dtype=dtype_of("fp16"),
+        latent_hw=tile if opt.tiled is not None else hw, context_tokens=77, dtype=dt,
         controls=controls, whole=whole, self_attention=opt.self_attention(arch), **kw,
     )  # fmt: skip
     p = plan_sampling(reference_spec(arch), batch=n, **shape)
@@ -450,8 +451,10 @@ def plan_job(
     controlnets: tuple[str, ...] = (),
     controlnet_hires: str = "both",
     options: PassOptions | None = None,
+    dtype: str = "fp16",
 ) -> list[StagePlan]:
-    """Plans for every memory-heavy stage of a job (``options``: :class:`PassOptions`).
+    """Plans for every memory-heavy stage of a job (``options``: :class:`PassOptions`; ``dtype``:
+    the UNet's and text encoders', FP32 with the WebUI's ``--no-half``).
 
     ``free_bytes``: what the job may use with the models *off* the device (the UNet/text encoders
     are added per stage). The WebUI decodes a batch one image at a time: ``batch`` adds only the
@@ -466,12 +469,13 @@ def plan_job(
     up_dtype = resolve_precision(preset.precision_upscale, caps)
     # a VAE pass that does not fit beside the UNet and text encoders moves the ones the preset
     # allows off the card for that pass (lib_vram.residency does it)
-    resident = 0 if host_swaps else a.unet_bytes + a.text_encoder_bytes
+    unet, te = a.model_bytes(dtype_of(dtype).itemsize)
+    resident = 0 if host_swaps else unet + te
     movable = [
         (name, n)
         for name, n, ok in (
-            ("UNet", a.unet_bytes, preset.offload_unet_during_vae),
-            ("text encoders", a.text_encoder_bytes, preset.offload_text_encoder_during_vae),
+            ("UNet", unet, preset.offload_unet_during_vae),
+            ("text encoders", te, preset.offload_text_encoder_during_vae),
         )
         if ok and n and not host_swaps
     ]
@@ -495,17 +499,17 @@ def plan_job(
 
         att = attention_of(attention or "Automatic", backend=backend)
         vae_bytes = sum(vae_weights(arch, vae_dtype))
-        idle = [] if host_swaps else [("VAE", vae_bytes), ("text encoders", a.text_encoder_bytes)]
+        idle = [] if host_swaps else [("VAE", vae_bytes), ("text encoders", te)]
         budget = max(0, free_bytes - margin)
 
     def sample(stage: str, w: int, h: int) -> StagePlan:
         def at(on_card: int) -> StagePlan:
             p = sampling_pass(
                 arch, stage, w, h, batch, controlnets, controlnet_hires, options, attention=att,
-                budget_bytes=budget, resident_bytes=on_card, backend=backend,
+                budget_bytes=budget, resident_bytes=on_card, backend=backend, dtype=dtype,
             )  # fmt: skip
             return sampling_stage(
-                stage, p, budget, margin, resident_bytes=on_card, dtype="fp16", attention=att
+                stage, p, budget, margin, resident_bytes=on_card, dtype=dtype, attention=att
             )
 
         return _moving_off(at, sum(n for _, n in idle), idle)

@@ -42,14 +42,19 @@ class VAEArch:
     activation: str = "x_sigmoid"
     """``"x_sigmoid"`` (ldm/sgm: ``x * torch.sigmoid(x)``) or ``"silu"`` (fused, one tensor)."""
 
+    def model_bytes(self, itemsize: int = 2) -> tuple[int, int]:
+        """(UNet, text encoders) weights at ``itemsize`` bytes a weight (4: the WebUI's --no-half)."""
+        return self.unet_bytes * itemsize // 2, self.text_encoder_bytes * itemsize // 2
+
 
 GB = 10**9
 
 ARCHS: dict[str, VAEArch] = {
     # SD 1.x: VAE ddconfig of v1-inference.yaml; UNet 860 M params, CLIP-L text encoder 123 M.
     "sd15": VAEArch("sd15", z_channels=4, unet_bytes=int(1.72 * GB), text_encoder_bytes=int(0.25 * GB)),
-    # SDXL: same VAE layout (sgm); UNet 2.6 B params, CLIP-L + OpenCLIP-bigG 817 M.
-    "sdxl": VAEArch("sdxl", z_channels=4, unet_bytes=int(5.14 * GB), text_encoder_bytes=int(1.64 * GB)),
+    # SDXL: same VAE layout (sgm); UNet 2.6 B params, CLIP-L + OpenCLIP-bigG 817,720,321 (sgm's
+    # conditioner's float weights, counted in a checkpoint: the placement decides with them)
+    "sdxl": VAEArch("sdxl", z_channels=4, unet_bytes=int(5.14 * GB), text_encoder_bytes=2 * 817_720_321),
     # SD3 medium: 16-channel latent VAE; MMDiT 2 B params; CLIP-L + CLIP-G (T5 not counted: the
     # WebUI loads it optionally, often in fp8).
     "sd3": VAEArch(
