@@ -123,3 +123,29 @@ def test_bad_arguments_are_named():
         StageTracker("cpu", sample_interval=0)
     with pytest.raises(ValueError, match="name"), StageTracker("cpu").stage(""):
         pass
+
+
+def test_on_an_emulated_card_a_stage_below_an_earlier_peak_is_exact_and_the_cards_peak_stays():
+    """The WebUI's tracker (``owns_peak_counters=False``) on an emulated card: a stage whose peak is
+    below an earlier one (a placed checkpoint's conditioning woke 3119 MiB of text encoders before
+    the pass) gets its own peak exactly, nested stages too, and the card's own peak (the job's, which
+    the status route and tests read) is not reset."""
+    from lib_vram.core.emulate import EmulatedCard
+
+    tracker = StageTracker("cpu", owns_peak_counters=False)
+    with EmulatedCard(64 * MiB) as card:
+        with tracker.stage("conditioning"):
+            big = torch.ones(8 * MiB // 4)
+            del big
+        with tracker.stage("sampling") as rec:
+            keep = torch.ones(MiB // 4)
+            with tracker.stage("forward") as inner:
+                t = torch.ones(2 * MiB // 4)
+                del t
+            card.set_resident(card.resident_bytes + MiB)  # (a model woken mid-stage)
+        del keep
+        assert card.peak_bytes == 8 * MiB
+    assert rec.exact and inner.exact, (rec, inner)
+    assert inner.peak_bytes == 3 * MiB and inner.start_bytes == MiB, inner
+    assert rec.peak_bytes == 3 * MiB and rec.start_bytes == 0, rec
+    assert rec.end_bytes == 2 * MiB  # (1 MiB kept + 1 MiB resident)

@@ -136,7 +136,7 @@ class EmulatedCard:
         self._lock = threading.RLock()
         self._cuda_depth = 0
         self._cuda_saved: float | None = None
-        self.peak_used_bytes = self.resident_bytes
+        self.peak_used_bytes = self.mark_used_bytes = self.resident_bytes
         self.allocations = 0
         """Allocations counted so far (tensors and convolution scratch)."""
         self.inject_oom_at = inject_oom_at
@@ -175,6 +175,16 @@ class EmulatedCard:
         self.ledger.reset_peak()
         self.peak_used_bytes = self.used_bytes
 
+    @property
+    def mark_peak_bytes(self) -> int:
+        """(CPU) Highest use since :meth:`reset_mark`: a peak counter of the stage tracker's own,
+        which leaves :attr:`peak_bytes` (the card's since it started) alone."""
+        return max(self.mark_used_bytes, self.resident_bytes + self.ledger.mark_bytes)
+
+    def reset_mark(self) -> None:
+        self.ledger.reset_mark()
+        self.mark_used_bytes = self.used_bytes
+
     def set_resident(self, resident: int | Iterable[torch.nn.Module]) -> None:
         """Replace the resident bytes (a new checkpoint was loaded between jobs; idle models left
         the card for a pass and came back).
@@ -185,8 +195,9 @@ class EmulatedCard:
         (a use the card never had: above its capacity, which it refuses)."""
         new = resident if isinstance(resident, int) else module_bytes(resident)
         if self.device.type != "cuda":
-            self.peak_used_bytes = self.peak_bytes
+            self.peak_used_bytes, self.mark_used_bytes = self.peak_bytes, self.mark_peak_bytes
             self.ledger.reset_peak()
+            self.ledger.reset_mark()
         self.resident_bytes = new
 
     def _admit(self, live: int, nbytes: int, transient: bool) -> None:
@@ -250,7 +261,7 @@ class EmulatedCard:
             self._exit_cuda()
             return
         self._local.stack.pop().__exit__(None, None, None)
-        self.peak_used_bytes = self.peak_bytes
+        self.peak_used_bytes, self.mark_used_bytes = self.peak_bytes, self.mark_peak_bytes
 
     @property
     def active_here(self) -> bool:

@@ -94,6 +94,8 @@ class Ledger:
     def __init__(self) -> None:
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.mark_bytes = 0
+        """A second high-water mark, reset on its own (:meth:`reset_mark`: the stage tracker's)."""
         self._sizes: dict[int, int] = {}
         self._lock = threading.RLock()
 
@@ -111,6 +113,7 @@ class Ledger:
             self._sizes[key] = nbytes
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.mark_bytes = max(self.mark_bytes, self.live_bytes)
         weakref.finalize(storage, self._free, key, nbytes)
         return True
 
@@ -143,10 +146,15 @@ class Ledger:
         with self._lock:
             self.admit(nbytes, transient=True)
             self.peak_bytes = max(self.peak_bytes, self.live_bytes + nbytes)
+            self.mark_bytes = max(self.mark_bytes, self.live_bytes + nbytes)
 
     def reset_peak(self) -> None:
         with self._lock:
             self.peak_bytes = self.live_bytes
+
+    def reset_mark(self) -> None:
+        with self._lock:
+            self.mark_bytes = self.live_bytes
 
 
 class LiveBytesCounter(TorchDispatchMode):

@@ -11,7 +11,9 @@ sampled at its start, end and :meth:`StageTracker.sample` calls (``exact=False``
 ``owns_peak_counters=True`` (CLI, benchmarks) the counters are reset at every stage boundary after
 folding the value read so far into every open stage, so nested stages are exact. On the CPU the
 same fold-before-reset rule runs on Linux's resettable ``VmHWM`` (reset by writing ``5`` to
-``/proc/self/clear_refs``); without it, sampling (``exact=False``).
+``/proc/self/clear_refs``); without it, sampling (``exact=False``). An emulated card on the CPU
+has a peak counter for the tracker alone (``EmulatedCard.mark_peak_bytes``), reset at every stage
+boundary in the WebUI too: its stages are exact.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class _Counter:
     @property
     def resettable(self) -> bool:
         if self._card() is not None:
-            return self.owns
+            return True  # (its mark counter, the tracker's own)
         if self._measure == "rss":
             return self.hwm_ok
         return self.accel and self.owns
@@ -125,7 +127,7 @@ class _Counter:
         """The emulated card's or the CUDA/ROCm/XPU allocator's bytes (now, or the peak), else None."""
         card = self._card()
         if card is not None:
-            return card.peak_bytes if peak else card.used_bytes
+            return card.mark_peak_bytes if peak else card.used_bytes
         if self.backend in (Backend.CUDA, Backend.ROCM, Backend.XPU):
             api = torch.xpu if self.backend is Backend.XPU else torch.cuda
             return int((api.max_memory_allocated if peak else api.memory_allocated)(self.device))
@@ -163,7 +165,7 @@ class _Counter:
             return
         card = self._card()
         if card is not None:
-            card.reset_peak()
+            card.reset_mark()
         elif self._measure == "rss":
             _reset_vm_hwm()
         else:  # (resettable: an accelerator with an allocator, CUDA/ROCm/XPU)
