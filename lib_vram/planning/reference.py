@@ -51,7 +51,7 @@ GB = 10**9
 
 ARCHS: dict[str, VAEArch] = {
     # SD 1.x: VAE ddconfig of v1-inference.yaml; UNet 860 M params, CLIP-L text encoder 123 M.
-    "sd15": VAEArch("sd15", z_channels=4, unet_bytes=int(1.72 * GB), text_encoder_bytes=int(0.25 * GB)),
+    "sd15": VAEArch("sd15", z_channels=4, unet_bytes=int(1.72 * GB), text_encoder_bytes=2 * 123_060_480),
     # SDXL: same VAE layout (sgm); UNet 2.6 B params, CLIP-L + OpenCLIP-bigG 817,720,321 (sgm's
     # conditioner's float weights, counted in a checkpoint: the placement decides with them)
     "sdxl": VAEArch("sdxl", z_channels=4, unet_bytes=int(5.14 * GB), text_encoder_bytes=2 * 817_720_321),
