@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import image_like
+from conftest import image_like, learned_keys
 from tolerances import UPSCALE_LSB, VAE_EXACT, lsb
 from vae_models import ldm_decoder, smooth_latent
 
@@ -19,11 +19,6 @@ from lib_vram.upscale import UpscaleConfig, UpscaleReport, upscale_tensor
 from lib_vram.vae import TiledVAEConfig, VAEReport, tiled_decode
 
 EXACT_TOL = VAE_EXACT
-
-
-def learned_keys(mem: planner.PlanMemory) -> list:
-    """Every key ``mem`` recorded an outcome for."""
-    return list(mem._history)
 
 
 class _OOMAbove:
