@@ -55,7 +55,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(numeric)
 
 
-__all__ = ["compact_class", "image_like", "make_imagelike_rrdb", "rrdb_class", "save_and_load"]
+__all__ = [
+    "compact_class", "image_like", "learned_keys", "make_imagelike_rrdb", "rrdb_class", "save_and_load"
+]  # fmt: skip
+
+
+def learned_keys(mem) -> list:  # noqa: ANN001
+    """Every key the plan memory ``mem`` recorded an outcome for."""
+    return list(mem._history)
 
 
 def save_and_load(net: torch.nn.Module, path: Path):

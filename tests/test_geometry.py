@@ -21,7 +21,7 @@ def test_cores_partition_and_respect_bounds(length, tile_units, align, halo):
     assert spans[0].core_start == 0 and spans[-1].core_end == length
     for a, b in zip(spans, spans[1:]):
         assert a.core_end == b.core_start
-    sizes = [s.core_size for s in spans]
+    sizes = [s.core_end - s.core_start for s in spans]
     assert all(0 < s <= max(tile, align) for s in sizes)
     assert max(sizes) - min(sizes) <= 2 * align
     for s in spans:
@@ -35,7 +35,7 @@ def test_cores_partition_and_respect_bounds(length, tile_units, align, halo):
 def test_grid_and_overhead():
     tiles = grid(100, 60, 50, halo=5)
     assert len(tiles) == 2 * 2
-    assert sum(t.y.core_size * t.x.core_size for t in tiles) == 100 * 60
+    assert sum((t.y.core_end - t.y.core_start) * (t.x.core_end - t.x.core_start) for t in tiles) == 100 * 60
     assert overhead(tiles, 100, 60) > 1.0
     assert overhead(grid(64, 64, 64), 64, 64) == 1.0
 

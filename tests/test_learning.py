@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import image_like
+from conftest import image_like, learned_keys
 from tolerances import UPSCALE_LSB, VAE_EXACT, lsb
 from vae_models import ldm_decoder, smooth_latent
 
@@ -61,7 +61,7 @@ def test_vae_oom_is_recorded_and_the_next_call_starts_at_the_tile_that_worked():
     out, rep = _decode(dec, z, mem)
     assert rep.oom_retries == [32] and rep.tile == 24 and hook.raised == 1
     assert (out - ref).abs().max().item() < EXACT_TOL
-    (key,) = mem.learned_keys()
+    (key,) = learned_keys(mem)
     assert key[0] == "vae_decode" and key[2] == (1, 4, 32, 32) and key[3] == "float32" and key[-1] == "exact"
     hist = mem.history(key)
     assert [(o.candidate.tile, o.oom) for o in hist] == [(32, True), (24, False)]
@@ -116,7 +116,7 @@ def test_vae_learning_does_not_leak_across_shapes_or_models():
     # Another dtype is another key as well.
     _, rep_dtype = _decode(dec, smooth_latent(1, 4, 32, 32, seed=5), mem, dtype=torch.bfloat16)
     assert rep_dtype.oom_retries == [32]
-    assert len(set(mem.learned_keys())) == 4
+    assert len(set(learned_keys(mem))) == 4
 
 
 def test_vae_measured_ratio_above_one_raises_later_estimates():
@@ -127,7 +127,7 @@ def test_vae_measured_ratio_above_one_raises_later_estimates():
     budget = probe.peak_estimate_bytes  # tile 32 fits exactly
     _, rep = _decode(dec, z, mem, budget_bytes=budget)
     assert rep.tile == 32 and not rep.notes
-    (key,) = mem.learned_keys()
+    (key,) = learned_keys(mem)
     ran = mem.history(key)[-1].candidate
     mem.record(key, planner.Outcome.of(ran, measured_peak_bytes=int(ran.peak_bytes * 1.5)))
     _, rep2 = _decode(dec, z, mem, budget_bytes=budget)
@@ -146,7 +146,7 @@ def test_engines_learn_into_the_process_memory_by_default():
     rep = VAEReport()
     tiled_decode(dec, z, config=TiledVAEConfig(mode="exact", budget_bytes=2**40), report=rep)
     assert rep.oom_retries == [] and rep.tile == 24
-    assert len(planner.MEMORY.learned_keys()) == 1
+    assert len(learned_keys(planner.MEMORY)) == 1
 
 
 # -- measured peaks --------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_upscale_oom_is_recorded_and_the_next_call_starts_at_the_plan_that_worke
     mem = planner.PlanMemory()
     out, rep = _upscale(tiny_compact, x, mem)
     assert rep.events == ["out of memory: tile -> 32"] and rep.ooms == 1
-    (key,) = mem.learned_keys()
+    (key,) = learned_keys(mem)
     assert key[0] == "upscale" and key[2] == (1, 3, 160, 160) and key[3] == "float32"
     hist = mem.history(key)
     assert [(o.candidate.tile, o.candidate.batch, o.oom) for o in hist] == [
@@ -219,7 +219,7 @@ def test_upscale_learning_does_not_leak_across_shapes(tiny_compact):
     assert rep.ooms == 1
     _, rep_other = _upscale(tiny_compact, image_like(152, 160), mem)
     assert rep_other.ooms > 0 and not any(e.startswith("learned") for e in rep_other.events)
-    assert len(mem.learned_keys()) == 2
+    assert len(learned_keys(mem)) == 2
 
 
 def test_upscale_measured_ratio_above_one_shrinks_the_next_plan(tiny_compact):
@@ -227,7 +227,7 @@ def test_upscale_measured_ratio_above_one_shrinks_the_next_plan(tiny_compact):
     mem = planner.PlanMemory()
     _, rep = _upscale(tiny_compact, x, mem)
     assert (rep.tile, rep.batch) == (64, 1)
-    (key,) = mem.learned_keys()
+    (key,) = learned_keys(mem)
     ran = mem.history(key)[-1].candidate
     assert ran.tile == 64 and ran.batch == 1
     mem.record(key, planner.Outcome.of(ran, measured_peak_bytes=2 * ran.peak_bytes))
@@ -244,7 +244,7 @@ def test_upscale_fixed_sizes_are_not_overridden_but_still_recorded(tiny_compact,
     _, rep = _upscale(tiny_compact, image_like(160, 160), mem, **fixed)
     _, rep2 = _upscale(tiny_compact, image_like(160, 160), mem, **fixed)
     assert rep.ooms == rep2.ooms > 0  # the user's sizes are tried as given, every time
-    (key,) = mem.learned_keys()
+    (key,) = learned_keys(mem)
     assert sum(o.oom for o in mem.history(key)) == 2 * rep.ooms
 
 

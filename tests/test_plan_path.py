@@ -16,7 +16,7 @@ import torch
 from conftest import compact_class, image_like, rrdb_class, save_and_load
 from vae_models import diffusers_vae, ldm_decoder, ldm_encoder
 
-from lib_vram.cli.stageplan import predict_engine_upscale, predict_engine_vae
+from lib_vram.cli.stageplan import predict_engine_vae, predict_loop, upscale_loop
 from lib_vram.core.predict import new_fake_mode
 from lib_vram.planning import planner
 from lib_vram.upscale import UpscaleConfig, UpscaleReport, plan_upscale, upscale_tensor
@@ -155,16 +155,10 @@ def test_upscale_plan_is_the_engines_auto_choice_and_its_peak_is_predicted(
         assert (plan.tile, plan.batch, plan.halo) == (rep.tile, rep.batch, rep.overlap), (plan.plan, rep.plan)
         assert plan.whole == (not rep.tiled)
 
-    pred = predict_engine_upscale(
-        model.model,
-        shape,
-        "fp32",
-        tile=None if plan.whole else plan.tile,
-        batch=plan.batch,
-        scale=model.scale,
-        backend="cuda",  # tensors only: what the calibration counts
-        overlap=plan.halo,
-    )
+    # the engine on fake tensors, the plan's tile (whole: the image), batch and halo; backend "cuda":
+    # tensors only, what the calibration counts
+    loop = upscale_loop(max(h, w) if plan.whole else plan.tile, plan.batch, model.scale, overlap=plan.halo)
+    pred = predict_loop(model.model, loop, shape, torch.float32, "cuda", new_fake_mode())
     ref = pred.input_bytes + pred.activation_bytes
     assert abs(plan.raw_peak_bytes / ref - 1) <= TOLERANCE, (plan.plan, plan.raw_peak_bytes, ref)
 

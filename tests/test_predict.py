@@ -171,8 +171,11 @@ def test_engines_run_on_fake_tensors_and_tiles_predict_less():
     untiled = stageplan.predict_engine_vae(dec, "decode", (1, 4, 32, 32), "fp32", None)
     tiled = stageplan.predict_engine_vae(dec, "decode", (1, 4, 32, 32), "fp32", 16, "exact")
     assert 0 < tiled.activation_bytes < untiled.activation_bytes
-    whole = stageplan.predict_engine_upscale(net, (1, 3, 128, 128), "fp32", None)
-    tiles = stageplan.predict_engine_upscale(net, (1, 3, 128, 128), "fp32", 48, 2)
+    whole, tiles = (
+        stageplan.predict_loop(net, stageplan.upscale_loop(t, b, 4), (1, 3, 128, 128), torch.float32, "cpu",
+                               new_fake_mode())
+        for t, b in ((128, 1), (48, 2))
+    )  # fmt: skip
     # Either way the 4x output (3 x 512 x 512 fp32) is allocated.
     assert min(whole.activation_bytes, tiles.activation_bytes) >= 3 * 512 * 512 * 4
     with pytest.raises(ValueError, match="`kind`"):

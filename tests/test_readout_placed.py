@@ -21,11 +21,11 @@ import torch
 from conftest import make_imagelike_rrdb, rrdb_class
 from PIL import Image
 from test_timeline import _boxes as plot_boxes
+from test_timeline import boxes_overlap
 from test_webui_placement import CAP, COND, MODEL, SIGMAS, UNCOND, X, unet_of, world
 from webui_fakes import FakeP
 
 from lib_vram.core import readout as R
-from lib_vram.core import timeline as T
 from lib_vram.webui import ScriptJobs
 from lib_vram.webui.options import VRAMGuardOptions
 
@@ -205,7 +205,7 @@ def test_the_readout_of_a_placed_hires_job_says_each_thing_once(esrgan_file):
     svg = markup[markup.index("<svg") : markup.index("</svg>") + len("</svg>")]
     labels, markers = plot_boxes(ET.fromstring(svg))
     for name, box in labels:
-        assert not [w for w, m in markers if T._boxes_overlap(box, m)], name
+        assert not [w for w, m in markers if boxes_overlap(box, m)], name
     legend = [t for t in shown if t.startswith("solid: ")][0]
     drawn = " | ".join(t for where, t in parts if where == "plot")
     for n, stage in enumerate(dict.fromkeys(b["stage"] for b in status["timeline"]["bands"]), start=1):

@@ -261,6 +261,11 @@ def _crowded_hires_job() -> dict:
     return tl.to_dict()
 
 
+def boxes_overlap(a: tuple, b: tuple) -> bool:
+    """Two (x0, y0, x1, y1) boxes share some area."""
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
 def _boxes(root: ET.Element) -> tuple[list[tuple[str, tuple]], list[tuple[str, tuple]]]:
     """(label text, box) of every label, and (what, box) of every marker: the events' circles and
     dashed lines, the peak's circle. Boxes are (x0, y0, x1, y1), text by the layout's own generous
@@ -309,16 +314,16 @@ def test_no_label_sits_on_a_marker_or_another_label_and_every_stage_is_named(job
     labels, markers = _boxes(root)
     assert labels and markers
     for text, box in labels:
-        hit = [what for what, m in markers if T._boxes_overlap(box, m)]
+        hit = [what for what, m in markers if boxes_overlap(box, m)]
         assert not hit, (text, box, hit)
     for i, (a, box_a) in enumerate(labels):
         for b, box_b in labels[i + 1 :]:
-            assert not T._boxes_overlap(box_a, box_b), (a, b)
+            assert not boxes_overlap(box_a, box_b), (a, b)
     # nor does a marker sit on another: events close in time share one (the real WebUI's hires job
     # released memory at post sample, postprocess batch and job end within 3 s of 218)
     circles = [m for what, m in markers if what == "vram-guard-tl-event" and m[3] - m[1] < 20]
     for i, a in enumerate(circles):
-        assert not any(T._boxes_overlap(a, b) for b in circles[i + 1 :]), (a, circles)
+        assert not any(boxes_overlap(a, b) for b in circles[i + 1 :]), (a, circles)
     events = [g for g in root.iter(f"{SVG}g") if g.get("class") == "vram-guard-tl-event"]
     titles = [g.findtext(f"{SVG}title") for g in events]
     shown = [ev for ev in d["events"] if ev["kind"] != "plan"]

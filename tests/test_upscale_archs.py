@@ -2,7 +2,7 @@
 
 Every model is a real spandrel architecture with random weights, saved to a file and loaded back
 through spandrel (both ESRGAN key formats). The matrix covers every image-to-image architecture
-spandrel 0.3.4 registers (``lib_vram.cli.models.archs``; the ones not built are listed there with
+spandrel 0.3.4 registers (``lib_vram.cli.models.archs``; the ones not built are listed here with
 the reason): tiled at most 1 LSB from spandrel's own untiled call while the report says exact, or
 flagged inexact with a note - never a crash. Which models are flagged is decided by behaviour (the
 reach and batch probes of :mod:`lib_vram.upscale._calibrate`), never by class names: a model whose
@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import image_like
 
-from lib_vram.cli.models.archs import BUILDERS, NOT_BUILT, SPANDREL_ID, build, save_and_load
+from lib_vram.cli.models.archs import BUILDERS, build, save_and_load
 from lib_vram.planning import planner
 from lib_vram.upscale import (
     ModelCache,
@@ -47,6 +47,18 @@ GLOBAL = ["dctlsa", "realcugan"]
 CASES = [((75, 58), 24), ((64, 48), 40)]
 """(image size, tile): not a multiple of any window (8, 16), and a multiple of both; tiles that
 divide neither."""
+
+SPANDREL_ID = {
+    n: getattr(b, "arch", "Compact" if n.startswith("compact") else "ESRGAN") for n, b in BUILDERS.items()
+}
+"""The spandrel architecture id each builder's file loads as."""
+NOT_BUILT = {
+    "GFPGAN": "face restoration (refused like RestoreFormer): its StyleGAN2 decoder is fixed at 512 px "
+    "and 512 style features, too large to build for a test",
+    "LaMa": "inpainting (spandrel gives a masked-image descriptor, refused at load): its generator has "
+    "fixed widths (27 M parameters), too large to build for a test",
+}
+"""spandrel 0.3.4 architectures without a builder here, and why."""
 
 
 def psnr_8bit(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:

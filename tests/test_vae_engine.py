@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import learned_keys
 from tolerances import VAE_EXACT, reduced_precision, rounding
 from vae_models import diffusers_vae, ldm_decoder, ldm_encoder, smooth_latent
 
@@ -265,7 +266,7 @@ def test_auto_mode_retries_smaller_after_oom_and_remembers():
         assert hook.raised >= 1
         assert rep.oom_retries and rep.mode == "exact" and rep.tile is not None and rep.tile < 16
         assert (out - ref).abs().max().item() < EXACT_TOL
-        learned = [o for k in planner.MEMORY.learned_keys() for o in planner.MEMORY.history(k)]
+        learned = [o for k in learned_keys(planner.MEMORY) for o in planner.MEMORY.history(k)]
         # the untiled try (the engine at tile = the whole latent: 16) failed, then the retries
         assert [o.candidate.tile for o in learned if o.oom] == [*rep.oom_retries, None]
         assert [o.candidate.tile for o in learned if not o.oom] == [rep.tile]

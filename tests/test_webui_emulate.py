@@ -217,7 +217,7 @@ def run_job(
     host.state.begin()
     p: Any = None
     try:
-        assert wc.entered_here and wc.card.active_here
+        assert getattr(wc._local, "entered", False) and wc.card.active_here
         if stage.kind == "extras":
             p = PostprocessedImage(IMG)
             job = jobs.extras(p, o)
@@ -250,7 +250,7 @@ def run_job(
         jobs.close(failed=True)
         host.state.end()
         wc.close()
-    assert not wc.entered_here and not wc.card.active_here
+    assert not getattr(wc._local, "entered", False) and not wc.card.active_here
     return Run(out, before, after, peak, wc.card, job, session, host, scaler, status, plan)
 
 

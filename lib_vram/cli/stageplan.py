@@ -4,7 +4,7 @@ function its engine decides with at run time (:func:`lib_vram.vae.plan_vae`,
 :mod:`lib_vram.planning.reference` architectures built on the meta device: no weights, no ldm/sgm,
 nothing run over the image. Peak = the weights on the card + the engine's predicted peak.
 
-The engines' fake-tensor runs (:func:`predict_engine_vae`, :func:`predict_engine_upscale`) are
+The engines' fake-tensor runs (:func:`predict_engine_vae`, :func:`predict_loop`) are
 the validators of those estimates (tests, ``bench planner``), not a second planner.
 """
 
@@ -607,24 +607,6 @@ def predict_loop(net, loop, input_shape, dt, backend, fmode) -> PeakPrediction: 
     fn, weights = fake_call(Loop(net, loop), state), weights_bytes(net, dt)
     shapes = (tuple(input_shape),)
     return predict_callable(fn, shapes, dtype=dt, weights=weights, backend=backend, fake_mode=fmode)
-
-
-def predict_engine_upscale(
-    model: object,
-    input_shape: tuple[int, ...],
-    dtype: str = "fp32",
-    tile: int | None = None,
-    batch: int = 1,
-    scale: int = 4,
-    backend: str = "cpu",
-    overlap: int | None = None,
-) -> PeakPrediction:
-    """Peak of :func:`lib_vram.upscale.upscale_tensor` with ``model``, predicted by running the
-    engine on fake tensors (``overlap`` None: the default for an uncalibrated model)."""
-    net = getattr(model, "model", model)
-    precision = dtype if isinstance(dtype, str) else str(dtype).replace("torch.float", "fp")
-    loop = upscale_loop(max(input_shape[-2:]) if tile is None else tile, batch, scale, precision, overlap)
-    return predict_loop(net, loop, input_shape, dtype_of(dtype), backend, new_fake_mode())
 
 
 def upscale_loop(tile: int, batch: int, scale: int, precision: str = "fp32", overlap: int | None = None):  # noqa: ANN201

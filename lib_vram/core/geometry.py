@@ -24,10 +24,6 @@ class Span:
     def size(self) -> int:
         return self.end - self.start
 
-    @property
-    def core_size(self) -> int:
-        return self.core_end - self.core_start
-
 
 @dataclass(frozen=True)
 class Tile:

@@ -423,11 +423,6 @@ def _band_labels(data: Mapping[str, Any], frame: _Frame, label: Callable[[str], 
     return out
 
 
-def _boxes_overlap(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
-    """Two (x0, y0, x1, y1) boxes share some area."""
-    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
-
-
 def render_svg(
     data: Mapping[str, Any], *, label: Callable[[str], str] = str, plan: Callable[[str], str] = str
 ) -> str:

@@ -207,11 +207,6 @@ class PlanMemory:
         with self._lock:
             return list(self._history.get(key, []))
 
-    def learned_keys(self) -> list[Hashable]:
-        """Every key something was recorded for."""
-        with self._lock:
-            return list(self._history)
-
     def ratio(self, key: Hashable) -> float:
         """The measured/predicted factor applied to ``key``'s predictions (1.0: none learned)."""
         with self._lock:

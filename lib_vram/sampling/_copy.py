@@ -73,7 +73,7 @@ class _Unit:
 
 @dataclass
 class StreamStats:
-    """What a :class:`StreamedUNet` did (reset by :meth:`StreamedUNet.reset_stats`)."""
+    """What a :class:`StreamedUNet` did."""
 
     forwards: int = 0
     bytes_in: int = 0

@@ -19,7 +19,7 @@ from lib_vram.core import emulate
 from lib_vram.core.device import is_oom_error
 from lib_vram.planning import planner
 
-from ._copy import CopyEngine, StreamStats, _Unit, logger
+from ._copy import CopyEngine, _Unit, logger
 from ._stream_plan import StreamPlan, plan_stream  # noqa: F401  (plan_stream: imported from here before)
 from ._units import module_bytes
 
@@ -228,6 +228,3 @@ class StreamedUNet(CopyEngine):
             return
         self.memory.record(plan.key, planner.Outcome.of(cand, oom=oom))
         self._reported = True
-
-    def reset_stats(self) -> None:
-        self.stats = StreamStats()

@@ -135,10 +135,6 @@ class WebUICard:
             self._local.entered = False
             self.card.__exit__(None, None, None)
 
-    @property
-    def entered_here(self) -> bool:
-        return bool(getattr(self._local, "entered", False))
-
     def _begin(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         self.leave()  # a job of this thread that ended without state.end() (it raised)
         result = original(*args, **kwargs)

@@ -88,12 +88,6 @@ BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
 tiling matrix started with)."""
 
 
-SPANDREL_ID = {
-    n: getattr(b, "arch", "Compact" if n.startswith("compact") else "ESRGAN") for n, b in BUILDERS.items()
-}
-"""The spandrel architecture id each builder's file loads as."""
-
-
 REFUSED_BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
     # spandrel assumes 512 px, 6 levels and attention at 16 px: narrow channels keep it small
     "restoreformer": _spandrel("RestoreFormer.arch.restoreformer_arch.RestoreFormer", n_embed=16,
@@ -101,13 +95,6 @@ REFUSED_BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
                                head_size=1),
 }  # fmt: skip
 """Architectures spandrel loads that are not image-to-image upscalers (the engine refuses them)."""
-NOT_BUILT = {
-    "GFPGAN": "face restoration (refused like RestoreFormer): its StyleGAN2 decoder is fixed at 512 px "
-    "and 512 style features, too large to build for a test",
-    "LaMa": "inpainting (spandrel gives a masked-image descriptor, refused at load): its generator has "
-    "fixed widths (27 M parameters), too large to build for a test",
-}
-"""spandrel 0.3.4 architectures without a builder here, and why."""
 
 
 def new_esrgan_keys(state: dict[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
